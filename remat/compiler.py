@@ -1,0 +1,132 @@
+"""The plan compiler: Checkmate Algorithm 1, generalised to several devices and copies.
+
+A row-major scan of R (stage t, then node k, then device d) emits ``compute`` steps; a
+dependency that is not resident on the computing device is copied from the device where
+copying it is cheapest (XEngine eq. 12: a value computed or saved on any device may be
+used after a copy). Frees follow Checkmate eq. 5:
+
+    FREE[d,t,i,k] = R[d,t,k] * (1 - S[d,t+1,i]) * prod_{j in USERS[i], j > k} (1 - R[t,j])
+
+i.e. right after k is evaluated, each value i in DEPS[k] ∪ {k} is freed on every device
+holding it unless it is checkpointed there for the next stage or a later node of this stage
+(on any device, since it may copy from here) still reads it. Model outputs in inference are
+never freed. As Checkmate section 4.9 suggests, checkpoints that no node of a stage reads
+and that are not kept for the next stage are freed at the start of the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from remat.costs import CostModel
+from remat.errors import ScheduleError
+from remat.graph import Graph
+from remat.plan import Compute, Copy, Free, Plan, PlanDevice, Step
+from remat.schedule import Schedule
+
+
+def compile_plan(
+    graph: Graph,
+    schedule: Schedule,
+    devices: Sequence[PlanDevice],
+    strategy: str,
+    costs: CostModel | None = None,
+) -> Plan:
+    names = tuple(d.name for d in devices)
+    if set(schedule.devices) - set(names):
+        raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
+    emitter = _Emitter(graph, schedule, costs)
+    for t in range(schedule.stages):
+        emitter.stage(t)
+    return Plan(strategy, tuple(devices), tuple(emitter.steps))
+
+
+class _Emitter:
+    def __init__(self, graph: Graph, schedule: Schedule, costs: CostModel | None) -> None:
+        self.graph = graph
+        self.schedule = schedule
+        self.devices = schedule.devices
+        self.users = graph.users()
+        n = len(graph)
+        self.keep = np.zeros(n, dtype=bool)
+        self.keep[list(graph.outputs)] = True
+        self.resident = np.zeros((len(self.devices), n), dtype=bool)
+        self.none_saved = np.zeros(n, dtype=bool)
+        self.steps: list[Step] = []
+        self.copy_ms = self._copy_matrix(costs)
+
+    def _copy_matrix(self, costs: CostModel | None) -> np.ndarray | None:
+        if costs is None:
+            return None
+        order = [costs.device_index(name) for name in self.devices]
+        return costs.copy_ms[:, order][:, :, order]
+
+    def stage(self, t: int) -> None:
+        R = self.schedule.R
+        computed = R[:, t].any(axis=0)
+        order = np.flatnonzero(computed)
+        read = np.zeros_like(computed)
+        for k in order:
+            read[list(self.graph.nodes[k].deps)] = True
+        self._check_checkpoints(t)
+        # Checkpoints nobody reads in this stage and nobody keeps go first (section 4.9).
+        self._free_where(t, ~read & ~computed)
+        for k in order:
+            k = int(k)
+            for d in np.flatnonzero(R[:, t, k]):
+                self._compute(t, k, int(d))
+            self._free_after(t, k, computed)
+        # The schedule is the authority on what survives a stage: anything left that is not
+        # saved for the next one (e.g. a copy-source replica) is freed at the stage's end.
+        self._free_where(t, np.ones_like(computed))
+
+    def _saved_next(self, t: int) -> np.ndarray:
+        S = self.schedule.S
+        return S[:, t + 1] if t + 1 < self.schedule.stages else np.zeros_like(S[:, 0])
+
+    def _check_checkpoints(self, t: int) -> None:
+        unavailable = self.schedule.S[:, t] & ~self.resident
+        if unavailable.any():
+            d, i = (int(x) for x in np.argwhere(unavailable)[0])
+            raise ScheduleError(
+                f"stage {t}: S keeps node {i} on {self.devices[d]} but it is not resident there"
+            )
+
+    def _free_where(self, t: int, candidates: np.ndarray) -> None:
+        doomed = self.resident & candidates[None, :] & ~self.keep & ~self._saved_next(t)
+        for d, i in np.argwhere(doomed):
+            self._emit_free(t, int(i), int(d))
+
+    def _compute(self, t: int, k: int, d: int) -> None:
+        if self.resident[d, k]:
+            return  # recomputing a resident value is a no-op (R and S both set)
+        for dep in self.graph.nodes[k].deps:
+            if not self.resident[d, dep]:
+                self._copy_in(t, dep, d)
+        self.steps.append(Compute(t, k, self.devices[d]))
+        self.resident[d, k] = True
+
+    def _copy_in(self, t: int, node: int, d: int) -> None:
+        sources = [int(s) for s in np.flatnonzero(self.resident[:, node])]
+        if not sources:
+            raise ScheduleError(
+                f"stage {t}: node {node} is needed on {self.devices[d]} but is resident nowhere"
+            )
+        if self.copy_ms is not None:
+            sources.sort(key=lambda s: self.copy_ms[node, s, d])
+        self.steps.append(Copy(t, node, self.devices[sources[0]], self.devices[d]))
+        self.resident[d, node] = True
+
+    def _free_after(self, t: int, k: int, computed: np.ndarray) -> None:
+        saved_next = self._saved_next(t)
+        for i in (*self.graph.nodes[k].deps, k):
+            if self.keep[i] or any(computed[j] for j in self.users[i] if j > k):
+                continue
+            for d in np.flatnonzero(self.resident[:, i] & ~saved_next[:, i]):
+                self._emit_free(t, i, int(d))
+
+    def _emit_free(self, t: int, i: int, d: int) -> None:
+        self.steps.append(Free(t, i, self.devices[d]))
+        self.resident[d, i] = False

@@ -1,0 +1,254 @@
+"""Cost models: per node per device compute time, per node per device pair copy time, and
+per node output bytes. Either analytical (FLOPs and bandwidth) or profiled (a cost table
+measured by agents); a model always names its source.
+
+Analytical defaults (all overridable per device with options ``flops=``, ``bandwidth=``,
+``launch_us=``; link defaults through ``AnalyticalParams``):
+
+| kind | FLOP rate                 | memory bandwidth | launch overhead |
+|------|---------------------------|------------------|-----------------|
+| cpu  | 50 GFLOP/s per thread (1) | 20 GB/s          | 5 us            |
+| cuda | 10 TFLOP/s                | 900 GB/s         | 10 us           |
+
+Links: cpu<->cuda 12 GB/s + 10 us (PCIe 3 x16 in practice); cuda<->cuda 50 GB/s + 5 us;
+cpu<->cpu 10 GB/s + 1 us (a memcpy between two thread pools).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from remat.devices import Device, DeviceKind
+from remat.errors import InvalidInputError
+from remat.graph import Graph, NodeKind
+
+
+class CostSource(StrEnum):
+    ANALYTICAL = "analytical"
+    PROFILED = "profiled"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph."""
+
+    source: CostSource
+    devices: tuple[Device, ...]
+    compute_ms: np.ndarray
+    copy_ms: np.ndarray
+    output_bytes: np.ndarray
+
+    def device_index(self, name: str) -> int:
+        for index, device in enumerate(self.devices):
+            if device.name == name:
+                return index
+        raise InvalidInputError(f"device {name!r} is not in the cost model")
+
+    def ideal_ms(self, device: str | None = None) -> float:
+        """Every node once on one device (or on its fastest device), no copies: the cost
+        of checkpoint-all with ample memory, and a lower bound on any schedule."""
+        if device is None:
+            return float(self.compute_ms.min(axis=1).sum())
+        return float(self.compute_ms[:, self.device_index(device)].sum())
+
+
+# --- analytical -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    flops_per_s: float
+    bytes_per_s: float
+    launch_s: float
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bytes_per_s: float
+    latency_s: float
+
+
+CPU_FLOPS_PER_THREAD = 50e9
+
+
+@dataclass(frozen=True)
+class AnalyticalParams:
+    kinds: Mapping[DeviceKind, KindSpec] = field(
+        default_factory=lambda: {
+            DeviceKind.CPU: KindSpec(CPU_FLOPS_PER_THREAD, 20e9, 5e-6),
+            DeviceKind.CUDA: KindSpec(10e12, 900e9, 10e-6),
+        }
+    )
+    links: Mapping[frozenset[DeviceKind], LinkSpec] = field(
+        default_factory=lambda: {
+            frozenset({DeviceKind.CPU, DeviceKind.CUDA}): LinkSpec(12e9, 10e-6),
+            frozenset({DeviceKind.CUDA}): LinkSpec(50e9, 5e-6),
+            frozenset({DeviceKind.CPU}): LinkSpec(10e9, 1e-6),
+        }
+    )
+
+    def spec(self, device: Device) -> KindSpec:
+        base = self.kinds[device.kind]
+        flops = base.flops_per_s
+        if device.kind is DeviceKind.CPU:
+            flops = CPU_FLOPS_PER_THREAD * (device.threads or 1)
+        options = device.options
+        return KindSpec(
+            flops_per_s=_option(options, "flops", flops),
+            bytes_per_s=_option(options, "bandwidth", base.bytes_per_s),
+            launch_s=_option(options, "launch_us", base.launch_s * 1e6) * 1e-6,
+        )
+
+
+def _option(options: Mapping[str, str], key: str, default: float) -> float:
+    if key not in options:
+        return default
+    try:
+        value = float(options[key])
+    except ValueError:
+        raise InvalidInputError(f"device option {key}={options[key]!r} is not a number") from None
+    if value <= 0:
+        raise InvalidInputError(f"device option {key} must be positive")
+    return value
+
+
+def analytical_costs(
+    graph: Graph, devices: Sequence[Device], params: AnalyticalParams | None = None
+) -> CostModel:
+    """compute = max(FLOPs / rate, bytes moved / bandwidth) + launch overhead;
+    copy = bytes / link bandwidth + latency. Backward nodes carry their own FLOP and byte
+    estimates (set by the training graph from the op type)."""
+    params = params or AnalyticalParams()
+    specs = [params.spec(d) for d in devices]
+    flops = np.array([n.flops for n in graph.nodes], dtype=float)
+    moved = np.array([n.bytes_moved for n in graph.nodes], dtype=float)
+    out = np.array([n.output_bytes for n in graph.nodes], dtype=np.int64)
+    compute_s = np.stack(
+        [np.maximum(flops / s.flops_per_s, moved / s.bytes_per_s) + s.launch_s for s in specs],
+        axis=1,
+    )
+    D = len(devices)
+    copy_s = np.zeros((len(graph), D, D))
+    for a in range(D):
+        for b in range(D):
+            if a != b:
+                link = params.links[frozenset({devices[a].kind, devices[b].kind})]
+                copy_s[:, a, b] = out / link.bytes_per_s + link.latency_s
+    return CostModel(CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out)
+
+
+# --- profiled (cost table JSON) ---------------------------------------------------------
+
+
+class _TableDevice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    kind: DeviceKind
+    threads: int | None = None
+
+
+class _TableNode(BaseModel):
+    compute_ms: dict[str, float]
+    output_bytes: int = Field(ge=0)
+
+
+class CostTable(BaseModel):
+    """The cost table format of the agents (keys are training-graph node names)."""
+
+    source: CostSource
+    devices: list[_TableDevice] = Field(min_length=1)
+    nodes: dict[str, _TableNode]
+    copy_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+def load_cost_table(path: str | Path) -> CostTable:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidInputError(f"cost table {path}: {exc.strerror}") from None
+    try:
+        return CostTable.model_validate(json.loads(text))
+    except (json.JSONDecodeError, ValidationError) as exc:
+        first = (
+            str(exc).splitlines()[0]
+            if isinstance(exc, json.JSONDecodeError)
+            else (_first_pydantic_error(exc))
+        )
+        raise InvalidInputError(f"cost table {path}: {first}") from None
+
+
+def _first_pydantic_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(p) for p in error["loc"])
+    return f"{where}: {error['msg']}"
+
+
+def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
+    """A profiled cost model for ``graph``. Every node must have a time on every device and
+    every value a copy time between every ordered pair of distinct devices."""
+    devices = tuple(
+        Device(d.name, d.kind, {"threads": str(d.threads)} if d.threads else {})
+        for d in table.devices
+    )
+    names = [d.name for d in devices]
+    n, D = len(graph), len(devices)
+    compute = np.zeros((n, D))
+    copy = np.zeros((n, D, D))
+    out = np.zeros(n, dtype=np.int64)
+    for node in graph.nodes:
+        entry = table.nodes.get(node.name)
+        if entry is None:
+            raise InvalidInputError(f"cost table has no entry for node {node.name!r}")
+        missing = [d for d in names if d not in entry.compute_ms]
+        if missing:
+            raise InvalidInputError(f"cost table: node {node.name!r} has no time on {missing[0]}")
+        compute[node.id] = [entry.compute_ms[d] for d in names]
+        out[node.id] = entry.output_bytes
+        pairs = table.copy_ms.get(node.name, {})
+        for a, src in enumerate(names):
+            for b, dst in enumerate(names):
+                if a == b:
+                    continue
+                key = f"{src}->{dst}"
+                if key not in pairs:
+                    raise InvalidInputError(f"cost table: node {node.name!r} has no copy {key}")
+                copy[node.id, a, b] = pairs[key]
+    if (compute < 0).any() or (copy < 0).any():
+        raise InvalidInputError("cost table: times must not be negative")
+    return CostModel(CostSource.PROFILED, devices, compute, copy, out)
+
+
+def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
+    """The cost table of a model (e.g. to write analytical costs out as a starting point)."""
+    names = [d.name for d in model.devices]
+    return CostTable(
+        source=model.source,
+        devices=[_TableDevice(name=d.name, kind=d.kind, threads=d.threads) for d in model.devices],
+        nodes={
+            n.name: _TableNode(
+                compute_ms={d: float(model.compute_ms[n.id, j]) for j, d in enumerate(names)},
+                output_bytes=int(model.output_bytes[n.id]),
+            )
+            for n in graph.nodes
+        },
+        copy_ms={
+            n.name: {
+                f"{a}->{b}": float(model.copy_ms[n.id, i, j])
+                for i, a in enumerate(names)
+                for j, b in enumerate(names)
+                if i != j
+            }
+            for n in graph.nodes
+        },
+    )
+
+
+def is_backward(graph: Graph, index: int) -> bool:
+    return graph.nodes[index].kind is NodeKind.BACKWARD

@@ -1,0 +1,123 @@
+"""The graph types shared by every step: forward graphs and training graphs.
+
+A graph is a list of nodes in topological order; a node's index is its stage in
+frontier-advancing schedules (Checkmate section 4.6). Each node yields one value (several
+ONNX outputs of one node count as one value, sizes summed).
+
+Memory that no schedule can free is modelled as *fixed tensors*: parameters and the
+model's inputs. A node lists the fixed tensors it reads; a device holds every fixed tensor
+read by a node it runs (see ``remat.simulator`` for the accounting rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    TRAINING = "training"
+    INFERENCE = "inference"
+
+
+class NodeKind(StrEnum):
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+
+
+class FixedKind(StrEnum):
+    PARAMETER = "parameter"
+    INPUT = "input"
+
+
+@dataclass(frozen=True)
+class FixedTensor:
+    """A tensor resident for the whole step: a parameter (initializer or folded constant)
+    or a model input."""
+
+    name: str
+    kind: FixedKind
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Node:
+    """One schedulable operation.
+
+    ``deps`` are indices of earlier nodes whose values this node reads. ``fixed`` names the
+    fixed tensors it reads. For a backward node, ``forward`` is the index of the forward
+    node it differentiates; ``flops`` and ``bytes_moved`` feed the analytical cost model.
+    ``input_bytes`` is the size of every tensor the op reads (values and fixed tensors).
+    """
+
+    id: int
+    name: str
+    op: str
+    kind: NodeKind
+    deps: tuple[int, ...]
+    output_bytes: int
+    flops: float = 0.0
+    input_bytes: int = 0
+    fixed: tuple[str, ...] = ()
+    forward: int | None = None
+    attrs: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.input_bytes + self.output_bytes
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A forward graph (``mode`` inference) or a training graph (``mode`` training).
+
+    ``outputs`` are the nodes whose values are the result of the step: in inference the
+    model's outputs (they must still be resident when the plan ends); in training none
+    need to stay resident, because weight and input gradients accumulate into fixed
+    gradient buffers (see ``remat.simulator``).
+    """
+
+    mode: Mode
+    nodes: tuple[Node, ...]
+    fixed: dict[str, FixedTensor]
+    outputs: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for index, node in enumerate(self.nodes):
+            if node.id != index:
+                raise ValueError(f"node {node.name!r} has id {node.id}, expected {index}")
+            if any(d >= index or d < 0 for d in node.deps):
+                raise ValueError(f"node {node.name!r} depends on a later node")
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.nbytes for t in self.fixed.values() if t.kind is FixedKind.PARAMETER)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.nbytes for t in self.fixed.values() if t.kind is FixedKind.INPUT)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(n.output_bytes for n in self.nodes)
+
+    def users(self) -> list[list[int]]:
+        """USERS[i] of Checkmate section 4.4: the nodes that read node i's value."""
+        result: list[list[int]] = [[] for _ in self.nodes]
+        for node in self.nodes:
+            for dep in node.deps:
+                result[dep].append(node.id)
+        return result
+
+    def index(self, name: str) -> int:
+        for node in self.nodes:
+            if node.name == name:
+                return node.id
+        raise KeyError(name)
+
+    def forward_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind is NodeKind.FORWARD]

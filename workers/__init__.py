@@ -1,0 +1,1 @@
+"""Placeholder: see DESIGN.md; filled in by later issues."""

@@ -1,0 +1,274 @@
+"""The ``remat`` command line: graph, plan, check, demo.
+
+Every error the library raises on purpose becomes a one-line message and exit status 2;
+``check`` exits 1 when the plan is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from remat.budgets import reference, resolve_budgets
+from remat.costs import CostModel, analytical_costs, load_cost_table, profiled_costs
+from remat.devices import Device, DeviceKind, format_bytes, parse_device, parse_size
+from remat.errors import InvalidInputError, RematError
+from remat.graph import Graph, Mode
+from remat.onnx_ingest import load_forward_graph, parse_input_shape
+from remat.plan import load_plan, plan_to_json
+from remat.simulator import simulate
+from remat.strategies import STRATEGIES, run_strategy
+from remat.strategies.base import Problem, StrategyResult
+from remat.training import for_mode
+
+AUTO = "auto"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except RematError as exc:
+        print(f"remat: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("remat: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="remat", description="Plan rematerialization for training under memory budgets."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    graph = commands.add_parser("graph", help="summarise a model's graph")
+    _model_arguments(graph)
+    graph.add_argument("--json", action="store_true", help="print the graph as JSON")
+    graph.set_defaults(run=_graph_command)
+
+    plan = commands.add_parser("plan", help="plan a training step under budgets")
+    _model_arguments(plan)
+    _cost_arguments(plan)
+    plan.add_argument(
+        "--strategy",
+        default=AUTO,
+        choices=[AUTO, *STRATEGIES],
+        help="strategy (default: auto, the cheapest feasible baseline)",
+    )
+    output = plan.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the plan JSON")
+    output.add_argument("-o", "--output", type=Path, help="write the plan JSON to this file")
+    plan.set_defaults(run=_plan_command)
+
+    check = commands.add_parser("check", help="check a plan with the simulator")
+    _model_arguments(check)
+    check.add_argument("plan", type=Path, help="plan JSON file")
+    check.add_argument("--costs", type=Path, help="cost table JSON (default: analytical)")
+    check.set_defaults(run=_check_command)
+
+    demo = commands.add_parser("demo", help="compare every strategy on a sample network")
+    demo.add_argument("--model", default="unet", help="sample network (default: unet)")
+    demo.add_argument("--batch", type=int, default=4, help="batch size (default: 4)")
+    demo.set_defaults(run=_demo_command)
+    return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, help="ONNX model file")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TRAINING.value)
+    parser.add_argument("--batch", type=_positive_int, help="value of the leading dimension")
+    parser.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="shape of an input, e.g. x=1x3x224x224 (repeatable)",
+    )
+
+
+def _cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="NAME:KIND[:key=value,...]",
+        help="a device, e.g. cpu0:cpu:threads=2 or cuda0:cuda (default: one cpu0)",
+    )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="memory budget: bytes, KiB/MiB/GiB, or %% of the checkpoint-all peak",
+    )
+    parser.add_argument("--costs", type=Path, help="cost table JSON (default: analytical)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def _load_graph(args: argparse.Namespace) -> Graph:
+    inputs = dict(parse_input_shape(text) for text in args.input)
+    forward = load_forward_graph(args.model, batch=args.batch, inputs=inputs or None)
+    return for_mode(forward, Mode(args.mode))
+
+
+def _load_costs(graph: Graph, devices: list[Device], costs_path: Path | None) -> CostModel:
+    if costs_path is None:
+        return analytical_costs(graph, devices or [Device("cpu0", DeviceKind.CPU)])
+    model = profiled_costs(graph, load_cost_table(costs_path))
+    known = {d.name for d in model.devices}
+    extra = [d.name for d in devices if d.name not in known]
+    if extra:
+        raise InvalidInputError(f"device {extra[0]!r} is not in the cost table")
+    return model
+
+
+@dataclass(frozen=True)
+class _Setup:
+    graph: Graph
+    problem: Problem
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    graph = _load_graph(args)
+    devices = [parse_device(spec) for spec in args.device]
+    if len({d.name for d in devices}) != len(devices):
+        raise InvalidInputError("device names must be unique")
+    costs = _load_costs(graph, devices, args.costs)
+    sizes = {}
+    for item in args.budget:
+        name, sep, size = item.partition("=")
+        if not sep:
+            raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
+        sizes[name] = parse_size(size)
+    return _Setup(graph, Problem(graph, costs, resolve_budgets(sizes, graph, costs)))
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def _graph_command(args: argparse.Namespace) -> int:
+    graph = _load_graph(args)
+    if args.json:
+        print(json.dumps(graph_to_json(graph)))
+        return 0
+    costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
+    ref = reference(graph, costs)
+    print(f"mode: {graph.mode.value}, {len(graph)} nodes")
+    for op, count in sorted(Counter(n.op for n in graph.nodes).items()):
+        print(f"  {op:<24} {count}")
+    print(f"parameter bytes:        {format_bytes(graph.param_bytes)} ({graph.param_bytes} B)")
+    print(f"input bytes:            {format_bytes(graph.input_bytes)} ({graph.input_bytes} B)")
+    print(
+        f"activation bytes:       {format_bytes(graph.activation_bytes)} "
+        f"({graph.activation_bytes} B)"
+    )
+    print(f"checkpoint-all peak:    {format_bytes(ref.peak_bytes)} ({ref.peak_bytes} B)")
+    return 0
+
+
+def graph_to_json(graph: Graph) -> dict[str, object]:
+    return {
+        "mode": graph.mode.value,
+        "nodes": [
+            {
+                "id": n.id,
+                "name": n.name,
+                "op": n.op,
+                "kind": n.kind.value,
+                "deps": list(n.deps),
+                "output_bytes": n.output_bytes,
+            }
+            for n in graph.nodes
+        ],
+        "param_bytes": graph.param_bytes,
+    }
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    setup = _setup(args)
+    result = _run(args.strategy, setup.problem)
+    if result.plan is None:
+        raise InvalidInputError(result.message)
+    document = plan_to_json(result.plan)
+    if args.output is not None:
+        args.output.write_text(json.dumps(document, indent=1))
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(document))
+    else:
+        _print_summary(setup.problem, result)
+    return 0
+
+
+def _run(strategy: str, problem: Problem) -> StrategyResult:
+    if strategy != AUTO:
+        return run_strategy(strategy, problem)
+    results = []
+    for name in STRATEGIES:
+        try:
+            results.append(run_strategy(name, problem))
+        except RematError:
+            continue  # not applicable to this graph (e.g. griewank on a non-chain)
+    feasible = [r for r in results if r.plan is not None and r.simulation is not None]
+    if feasible:
+        return min(feasible, key=lambda r: r.simulation.total_ms)  # type: ignore[union-attr]
+    return min(results, key=lambda r: max((r.min_budget_bytes or {"": 2**63}).values()))
+
+
+def _print_summary(problem: Problem, result: StrategyResult) -> None:
+    assert result.plan is not None and result.simulation is not None
+    sim = result.simulation
+    ideal = problem.costs.ideal_ms()
+    print(f"strategy:   {result.plan.strategy}")
+    print(f"costs:      {problem.costs.source.value}")
+    print(f"predicted:  {sim.total_ms:.3f} ms ({sim.total_ms / ideal - 1:+.1%} vs ideal)")
+    for device in result.plan.devices:
+        budget = "unlimited" if device.budget_bytes is None else format_bytes(device.budget_bytes)
+        peak = sim.peak_bytes[device.name]
+        print(f"{device.name + ':':<11} peak {format_bytes(peak)} ({peak} B), budget {budget}")
+    nodes = len(problem.graph)
+    print(f"steps:      {len(result.plan.steps)} ({sim.computes} computes of {nodes} nodes)")
+
+
+def _check_command(args: argparse.Namespace) -> int:
+    graph = _load_graph(args)
+    plan = load_plan(args.plan)
+    devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
+    costs = _load_costs(graph, devices, args.costs)
+    result = simulate(plan, graph, costs)
+    if not result.valid:
+        print(f"invalid: {result.violation}")
+        return 1
+    peaks = ", ".join(f"{d} {format_bytes(v)}" for d, v in result.peak_bytes.items())
+    print(f"valid: predicted {result.total_ms:.3f} ms; peak {peaks}")
+    return 0
+
+
+def _demo_command(args: argparse.Namespace) -> int:
+    from remat.demo import run_demo
+
+    run_demo(args.model, args.batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+import json
+
+import numpy as np
+import pytest
+
+from remat.costs import (
+    AnalyticalParams,
+    CostSource,
+    analytical_costs,
+    cost_table_of,
+    load_cost_table,
+    profiled_costs,
+)
+from remat.devices import Device, DeviceKind, parse_device, parse_size
+from remat.errors import InvalidInputError
+from remat.training import training_graph
+
+from graphs import chain
+
+CPU = Device("cpu0", DeviceKind.CPU)
+GPU = Device("cuda0", DeviceKind.CUDA)
+
+
+def test_parse_device_with_options():
+    d = parse_device("cpu1:cpu:threads=2,flops=1e9")
+    assert (d.name, d.kind, d.threads, d.options["flops"]) == ("cpu1", DeviceKind.CPU, 2, "1e9")
+    assert parse_device("cuda0:cuda").kind is DeviceKind.CUDA
+
+
+@pytest.mark.parametrize(
+    "spec", ["cpu0", "cpu0:tpu", "0cpu:cpu", "cpu0:cpu:threads", "c:cpu:threads=x"]
+)
+def test_parse_device_rejects_bad_specs(spec):
+    with pytest.raises(InvalidInputError):
+        parse_device(spec)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("123", 123),
+        ("2KiB", 2048),
+        ("208MiB", 208 * 2**20),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("3MB", 3_000_000),
+    ],
+)
+def test_parse_size_bytes(text, expected):
+    assert parse_size(text).bytes == expected
+
+
+def test_percent_scales_activation_part_of_peak():
+    size = parse_size("50%")
+    assert size.percent == 50
+    assert size.resolve(fixed_bytes=1000, peak_bytes=3000) == 2000
+    assert parse_size("100%").resolve(1000, 3000) == 3000
+
+
+@pytest.mark.parametrize("text", ["", "12 parsecs", "-5MiB", "abc%", "0%"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(InvalidInputError):
+        parse_size(text)
+
+
+def test_analytical_cost_is_max_of_compute_and_memory_plus_launch():
+    g = training_graph(chain(2, size=4_000_000))
+    params = AnalyticalParams()
+    costs = analytical_costs(g, [CPU, GPU], params)
+    assert costs.source is CostSource.ANALYTICAL
+    node = g.nodes[0]
+    cpu = params.spec(CPU)
+    expected = max(node.flops / cpu.flops_per_s, node.bytes_moved / cpu.bytes_per_s) + cpu.launch_s
+    assert costs.compute_ms[0, 0] == pytest.approx(expected * 1e3)
+    assert costs.compute_ms[0, 1] < costs.compute_ms[0, 0]  # the GPU is faster
+    # copy = bytes / link + latency, both directions, zero on the diagonal
+    assert costs.copy_ms[0, 0, 1] == pytest.approx((4_000_000 / 12e9 + 10e-6) * 1e3)
+    assert costs.copy_ms[0, 0, 0] == 0
+    assert costs.ideal_ms() == pytest.approx(costs.compute_ms.min(axis=1).sum())
+
+
+def test_cpu_threads_and_overrides_change_speed():
+    g = training_graph(chain(2, size=4_000_000))
+    one = analytical_costs(g, [CPU]).compute_ms[0, 0]
+    four = analytical_costs(g, [Device("c", DeviceKind.CPU, {"threads": "4"})]).compute_ms[0, 0]
+    slow = analytical_costs(g, [Device("c", DeviceKind.CPU, {"bandwidth": "1e6"})])
+    assert four < one < slow.compute_ms[0, 0]
+    with pytest.raises(InvalidInputError):
+        analytical_costs(g, [Device("c", DeviceKind.CPU, {"flops": "fast"})])
+
+
+def test_cost_table_round_trip_is_profiled(tmp_path):
+    g = training_graph(chain(3))
+    analytical = analytical_costs(g, [CPU, GPU])
+    table = cost_table_of(g, analytical).model_dump()
+    table["source"] = "profiled"
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(table))
+    profiled = profiled_costs(g, load_cost_table(path))
+    assert profiled.source is CostSource.PROFILED
+    np.testing.assert_allclose(profiled.compute_ms, analytical.compute_ms)
+    np.testing.assert_allclose(profiled.copy_ms, analytical.copy_ms)
+    assert list(profiled.output_bytes) == [n.output_bytes for n in g.nodes]
+    assert "n0:grad" in table["nodes"] and "loss" in table["nodes"]
+
+
+def test_cost_table_errors_name_what_is_missing(tmp_path):
+    g = training_graph(chain(2))
+    table = cost_table_of(g, analytical_costs(g, [CPU, GPU])).model_dump()
+    del table["nodes"]["n1:grad"]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(InvalidInputError, match="n1:grad"):
+        profiled_costs(g, load_cost_table(path))
+    path.write_text("{not json")
+    with pytest.raises(InvalidInputError, match=r"c\.json"):
+        load_cost_table(path)
+    path.write_text(json.dumps({"source": "guessed", "devices": [], "nodes": {}}))
+    with pytest.raises(InvalidInputError, match="source"):
+        load_cost_table(path)
+    with pytest.raises(InvalidInputError, match=r"missing\.json"):
+        load_cost_table(tmp_path / "missing.json")

@@ -1,0 +1,92 @@
+"""Baseline strategies on the built models: predicted overhead vs ideal (analytical costs)
+at 100, 75, 50, 35 and 25% of the checkpoint-all peak, then the time to ingest, build the
+training graph and simulate a plan for the largest model.
+
+    .venv/bin/python bench/baselines.py [--batch 8] [--models vgg16,resnet18,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from remat import samples
+from remat.budgets import keep_all_schedule
+from remat.comparison import PERCENTS, Row, compare
+from remat.compiler import compile_plan
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.onnx_ingest import forward_graph, load_model
+from remat.plan import PlanDevice
+from remat.simulator import simulate
+from remat.training import training_graph
+
+CPU = Device("cpu0", DeviceKind.CPU, {"threads": "4"})
+T = TypeVar("T")
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    started = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - started
+
+
+def overhead_table(models: list[str], batch: int) -> None:
+    header = f"| model (training nodes) | strategy | {' | '.join(f'{p:.0f}%' for p in PERCENTS)} |"
+    print(header)
+    print("|" + "---|" * (2 + len(PERCENTS)))
+    for name in models:
+        graph = training_graph(forward_graph(samples.ZOO[name](), batch=batch))
+        costs = analytical_costs(graph, [CPU])
+        rows = compare(graph, costs)
+        for strategy in dict.fromkeys(r.strategy for r in rows):
+            cells = [_cell(r) for r in rows if r.strategy == strategy]
+            print(f"| {name} ({len(graph)}) | {strategy} | {' | '.join(cells)} |")
+
+
+def _cell(row: Row) -> str:
+    if row.note.startswith("n/a"):
+        return "n/a"
+    if row.predicted_ms is None:
+        return "infeasible"
+    assert row.valid and row.overhead is not None
+    return f"{row.overhead:+.1%}"
+
+
+def timing_table(batch: int) -> None:
+    model = samples.large()
+    data = model.SerializeToString()
+    print(f"\nlargest model: {len(model.graph.node)} ONNX operators, {len(data) / 2**20:.1f} MiB")
+    print("| step | seconds |")
+    print("|---|---|")
+    loaded, t_load = _timed(lambda: load_model(data))
+    forward, t_forward = _timed(lambda: forward_graph(loaded, batch=batch))
+    graph, t_train = _timed(lambda: training_graph(forward))
+    costs = analytical_costs(graph, [CPU])
+    schedule = keep_all_schedule(graph, CPU.name)
+    plan, t_compile = _timed(
+        lambda: compile_plan(graph, schedule, [PlanDevice.of(CPU, None)], "checkpoint_all", costs)
+    )
+    result, t_simulate = _timed(lambda: simulate(plan, graph, costs))
+    assert result.valid
+    print(f"| load + check (onnx.checker) | {t_load:.3f} |")
+    print(f"| shape inference + forward graph ({len(forward)} nodes) | {t_forward:.3f} |")
+    print(f"| training graph ({len(graph)} nodes) | {t_train:.3f} |")
+    print(f"| ingestion + training graph total | {t_load + t_forward + t_train:.3f} |")
+    print(f"| compile checkpoint_all plan ({len(plan.steps)} steps) | {t_compile:.3f} |")
+    print(f"| simulate that plan | {t_simulate:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--models", default=",".join(samples.ZOO))
+    args = parser.parse_args()
+    overhead_table(args.models.split(","), args.batch)
+    timing_table(args.batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The command line, run as a real process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from remat import samples
+
+
+def remat(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def vgg(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "vgg16.onnx"
+    path.write_bytes(samples.vgg16().SerializeToString())
+    return path
+
+
+def test_graph_summary(vgg):
+    result = remat("graph", str(vgg), "--batch", "2")
+    assert result.returncode == 0, result.stderr
+    assert "Conv" in result.stdout and "checkpoint-all peak" in result.stdout
+    assert "mode: training" in result.stdout
+
+
+def test_graph_json_lists_forward_loss_and_backward_nodes(vgg):
+    result = remat("graph", str(vgg), "--batch", "2", "--json")
+    graph = json.loads(result.stdout)
+    kinds = {n["kind"] for n in graph["nodes"]}
+    assert kinds == {"forward", "loss", "backward"}
+    assert set(graph["nodes"][0]) == {"id", "name", "op", "kind", "deps", "output_bytes"}
+    assert graph["param_bytes"] > 0 and graph["mode"] == "training"
+    inference = json.loads(
+        remat("graph", str(vgg), "--batch", "2", "--json", "--mode", "inference").stdout
+    )
+    assert {n["kind"] for n in inference["nodes"]} == {"forward"}
+
+
+def test_plan_then_check_round_trip(vgg, tmp_path):
+    out = tmp_path / "plan.json"
+    result = remat(
+        "plan",
+        str(vgg),
+        "--batch",
+        "2",
+        "--device",
+        "cpu0:cpu:threads=2",
+        "--budget",
+        "cpu0=60%",
+        "--strategy",
+        "chen_greedy",
+        "-o",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "strategy:   chen_greedy" in result.stdout
+    plan = json.loads(out.read_text())
+    assert plan["version"] == 1 and plan["devices"][0]["name"] == "cpu0"
+    assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
+    check = remat("check", str(vgg), str(out), "--batch", "2")
+    assert check.returncode == 0 and check.stdout.startswith("valid")
+    # drop the first compute: the simulator names the step that breaks
+    plan["steps"] = plan["steps"][1:]
+    out.write_text(json.dumps(plan))
+    check = remat("check", str(vgg), str(out), "--batch", "2")
+    assert check.returncode == 1
+    assert check.stdout.startswith("invalid: step 0:") and "not resident" in check.stdout
+
+
+def test_plan_json_default_strategy_picks_a_feasible_baseline(vgg):
+    result = remat("plan", str(vgg), "--batch", "2", "--budget", "cpu0=50%", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
+
+
+def test_infeasible_budget_states_what_is_needed(vgg):
+    result = remat(
+        "plan", str(vgg), "--batch", "2", "--budget", "cpu0=1KiB", "--strategy", "checkpoint_all"
+    )
+    assert result.returncode == 2
+    assert "infeasible" in result.stderr and "needs at least" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        (None, ["graph", "/nonexistent/model.onnx"], "model.onnx"),
+        (lambda p: p.write_bytes(b"definitely not onnx"), ["graph", "{p}"], ""),
+        (lambda p: p.write_bytes(samples.truncated_bytes()), ["graph", "{p}", "--batch", "2"], ""),
+        (lambda p: p.write_bytes(samples.vgg16().SerializeToString()), ["graph", "{p}"], "--batch"),
+        (
+            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--device", "gpu0:tpu"],
+            "tpu",
+        ),
+        (
+            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--budget", "cpu0=lots"],
+            "lots",
+        ),
+        (
+            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--budget", "gpu7=1GiB"],
+            "gpu7",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["graph", "{p}", "--input", "nonsense"],
+            "nonsense",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, make, args, message):
+    path = tmp_path / "m.onnx"
+    if make is not None:
+        make(path)
+    result = remat(*(a.format(p=path) for a in args))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("remat: error:")
+    assert message in lines[0]
+
+
+def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):
+    path = tmp_path / "resnet.onnx"
+    path.write_bytes(samples.resnet18().SerializeToString())
+    result = remat("plan", str(path), "--batch", "2", "--strategy", "griewank")
+    assert result.returncode == 2 and "linear" in result.stderr
+
+
+def test_demo_prints_a_comparison_table():
+    result = remat("demo", "--model", "vgg16", "--batch", "2")
+    assert result.returncode == 0, result.stderr
+    for strategy in (
+        "checkpoint_all",
+        "chen_sqrt",
+        "chen_greedy",
+        "griewank",
+        "ap_sqrt",
+        "linearized_greedy",
+    ):
+        assert strategy in result.stdout
+    assert "overhead" in result.stdout and "valid" in result.stdout
+    assert "NO" not in result.stdout.split()

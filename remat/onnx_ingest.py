@@ -1,0 +1,800 @@
+"""ONNX ingestion: model file -> forward graph.
+
+Steps: load and check the model (``load_model``); give every graph input a concrete shape
+(from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
+fold constants in one topological pass; build one ``FORWARD`` node per remaining operator.
+
+Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
+randomness and every tensor it reads is constant (an initializer or a folded output), or
+when it is ``Shape``/``Size`` of a tensor whose shape is static. Constant nodes are not
+scheduled: the constants that scheduled nodes read become fixed ``PARAMETER`` tensors.
+Values are computed (numpy, ``onnx.reference``) only where a shape depends on them and
+ONNX's own data propagation did not get it (e.g. ``Shape`` before opset 15): the nodes it
+could not infer are re-inferred one at a time with those values.
+
+A model loaded from a path keeps its external data on disk: only shapes are needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
+
+from remat import ops
+from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
+from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
+
+Dim = int | str | None  # int: known; str: symbolic name; None: unknown
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+# Random generators produce a fresh tensor per step: an activation, not a constant.
+_NEVER_FOLD = frozenset(
+    [
+        "RandomNormal",
+        "RandomUniform",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+    ]
+)
+_SHAPE_OPS = frozenset(("Shape", "Size"))
+# Float initializers larger than this are handed to shape inference as typed inputs, so
+# their bytes are never copied or serialized; shape-like tensors are always small ints.
+_LARGE_INITIALIZER = 64
+_FLOAT_TYPES = frozenset(
+    (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
+)
+# Constant values up to this many elements are handed to single-node shape inference
+# (shape-like data is tiny; weights are not needed and costly to read).
+_MAX_DATA_ELEMENTS = 1024
+
+
+# --- element sizes ----------------------------------------------------------------------
+
+_BITS_BY_NAME = {
+    "FLOAT": 32, "UINT8": 8, "INT8": 8, "UINT16": 16, "INT16": 16, "INT32": 32, "INT64": 64,
+    # Strings have no fixed size; count a pointer per element.
+    "STRING": 64,
+    "BOOL": 8, "FLOAT16": 16, "DOUBLE": 64, "UINT32": 32, "UINT64": 64, "COMPLEX64": 64,
+    "COMPLEX128": 128, "BFLOAT16": 16, "FLOAT8E4M3FN": 8, "FLOAT8E4M3FNUZ": 8,
+    "FLOAT8E5M2": 8, "FLOAT8E5M2FNUZ": 8, "FLOAT8E8M0": 8, "UINT4": 4, "INT4": 4,
+    "FLOAT4E2M1": 4, "UINT2": 2, "INT2": 2,
+}  # fmt: skip
+# Resolved by name so that element types newer or older than this onnx build are skipped.
+_BITS = {
+    getattr(TensorProto, name): bits
+    for name, bits in _BITS_BY_NAME.items()
+    if hasattr(TensorProto, name)
+}
+
+
+def _element_bits(elem_type: int) -> int:
+    try:
+        return _BITS[elem_type]
+    except KeyError:
+        raise ShapeError(f"unsupported tensor element type {elem_type}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Element type and shape of one tensor; ``shape`` is None when even the rank is unknown."""
+
+    elem_type: int
+    shape: tuple[Dim, ...] | None
+
+    @property
+    def static(self) -> bool:
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The concrete shape; only valid when ``static``."""
+        return self.shape  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        # Sub-byte types (int4, float4) pack; round the last byte up.
+        return (math.prod(self.dims) * _element_bits(self.elem_type) + 7) // 8
+
+    def describe(self) -> str:
+        if self.shape is None:
+            return "unknown rank"
+        return "(" + ", ".join("?" if d is None else str(d) for d in self.shape) + ")"
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def load_model(source: str | Path | bytes) -> onnx.ModelProto:
+    """Parse and check an ONNX model from a path or from its bytes.
+
+    Nodes are put in topological order first (the checker insists on it, files do not
+    always follow it). External data stays on disk. Raises ModelLoadError.
+    """
+    path = None if isinstance(source, bytes | bytearray | memoryview) else Path(source)
+    data = bytes(source) if path is None else _read_file(path)  # type: ignore[arg-type]
+    model = _parse(data)
+    _sort_graph_in_place(model.graph)
+    _check(model, path)
+    return model
+
+
+def _read_file(path: Path) -> bytes:
+    if not path.exists():
+        raise ModelLoadError(f"no such file: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"not a file: {path}")
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {path}: {_first_line(error)}") from error
+
+
+def _parse(data: bytes) -> onnx.ModelProto:
+    if not data:
+        raise ModelLoadError("not an ONNX model: the file is empty")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as error:
+        what = "truncated or corrupt ONNX file" if _starts_like_onnx(data) else "not an ONNX model"
+        raise ModelLoadError(f"{what}: {_first_line(error)}") from error
+    if model.ir_version <= 0 or not model.HasField("graph"):
+        raise ModelLoadError("not an ONNX model: no IR version or graph")
+    return model
+
+
+def _starts_like_onnx(data: bytes) -> bool:
+    # A serialized ModelProto starts with field 1 (ir_version, varint): tag 0x08, then a
+    # small version number.
+    return len(data) >= 2 and data[0] == 0x08 and 1 <= data[1] <= 32
+
+
+def _check(model: onnx.ModelProto, path: Path | None) -> None:
+    # With external data the checker must see the file, to resolve the data locations.
+    by_path = path is not None and _uses_external_data(model)
+    try:
+        onnx.checker.check_model(str(path) if by_path else model, full_check=False)
+    except Exception as error:  # the checker raises several unrelated types
+        raise ModelLoadError(f"model fails onnx.checker: {_first_line(error)}") from error
+
+
+def _uses_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of an error on one line: its first line, or two when the first ends in a
+    colon (the checker's "... of node:" is followed by the node)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    line = " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+# --- topological order --------------------------------------------------------------------
+
+
+def _subgraphs(node: NodeProto) -> Iterable[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _has_subgraph(node: NodeProto) -> bool:
+    return any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _outer_reads(graph: onnx.GraphProto) -> list[str]:
+    """Names a subgraph reads from enclosing scopes (If/Loop/Scan bodies)."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    reads: dict[str, None] = {}
+    for node in graph.node:
+        inner = [*node.input, *(n for g in _subgraphs(node) for n in _outer_reads(g))]
+        reads.update((name, None) for name in inner if name and name not in defined)
+        defined.update(node.output)
+    return list(reads)
+
+
+def _reads(node: NodeProto) -> list[str]:
+    """Every tensor a node reads, in order and without repeats, subgraph captures included."""
+    names = [n for n in node.input if n]
+    if _has_subgraph(node):
+        names += [n for g in _subgraphs(node) for n in _outer_reads(g)]
+    return list(dict.fromkeys(names))
+
+
+def _topological_order(nodes: Sequence[NodeProto], reads: Sequence[list[str]]) -> list[int]:
+    """Kahn's algorithm; ties go to file order, so sorted files keep their order."""
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    users: list[list[int]] = [[] for _ in nodes]
+    pending = [0] * len(nodes)
+    for i, names in enumerate(reads):
+        for before in {producer[n] for n in names if n in producer} - {i}:
+            users[before].append(i)
+            pending[i] += 1
+    ready = [i for i, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for user in users[i]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) < len(nodes):
+        stuck = next(i for i, count in enumerate(pending) if count > 0)
+        raise ModelLoadError(f"the graph has a cycle through node {_describe(nodes[stuck], stuck)}")
+    return order
+
+
+def _sort_graph_in_place(graph: onnx.GraphProto) -> None:
+    nodes = list(graph.node)
+    order = _topological_order(nodes, [_reads(n) for n in nodes])
+    if order != list(range(len(nodes))):
+        sorted_nodes = [nodes[i] for i in order]
+        del graph.node[:]
+        graph.node.extend(sorted_nodes)
+
+
+def _describe(node: NodeProto, index: int) -> str:
+    return f"{node.name or f'#{index}'!r} ({node.op_type})"
+
+
+# --- input shapes -------------------------------------------------------------------------
+
+
+def _info_from_type(type_proto: onnx.TypeProto) -> TensorInfo | None:
+    if type_proto.WhichOneof("value") != "tensor_type":
+        return None
+    tensor = type_proto.tensor_type
+    if not tensor.HasField("shape"):
+        return TensorInfo(tensor.elem_type, None)
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
+    )
+    return TensorInfo(tensor.elem_type, dims)
+
+
+def _check_dims(label: str, dims: Sequence[int]) -> tuple[int, ...]:
+    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in dims):
+        raise InvalidInputError(f"{label}: dimensions must be integers, got {list(dims)}")
+    if any(d < 1 for d in dims):
+        raise InvalidInputError(f"{label}: dimensions must be positive, got {list(dims)}")
+    return tuple(int(d) for d in dims)
+
+
+def _resolve_input_shapes(
+    model: onnx.ModelProto,
+    params: Mapping[str, object],
+    batch: int | None,
+    overrides: Mapping[str, Sequence[int]],
+) -> dict[str, TensorInfo]:
+    """Concrete shapes for the real graph inputs (old-style models list parameters too)."""
+    real = [v for v in model.graph.input if v.name not in params]
+    _check_override_names({v.name for v in real}, params, overrides)
+    if batch is not None:
+        _check_dims("--batch", [batch])
+    return {v.name: _input_info(v, batch, overrides.get(v.name)) for v in real}
+
+
+def _check_override_names(
+    names: set[str], params: Mapping[str, object], overrides: Mapping[str, Sequence[int]]
+) -> None:
+    for name in overrides:
+        if name in params:
+            raise InvalidInputError(f"input {name!r} is a parameter (initializer), not an input")
+        if name not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise InvalidInputError(f"unknown input {name!r}; the model's inputs are: {known}")
+
+
+def _input_info(
+    value: onnx.ValueInfoProto, batch: int | None, override: Sequence[int] | None
+) -> TensorInfo:
+    name = value.name
+    declared = _info_from_type(value.type)
+    if declared is None:
+        raise ShapeError(f"input {name!r} is not a tensor; only tensor inputs are supported")
+    if override is not None:
+        dims = _check_dims(f"--input {name}", override)
+        if declared.shape is not None and len(declared.shape) != len(dims):
+            raise InvalidInputError(
+                f"--input {name}: model declares rank {len(declared.shape)}, got {len(dims)} dims"
+            )
+        return TensorInfo(declared.elem_type, dims)
+    if declared.shape is None:
+        raise ShapeError(f"input {name!r} has no shape: pass --input {name}=DIMS")
+    shape = list(declared.shape)
+    if batch is not None and shape and not _known(shape[0]):
+        shape[0] = batch
+    for axis, dim in enumerate(shape):
+        if not _known(dim):
+            symbol = f" ({dim!r})" if isinstance(dim, str) else ""
+            raise ShapeError(
+                f"input {name!r} dimension {axis}{symbol} has no value: "
+                f"pass --batch or --input {name}=DIMS"
+            )
+    return TensorInfo(declared.elem_type, tuple(shape))
+
+
+def _known(dim: Dim) -> bool:
+    # Old exporters write 0 (and some -1) for "unknown".
+    return isinstance(dim, int) and dim > 0
+
+
+# --- the working copy and shape inference ------------------------------------------------
+
+
+def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, info.elem_type, info.shape)
+
+
+def _is_large_float(tensor: TensorProto) -> bool:
+    return tensor.data_type in _FLOAT_TYPES and math.prod(tensor.dims) > _LARGE_INITIALIZER
+
+
+def _working_model(
+    model: onnx.ModelProto, inputs: Mapping[str, TensorInfo], order: Sequence[int]
+) -> onnx.ModelProto:
+    """A copy for shape inference: sorted nodes, concrete inputs, no stale annotations.
+
+    Declared output and intermediate shapes are dropped because they may contradict the
+    shapes the user chose (e.g. a batch of 1 baked into value_info); those of operators
+    without a schema are kept, as nothing else can tell their shapes.
+    """
+    src = model.graph
+    # IR 4 lets initializers be absent from graph.input; inference of IR 3 files needs it.
+    work = onnx.ModelProto(ir_version=max(model.ir_version, 4))
+    work.opset_import.extend(model.opset_import)
+    work.functions.extend(model.functions)
+    graph = work.graph
+    graph.name = src.name
+    graph.node.extend(src.node[i] for i in order)
+    graph.input.extend(_value_info(name, info) for name, info in inputs.items())
+    for tensor in src.initializer:
+        if _is_large_float(tensor):
+            graph.input.append(_value_info(tensor.name, _initializer_info(tensor)))
+        else:
+            graph.initializer.append(tensor)
+    graph.sparse_initializer.extend(src.sparse_initializer)
+    graph.output.extend(_untyped_shape(v) for v in src.output)
+    graph.value_info.extend(_schemaless_annotations(model))
+    return work
+
+
+def _untyped_shape(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    copy = onnx.ValueInfoProto()
+    copy.CopyFrom(value)
+    if copy.type.WhichOneof("value") == "tensor_type":
+        copy.type.tensor_type.ClearField("shape")
+    return copy
+
+
+def _schemaless_annotations(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    opsets = _opsets(model)
+    outputs = {
+        out for node in model.graph.node if _schema(node, opsets) is None for out in node.output
+    }
+    declared = [*model.graph.value_info, *model.graph.output]
+    return [v for v in declared if v.name in outputs and _static_info(v)]
+
+
+def _static_info(value: onnx.ValueInfoProto) -> bool:
+    info = _info_from_type(value.type)
+    return info is not None and info.static
+
+
+def _initializer_info(tensor: TensorProto) -> TensorInfo:
+    return TensorInfo(tensor.data_type, tuple(tensor.dims))
+
+
+def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    versions = {o.domain or "": o.version for o in model.opset_import}
+    if "ai.onnx" in versions:
+        versions.setdefault("", versions["ai.onnx"])
+    return versions
+
+
+def _schema(node: NodeProto, opsets: Mapping[str, int]) -> onnx.defs.OpSchema | None:
+    domain = "" if node.domain in _DEFAULT_DOMAINS else node.domain
+    version = opsets.get(domain)
+    if version is None:
+        return None
+    try:
+        return onnx.defs.get_schema(node.op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+def _infer(work: onnx.ModelProto) -> dict[str, TensorInfo]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=True)
+    except Exception as error:  # InferenceError, ValidationError, protobuf errors
+        raise ShapeError(f"shape inference failed: {_first_line(error)}") from error
+    graph = inferred.graph
+    infos = {t.name: _initializer_info(t) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        info = _info_from_type(value.type)
+        if info is not None:
+            infos[value.name] = info
+    return infos
+
+
+# --- constant folding ---------------------------------------------------------------------
+
+
+@dataclass
+class _Folder:
+    """Shapes and constant-ness of every tensor, filled in one topological pass."""
+
+    infos: dict[str, TensorInfo]
+    params: dict[str, TensorProto]
+    opsets: dict[str, int]
+    model: onnx.ModelProto
+    constants: set[str] = field(default_factory=set)
+    producers: dict[str, NodeProto] = field(default_factory=dict)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.constants.update(self.params)
+
+    def foldable(self, node: NodeProto, reads: Sequence[str]) -> bool:
+        if node.domain not in _DEFAULT_DOMAINS or node.op_type in _NEVER_FOLD:
+            return False
+        if _has_subgraph(node):
+            return False
+        if node.op_type in _SHAPE_OPS and reads:
+            return reads[0] in self.constants or self._is_static(reads[0])
+        return all(name in self.constants for name in reads)
+
+    def fold(self, node: NodeProto) -> None:
+        # Values are computed later, and only if a scheduled node's shape needs them.
+        outputs = [o for o in node.output if o]
+        self.constants.update(outputs)
+        self.producers.update((o, node) for o in outputs)
+
+    def complete(self, node: NodeProto, reads: Sequence[str], display: str) -> None:
+        """Make sure a scheduled node's inputs and outputs have static shapes."""
+        for name in reads:
+            if name in self.constants and not self._is_static(name):
+                self._materialize(name, display)
+        outputs = [o for o in node.output if o]
+        if not all(self._is_static(o) for o in outputs):
+            self._infer_single(node, reads, display)
+        for name in outputs:
+            info = self.infos.get(name)
+            if info is None or not info.static:
+                shape = "unknown" if info is None else info.describe()
+                raise ShapeError(
+                    f"cannot infer the shape of output {name!r} of node {display}: "
+                    f"got {shape} (data-dependent or symbolic dimension)"
+                )
+
+    def _is_static(self, name: str) -> bool:
+        info = self.infos.get(name)
+        return info is not None and info.static
+
+    def _materialize(self, name: str, display: str) -> None:
+        # Shapes ONNX did not infer (e.g. ConstantOfShape after an old-opset Shape chain):
+        # the computed value carries the shape.
+        value = self.value(name, display)
+        self.infos[name] = TensorInfo(
+            helper.np_dtype_to_tensor_dtype(value.dtype), tuple(int(d) for d in value.shape)
+        )
+
+    def value(self, name: str, display: str) -> np.ndarray:
+        """The value of a constant tensor, computing its producers first (no recursion)."""
+        stack = [name]
+        while stack:
+            top = stack[-1]
+            if top in self.values:
+                stack.pop()
+                continue
+            if top in self.params:
+                self.values[top] = self._param_value(top)
+                stack.pop()
+                continue
+            node = self.producers[top]
+            missing = [n for n in self._value_inputs(node) if n not in self.values]
+            if missing:
+                stack.extend(missing)
+                continue
+            self._evaluate(node, display)
+            stack.pop()
+        return self.values[name]
+
+    def _value_inputs(self, node: NodeProto) -> list[str]:
+        if node.op_type in _SHAPE_OPS:
+            # Shape and Size need the input's shape; its value only if that is unknown.
+            return [] if self._is_static(node.input[0]) else [node.input[0]]
+        return [n for n in node.input if n]
+
+    def _param_value(self, name: str) -> np.ndarray:
+        try:
+            return numpy_helper.to_array(self.params[name])
+        except Exception as error:  # external data not loaded, malformed tensor
+            raise ShapeError(f"cannot read the value of {name!r}: {_first_line(error)}") from error
+
+    def _evaluate(self, node: NodeProto, display: str) -> None:
+        try:
+            results = self._run(node)
+        except Exception as error:  # any failure of the reference implementation
+            raise ShapeError(
+                f"cannot fold constant node {node.name or node.op_type!r} ({node.op_type}) "
+                f"needed by node {display}: {_first_line(error)}"
+            ) from error
+        for out, result in zip(node.output, results, strict=False):
+            if out:
+                self.values[out] = np.asarray(result)
+
+    def _run(self, node: NodeProto) -> list[np.ndarray]:
+        if node.op_type in _SHAPE_OPS:
+            return [self._shape_value(node)]
+        from onnx.reference import ReferenceEvaluator  # slow import, rarely needed
+
+        feeds = {n: self.values[n] for n in node.input if n}
+        inputs = [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in feeds.items()
+        ]
+        outputs = [helper.make_empty_tensor_value_info(o) for o in node.output if o]
+        # A graph (not a bare node) so that the model's opset picks the operator version.
+        graph = helper.make_graph([node], "fold", inputs, outputs)
+        evaluator = ReferenceEvaluator(graph, opsets=self.opsets)
+        return list(evaluator.run(None, feeds))
+
+    def _shape_value(self, node: NodeProto) -> np.ndarray:
+        source = node.input[0]
+        static = self._is_static(source)
+        shape = self.infos[source].dims if static else self.values[source].shape
+        dims = np.array(shape, dtype=np.int64)
+        if node.op_type == "Size":
+            return np.array(math.prod(shape), dtype=np.int64)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        # Shape-15 start/end clamp like Python slices.
+        return dims[attrs.get("start", 0) : attrs.get("end", len(dims))]
+
+    def _infer_single(self, node: NodeProto, reads: Sequence[str], display: str) -> None:
+        """Re-infer one node with the constant values its shape may depend on."""
+        schema = _schema(node, self.opsets)
+        if schema is None:
+            raise ShapeError(
+                f"cannot infer the shape of node {display}: operator "
+                f"{node.domain or 'ai.onnx'}.{node.op_type} has no shape inference; "
+                "declare its output shapes in value_info"
+            )
+        types = {n: _type_proto(self.infos[n]) for n in reads if n in self.infos}
+        data = {
+            n: numpy_helper.from_array(self.value(n, display), n)
+            for n in node.input
+            if n in self.constants and self._small(n)
+        }
+        try:
+            outputs = onnx.shape_inference.infer_node_outputs(
+                schema,
+                node,
+                types,
+                data,
+                None,
+                list(self.model.opset_import),
+                self.model.ir_version,
+            )
+        except Exception as error:  # InferenceError and friends
+            raise ShapeError(
+                f"cannot infer the shape of node {display}: {_first_line(error)}"
+            ) from error
+        for name, type_proto in outputs.items():
+            info = _info_from_type(type_proto)
+            if info is not None:
+                self.infos[name] = info
+
+    def _small(self, name: str) -> bool:
+        info = self.infos.get(name)
+        return info is None or not info.static or math.prod(info.dims) <= _MAX_DATA_ELEMENTS
+
+
+def _type_proto(info: TensorInfo) -> onnx.TypeProto:
+    return helper.make_tensor_type_proto(info.elem_type, info.shape)
+
+
+# --- names --------------------------------------------------------------------------------
+
+
+def _unique_names(nodes: Sequence[NodeProto]) -> list[str]:
+    """ONNX names where given and unique, else ``{op}_{index}``, de-duplicated with ``_k``.
+
+    A name given in the file is never taken by a generated name, so names that were
+    already unique stay as they are.
+    """
+    given = {n.name for n in nodes if n.name}
+    used: set[str] = set()
+    names = []
+    for index, node in enumerate(nodes):
+        base = node.name or f"{node.op_type}_{index}"
+        name, suffix = base, 0
+        while name in used or (name != node.name and name in given):
+            suffix += 1
+            name = f"{base}_{suffix}"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+# --- the forward graph --------------------------------------------------------------------
+
+
+def forward_graph(
+    model: onnx.ModelProto,
+    batch: int | None = None,
+    inputs: Mapping[str, Sequence[int]] | None = None,
+) -> Graph:
+    """The forward graph of a (checked) model; see the module docstring for the steps.
+
+    ``batch`` fills the leading dimension of inputs whose first dimension is symbolic;
+    ``inputs`` gives whole shapes by input name and wins over ``batch``.
+
+    Nodes are named by their ONNX name, or ``{op_type}_{i}`` with ``i`` their position in
+    ``model.graph.node``. ``fixed`` holds every real graph input (kind INPUT) and every
+    constant a scheduled node reads (kind PARAMETER); constants read only by folded nodes
+    (shape arithmetic) take no memory during the step and are left out. The caller's model
+    is not modified.
+    """
+    if not model.graph.node:
+        raise EmptyModelError("the model has no operators: its graph has no nodes")
+    params = {t.name: t for t in model.graph.initializer}
+    params.update((t.values.name, _sparse_shape(t)) for t in model.graph.sparse_initializer)
+    input_infos = _resolve_input_shapes(model, params, batch, inputs or {})
+    nodes = list(model.graph.node)
+    reads = [_reads(n) for n in nodes]
+    order = _topological_order(nodes, reads)
+    names = _unique_names(nodes)
+    work = _working_model(model, input_infos, order)
+    folder = _Folder(_infer(work) | input_infos, params, _opsets(model), work)
+    scheduled = _fold(folder, nodes, reads, names, order, {*input_infos, *params})
+    if not scheduled:
+        raise EmptyModelError(
+            f"the model has no operators to schedule ({len(nodes)} nodes, all constant)"
+        )
+    return _build(model, folder, input_infos, [(nodes[i], names[i]) for i in scheduled])
+
+
+def _fold(
+    folder: _Folder,
+    nodes: Sequence[NodeProto],
+    reads: Sequence[list[str]],
+    names: Sequence[str],
+    order: Sequence[int],
+    defined: set[str],
+) -> list[int]:
+    """The topological pass: fold constant nodes, complete the shapes of the others.
+    Returns the indices of the nodes left to schedule, in order."""
+    scheduled = []
+    for index in order:
+        node = nodes[index]
+        display = f"{names[index]!r} ({node.op_type})"
+        undefined = [t for t in reads[index] if t not in defined]
+        if undefined:
+            raise ModelLoadError(f"node {display} reads undefined tensor {undefined[0]!r}")
+        if folder.foldable(node, reads[index]):
+            folder.fold(node)
+        else:
+            folder.complete(node, reads[index], display)
+            scheduled.append(index)
+        defined.update(o for o in node.output if o)
+    return scheduled
+
+
+def _sparse_shape(sparse: onnx.SparseTensorProto) -> TensorProto:
+    # A value-less dense stand-in: sizes need only the dense shape and type, and
+    # densifying a large sparse tensor up front would cost its full dense memory.
+    tensor = TensorProto(name=sparse.values.name, data_type=sparse.values.data_type)
+    tensor.dims.extend(sparse.dims)
+    return tensor
+
+
+def _build(
+    model: onnx.ModelProto,
+    folder: _Folder,
+    input_infos: Mapping[str, TensorInfo],
+    scheduled: Sequence[tuple[NodeProto, str]],
+) -> Graph:
+    fixed = {
+        name: FixedTensor(name, FixedKind.INPUT, info.nbytes) for name, info in input_infos.items()
+    }
+    producer: dict[str, int] = {}
+    nodes = []
+    for node_id, (proto, name) in enumerate(scheduled):
+        reads = _reads(proto)
+        for tensor in reads:
+            if tensor in folder.constants and tensor not in fixed:
+                nbytes = folder.infos[tensor].nbytes
+                fixed[tensor] = FixedTensor(tensor, FixedKind.PARAMETER, nbytes)
+        nodes.append(_node(node_id, proto, name, reads, producer, fixed, folder.infos))
+        producer.update((out, node_id) for out in proto.output if out)
+    graph_outputs = {v.name for v in model.graph.output}
+    outputs = sorted({producer[o] for o in graph_outputs if o in producer})
+    return Graph(Mode.INFERENCE, tuple(nodes), fixed, tuple(outputs))
+
+
+def _node(
+    node_id: int,
+    proto: NodeProto,
+    name: str,
+    reads: Sequence[str],
+    producer: Mapping[str, int],
+    fixed: Mapping[str, FixedTensor],
+    infos: Mapping[str, TensorInfo],
+) -> Node:
+    outputs = [o for o in proto.output if o]
+    output_shapes = [infos[o].dims for o in outputs]
+    attrs = {
+        a.name: helper.get_attribute_value(a)
+        for a in proto.attribute
+        if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+    }
+    return Node(
+        id=node_id,
+        name=name,
+        op=proto.op_type,
+        kind=NodeKind.FORWARD,
+        deps=tuple(sorted({producer[t] for t in reads if t in producer})),
+        output_bytes=sum(infos[o].nbytes for o in outputs),
+        flops=ops.flops(proto.op_type, _positional_shapes(proto, infos), output_shapes, attrs),
+        input_bytes=sum(infos[t].nbytes for t in reads),
+        fixed=tuple(t for t in reads if t in fixed),
+        attrs={
+            "onnx_inputs": [n for n in proto.input if n],
+            "onnx_outputs": outputs,
+            "input_shapes": [infos[t].dims for t in proto.input if t],
+            "output_shapes": output_shapes,
+        },
+    )
+
+
+def _positional_shapes(proto: NodeProto, infos: Mapping[str, TensorInfo]) -> list[tuple[int, ...]]:
+    # Trailing omitted optional inputs are dropped, middle ones become ().
+    names = list(proto.input)
+    while names and not names[-1]:
+        names.pop()
+    return [infos[n].dims if n else () for n in names]
+
+
+def load_forward_graph(
+    source: str | Path | bytes,
+    batch: int | None = None,
+    inputs: Mapping[str, Sequence[int]] | None = None,
+) -> Graph:
+    """``forward_graph(load_model(source), batch, inputs)``."""
+    return forward_graph(load_model(source), batch=batch, inputs=inputs)
+
+
+# --- command-line helpers -----------------------------------------------------------------
+
+_DIMS = re.compile(r"\d+(?:[x,]\d+)*")
+
+
+def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """``"NAME=1x3x224x224"`` -> ``("NAME", (1, 3, 224, 224))`` (``,`` also separates)."""
+    name, sep, dims = text.rpartition("=")
+    name, dims = name.strip(), dims.strip().lower()
+    if not sep or not name or not _DIMS.fullmatch(dims):
+        raise InvalidInputError(f"bad input shape {text!r}: expected NAME=DIMS, e.g. x=1x3x224x224")
+    shape = tuple(int(d) for d in re.split(r"[x,]", dims))
+    if any(d < 1 for d in shape):
+        raise InvalidInputError(f"bad input shape {text!r}: dimensions must be positive")
+    return name, shape

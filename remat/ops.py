@@ -1,0 +1,154 @@
+"""Analytical FLOP estimates per ONNX operator, for the analytical cost model.
+
+``flops(op_type, input_shapes, output_shapes, attrs)`` counts multiply-adds as two FLOPs.
+Inputs are positional (an omitted optional input in the middle has shape ``()``; trailing
+omitted ones are left out). Operators not in the table are assumed memory-bound and cost
+one FLOP per output element; pure data movement costs nothing (its time comes from the
+bytes it moves, see ``remat.costs``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+Shape = tuple[int, ...]
+Shapes = Sequence[Shape]
+FlopsFn = Callable[[Shapes, Shapes, Mapping[str, object]], float]
+
+
+def _numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+def _out(outputs: Shapes) -> int:
+    """Elements of the first output (the one that carries the result)."""
+    return _numel(outputs[0]) if outputs else 0
+
+
+def _per_output_elem(cost: float) -> FlopsFn:
+    return lambda inputs, outputs, attrs: cost * _out(outputs)
+
+
+def _per_input_elem(cost: float) -> FlopsFn:
+    return lambda inputs, outputs, attrs: cost * (_numel(inputs[0]) if inputs else 0)
+
+
+def _has_input(inputs: Shapes, index: int) -> bool:
+    return len(inputs) > index
+
+
+def _conv(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # Weight is (Cout, Cin/group, *kernel): each output element is a dot product of
+    # Cin/group * prod(kernel) pairs.
+    weight = inputs[1]
+    macs = _out(outputs) * weight[1] * math.prod(weight[2:])
+    bias = _out(outputs) if _has_input(inputs, 2) else 0
+    return 2.0 * macs + bias
+
+
+def _conv_transpose(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # Weight is (Cin, Cout/group, *kernel): every input element scatters into
+    # Cout/group * prod(kernel) outputs.
+    weight = inputs[1]
+    macs = _numel(inputs[0]) * weight[1] * math.prod(weight[2:])
+    bias = _out(outputs) if _has_input(inputs, 2) else 0
+    return 2.0 * macs + bias
+
+
+def _gemm(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    a = inputs[0]
+    k = a[0] if attrs.get("transA", 0) else a[1]
+    m_by_n = _out(outputs)
+    bias = m_by_n if _has_input(inputs, 2) else 0
+    return 2.0 * m_by_n * k + bias
+
+
+def _matmul(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # Batch dimensions broadcast into the output, so out_elems * K covers them.
+    a = inputs[0]
+    k = a[-1] if a else 1
+    return 2.0 * max(_out(outputs), 1) * k
+
+
+def _window(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    kernel = attrs.get("kernel_shape") or ()
+    return float(_out(outputs) * math.prod(kernel))  # type: ignore[arg-type]
+
+
+def _lrn(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    return float(int(attrs.get("size", 1)) * _out(outputs))  # type: ignore[call-overload]
+
+
+def _variadic(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # Sum/Max/Min/Mean of n tensors: n - 1 binary ops per output element.
+    return float(max(len(inputs) - 1, 1) * _out(outputs))
+
+
+def _free(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    return 0.0
+
+
+# fmt: off
+_ELEMENTWISE = (
+    "Relu", "LeakyRelu", "PRelu", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Clip", "Pow",
+    "Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Not",
+    "Xor", "Cast", "Sign", "Floor", "Ceil", "Round", "Mod", "ThresholdedRelu", "HardSigmoid",
+    "HardSwish", "Selu", "Elu", "Celu", "Reciprocal", "BitShift",
+)
+_TRANSCENDENTAL = (
+    "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Softplus", "Softsign", "Mish",
+)
+_DATA_MOVEMENT = (
+    "Reshape", "Flatten", "Transpose", "Identity", "Concat", "Split", "Pad", "Dropout",
+    "Squeeze", "Unsqueeze", "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Tile",
+    "Shape", "Size", "DepthToSpace", "SpaceToDepth", "SplitToSequence", "ConcatFromSequence",
+)
+_REDUCTIONS = (
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin",
+    "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool",
+)
+# fmt: on
+
+FLOPS: dict[str, FlopsFn] = {
+    "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    "Gemm": _gemm,
+    "MatMul": _matmul,
+    # Inference-mode batch norm is a per-channel affine map plus the normalisation.
+    "BatchNormalization": _per_output_elem(5),
+    # Instance/layer/group norm compute mean and variance on the fly.
+    "InstanceNormalization": _per_output_elem(8),
+    "LayerNormalization": _per_output_elem(8),
+    "GroupNormalization": _per_output_elem(8),
+    "Softmax": _per_output_elem(5),
+    "LogSoftmax": _per_output_elem(5),
+    "Gelu": _per_output_elem(8),
+    "MaxPool": _window,
+    "AveragePool": _window,
+    "LpPool": _window,
+    "LRN": _lrn,
+    **dict.fromkeys(("Sum", "Mean", "Max", "Min"), _variadic),
+    **dict.fromkeys(_ELEMENTWISE, _per_output_elem(1)),
+    # Transcendentals take a handful of FLOPs each on any hardware.
+    **dict.fromkeys(_TRANSCENDENTAL, _per_output_elem(4)),
+    **dict.fromkeys(_REDUCTIONS, _per_input_elem(1)),
+    **dict.fromkeys(_DATA_MOVEMENT, _free),
+}
+_DEFAULT: FlopsFn = _per_output_elem(1)
+
+
+def flops(
+    op_type: str,
+    input_shapes: list[tuple[int, ...]],
+    output_shapes: list[tuple[int, ...]],
+    attrs: dict,
+) -> float:
+    """Estimated FLOPs of one operator call (memory-bound default: one per output element)."""
+    estimate = FLOPS.get(op_type, _DEFAULT)
+    try:
+        return float(estimate(input_shapes, output_shapes, attrs))
+    except (IndexError, TypeError, ValueError):
+        # A malformed call (missing weight shape, odd attribute) still gets a usable guess.
+        return float(_DEFAULT(input_shapes, output_shapes, attrs))

@@ -1,0 +1,873 @@
+"""ONNX ingestion: loading, input shapes, constant folding, node sizes and FLOPs.
+
+Every model is built inline with onnx.helper.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from remat import ops
+from remat.errors import (
+    EmptyModelError,
+    InvalidInputError,
+    ModelLoadError,
+    RematError,
+    ShapeError,
+)
+from remat.graph import FixedKind, Graph, Mode, NodeKind
+from remat.onnx_ingest import (
+    forward_graph,
+    load_forward_graph,
+    load_model,
+    parse_input_shape,
+)
+
+F32 = TensorProto.FLOAT
+OPSETS = (9, 13, 17, 21)
+X_SHAPE = (2, 3, 8, 8)  # 384 elements
+
+
+# --- builders -----------------------------------------------------------------------------
+
+
+def vi(name: str, shape: Sequence[int | str] | None, dtype: int = F32) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def out(name: str, rank: int, dtype: int = F32) -> onnx.ValueInfoProto:
+    """A graph output with symbolic dims: the checker wants a shape, ingestion ignores it."""
+    return vi(name, [f"{name}_d{i}" for i in range(rank)], dtype)
+
+
+def init(name: str, value: Sequence | np.ndarray, dtype: type = np.float32) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def ones(name: str, shape: Sequence[int], dtype: type = np.float32) -> TensorProto:
+    return numpy_helper.from_array(np.ones(shape, dtype=dtype), name)
+
+
+def const_node(name: str, value: Sequence | np.ndarray, dtype: type = np.int64) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype))
+    )
+
+
+def model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    initializers: Sequence[TensorProto] = (),
+    opset: int = 17,
+    value_info: Sequence[onnx.ValueInfoProto] = (),
+    extra_opsets: Sequence[onnx.OperatorSetIdProto] = (),
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        list(nodes), "test", list(inputs), list(outputs), list(initializers), value_info=value_info
+    )
+    opsets = [helper.make_opsetid("", opset), *extra_opsets]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def single_op(
+    node: onnx.NodeProto,
+    out_rank: int,
+    initializers: Sequence[TensorProto] = (),
+    opset: int = 17,
+    x_shape: Sequence[int | str] = X_SHAPE,
+    dtype: int = F32,
+) -> onnx.ModelProto:
+    outputs = [out(o, out_rank, dtype) for o in node.output if o]
+    return model([node], [vi("x", x_shape, dtype)], outputs, initializers, opset)
+
+
+def ingest(m: onnx.ModelProto, **kwargs) -> Graph:
+    """Through bytes and load_model, as the CLI does (this also runs the checker)."""
+    return load_forward_graph(m.SerializeToString(), **kwargs)
+
+
+def ops_of(graph: Graph) -> list[str]:
+    return [n.op for n in graph.nodes]
+
+
+# --- every listed operator, across opsets --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One operator applied to ``x`` of shape X_SHAPE (unless ``x_shape`` says otherwise)."""
+
+    build: Callable[[int], tuple[onnx.NodeProto, list[TensorProto]]]
+    out_elems: int  # summed over outputs
+    flops: float
+    out_rank: int = 4
+    x_shape: tuple[int, ...] = X_SHAPE
+
+
+def _node(op: str, inputs: Sequence[str], **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, list(inputs), ["y"], **attrs)
+
+
+def _unary(op: str, **attrs) -> Callable[[int], tuple[onnx.NodeProto, list[TensorProto]]]:
+    return lambda opset: (_node(op, ["x"], **attrs), [])
+
+
+def _split(opset: int) -> tuple[onnx.NodeProto, list[TensorProto]]:
+    if opset >= 13:
+        node = helper.make_node("Split", ["x", "split"], ["y0", "y1"], axis=1)
+        return node, [init("split", [1, 2], np.int64)]
+    return helper.make_node("Split", ["x"], ["y0", "y1"], axis=1, split=[1, 2]), []
+
+
+def _pad(opset: int) -> tuple[onnx.NodeProto, list[TensorProto]]:
+    pads = [0, 0, 1, 1, 0, 0, 1, 1]
+    if opset >= 11:
+        return _node("Pad", ["x", "pads"]), [init("pads", pads, np.int64)]
+    return _node("Pad", ["x"], pads=pads), []
+
+
+def _with(op: str, params: dict[str, np.ndarray], **attrs):
+    def build(opset: int) -> tuple[onnx.NodeProto, list[TensorProto]]:
+        tensors = [numpy_helper.from_array(v, k) for k, v in params.items()]
+        return _node(op, ["x", *params], **attrs), tensors
+
+    return build
+
+
+def _f(*shape: int) -> np.ndarray:
+    return np.ones(shape, np.float32)
+
+
+N = 384  # elements of X_SHAPE
+OP_CASES: dict[str, OpCase] = {
+    # out (2,4,8,8)=512: 2*512*3*9 MACs + 512 bias
+    "Conv": OpCase(
+        _with("Conv", {"W": _f(4, 3, 3, 3), "B": _f(4)}, pads=[1, 1, 1, 1]), 512, 28160, 4
+    ),
+    # out (2,4,10,10); 2 * in_elems(384) * Cout(4) * 9
+    "ConvTranspose": OpCase(_with("ConvTranspose", {"W": _f(3, 4, 3, 3)}), 800, 27648),
+    "BatchNormalization": OpCase(
+        _with("BatchNormalization", {k: _f(3) for k in ("s", "b", "m", "v")}), N, 5 * N
+    ),
+    "InstanceNormalization": OpCase(
+        _with("InstanceNormalization", {"s": _f(3), "b": _f(3)}), N, 8 * N
+    ),
+    "LayerNormalization": OpCase(_with("LayerNormalization", {"s": _f(8), "b": _f(8)}), N, 8 * N),
+    "Relu": OpCase(_unary("Relu"), N, N),
+    "LeakyRelu": OpCase(_unary("LeakyRelu", alpha=0.1), N, N),
+    "Sigmoid": OpCase(_unary("Sigmoid"), N, 4 * N),
+    "Tanh": OpCase(_unary("Tanh"), N, 4 * N),
+    "Gelu": OpCase(_unary("Gelu"), N, 8 * N),
+    "Softmax": OpCase(_unary("Softmax", axis=1), N, 5 * N),
+    "LogSoftmax": OpCase(_unary("LogSoftmax", axis=1), N, 5 * N),
+    # out (2,3,4,4)=96, 2x2 window
+    "MaxPool": OpCase(_unary("MaxPool", kernel_shape=[2, 2], strides=[2, 2]), 96, 96 * 4),
+    "AveragePool": OpCase(_unary("AveragePool", kernel_shape=[2, 2], strides=[2, 2]), 96, 96 * 4),
+    "GlobalAveragePool": OpCase(_unary("GlobalAveragePool"), 6, N),
+    # (2,16) x (10,16)^T + C: 2*M*N*K + M*N
+    "Gemm": OpCase(_with("Gemm", {"B": _f(10, 16), "C": _f(10)}, transB=1), 20, 660, 2, (2, 16)),
+    # (2,3,8,8) @ (8,5) -> (2,3,8,5)=240; 2 * 240 * 8
+    "MatMul": OpCase(_with("MatMul", {"W": _f(8, 5)}), 240, 3840),
+    "Add": OpCase(_with("Add", {"c": _f(8)}), N, N),
+    "Sub": OpCase(_with("Sub", {"c": _f(8)}), N, N),
+    "Mul": OpCase(_with("Mul", {"c": _f(8)}), N, N),
+    "Div": OpCase(_with("Div", {"c": _f(8)}), N, N),
+    "Sum": OpCase(_with("Sum", {"c": _f(8), "d": _f(8)}), N, 2 * N),
+    "Concat": OpCase(_with("Concat", {"c": _f(*X_SHAPE)}, axis=1), 2 * N, 0),
+    "Split": OpCase(_split, N, 0),
+    "Reshape": OpCase(
+        lambda opset: (_node("Reshape", ["x", "s"]), [init("s", [2, -1], np.int64)]), N, 0, 2
+    ),
+    "Flatten": OpCase(_unary("Flatten", axis=1), N, 0, 2),
+    "Transpose": OpCase(_unary("Transpose", perm=[0, 2, 3, 1]), N, 0),
+    "Dropout": OpCase(_unary("Dropout"), N, 0),
+    "LRN": OpCase(_unary("LRN", size=3), N, 3 * N),
+    "Pad": OpCase(_pad, 600, 0),
+    "Identity": OpCase(_unary("Identity"), N, 0),
+}
+
+
+def _exists(op: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+OP_PARAMS = [
+    pytest.param(op, opset, id=f"{op}-opset{opset}")
+    for op in OP_CASES
+    for opset in OPSETS
+    if _exists(op, opset)
+]
+
+
+def test_op_table_covers_each_listed_op_in_some_opset() -> None:
+    # Guards the parametrization itself: an op silently dropped from every opset would
+    # otherwise go untested.
+    covered = {p.values[0] for p in OP_PARAMS}
+    assert covered == set(OP_CASES)
+    assert ("Gelu", 17) not in {tuple(p.values) for p in OP_PARAMS}
+
+
+@pytest.mark.parametrize(("op", "opset"), OP_PARAMS)
+def test_each_op_is_one_scheduled_node_with_exact_bytes_and_flops(op: str, opset: int) -> None:
+    case = OP_CASES[op]
+    node, params = case.build(opset)
+    graph = ingest(single_op(node, case.out_rank, params, opset, case.x_shape))
+
+    assert ops_of(graph) == [op]
+    (scheduled,) = graph.nodes
+    assert scheduled.kind is NodeKind.FORWARD
+    assert scheduled.output_bytes == case.out_elems * 4
+    assert scheduled.flops == pytest.approx(case.flops)
+    assert scheduled.deps == ()
+    assert scheduled.fixed[0] == "x"
+    x_bytes = int(np.prod(case.x_shape)) * 4
+    param_bytes = sum(int(np.prod(t.dims)) * (8 if t.data_type == 7 else 4) for t in params)
+    assert scheduled.input_bytes == x_bytes + param_bytes
+    assert set(scheduled.fixed) == {"x", *(t.name for t in params)}
+    assert graph.outputs == (0,)
+    assert graph.mode is Mode.INFERENCE
+
+
+# --- sizes --------------------------------------------------------------------------------
+
+
+def test_float16_model_counts_two_bytes_per_element() -> None:
+    weight = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float16), "W")
+    node = helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1])
+    graph = ingest(single_op(node, 4, [weight], dtype=TensorProto.FLOAT16))
+    assert graph.nodes[0].output_bytes == 512 * 2
+    assert graph.fixed["W"].nbytes == 108 * 2
+    assert graph.fixed["x"].nbytes == 384 * 2
+    assert graph.nodes[0].input_bytes == (108 + 384) * 2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "size"),
+    [
+        (TensorProto.FLOAT16, 2),
+        (TensorProto.BFLOAT16, 2),
+        (TensorProto.DOUBLE, 8),
+        (TensorProto.INT64, 8),
+        (TensorProto.INT32, 4),
+        (TensorProto.INT8, 1),
+        (TensorProto.UINT8, 1),
+        (TensorProto.BOOL, 1),
+    ],
+)
+def test_output_bytes_follow_dtype(dtype: int, size: int) -> None:
+    node = helper.make_node("Cast", ["x"], ["y"], to=dtype)
+    graph = ingest(model([node], [vi("x", X_SHAPE)], [out("y", 4, dtype)]))
+    assert graph.nodes[0].output_bytes == 384 * size
+
+
+def test_comparison_produces_bool_bytes() -> None:
+    node = helper.make_node("Greater", ["x", "c"], ["y"])
+    m = model([node], [vi("x", X_SHAPE)], [out("y", 4, TensorProto.BOOL)], [init("c", [0.0])])
+    assert ingest(m).nodes[0].output_bytes == 384
+
+
+def test_multi_output_node_sums_all_outputs() -> None:
+    node = helper.make_node("Split", ["x", "split"], ["a", "b", "c"], axis=1)
+    m = model(
+        [node], [vi("x", X_SHAPE)], [out(n, 4) for n in "abc"], [init("split", [1, 1, 1], np.int64)]
+    )
+    graph = ingest(m)
+    assert len(graph) == 1
+    assert graph.nodes[0].output_bytes == 3 * 128 * 4
+    assert graph.nodes[0].attrs["output_shapes"] == [(2, 1, 8, 8)] * 3
+
+
+def test_unused_and_empty_optional_outputs() -> None:
+    # Dropout's mask is a real (bool) output; LayerNorm's empty-named Mean is skipped.
+    dropout = helper.make_node("Dropout", ["x"], ["d", "mask"])
+    norm = helper.make_node("LayerNormalization", ["d", "s", "b"], ["y", "", "inv"], axis=-1)
+    m = model(
+        [dropout, norm],
+        [vi("x", X_SHAPE)],
+        [out("y", 4), out("inv", 4)],
+        [ones("s", [8]), ones("b", [8])],
+    )
+    graph = ingest(m)
+    assert graph.nodes[0].output_bytes == 384 * 4 + 384 * 1
+    assert graph.nodes[1].output_bytes == 384 * 4 + 48 * 4
+    assert graph.nodes[1].attrs["onnx_outputs"] == ["y", "inv"]
+    assert graph.outputs == (1,)
+
+
+def test_repeated_input_is_one_dependency_and_counted_once() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "r"], ["y"])]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)]))
+    assert graph.nodes[1].deps == (0,)
+    assert graph.nodes[1].input_bytes == 384 * 4
+    assert graph.nodes[1].fixed == ()
+
+
+# --- parameters and folding ---------------------------------------------------------------
+
+
+def test_old_style_initializers_listed_as_inputs_are_parameters() -> None:
+    node = helper.make_node("Conv", ["x", "W"], ["y"])
+    inputs = [vi("x", ["N", 3, 8, 8]), vi("W", [4, 3, 3, 3])]
+    m = model([node], inputs, [out("y", 4)], [ones("W", [4, 3, 3, 3])], opset=9)
+    m.ir_version = 3
+    graph = ingest(m, batch=5)
+    assert graph.fixed["W"].kind is FixedKind.PARAMETER
+    assert graph.fixed["x"].kind is FixedKind.INPUT
+    assert graph.fixed["x"].nbytes == 5 * 3 * 8 * 8 * 4
+    assert graph.param_bytes == 108 * 4
+    assert graph.nodes[0].output_bytes == 5 * 4 * 6 * 6 * 4
+    with pytest.raises(InvalidInputError, match="'W'"):
+        ingest(m, inputs={"W": [4, 3, 3, 3]})
+
+
+def test_constant_of_shape_weights_are_folded_into_parameters() -> None:
+    nodes = [
+        const_node("wshape", [4, 3, 3, 3]),
+        helper.make_node(
+            "ConstantOfShape",
+            ["wshape"],
+            ["W"],
+            value=numpy_helper.from_array(np.array([0.5], np.float32)),
+        ),
+        helper.make_node("Conv", ["x", "W"], ["y"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)]))
+    assert ops_of(graph) == ["Conv"]
+    assert graph.fixed["W"].kind is FixedKind.PARAMETER
+    assert graph.fixed["W"].nbytes == 108 * 4
+    assert "wshape" not in graph.fixed  # read only by the folded node
+    assert graph.nodes[0].fixed == ("x", "W")
+
+
+def test_operations_on_constants_are_folded() -> None:
+    nodes = [
+        helper.make_node("Transpose", ["Wt"], ["W"], perm=[1, 0]),
+        helper.make_node("Identity", ["b0"], ["b"]),
+        helper.make_node("Gemm", ["x", "W", "b"], ["y"]),
+    ]
+    params = [ones("Wt", [10, 16]), ones("b0", [10])]
+    graph = ingest(model(nodes, [vi("x", [2, 16])], [out("y", 2)], params))
+    assert ops_of(graph) == ["Gemm"]
+    assert {n: t.nbytes for n, t in graph.fixed.items()} == {"x": 128, "W": 640, "b": 40}
+
+
+def _shape_chain_model(opset: int) -> onnx.ModelProto:
+    """The exporter idiom: Shape -> Gather -> Unsqueeze -> Concat -> Reshape, then a
+    weight shaped from an activation's (static) Shape via Slice/Concat/ConstantOfShape."""
+    if opset >= 13:
+        unsqueeze = helper.make_node("Unsqueeze", ["b", "axes"], ["bu"])
+    else:
+        unsqueeze = helper.make_node("Unsqueeze", ["b"], ["bu"], axes=[0])
+    if opset >= 10:
+        slice_ = helper.make_node("Slice", ["rs", "start", "end"], ["last"])
+    else:
+        slice_ = helper.make_node("Slice", ["rs"], ["last"], starts=[1], ends=[2])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        const_node("i0", 0),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        unsqueeze,
+        const_node("minus1", [-1]),
+        helper.make_node("Concat", ["bu", "minus1"], ["shape"], axis=0),
+        helper.make_node("Cast", ["shape"], ["shape64"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["x", "shape64"], ["r"]),
+        helper.make_node("Shape", ["r"], ["rs"]),
+        slice_,
+        helper.make_node("Concat", ["last", "five"], ["wshape"], axis=0),
+        helper.make_node(
+            "ConstantOfShape",
+            ["wshape"],
+            ["W"],
+            value=numpy_helper.from_array(np.array([1.0], np.float32)),
+        ),
+        helper.make_node("MatMul", ["r", "W"], ["y"]),
+    ]
+    params = [
+        init("axes", [0], np.int64),
+        init("start", [1], np.int64),
+        init("end", [2], np.int64),
+        init("five", [5], np.int64),
+    ]
+    return model(nodes, [vi("x", ["N", 3, 4, 4])], [out("y", 2)], params, opset)
+
+
+@pytest.mark.parametrize("opset", [9, 11, 13, 17, 21])
+def test_shape_gather_unsqueeze_concat_reshape_chain_is_folded(opset: int) -> None:
+    # Before opset 15 ONNX does not propagate Shape values: the folder must compute them.
+    graph = ingest(_shape_chain_model(opset), batch=2)
+    assert ops_of(graph) == ["Reshape", "MatMul"]
+    reshape, matmul = graph.nodes
+    assert reshape.attrs["output_shapes"] == [(2, 48)]
+    assert reshape.fixed == ("x", "shape64")
+    assert graph.fixed["shape64"].nbytes == 16
+    assert graph.fixed["W"].nbytes == 48 * 5 * 4
+    assert matmul.deps == (0,)
+    assert matmul.output_bytes == 2 * 5 * 4
+    assert matmul.flops == 2 * 10 * 48
+
+
+def test_shape_of_an_activation_is_a_constant() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Shape", ["r"], ["s"]),
+        helper.make_node("Reshape", ["r", "s"], ["y"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], opset=13))
+    assert ops_of(graph) == ["Relu", "Reshape"]
+    assert graph.fixed["s"].nbytes == 4 * 8
+    assert graph.nodes[1].deps == (0,)
+
+
+def test_only_constants_is_an_empty_model() -> None:
+    nodes = [const_node("c", [1.0, 2.0], np.float32), helper.make_node("Relu", ["c"], ["y"])]
+    m = model(nodes, [], [out("y", 1)])
+    with pytest.raises(EmptyModelError):
+        ingest(m)
+
+
+def test_graph_without_nodes_is_an_empty_model() -> None:
+    m = model([], [vi("x", [2])], [vi("x", [2])])
+    with pytest.raises(EmptyModelError):
+        ingest(m)
+
+
+def test_graph_without_nodes_is_empty_even_with_symbolic_inputs() -> None:
+    m = model([], [vi("x", ["N", 2])], [vi("x", ["N", 2])])
+    with pytest.raises(EmptyModelError, match="no operators"):
+        ingest(m)
+
+
+def test_random_generators_are_not_folded() -> None:
+    nodes = [
+        helper.make_node("RandomNormal", [], ["noise"], shape=list(X_SHAPE)),
+        helper.make_node("Add", ["x", "noise"], ["y"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)]))
+    assert ops_of(graph) == ["RandomNormal", "Add"]
+    assert graph.nodes[1].deps == (0,)
+
+
+# --- operators outside the table and shape failures ----------------------------------------
+
+
+def test_standard_op_outside_the_flops_table_is_schedulable() -> None:
+    assert "Hardmax" not in ops.FLOPS
+    graph = ingest(single_op(helper.make_node("Hardmax", ["x"], ["y"]), 4))
+    assert ops_of(graph) == ["Hardmax"]
+    assert graph.nodes[0].flops == 384  # memory-bound default: one per output element
+    assert graph.nodes[0].output_bytes == 384 * 4
+
+
+def _custom_model(annotate: bool) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="pre"),
+        helper.make_node("Fancy", ["r"], ["f"], name="fancy", domain="com.example"),
+        helper.make_node("Relu", ["f"], ["y"], name="post"),
+    ]
+    annotations = [vi("f", [2, 6, 8, 8])] if annotate else []
+    return model(
+        nodes,
+        [vi("x", X_SHAPE)],
+        [out("y", 4)],
+        value_info=annotations,
+        extra_opsets=[helper.make_opsetid("com.example", 1)],
+    )
+
+
+def test_custom_op_with_declared_shape_is_schedulable() -> None:
+    graph = ingest(_custom_model(annotate=True))
+    assert ops_of(graph) == ["Relu", "Fancy", "Relu"]
+    assert graph.nodes[1].output_bytes == 768 * 4
+    assert graph.nodes[2].output_bytes == 768 * 4
+    assert graph.nodes[1].flops == 768
+
+
+def test_custom_op_without_shape_is_a_shape_error_naming_it() -> None:
+    with pytest.raises(ShapeError, match=r"'fancy' \(Fancy\)"):
+        ingest(_custom_model(annotate=False))
+
+
+def test_data_dependent_shape_is_a_shape_error_naming_the_node() -> None:
+    nodes = [
+        helper.make_node("NonZero", ["x"], ["nz"], name="where_nonzero"),
+        helper.make_node("Transpose", ["nz"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", X_SHAPE)], [out("y", 2, TensorProto.INT64)])
+    with pytest.raises(ShapeError, match=r"'where_nonzero' \(NonZero\)") as info:
+        ingest(m)
+    assert "\n" not in str(info.value)
+
+
+def test_inconsistent_shapes_are_a_shape_error_naming_the_node() -> None:
+    node = helper.make_node("MatMul", ["x", "W"], ["y"], name="bad_matmul")
+    m = single_op(node, 4, [ones("W", [7, 5])])
+    with pytest.raises(ShapeError, match=r"'bad_matmul' \(MatMul\)"):
+        ingest(m)
+
+
+# --- input shapes -------------------------------------------------------------------------
+
+
+def _symbolic_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    return model(nodes, [vi("x", ["batch", 3, "H", "W"])], [out("y", 4)])
+
+
+def test_symbolic_dims_without_values_name_input_dim_and_flags() -> None:
+    with pytest.raises(ShapeError) as info:
+        ingest(_symbolic_model())
+    message = str(info.value)
+    assert "'x'" in message and "dimension 0" in message and "'batch'" in message
+    assert "--batch" in message and "--input x=DIMS" in message
+
+
+def test_batch_only_fills_the_leading_dimension() -> None:
+    with pytest.raises(ShapeError, match=r"dimension 2 \('H'\)"):
+        ingest(_symbolic_model(), batch=4)
+
+
+def test_input_override_gives_full_shape() -> None:
+    graph = ingest(_symbolic_model(), inputs={"x": [4, 3, 16, 16]})
+    assert graph.fixed["x"].nbytes == 4 * 3 * 16 * 16 * 4
+    assert graph.nodes[0].output_bytes == 4 * 3 * 16 * 16 * 4
+
+
+def test_batch_sets_leading_symbolic_dim_of_every_input() -> None:
+    nodes = [helper.make_node("Add", ["a", "b"], ["y"])]
+    m = model(nodes, [vi("a", ["N", 8]), vi("b", ["M", 8])], [out("y", 2)])
+    graph = ingest(m, batch=3)
+    assert graph.fixed["a"].nbytes == graph.fixed["b"].nbytes == 3 * 8 * 4
+    assert graph.nodes[0].output_bytes == 3 * 8 * 4
+
+
+def test_input_override_wins_over_batch_and_over_stale_declared_shapes() -> None:
+    # Declared output shape says batch 1; the override must not clash with it.
+    node = helper.make_node("Relu", ["x"], ["y"])
+    m = model([node], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 3, 8, 8])])
+    graph = ingest(m, batch=7, inputs={"x": [6, 3, 8, 8]})
+    assert graph.nodes[0].output_bytes == 6 * 192 * 4
+
+
+def test_batch_does_not_change_concrete_leading_dims() -> None:
+    graph = ingest(single_op(helper.make_node("Relu", ["x"], ["y"]), 4), batch=9)
+    assert graph.nodes[0].output_bytes == 384 * 4
+
+
+def test_unknown_input_name_is_invalid_input_naming_it() -> None:
+    with pytest.raises(InvalidInputError, match="'nope'"):
+        ingest(_symbolic_model(), inputs={"nope": [1, 2]})
+
+
+@pytest.mark.parametrize("dims", [[1, 3, 8], [0, 3, 8, 8], [1.5, 3, 8, 8]])
+def test_bad_override_dims_are_invalid_input(dims: list) -> None:
+    with pytest.raises(InvalidInputError, match="x"):
+        ingest(_symbolic_model(), inputs={"x": dims})
+
+
+@pytest.mark.parametrize("batch", [0, -1])
+def test_bad_batch_is_invalid_input(batch: int) -> None:
+    with pytest.raises(InvalidInputError, match="batch"):
+        ingest(_symbolic_model(), batch=batch)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x=1x3x224x224", ("x", (1, 3, 224, 224))),
+        ("input.1=8", ("input.1", (8,))),
+        (" ids = 2,128 ", ("ids", (2, 128))),
+        ("a=b=2X3", ("a=b", (2, 3))),
+    ],
+)
+def test_parse_input_shape(text: str, expected: tuple) -> None:
+    assert parse_input_shape(text) == expected
+
+
+@pytest.mark.parametrize("text", ["x", "=1x2", "x=", "x=1xx2", "x=1x-2", "x=0x3", "x=ax3"])
+def test_parse_input_shape_rejects_bad_text(text: str) -> None:
+    with pytest.raises(InvalidInputError):
+        parse_input_shape(text)
+
+
+# --- names and order ----------------------------------------------------------------------
+
+
+def test_empty_names_are_generated_and_all_names_unique() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),  # unnamed -> Relu_0, but Relu_0 is taken
+        helper.make_node("Relu", ["a"], ["b"], name="Relu_0"),
+        helper.make_node("Sigmoid", ["b"], ["c"], name="dup"),
+        helper.make_node("Sigmoid", ["c"], ["d"], name="dup"),
+        helper.make_node("Tanh", ["d"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", X_SHAPE)], [out("y", 4)])
+    m.graph.node[3].name = "dup"  # the checker does not require unique names
+    names = [n.name for n in ingest(m).nodes]
+    assert names == ["Relu_0_1", "Relu_0", "dup", "dup_1", "Tanh_4"]
+    assert names == [n.name for n in ingest(m).nodes]  # stable
+
+
+def test_nodes_listed_out_of_order_are_sorted_topologically() -> None:
+    chain = [
+        helper.make_node("Relu", ["x"], ["a"], name="first"),
+        helper.make_node("Sigmoid", ["a"], ["b"], name="second"),
+        helper.make_node("Add", ["a", "b"], ["c"], name="third"),
+        helper.make_node("Tanh", ["c"], ["y"], name="fourth"),
+    ]
+    shuffled = [chain[3], chain[1], chain[2], chain[0]]
+    m = model(shuffled, [vi("x", X_SHAPE)], [out("y", 4)])
+    for graph in (ingest(m), forward_graph(m)):  # via load_model, and unchecked proto
+        assert [n.name for n in graph.nodes] == ["first", "second", "third", "fourth"]
+        assert [n.deps for n in graph.nodes] == [(), (0,), (0, 1), (2,)]
+        assert graph.outputs == (3,)
+    assert m.graph.node[0].name == "fourth"  # the caller's model is untouched
+
+
+def test_several_graph_outputs() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Sigmoid", ["a"], ["b"]),
+        helper.make_node("Tanh", ["a"], ["c"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("c", 4), out("b", 4)]))
+    assert graph.outputs == (1, 2)
+
+
+def test_attrs_record_onnx_io() -> None:
+    node = helper.make_node("Conv", ["x", "W"], ["y"])
+    graph = ingest(single_op(node, 4, [ones("W", [4, 3, 3, 3])]))
+    attrs = graph.nodes[0].attrs
+    assert attrs["onnx_inputs"] == ["x", "W"]
+    assert attrs["onnx_outputs"] == ["y"]
+    assert attrs["input_shapes"] == [X_SHAPE, (4, 3, 3, 3)]
+    assert attrs["output_shapes"] == [(2, 4, 6, 6)]
+
+
+def test_subgraph_captures_are_dependencies() -> None:
+    branch = helper.make_graph(
+        [helper.make_node("Relu", ["a"], ["t"])], "then", [], [vi("t", X_SHAPE)]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Sigmoid", ["a"], ["e"])], "else", [], [vi("e", X_SHAPE)]
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=other),
+    ]
+    m = model(nodes, [vi("x", X_SHAPE), vi("cond", [], TensorProto.BOOL)], [out("y", 4)])
+    graph = ingest(m)
+    assert ops_of(graph) == ["Relu", "If"]
+    assert graph.nodes[1].deps == (0,)
+    assert graph.nodes[1].output_bytes == 384 * 4
+
+
+# --- bad files ----------------------------------------------------------------------------
+
+
+def _weighty_model() -> onnx.ModelProto:
+    node = helper.make_node("MatMul", ["x", "W"], ["y"])
+    return model([node], [vi("x", [2, 64])], [out("y", 2)], [ones("W", [64, 64])])
+
+
+def _fails_checker() -> bytes:
+    """A node reads a tensor nothing defines."""
+    m = model([helper.make_node("Relu", ["nowhere"], ["y"])], [vi("x", [2])], [out("y", 1)])
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "message"),
+    [
+        (b"", ModelLoadError, "empty"),
+        (b"\x00\xff garbage, certainly not a protobuf \xff" * 3, ModelLoadError, "not an ONNX"),
+        (_weighty_model().SerializeToString()[:5000], ModelLoadError, "truncated"),
+        (_fails_checker(), ModelLoadError, "onnx.checker"),
+    ],
+    ids=["empty", "garbage", "truncated", "checker"],
+)
+def test_bad_bytes_raise_one_line_model_load_errors(data: bytes, error: type, message: str) -> None:
+    with pytest.raises(error, match=message) as info:
+        load_model(data)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_model(tmp_path / "missing.onnx")
+
+
+def test_directory_is_not_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not a file"):
+        load_model(tmp_path)
+
+
+def test_truncated_file_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(_weighty_model().SerializeToString()[:3000])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_forward_graph(str(path))
+
+
+def test_load_from_path_and_str(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(_weighty_model(), path)
+    for source in (path, str(path)):
+        graph = load_forward_graph(source)
+        assert ops_of(graph) == ["MatMul"]
+        assert graph.fixed["W"].nbytes == 64 * 64 * 4
+
+
+def test_external_data_stays_on_disk_but_is_sized(tmp_path: Path) -> None:
+    path = tmp_path / "ext.onnx"
+    onnx.save(
+        _weighty_model(), path, save_as_external_data=True, location="ext.bin", size_threshold=0
+    )
+    graph = load_forward_graph(path)
+    assert graph.fixed["W"].nbytes == 64 * 64 * 4
+    assert graph.nodes[0].output_bytes == 2 * 64 * 4
+
+
+def test_no_raw_onnx_or_protobuf_exception_escapes() -> None:
+    sources: list[bytes] = [b"\x08\x07\x12", b"\x0a\xff\xff\xff\xff", bytes(range(256))]
+    for data in sources:
+        with pytest.raises(RematError):
+            load_forward_graph(data)
+
+
+def test_unchecked_model_reading_an_undefined_tensor() -> None:
+    m = model(
+        [helper.make_node("Add", ["x", "ghost"], ["y"], name="add")], [vi("x", [2])], [out("y", 1)]
+    )
+    with pytest.raises(ModelLoadError, match=r"'add' \(Add\) reads undefined tensor 'ghost'"):
+        forward_graph(m)
+
+
+def test_cycle_is_a_model_load_error() -> None:
+    nodes = [helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])]
+    m = model(nodes, [vi("x", [2])], [out("b", 1)])
+    with pytest.raises(ModelLoadError, match="cycle"):
+        load_model(m.SerializeToString())
+
+
+# --- performance --------------------------------------------------------------------------
+
+
+def _long_model(blocks: int, opset: int) -> onnx.ModelProto:
+    """Blocks of MatMul, Add, the Shape->Gather->Unsqueeze->Concat->Reshape idiom, Relu."""
+    params = [init("i0", 0, np.int64), init("axes", [0], np.int64)]
+    params.append(init("tail", [-1, 32], np.int64))
+    nodes, prev = [], "x"
+    for b in range(blocks):
+        params += [ones(f"w{b}", [32, 32]), ones(f"b{b}", [32])]
+        nodes += [
+            helper.make_node("MatMul", [prev, f"w{b}"], [f"m{b}"]),
+            helper.make_node("Add", [f"m{b}", f"b{b}"], [f"a{b}"]),
+            helper.make_node("Shape", [f"a{b}"], [f"s{b}"]),
+            helper.make_node("Gather", [f"s{b}", "i0"], [f"g{b}"], axis=0),
+            helper.make_node("Unsqueeze", [f"g{b}", "axes"], [f"u{b}"]),
+            helper.make_node("Concat", [f"u{b}", "tail"], [f"c{b}"], axis=0),
+            helper.make_node("Reshape", [f"a{b}", f"c{b}"], [f"r{b}"]),
+            helper.make_node("Relu", [f"r{b}"], [f"y{b}"]),
+        ]
+        prev = f"y{b}"
+    return model(nodes, [vi("x", ["N", 32])], [out(prev, 2)], params, opset)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_two_thousand_nodes_ingest_fast(opset: int) -> None:
+    data = _long_model(250, opset).SerializeToString()
+    start = time.perf_counter()
+    graph = load_forward_graph(data, batch=4)
+    elapsed = time.perf_counter() - start
+    assert len(graph) == 1000  # the 4 shape-idiom nodes per block are folded
+    assert all(n.output_bytes == 4 * 32 * 4 for n in graph.nodes)
+    assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+# --- FLOP estimates -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "outputs", "attrs", "expected"),
+    [
+        # Gemm with A transposed: A is (K, M) = (16, 2)
+        ("Gemm", [(16, 2), (16, 10)], [(2, 10)], {"transA": 1}, 2 * 2 * 10 * 16),
+        # batched MatMul broadcasting a 2-D weight: 2 * out_elems * K
+        ("MatMul", [(4, 2, 8, 16), (16, 5)], [(4, 2, 8, 5)], {}, 2 * 320 * 16),
+        ("MatMul", [(16,), (16,)], [()], {}, 2 * 16),  # 1-D dot product
+        # depthwise conv: weight (C, 1, 3, 3) -> one input channel per output
+        ("Conv", [(1, 8, 4, 4), (8, 1, 3, 3)], [(1, 8, 2, 2)], {"group": 8}, 2 * 32 * 9),
+        # grouped ConvTranspose: weight (Cin, Cout/group, k, k)
+        ("ConvTranspose", [(1, 4, 2, 2), (4, 3, 2, 2), (6,)], [(1, 6, 4, 4)], {}, 384 + 96),
+        ("Max", [(4,), (4,), (4,)], [(4,)], {}, 8),
+        ("ReduceMean", [(2, 8)], [(2, 1)], {}, 16),
+        ("Dropout", [(2, 8)], [(2, 8), (2, 8)], {}, 0),
+        ("SomethingNew", [(2, 8)], [(3, 8)], {}, 24),
+        ("Conv", [(1, 8, 4, 4)], [(1, 8, 2, 2)], {}, 32),  # malformed: default estimate
+    ],
+)
+def test_flops_estimates(
+    op: str, inputs: list, outputs: list, attrs: dict, expected: float
+) -> None:
+    assert ops.flops(op, inputs, outputs, attrs) == pytest.approx(expected)
+
+
+# --- sample models ------------------------------------------------------------------------
+
+CONSTANT_LIKE = {"Constant", "ConstantOfShape", "Shape", "Size"}
+
+
+def _sample_builders() -> list[tuple[str, Callable[[], onnx.ModelProto]]]:
+    if importlib.util.find_spec("remat.samples") is None:
+        return []
+    from remat import samples
+
+    names = [
+        "vgg16",
+        "resnet18",
+        "unet",
+        "mobilenet_v1",
+        "transformer_block",
+        "old_style_model",
+        "chain",
+    ]
+    return [(n, getattr(samples, n)) for n in names if callable(getattr(samples, n, None))]
+
+
+@pytest.mark.parametrize(("name", "build"), _sample_builders() or [pytest.param("none", None)])
+def test_sample_models_ingest(name: str, build: Callable[[], onnx.ModelProto] | None) -> None:
+    if build is None:
+        pytest.skip("remat.samples is not available")
+    sample = build()
+    graph = forward_graph(load_model(sample.SerializeToString()), batch=1)
+    assert len(graph) > 0
+    assert not CONSTANT_LIKE & set(ops_of(graph))
+    assert all(n.output_bytes > 0 for n in graph.nodes)
+    assert graph.outputs
+
+
+def test_large_sample_ingests_fast() -> None:
+    if importlib.util.find_spec("remat.samples") is None:
+        pytest.skip("remat.samples is not available")
+    from remat import samples
+
+    data = samples.large().SerializeToString()
+    start = time.perf_counter()
+    graph = load_forward_graph(data, batch=8)
+    elapsed = time.perf_counter() - start
+    assert len(graph) >= 1900
+    assert elapsed < 2.0, f"{elapsed:.2f} s"

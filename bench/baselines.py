@@ -13,14 +13,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from remat import samples
-from remat.budgets import keep_all_schedule
-from remat.comparison import PERCENTS, Row, compare
-from remat.compiler import compile_plan
+from remat.budgets import reference
+from remat.comparison import PERCENTS, Row, compare, format_overhead
 from remat.costs import analytical_costs
-from remat.devices import Device, DeviceKind
+from remat.devices import Device, DeviceKind, Size
 from remat.onnx_ingest import forward_graph, load_model
-from remat.plan import PlanDevice
 from remat.simulator import simulate
+from remat.strategies import run_strategy
+from remat.strategies.base import Problem
 from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "4"})
@@ -52,7 +52,7 @@ def _cell(row: Row) -> str:
     if row.predicted_ms is None:
         return "infeasible"
     assert row.valid and row.overhead is not None
-    return f"{row.overhead:+.1%}"
+    return format_overhead(row.overhead)
 
 
 def timing_table(batch: int) -> None:
@@ -65,18 +65,24 @@ def timing_table(batch: int) -> None:
     forward, t_forward = _timed(lambda: forward_graph(loaded, batch=batch))
     graph, t_train = _timed(lambda: training_graph(forward))
     costs = analytical_costs(graph, [CPU])
-    schedule = keep_all_schedule(graph, CPU.name)
-    plan, t_compile = _timed(
-        lambda: compile_plan(graph, schedule, [PlanDevice.of(CPU, None)], "checkpoint_all", costs)
-    )
+    ref = reference(graph, costs)
+    budget = Size(percent=50).resolve(ref.fixed_bytes, ref.peak_bytes)
+    problem = Problem(graph, costs, {CPU.name: budget})
+    strategy = "linearized_greedy"
+    planned, t_strategy = _timed(lambda: run_strategy(strategy, problem, CPU.name))
+    assert planned.plan is not None, planned.message
+    plan = planned.plan
     result, t_simulate = _timed(lambda: simulate(plan, graph, costs))
     assert result.valid
     print(f"| load + check (onnx.checker) | {t_load:.3f} |")
     print(f"| shape inference + forward graph ({len(forward)} nodes) | {t_forward:.3f} |")
     print(f"| training graph ({len(graph)} nodes) | {t_train:.3f} |")
     print(f"| ingestion + training graph total | {t_load + t_forward + t_train:.3f} |")
-    print(f"| compile checkpoint_all plan ({len(plan.steps)} steps) | {t_compile:.3f} |")
-    print(f"| simulate that plan | {t_simulate:.3f} |")
+    print(f"| {strategy} at 50% (sweep: R solve, compile, simulate) | {t_strategy:.3f} |")
+    print(
+        f"| simulate its plan ({len(plan.steps)} steps, {result.computes} computes) | "
+        f"{t_simulate:.3f} |"
+    )
 
 
 def main() -> None:

@@ -5,16 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
-from remat.compiler import compile_plan
 from remat.costs import CostModel
 from remat.devices import Size
 from remat.errors import InvalidInputError
 from remat.graph import Graph
-from remat.plan import PlanDevice
-from remat.schedule import Schedule
-from remat.simulator import simulate
+from remat.strategies.base import Problem
+from remat.strategies.checkpoint_all import checkpoint_all
 
 
 @dataclass(frozen=True)
@@ -27,25 +23,12 @@ class Reference:
     total_ms: float
 
 
-def keep_all_schedule(graph: Graph, device: str) -> Schedule:
-    """R = I, S = every computed value kept until no later stage reads it."""
-    n = len(graph)
-    last_use = np.arange(n)
-    for node in graph.nodes:
-        for dep in node.deps:
-            last_use[dep] = max(last_use[dep], node.id)
-    stages = np.arange(n)[:, None]
-    S = (np.arange(n)[None, :] < stages) & (last_use[None, :] >= stages)
-    return Schedule.single(device, np.eye(n, dtype=bool), S)
-
-
 def reference(graph: Graph, costs: CostModel, device: str | None = None) -> Reference:
     name = device or costs.devices[0].name
-    plan_device = PlanDevice.of(costs.devices[costs.device_index(name)], None)
-    plan = compile_plan(graph, keep_all_schedule(graph, name), [plan_device], "reference", costs)
-    result = simulate(plan, graph, costs, {})
-    assert result.valid, result.violation
-    return Reference(result.fixed_bytes[name], result.peak_bytes[name], result.total_ms)
+    result = checkpoint_all(Problem(graph, costs, {}), name)
+    assert result.simulation is not None and result.simulation.valid, result.message
+    simulation = result.simulation
+    return Reference(simulation.fixed_bytes[name], simulation.peak_bytes[name], simulation.total_ms)
 
 
 def resolve_budgets(

@@ -76,27 +76,43 @@ def _row(
 
 
 def format_table(rows: Sequence[Row]) -> str:
+    """One line per strategy and budget; a strategy that does not apply gets one line."""
     header = ("strategy", "budget", "predicted", "overhead", "peak", "valid")
     lines = [header]
+    not_applicable: set[str] = set()
     for row in rows:
-        budget = f"{row.percent:.0f}% {format_bytes(row.budget_bytes)}"
-        if row.predicted_ms is None:
-            note = row.note if len(row.note) <= 70 else row.note[:67] + "..."
-            lines.append((row.strategy, budget, "-", "-", note, "-"))
+        if row.note.startswith("n/a"):
+            if row.strategy not in not_applicable:
+                not_applicable.add(row.strategy)
+                lines.append((row.strategy, "any", "-", "-", _shorten(row.note), "-"))
             continue
-        peaks = " ".join(f"{d}={format_bytes(v)}" for d, v in row.peak_bytes.items())
         lines.append(
-            (
-                row.strategy,
-                budget,
-                f"{row.predicted_ms:.3f} ms",
-                f"{row.overhead:+.1%}",
-                peaks,
-                "yes" if row.valid else "NO",
-            )
+            (row.strategy, f"{row.percent:.0f}% {format_bytes(row.budget_bytes)}", *_cells(row))
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     )
+
+
+def _cells(row: Row) -> tuple[str, str, str, str]:
+    if row.predicted_ms is None or row.overhead is None:
+        return (
+            "infeasible",
+            "-",
+            _shorten(row.note.replace("infeasible at this budget: ", "")),
+            "-",
+        )
+    peaks = " ".join(f"{d}={format_bytes(v)}" for d, v in row.peak_bytes.items())
+    verdict = "yes" if row.valid else "NO"
+    return f"{row.predicted_ms:.3f} ms", format_overhead(row.overhead), peaks, verdict
+
+
+def format_overhead(overhead: float) -> str:
+    """A signed percentage; rounding noise around zero prints as +0.0%."""
+    return f"{0.0 if abs(overhead) < 5e-4 else overhead:+.1%}"
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
-from remat.graph import Graph, NodeKind
+from remat.graph import Graph
 
 
 class CostSource(StrEnum):
@@ -53,10 +53,13 @@ class CostModel:
 
     def ideal_ms(self, device: str | None = None) -> float:
         """Every node once on one device (or on its fastest device), no copies: the cost
-        of checkpoint-all with ample memory, and a lower bound on any schedule."""
+        of checkpoint-all with ample memory, and a lower bound on any schedule. Summed in
+        node order, as the simulator sums a plan, so the two agree to the last bit."""
         if device is None:
-            return float(self.compute_ms.min(axis=1).sum())
-        return float(self.compute_ms[:, self.device_index(device)].sum())
+            times = self.compute_ms.min(axis=1)
+        else:
+            times = self.compute_ms[:, self.device_index(device)]
+        return float(sum(times.tolist()))
 
 
 # --- analytical -------------------------------------------------------------------------
@@ -248,7 +251,3 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
             for n in graph.nodes
         },
     )
-
-
-def is_backward(graph: Graph, index: int) -> bool:
-    return graph.nodes[index].kind is NodeKind.BACKWARD

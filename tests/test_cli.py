@@ -48,11 +48,11 @@ def test_plan_then_check_round_trip(vgg, tmp_path):
         "plan",
         str(vgg),
         "--batch",
-        "2",
+        "8",
         "--device",
         "cpu0:cpu:threads=2",
         "--budget",
-        "cpu0=60%",
+        "cpu0=80%",
         "--strategy",
         "chen_greedy",
         "-o",
@@ -63,18 +63,18 @@ def test_plan_then_check_round_trip(vgg, tmp_path):
     plan = json.loads(out.read_text())
     assert plan["version"] == 1 and plan["devices"][0]["name"] == "cpu0"
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
-    check = remat("check", str(vgg), str(out), "--batch", "2")
+    check = remat("check", str(vgg), str(out), "--batch", "8")
     assert check.returncode == 0 and check.stdout.startswith("valid")
     # drop the first compute: the simulator names the step that breaks
     plan["steps"] = plan["steps"][1:]
     out.write_text(json.dumps(plan))
-    check = remat("check", str(vgg), str(out), "--batch", "2")
+    check = remat("check", str(vgg), str(out), "--batch", "8")
     assert check.returncode == 1
     assert check.stdout.startswith("invalid: step 0:") and "not resident" in check.stdout
 
 
 def test_plan_json_default_strategy_picks_a_feasible_baseline(vgg):
-    result = remat("plan", str(vgg), "--batch", "2", "--budget", "cpu0=50%", "--json")
+    result = remat("plan", str(vgg), "--batch", "8", "--budget", "cpu0=80%", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]

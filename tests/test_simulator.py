@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 
-from remat.budgets import keep_all_schedule
-from remat.compiler import compile_plan
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.plan import Compute, Copy, Free, Plan, PlanDevice
 from remat.simulator import simulate
+from remat.strategies.base import Problem
+from remat.strategies.checkpoint_all import checkpoint_all
 from remat.training import training_graph
 
 from graphs import chain
@@ -108,7 +108,7 @@ def test_inference_outputs_must_stay_resident():
 
 def test_compiled_keep_all_plan_frees_after_last_use():
     g, costs = _setup(n=4)
-    plan = compile_plan(g, keep_all_schedule(g, "cpu0"), [PlanDevice.of(CPU, None)], "x", costs)
+    plan = checkpoint_all(Problem(g, costs, {}), "cpu0").plan
     result = simulate(plan, g, costs)
     assert result.valid
     frees = [s for s in plan.steps if isinstance(s, Free)]

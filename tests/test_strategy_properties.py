@@ -1,0 +1,122 @@
+"""Properties of the baselines on random forward DAGs turned into training graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.errors import StrategyError
+from remat.graph import Graph
+from remat.simulator import simulate
+from remat.strategies import BASELINES, run_strategy
+from remat.strategies.base import Problem, evaluate
+from remat.strategies.policy import device_fixed_bytes, predict
+from remat.strategies.rsolve import (
+    holds_from_dense,
+    solve_and_prune,
+    solve_and_prune_sparse,
+)
+from remat.training import training_graph
+
+from graphs import forward
+
+CPU = Device("cpu0", DeviceKind.CPU)
+OPS = ["Relu", "Conv", "Add", "MaxPool", "Mul", "Sigmoid"]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def forward_graphs(draw) -> Graph:
+    """5-25 nodes; node i reads a random set of earlier nodes (a chain a third of the
+    time, so that chen_* and griewank apply), with random output sizes."""
+    n = draw(st.integers(5, 25))
+    linear = draw(st.integers(0, 2)) == 0
+    deps: list[tuple[int, ...]] = [()]
+    for i in range(1, n):
+        if linear:
+            deps.append((i - 1,))
+        else:
+            chosen = draw(st.sets(st.integers(0, i - 1), max_size=3))
+            deps.append(tuple(sorted(chosen)))
+    sizes = draw(st.lists(st.integers(1, 64), min_size=n, max_size=n))
+    return forward(deps, [s * 256 for s in sizes], op=draw(st.sampled_from(OPS)))
+
+
+def problem(graph: Graph, budget: int | None) -> Problem:
+    return Problem(graph, analytical_costs(graph, [CPU]), {"cpu0": budget})
+
+
+def run(name: str, p: Problem):
+    try:
+        return run_strategy(name, p, "cpu0")
+    except StrategyError:
+        return None  # not applicable (chen_* and griewank need a chain)
+
+
+@SETTINGS
+@given(forward_graphs(), st.floats(0.0, 1.1))
+def test_every_baseline_fits_or_names_a_larger_budget(forward_graph, fraction):
+    graph = training_graph(forward_graph)
+    full = run_strategy("checkpoint_all", problem(graph, None))
+    fixed = full.simulation.fixed_bytes["cpu0"]
+    peak = full.simulation.peak_bytes["cpu0"]
+    budget = fixed + int((peak - fixed) * fraction)
+    p = problem(graph, budget)
+    for name in BASELINES:
+        result = run(name, p)
+        if result is None:
+            continue
+        if result.feasible:
+            verdict = simulate(result.plan, graph, p.costs)
+            assert verdict.valid, (name, verdict.violation)
+            assert verdict.peak_bytes["cpu0"] <= budget
+        else:
+            assert result.min_budget_bytes["cpu0"] > budget, name
+            assert str(result.min_budget_bytes["cpu0"]) in result.message
+
+
+@SETTINGS
+@given(forward_graphs())
+def test_checkpoint_all_with_ample_memory_costs_the_ideal(forward_graph):
+    graph = training_graph(forward_graph)
+    p = problem(graph, None)
+    result = run_strategy("checkpoint_all", p)
+    assert result.feasible
+    assert result.simulation.computes == len(graph)
+    assert result.simulation.total_ms == p.costs.ideal_ms("cpu0")
+
+
+@SETTINGS
+@given(forward_graphs(), st.integers(0, 2**32 - 1))
+def test_sparse_solve_and_prediction_agree_with_dense_and_simulator(forward_graph, seed):
+    graph = training_graph(forward_graph)
+    n = len(graph)
+    S = np.tril(np.random.default_rng(seed).random((n, n)) < 0.3, -1)
+    R_dense, S_dense = solve_and_prune(graph, S)
+    sparse = solve_and_prune_sparse(graph, holds_from_dense(S))
+    assert np.array_equal(sparse.R(), R_dense)
+    assert np.array_equal(sparse.S(), S_dense)
+    p = problem(graph, None)
+    predicted = predict(p, "cpu0", sparse, device_fixed_bytes(p, "cpu0"))
+    judged = evaluate(p, sparse.schedule("cpu0"), "test")
+    assert judged.fits
+    assert judged.simulation.peak_bytes["cpu0"] == predicted.peak_bytes
+    assert judged.cost_ms == pytest.approx(predicted.cost_ms)
+
+
+@SETTINGS
+@given(forward_graphs())
+def test_the_stated_need_is_enough(forward_graph):
+    graph = training_graph(forward_graph)
+    for name in BASELINES:
+        result = run(name, problem(graph, 0))
+        if result is None:
+            continue
+        assert not result.feasible
+        need = result.min_budget_bytes["cpu0"]
+        again = run(name, problem(graph, need))
+        assert again.feasible, (name, again.message)

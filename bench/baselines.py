@@ -50,7 +50,7 @@ def _cell(row: Row) -> str:
     if row.note.startswith("n/a"):
         return "n/a"
     if row.predicted_ms is None:
-        return "infeasible"
+        return f"needs {row.need_percent:.0f}%" if row.need_percent is not None else "infeasible"
     assert row.valid and row.overhead is not None
     return format_overhead(row.overhead)
 

@@ -237,7 +237,8 @@ def _run(strategy: str, problem: Problem) -> StrategyResult:
 def _print_summary(problem: Problem, result: StrategyResult) -> None:
     assert result.plan is not None and result.simulation is not None
     sim = result.simulation
-    ideal = problem.costs.ideal_ms()
+    used = [d.name for d in result.plan.devices]
+    ideal = problem.costs.ideal_ms(used[0] if len(used) == 1 else None)
     print(f"strategy:   {result.plan.strategy}")
     print(f"costs:      {problem.costs.source.value}")
     print(f"predicted:  {sim.total_ms:.3f} ms ({sim.total_ms / ideal - 1:+.1%} vs ideal)")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from remat.budgets import reference
+from remat.budgets import Reference, reference
 from remat.costs import CostModel
 from remat.devices import Size, format_bytes
 from remat.errors import RematError
@@ -27,6 +27,8 @@ class Row:
     peak_bytes: dict[str, int]
     valid: bool | None  # the simulator's verdict on the plan, None without a plan
     note: str = ""
+    need_bytes: int | None = None  # when infeasible: the budget the strategy needs
+    need_percent: float | None = None  # when infeasible: the budget it needs, in %
 
 
 def compare(
@@ -43,8 +45,17 @@ def compare(
     for strategy in strategies:
         for percent in percents:
             budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-            rows.append(_row(graph, costs, strategy, percent, budget, device, ideal))
+            row = _row(graph, costs, strategy, percent, budget, device, ideal)
+            rows.append(_with_need(row, ref))
     return rows
+
+
+def _with_need(row: Row, ref: Reference) -> Row:
+    if row.need_bytes is None:
+        return row
+    activations = max(ref.peak_bytes - ref.fixed_bytes, 1)
+    percent = 100.0 * (row.need_bytes - ref.fixed_bytes) / activations
+    return replace(row, need_percent=percent)
 
 
 def _row(
@@ -62,7 +73,8 @@ def _row(
     except RematError as exc:
         return Row(strategy, percent, budget, None, None, {}, None, f"n/a: {exc}")
     if result.plan is None:
-        return Row(strategy, percent, budget, None, None, {}, None, result.message)
+        need = max((result.min_budget_bytes or {}).values(), default=None)
+        return Row(strategy, percent, budget, None, None, {}, None, result.message, need)
     verdict = simulate(result.plan, graph, costs)  # re-judged independently of the strategy
     return Row(
         strategy,

@@ -150,3 +150,27 @@ def test_demo_prints_a_comparison_table():
         assert strategy in result.stdout
     assert "overhead" in result.stdout and "valid" in result.stdout
     assert "NO" not in result.stdout.split()
+
+
+def test_plan_with_a_profiled_cost_table(vgg, tmp_path):
+    from remat.costs import analytical_costs, cost_table_of
+    from remat.devices import Device, DeviceKind
+    from remat.onnx_ingest import load_forward_graph
+    from remat.training import training_graph
+
+    graph = training_graph(load_forward_graph(vgg, batch=8))
+    devices = [Device("cpu0", DeviceKind.CPU), Device("cuda0", DeviceKind.CUDA)]
+    table = cost_table_of(graph, analytical_costs(graph, devices)).model_dump(mode="json")
+    table["source"] = "profiled"
+    for entry in table["nodes"].values():
+        entry["compute_ms"]["cuda0"] = entry["compute_ms"]["cpu0"] * 100  # a slow "GPU"
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(table))
+    result = remat("plan", str(vgg), "--batch", "8", "--costs", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert {s["device"] for s in plan["steps"] if s["op"] == "compute"} == {"cpu0"}
+    summary = remat("plan", str(vgg), "--batch", "8", "--costs", str(path))
+    assert "costs:      profiled" in summary.stdout
+    unknown = remat("plan", str(vgg), "--batch", "8", "--costs", str(path), "--device", "x:cpu")
+    assert unknown.returncode == 2 and "'x' is not in the cost table" in unknown.stderr

@@ -19,7 +19,7 @@ from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind, Size
 from remat.onnx_ingest import forward_graph, load_model
 from remat.simulator import simulate
-from remat.strategies import run_strategy
+from remat.strategies import BASELINES, run_strategy
 from remat.strategies.base import Problem
 from remat.training import training_graph
 
@@ -40,7 +40,7 @@ def overhead_table(models: list[str], batch: int) -> None:
     for name in models:
         graph = training_graph(forward_graph(samples.ZOO[name](), batch=batch))
         costs = analytical_costs(graph, [CPU])
-        rows = compare(graph, costs)
+        rows = compare(graph, costs, strategies=BASELINES)
         for strategy in dict.fromkeys(r.strategy for r in rows):
             cells = [_cell(r) for r in rows if r.strategy == strategy]
             print(f"| {name} ({len(graph)}) | {strategy} | {' | '.join(cells)} |")

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from remat.budgets import reference, resolve_budgets
 from remat.costs import CostModel, analytical_costs, load_cost_table, profiled_costs
@@ -22,8 +25,10 @@ from remat.graph import Graph, Mode
 from remat.onnx_ingest import load_forward_graph, parse_input_shape
 from remat.plan import load_plan, plan_to_json
 from remat.simulator import simulate
-from remat.strategies import STRATEGIES, run_strategy
-from remat.strategies.base import Problem, StrategyResult
+from remat.solvers.model import Progress, SolveOptions
+from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
+from remat.strategies import BASELINES, STRATEGIES, run_strategy
+from remat.strategies.base import Problem, SolverSettings, StrategyResult
 from remat.training import for_mode
 
 AUTO = "auto"
@@ -62,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=[AUTO, *STRATEGIES],
         help="strategy (default: auto, the cheapest feasible baseline)",
     )
+    _solver_arguments(plan)
     output = plan.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the plan JSON")
     output.add_argument("-o", "--output", type=Path, help="write the plan JSON to this file")
@@ -75,7 +81,14 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="compare every strategy on a sample network")
     demo.add_argument("--model", default="unet", help="sample network (default: unet)")
-    demo.add_argument("--batch", type=int, default=4, help="batch size (default: 4)")
+    demo.add_argument("--batch", type=_positive_int, default=4, help="batch size (default: 4)")
+    demo.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="solver time limit per optimal plan (default 5)",
+    )
     demo.set_defaults(run=_demo_command)
     return parser
 
@@ -109,6 +122,43 @@ def _cost_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory budget: bytes, KiB/MiB/GiB, or %% of the checkpoint-all peak",
     )
     parser.add_argument("--costs", type=Path, help="cost table JSON (default: analytical)")
+
+
+def _solver_arguments(parser: argparse.ArgumentParser) -> None:
+    solver = parser.add_argument_group("optimal strategies (checkmate_milp, lp rounding, xengine)")
+    solver.add_argument("--solver", choices=BACKENDS, default=DEFAULT_BACKEND)
+    solver.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="stop the solve after S seconds and keep the best plan (default 60)",
+    )
+    solver.add_argument(
+        "--gap",
+        type=_fraction,
+        default=1e-4,
+        metavar="G",
+        help="stop once the relative gap is below G (default 1e-4)",
+    )
+    solver.add_argument("--threads", type=_positive_int, default=1, metavar="N")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError("must be below 1 (a relative gap, e.g. 0.01)")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -147,6 +197,42 @@ class _Setup:
     problem: Problem
 
 
+def _solver_settings(args: argparse.Namespace) -> SolverSettings:
+    if not hasattr(args, "solver"):
+        return SolverSettings()
+    options = SolveOptions(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads)
+    return SolverSettings(args.solver, options, ProgressLine(sys.stderr).show, _cancel_on_sigint())
+
+
+def _cancel_on_sigint() -> threading.Event:
+    """Ctrl-C stops a running solve, which then returns its best plan so far."""
+    cancel = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    return cancel
+
+
+class ProgressLine:
+    """The solver's progress on one line of stderr: rewritten in place on a terminal, at
+    most one line a second otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = -1.0
+
+    def show(self, progress: Progress) -> None:
+        if not self.tty and progress.elapsed_s - self.last < 1.0:
+            return
+        self.last = progress.elapsed_s
+        incumbent = "-" if progress.objective is None else f"{progress.objective:.4f} ms"
+        bound = "-" if progress.bound is None else f"{progress.bound:.4f} ms"
+        gap = "-" if progress.gap is None else f"{progress.gap:.2%}"
+        line = f"[{progress.elapsed_s:6.1f} s] incumbent {incumbent}  bound {bound}  gap {gap}"
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+
 def _setup(args: argparse.Namespace) -> _Setup:
     graph = _load_graph(args)
     devices = [parse_device(spec) for spec in args.device]
@@ -159,7 +245,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
         if not sep:
             raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
         sizes[name] = parse_size(size)
-    return _Setup(graph, Problem(graph, costs, resolve_budgets(sizes, graph, costs)))
+    budgets = resolve_budgets(sizes, graph, costs)
+    return _Setup(graph, Problem(graph, costs, budgets, _solver_settings(args)))
 
 
 # --- commands ---------------------------------------------------------------------------
@@ -223,7 +310,7 @@ def _run(strategy: str, problem: Problem) -> StrategyResult:
     if strategy != AUTO:
         return run_strategy(strategy, problem)
     results = []
-    for name in STRATEGIES:
+    for name in BASELINES:
         try:
             results.append(run_strategy(name, problem))
         except RematError:
@@ -248,6 +335,14 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
         print(f"{device.name + ':':<11} peak {format_bytes(peak)} ({peak} B), budget {budget}")
     nodes = len(problem.graph)
     print(f"steps:      {len(result.plan.steps)} ({sim.computes} computes of {nodes} nodes)")
+    solver = result.plan.solver
+    if solver is not None:
+        print(
+            f"solver:     {solver.status}, bound {solver.bound:.4f} ms, gap {solver.gap:.2%}, "
+            f"{solver.seconds:.1f} s"
+        )
+    if result.message:
+        print(f"note:       {result.message}")
 
 
 def _check_command(args: argparse.Namespace) -> int:
@@ -267,7 +362,7 @@ def _check_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from remat.demo import run_demo
 
-    run_demo(args.model, args.batch)
+    run_demo(args.model, args.batch, args.time_limit)
     return 0
 
 

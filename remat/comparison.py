@@ -12,7 +12,7 @@ from remat.errors import RematError
 from remat.graph import Graph
 from remat.simulator import simulate
 from remat.strategies import STRATEGIES, run_strategy
-from remat.strategies.base import Problem
+from remat.strategies.base import Problem, SolverSettings
 
 PERCENTS = (100.0, 75.0, 50.0, 35.0, 25.0)
 
@@ -36,6 +36,7 @@ def compare(
     costs: CostModel,
     percents: Sequence[float] = PERCENTS,
     strategies: Iterable[str] = STRATEGIES,
+    solver: SolverSettings | None = None,
 ) -> list[Row]:
     """Every strategy at every budget (a % of the checkpoint-all peak on the first device)."""
     device = costs.devices[0].name
@@ -45,7 +46,8 @@ def compare(
     for strategy in strategies:
         for percent in percents:
             budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-            row = _row(graph, costs, strategy, percent, budget, device, ideal)
+            problem = Problem(graph, costs, {device: budget}, solver or SolverSettings())
+            row = _row(problem, strategy, percent, device, ideal)
             rows.append(_with_need(row, ref))
     return rows
 
@@ -58,16 +60,8 @@ def _with_need(row: Row, ref: Reference) -> Row:
     return replace(row, need_percent=percent)
 
 
-def _row(
-    graph: Graph,
-    costs: CostModel,
-    strategy: str,
-    percent: float,
-    budget: int,
-    device: str,
-    ideal: float,
-) -> Row:
-    problem = Problem(graph, costs, {device: budget})
+def _row(problem: Problem, strategy: str, percent: float, device: str, ideal: float) -> Row:
+    graph, costs, budget = problem.graph, problem.costs, problem.budgets[device] or 0
     try:
         result = run_strategy(strategy, problem, device)
     except RematError as exc:

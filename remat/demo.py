@@ -10,10 +10,12 @@ from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
 from remat.onnx_ingest import forward_graph
+from remat.solvers.model import SolveOptions
+from remat.strategies.base import SolverSettings
 from remat.training import training_graph
 
 
-def run_demo(model: str, batch: int) -> None:
+def run_demo(model: str, batch: int, time_limit_s: float) -> None:
     if model not in samples.ZOO:
         known = ", ".join(sorted(samples.ZOO))
         raise InvalidInputError(f"unknown sample model {model!r} (known: {known})")
@@ -22,7 +24,9 @@ def run_demo(model: str, batch: int) -> None:
     costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU, {"threads": "4"})])
     print(
         f"{model}, batch {batch}: {len(graph)} training-graph nodes, "
-        f"analytical costs on cpu0 (4 threads), ideal {costs.ideal_ms():.3f} ms"
+        f"analytical costs on cpu0 (4 threads), ideal {costs.ideal_ms():.3f} ms; "
+        f"solver time limit {time_limit_s:g} s per plan"
     )
-    print(format_table(compare(graph, costs)))
+    solver = SolverSettings(options=SolveOptions(time_limit_s=time_limit_s, gap=1e-3))
+    print(format_table(compare(graph, costs, solver=solver)))
     print(f"({time.perf_counter() - started:.1f} s)")

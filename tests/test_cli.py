@@ -137,7 +137,7 @@ def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):
 
 
 def test_demo_prints_a_comparison_table():
-    result = remat("demo", "--model", "vgg16", "--batch", "2")
+    result = remat("demo", "--model", "chain", "--batch", "2", "--time-limit", "2")
     assert result.returncode == 0, result.stderr
     for strategy in (
         "checkpoint_all",
@@ -146,6 +146,9 @@ def test_demo_prints_a_comparison_table():
         "griewank",
         "ap_sqrt",
         "linearized_greedy",
+        "checkmate_milp",
+        "checkmate_lp_rounding",
+        "xengine",
     ):
         assert strategy in result.stdout
     assert "overhead" in result.stdout and "valid" in result.stdout

@@ -21,6 +21,7 @@ from remat.strategies.chen import (
     linearized_sqrt,
 )
 from remat.strategies.griewank import griewank
+from remat.strategies.optimal import checkmate_lp_rounding, checkmate_milp, xengine
 
 Strategy = Callable[[Problem, str], StrategyResult]
 
@@ -37,6 +38,14 @@ STRATEGIES: dict[str, Strategy] = {
 
 BASELINES: tuple[str, ...] = tuple(STRATEGIES)
 
+STRATEGIES |= {
+    "checkmate_milp": checkmate_milp,
+    "checkmate_lp_rounding": checkmate_lp_rounding,
+    "xengine": xengine,  # type: ignore[dict-item]
+}
+OPTIMAL: tuple[str, ...] = ("checkmate_milp", "checkmate_lp_rounding", "xengine")
+MULTI_DEVICE = frozenset({"xengine"})  # place operators themselves: run once, all devices
+
 
 def register(name: str, strategy: Strategy) -> None:
     """Make ``strategy`` available to ``run_strategy`` as ``name``."""
@@ -50,6 +59,8 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
     if strategy is None:
         known = ", ".join(STRATEGIES)
         raise StrategyError(f"unknown strategy {name!r}; known strategies: {known}")
+    if name in MULTI_DEVICE:
+        return strategy(problem, device)  # type: ignore[arg-type]
     if device is not None:
         problem.costs.device_index(device)  # an unknown device is a clear error
         return strategy(problem, device)
@@ -66,6 +77,8 @@ def _rank(result: StrategyResult) -> tuple[int, float]:
 
 __all__ = [
     "BASELINES",
+    "MULTI_DEVICE",
+    "OPTIMAL",
     "STRATEGIES",
     "Problem",
     "Strategy",

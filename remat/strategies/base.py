@@ -3,8 +3,9 @@ and the result it returns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from remat.compiler import compile_plan
 from remat.costs import CostModel
@@ -13,6 +14,18 @@ from remat.graph import Graph
 from remat.plan import Plan, PlanDevice, Predicted
 from remat.schedule import Schedule
 from remat.simulator import Simulation, simulate
+from remat.solvers.model import Progress, SolveOptions
+
+
+@dataclass(frozen=True)
+class SolverSettings:
+    """How the optimal strategies solve: backend, limits, progress and cancellation.
+    Heuristics ignore it."""
+
+    backend: str = "highs"
+    options: SolveOptions = field(default_factory=SolveOptions)
+    on_progress: Callable[[Progress], None] | None = None
+    cancel: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -22,6 +35,7 @@ class Problem:
     graph: Graph
     costs: CostModel
     budgets: Mapping[str, int | None]
+    solver: SolverSettings = field(default_factory=SolverSettings)
 
     def plan_devices(self, names: Iterable[str] | None = None) -> tuple[PlanDevice, ...]:
         wanted = set(names) if names is not None else None
@@ -85,6 +99,7 @@ class StrategyResult:
     simulation: Simulation | None
     message: str = ""
     min_budget_bytes: dict[str, int] | None = None
+    schedule: Schedule | None = None
 
     @property
     def feasible(self) -> bool:
@@ -110,7 +125,10 @@ def select_best(strategy: str, evaluations: Iterable[Evaluation]) -> StrategyRes
             smallest = candidate
     if best is not None:
         return StrategyResult(
-            strategy, with_prediction(best.plan, best.simulation), best.simulation
+            strategy,
+            with_prediction(best.plan, best.simulation),
+            best.simulation,
+            schedule=best.schedule,
         )
     if smallest is None:
         return StrategyResult(strategy, None, None, "the strategy produced no correct schedule")

@@ -1,0 +1,562 @@
+"""XEngine's MIQP (Schuler et al., section 3.2): placement + rematerialization on several
+devices, with the energy extension of section 5.1.
+
+Variables (device d, stage t, node i; all 0-based, stage t first computes node t):
+
+* R[d,t,i], S[d,t,i]  compute / keep matrices (eq. 2), lower triangular (eq. 7, 10)
+* F[d,t,(u,v)]        u freed on d in stage t after computing v (eq. 3, 15-16)
+* Z[d,t,i]            i is computed or kept on d in stage t: Z = R OR S (eq. 4-5)
+* U[d,t,c]            memory on d: U[d,t,0] at the start of stage t (eq. 13), U[d,t,k+1]
+                      just after computing node k (eq. 14), within the budget (eq. 6)
+
+Objective (1): sum c[d,i] R[d,t,i] + W, W = sum w[u,d,d'] R[d',t,v] Z[d,t,u] over stages,
+edges (u,v) and device pairs d != d' (w[u,d,d] = 0): the bilinear terms go to
+``MILPModel.quadratic`` (backends without MIQP solve ``linearized()``). With energy (eq. 17)
+the objective adds alpha * sum q[d,i] R[d,t,i]; power caps add eq. 18 (no operator above
+Q_d^Max on device d) and eq. 19 (a stage's energy plus Q_Board within Q^Max).
+
+Constraints: (5) Z, (7) R lower triangular, (8)+(9) exactly one device computes node t in
+stage t, (10) S strictly lower triangular, (11) keep only what was on the same device,
+(12) dependencies computed or kept on some device, (13)-(15) the memory recurrence, (16)
+F through per-device hazards (Checkmate's 7b/7c with the device dimension):
+
+    h(d,t,u,v) = (1 - R[d,t,v]) + S[d,t+1,u] + sum_{d'} sum_{j in USERS[u], j > v} R[d',t,j]
+
+Later users on *any* device count: one may copy u from d, so the compiler keeps it there.
+
+Memory is made conservative w.r.t. the simulator (XEngine's U is not):
+
+* Fixed memory depends on placement: H[d,f] = 1 if some node reading fixed tensor f runs on
+  d, G[d,f] likewise for backward readers in training (gradient buffers); their bytes enter
+  U[d,t,0]. R[d,i,i] <= H[d,f] per reader, and sum_{t>i} R[d,t,i] <= count * H[d,f].
+* A copy allocates on the destination: C[d,t,(u,v)] >= R[d,t,v] - Z[d,t,u] - sum of
+  R[d,t,v'] over users v' < v of u (v is the first user of u on d, u not there), and M_u
+  counts on d from v on. The copy is freed by F like any value of d (its last user on d, if
+  no later user anywhere), else it counts to the end of the stage.
+* Outputs are never freed (the compiler keeps them on every device holding them): no F for
+  outputs, S[d,t,o] >= R[d,t-1,o] and >= S[d,t-1,o]. A copy of an output into d (outputs
+  with users only) stays there for good: L[d,t,o] >= C[d,t-1,(o,v)] and >= L[d,t-1,o]
+  latches it, counts M_o in U[d,t,0], and lets users on d read it without a new copy.
+
+Pruning (exact, see ``common.Structure.useful``) as in ``checkmate``. Memory is in units of
+the GCD of the value sizes; fixed-tensor bytes divided by it may be fractional (they only
+enter eq. 13), and budgets are rounded down when every fixed size is a multiple of the unit
+(U is then integral), else divided exactly. With one device the model
+is Checkmate's (no copies; H, G are forced to 1): the optima coincide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from remat.costs import CostModel
+from remat.errors import InvalidInputError, ScheduleError
+from remat.formulations.common import (
+    Builder,
+    Structure,
+    memory_unit,
+    ragged,
+    scaled_budget,
+    violations,
+)
+from remat.graph import Graph, Mode, NodeKind
+from remat.schedule import Schedule
+from remat.solvers.model import MILPModel
+
+
+@dataclass(frozen=True)
+class PowerCaps:
+    """Energy limits of XEngine section 5.1, in the units of the energy matrix."""
+
+    per_op: Mapping[str, float] = field(default_factory=dict)  # Q_d^Max by device (18)
+    per_stage: float | None = None  # Q^Max for one stage, all devices (19)
+    board: float = 0.0  # Q_Board, drawn in every stage (19)
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """Fixed tensors as (tensor, reader) pairs; ``grad`` pairs are backward readers."""
+
+    names: tuple[str, ...]  # fixed tensors some node reads
+    sizes: np.ndarray  # their bytes
+    pairs: np.ndarray  # [P, 2] (tensor index, reading node)
+    grad_names: tuple[str, ...]  # fixed tensors some backward node reads (training)
+    grad_sizes: np.ndarray
+    grad_pairs: np.ndarray
+
+    @classmethod
+    def of(cls, graph: Graph) -> _Fixed:
+        names = sorted({f for node in graph.nodes for f in node.fixed})
+        pairs = [(names.index(f), node.id) for node in graph.nodes for f in set(node.fixed)]
+        training = graph.mode is Mode.TRAINING
+        backward = [n for n in graph.nodes if training and n.kind is NodeKind.BACKWARD]
+        grads = sorted({f for node in backward for f in node.fixed})
+        grad_pairs = [(grads.index(f), node.id) for node in backward for f in set(node.fixed)]
+        return cls(
+            tuple(names),
+            np.array([graph.fixed[f].nbytes for f in names], dtype=np.int64),
+            np.array(pairs, dtype=np.int64).reshape(-1, 2),
+            tuple(grads),
+            np.array([graph.fixed[f].nbytes for f in grads], dtype=np.int64),
+            np.array(grad_pairs, dtype=np.int64).reshape(-1, 2),
+        )
+
+
+@dataclass(frozen=True)
+class XEngineModel:
+    """The MIQP and the index arrays to read a solution back (-1: no such variable)."""
+
+    model: MILPModel
+    graph: Graph
+    devices: tuple[str, ...]
+    structure: Structure
+    unit: int
+    sizes: np.ndarray  # M_i in units
+    fixed: _Fixed
+    R: np.ndarray  # [D, T, n]
+    S: np.ndarray  # [D, T + 1, n]; row T is all -1
+    Z: np.ndarray  # [D, T, n]
+    U: np.ndarray  # [D, T, n + 1]
+    F: np.ndarray  # [D, T, E]
+    C: np.ndarray  # [D, T, E]
+    H: np.ndarray  # [D, fixed tensors]
+    G: np.ndarray  # [D, gradient buffers]
+    L: np.ndarray  # [D, T, n]: a copy of output o stays on d (latched)
+    builder: Builder
+
+    def lp_relaxation(self) -> MILPModel:
+        return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
+
+    def decode(self, x: np.ndarray) -> Schedule:
+        """R and S of a solution (rounded at 0.5) as a schedule over the model's devices."""
+        return Schedule(self.devices, _read(self.R, x), _read(self.S[:, :-1], x))
+
+    def check(self, x: np.ndarray) -> list[str]:
+        return violations(self.model, self.builder, x)
+
+    def encode(self, schedule: Schedule, repair: bool = True) -> np.ndarray:
+        """A full assignment (R, S, Z, F, C, H, G, L, U) for ``schedule``, e.g. as a warm
+        start. The schedule may name a subset of the devices (the others stay idle). If it
+        does not fit as given, runs on one device only and ``repair`` is set, it is cleaned
+        with ``solve_and_prune`` first; raises ScheduleError if it violates the model."""
+        R, S = self._embed(schedule)
+        for t in range(1, S.shape[1]):  # outputs stay where they are (the compiler's rule)
+            S[:, t] |= (R[:, t - 1] | S[:, t - 1]) & self.structure.is_output[None, :]
+        x = self._assign(R, S)
+        problems = self.check(x) if x is not None else ["entries outside the model"]
+        used = np.flatnonzero(R.any(axis=(1, 2)))
+        if problems and repair and used.size == 1:
+            from remat.strategies.rsolve import solve_and_prune  # import cycle otherwise
+
+            d = int(used[0])
+            kept = S[d] & (self.S[d, :-1] >= 0)
+            T, n = kept.shape
+            below = np.arange(n)[None, :] < np.arange(T)[:, None]
+            kept |= below & self.structure.is_output[None, :]  # outputs stay once computed
+            R[d], S[d] = solve_and_prune(self.graph, kept)
+            x = self._assign(R, S)
+            problems = self.check(x) if x is not None else ["entries outside the model"]
+        if problems:
+            raise ScheduleError(f"schedule does not fit the XEngine model: {problems[0]}")
+        assert x is not None
+        return x
+
+    def _embed(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+        D, T, n = self.R.shape
+        R = np.zeros((D, T, n), dtype=bool)
+        S = np.zeros((D, T, n), dtype=bool)
+        for index, name in enumerate(schedule.devices):
+            if name not in self.devices:
+                raise ScheduleError(f"schedule uses device {name!r}, the model has {self.devices}")
+            d = self.devices.index(name)
+            R[d] |= schedule.R[index].astype(bool)
+            S[d] |= schedule.S[index].astype(bool)
+        return R, S
+
+    def _assign(self, R: np.ndarray, S: np.ndarray) -> np.ndarray | None:
+        """The assignment that R and S determine, or None if they use absent variables."""
+        if (R & (self.R < 0)).any() or (S & (self.S[:, :-1] < 0)).any():
+            return None
+        x = np.zeros(self.model.n_vars)
+        Z = R | S  # (4)
+        free = self._frees(R, S)
+        L, copy = self._copies(R, Z)
+        H, G = self._placement(R)
+        for index, values in ((self.R, R), (self.S[:, :-1], S), (self.Z, Z), (self.L, L)):
+            _write(x, index, values)
+        _write(x, self.H, H)
+        _write(x, self.G, G)
+        x[self.F[self.F >= 0]] = free
+        x[self.C[self.C >= 0]] = copy
+        x[self.U[self.U >= 0]] = self._memory(R, S, H, G, L, free, copy)[self.U >= 0]
+        return x
+
+    def _frees(self, R: np.ndarray, S: np.ndarray) -> np.ndarray:
+        """(16): free u on d after v iff v is computed on d, u is not kept on d for the next
+        stage and no later user of u is computed on any device (F's row-major order)."""
+        st = self.structure
+        D, _, n = R.shape
+        S_next = np.concatenate([S[:, 1:], np.zeros((D, 1, n), dtype=bool)], axis=1)
+        computed = R.any(axis=0)
+        dd, ft, fe = np.nonzero(self.F >= 0)
+        free = R[dd, ft, st.edge_v[fe]] & ~S_next[dd, ft, st.edge_u[fe]]
+        where, j = ragged(st.later_ptr, st.later_idx, fe)
+        hazard = np.zeros(fe.shape[0], dtype=bool)
+        np.logical_or.at(hazard, where, computed[ft[where], j])
+        return free & ~hazard
+
+    def _copies(self, R: np.ndarray, Z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """L (latched output copies) and C: v is the first user of u on d, and u is neither
+        computed nor kept there, nor an output copied there in an earlier stage."""
+        st = self.structure
+        cd, ct, ce = np.nonzero(self.C >= 0)
+        cu, cv = st.edge_u[ce], st.edge_v[ce]
+        missing = R[cd, ct, cv] & ~Z[cd, ct, cu]
+        reads = np.zeros(R.shape, dtype=bool)  # some user on d reads u, not there itself
+        np.logical_or.at(reads, (cd, ct, cu), missing)
+        L = np.zeros(R.shape, dtype=bool)
+        L[:, 1:] = np.logical_or.accumulate(reads, axis=1)[:, :-1]
+        L &= self.L >= 0
+        where, j = ragged(st.earlier_ptr, st.earlier_idx, ce)
+        earlier = np.zeros(ce.shape[0], dtype=bool)
+        np.logical_or.at(earlier, where, R[cd[where], ct[where], j])
+        return L, missing & ~L[cd, ct, cu] & ~earlier
+
+    def _placement(self, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """H and G: a fixed tensor (gradient buffer) is on d if a (backward) reader runs there."""
+        on = R.any(axis=1)  # [D, n]
+        fx = self.fixed
+        H = np.zeros(self.H.shape, dtype=bool)
+        np.logical_or.at(H, (slice(None), fx.pairs[:, 0]), on[:, fx.pairs[:, 1]])
+        G = np.zeros(self.G.shape, dtype=bool)
+        np.logical_or.at(G, (slice(None), fx.grad_pairs[:, 0]), on[:, fx.grad_pairs[:, 1]])
+        return H, G
+
+    def _memory(
+        self,
+        R: np.ndarray,
+        S: np.ndarray,
+        H: np.ndarray,
+        G: np.ndarray,
+        L: np.ndarray,
+        free: np.ndarray,
+        copy: np.ndarray,
+    ) -> np.ndarray:
+        """U by the recurrence (13)-(14), with the fixed, copy and output terms."""
+        st, m, fx = self.structure, self.sizes, self.fixed
+        D, T, n = R.shape
+        fixed = H @ (fx.sizes / self.unit) + G @ (fx.grad_sizes / self.unit)  # [D]
+        start = fixed[:, None] + (S * m).sum(axis=2) + L @ m
+        dd, ft, fe = np.nonzero(self.F >= 0)
+        freed = np.zeros((D, T, n))
+        np.add.at(freed, (dd, ft, st.edge_v[fe]), m[st.edge_u[fe]] * free)
+        cd, ct, ce = np.nonzero(self.C >= 0)
+        alloc = m[None, None, :] * R.astype(float)
+        np.add.at(alloc, (cd, ct, st.edge_v[ce]), m[st.edge_u[ce]] * copy)
+        U = np.zeros((D, T, n + 1))
+        U[:, :, 0] = start
+        U[:, :, 1:] = start[:, :, None] + np.cumsum(alloc, axis=2)
+        U[:, :, 2:] -= np.cumsum(freed, axis=2)[:, :, :-1]
+        return U
+
+
+def _read(index: np.ndarray, x: np.ndarray) -> np.ndarray:
+    out = np.zeros(index.shape, dtype=bool)
+    present = index >= 0
+    out[present] = np.asarray(x)[index[present]] > 0.5
+    return out
+
+
+def _write(x: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
+    present = index >= 0
+    x[index[present]] = values[present]
+
+
+def build_xengine(
+    graph: Graph,
+    costs: CostModel,
+    budgets: Mapping[str, int | None],
+    energy: np.ndarray | None = None,
+    alpha: float = 0.0,
+    power_caps: PowerCaps | None = None,
+) -> XEngineModel:
+    """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order).
+
+    ``energy[i, d]``: energy of node i on cost-model device d (eq. 17-19); needed when
+    ``alpha`` is nonzero or ``power_caps`` is given."""
+    names = tuple(d.name for d in costs.devices if d.name in budgets)
+    unknown = set(budgets) - set(names)
+    if unknown:
+        raise InvalidInputError(f"budgets name devices the cost model lacks: {sorted(unknown)}")
+    if not names:
+        raise InvalidInputError("xengine needs at least one device")
+    dev = np.array([costs.device_index(name) for name in names])
+    if (alpha or power_caps is not None) and energy is None:
+        raise InvalidInputError("the energy extension needs an energy matrix")
+    q = None if energy is None else np.asarray(energy, dtype=float)[:, dev].T  # [D, n]
+    st = Structure.of(graph)
+    fx = _Fixed.of(graph)
+    M = np.asarray(costs.output_bytes, dtype=np.int64)
+    unit = memory_unit(M)
+    # U is integral in units when the fixed tensors are too: then budgets round down.
+    integral = not (np.concatenate([fx.sizes, fx.grad_sizes]) % unit).any()
+    budget = np.array([_budget(budgets[name], unit, integral) for name in names])
+    b = Builder()
+    v = _Variables.create(b, st, fx, names, budget, q, power_caps)
+    _assignment(b, st, v)
+    _dependencies(b, st, v)
+    _memory(b, st, fx, M // unit, unit, v)
+    _free(b, st, v)
+    _copies(b, st, fx, v)
+    compute = costs.compute_ms[:, dev].T  # [D, n]
+    if q is not None and power_caps is not None and power_caps.per_stage is not None:
+        _stage_energy(b, v, q, power_caps)
+    cost = np.zeros(b.n_vars)
+    dd, tt, ii = np.nonzero(v.R >= 0)
+    cost[v.R[dd, tt, ii]] = compute[dd, ii] + (alpha * q[dd, ii] if q is not None else 0.0)
+    quadratic = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])
+    model = b.model(cost, quadratic)
+    D, n = len(names), st.n
+    S = np.concatenate([v.S, np.full((D, 1, n), -1)], axis=1)
+    return XEngineModel(
+        model, graph, names, st, unit, M // unit, fx, v.R, S, v.Z, v.U, v.F, v.C, v.H, v.G, v.L, b
+    )
+
+
+def _budget(budget: int | None, unit: int, integral: bool) -> float:
+    return scaled_budget(budget, unit) if integral or budget is None else budget / unit
+
+
+@dataclass(frozen=True)
+class _Variables:
+    R: np.ndarray
+    S: np.ndarray
+    Z: np.ndarray
+    U: np.ndarray
+    F: np.ndarray
+    C: np.ndarray
+    H: np.ndarray
+    G: np.ndarray
+    L: np.ndarray
+
+    @property
+    def S_next(self) -> np.ndarray:
+        D, _, n = self.S.shape
+        return np.concatenate([self.S[:, 1:], np.full((D, 1, n), -1)], axis=1)
+
+    @classmethod
+    def create(
+        cls,
+        b: Builder,
+        st: Structure,
+        fx: _Fixed,
+        names: tuple[str, ...],
+        budget: np.ndarray,
+        q: np.ndarray | None,
+        caps: PowerCaps | None,
+    ) -> _Variables:
+        D, T, n = len(names), st.n, st.n
+        t, i = np.arange(T)[:, None], np.arange(n)[None, :]
+        diag, below, useful = t == i, i < t, st.useful(T)
+        out = st.is_output[None, :]
+        r_mask = np.broadcast_to(diag | (below & useful), (D, T, n))
+        s_mask = np.broadcast_to(below & (useful | out), (D, T, n))
+        ub = np.ones((D, T, n))
+        if q is not None and caps is not None:
+            for d, name in enumerate(names):  # (18): q[d,i] R[d,t,i] <= Q_d^Max
+                cap = caps.per_op.get(name)
+                if cap is not None:
+                    ub[d, :, q[d] > cap] = 0.0
+        R = b.variables("R", r_mask, True, ub=ub, names=_labels("R", names, r_mask))  # (2), (7)
+        S = b.variables("S", s_mask, True, names=_labels("S", names, s_mask))  # (2), (10)
+        z_mask = r_mask | s_mask
+        Z = b.variables("Z", z_mask, True, names=_labels("Z", names, z_mask))  # (5)
+        u_mask = np.broadcast_to(np.arange(n + 1)[None, :] <= t + 1, (D, T, n + 1))
+        U = b.variables(
+            "U", u_mask, False, 0.0, budget[:, None, None], names=_labels("U", names, u_mask)
+        )  # (6)
+        e_u, e_v = st.edge_u[None, :], st.edge_v[None, :]
+        tt = np.arange(T)[:, None]
+        computable = r_mask[0][:, st.edge_v] & z_mask[0][:, st.edge_u]  # [T, E]
+        f_mask = np.broadcast_to((e_v < tt) & computable & ~st.is_output[e_u], (D, T, st.n_edges))
+        F = b.variables("F", f_mask, True, names=_edge_labels("F", names, f_mask, st))  # (3)
+        c_mask = np.broadcast_to(computable & (D > 1), (D, T, st.n_edges))
+        C = b.variables("C", c_mask, True, names=_edge_labels("C", names, c_mask, st))
+        fixed = [f"H[{d},{f}]" for d in names for f in fx.names]
+        H = b.variables("H", np.ones((D, len(fx.names)), dtype=bool), True, names=fixed)
+        grads = [f"G[{d},{f}]" for d in names for f in fx.grad_names]
+        G = b.variables("G", np.ones((D, len(fx.grad_names)), dtype=bool), True, names=grads)
+        l_mask = np.broadcast_to(below & (st.is_output & st.has_users & (D > 1)), (D, T, n))
+        L = b.variables("L", l_mask, True, names=_labels("L", names, l_mask))
+        return cls(R, S, Z, U, F, C, H, G, L)
+
+
+def _labels(label: str, names: tuple[str, ...], mask: np.ndarray) -> list[str]:
+    return [f"{label}[{names[d]},{t},{i}]" for d, t, i in np.argwhere(mask).tolist()]
+
+
+def _edge_labels(label: str, names: tuple[str, ...], mask: np.ndarray, st: Structure) -> list[str]:
+    u, v = st.edge_u.tolist(), st.edge_v.tolist()
+    return [f"{label}[{names[d]},{t},{u[e]},{v[e]}]" for d, t, e in np.argwhere(mask).tolist()]
+
+
+def _assignment(b: Builder, st: Structure, v: _Variables) -> None:
+    D, T, _ = v.R.shape
+    # (5) Z = R OR S: Z <= R + S, Z >= R, Z >= S.
+    dd, tt, ii = np.nonzero(v.Z >= 0)
+    keys = np.stack([dd, tt, ii], axis=1)
+    Rz, Sz, Zz = v.R[dd, tt, ii], v.S[dd, tt, ii], v.Z[dd, tt, ii]
+    b.rows("5 Z<=R+S", keys, [Zz, Rz, Sz], [1, -1, -1], -np.inf, 0)
+    has = Rz >= 0
+    b.rows("5 Z>=R", keys[has], [Rz[has], Zz[has]], [1, -1], -np.inf, 0)
+    has = Sz >= 0
+    b.rows("5 Z>=S", keys[has], [Sz[has], Zz[has]], [1, -1], -np.inf, 0)
+    # (8) + (9): at least one device per stage, T in all: exactly one device computes t.
+    diag = v.R[:, np.arange(T), np.arange(T)]  # [D, T]
+    rows = b.rows("8-9", np.arange(T)[:, None], [diag[0]], [1], 1, 1)
+    for d in range(1, D):
+        b.entries(rows, diag[d], np.ones(T))
+    # (11) S[d,t,i] <= S[d,t-1,i] + R[d,t-1,i]: keep only what is on the same device.
+    dd, tt, ii = np.nonzero(v.S >= 0)
+    keys = np.stack([dd, tt, ii], axis=1)
+    cols = [v.S[dd, tt, ii], v.S[dd, tt - 1, ii], v.R[dd, tt - 1, ii]]
+    b.rows("11", keys, cols, [1, -1, -1], -np.inf, 0)
+    # Outputs are never freed: once on d they stay (S[d,t,o] >= R[d,t-1,o], S[d,t-1,o]).
+    out = st.is_output[ii]
+    for label, prev in (("keep R", v.R), ("keep S", v.S)):
+        has = out & (prev[dd, tt - 1, ii] >= 0)
+        cols = [prev[dd[has], tt[has] - 1, ii[has]], v.S[dd[has], tt[has], ii[has]]]
+        b.rows(label, keys[has], cols, [1, -1], -np.inf, 0)
+
+
+def _dependencies(b: Builder, st: Structure, v: _Variables) -> None:
+    """(12) R[d,t,v] <= sum_{d'} (R[d',t,u] + S[d',t,u]) for every edge (u,v)."""
+    D = v.R.shape[0]
+    dd, tt, ee = np.nonzero(v.R[:, :, st.edge_v] >= 0)
+    u, w = st.edge_u[ee], st.edge_v[ee]
+    rows = b.rows("12", np.stack([dd, tt, u, w], axis=1), [v.R[dd, tt, w]], [1], -np.inf, 0)
+    for other in range(D):
+        minus = -np.ones(rows.shape[0])
+        b.entries(rows, v.R[other, tt, u], minus)
+        b.entries(rows, v.S[other, tt, u], minus)
+
+
+def _memory(b: Builder, st: Structure, fx: _Fixed, m: np.ndarray, unit: int, v: _Variables) -> None:
+    D, T, _ = v.R.shape
+    # (13) U[d,t,0] = sum_i m_i S[d,t,i] + fixed tensors on d + latched output copies.
+    dd, tt = np.nonzero(np.ones((D, T), dtype=bool))
+    start = b.rows("13", np.stack([dd, tt], axis=1), [v.U[dd, tt, 0]], [1], 0, 0)
+    start = start.reshape(D, T)
+    sd, st_, si = np.nonzero(v.S >= 0)
+    b.entries(start[sd, st_], v.S[sd, st_, si], -m[si])
+    for sizes, var in ((fx.sizes, v.H), (fx.grad_sizes, v.G)):
+        for d in range(D):
+            for t in range(T):
+                b.entries(np.full(var.shape[1], start[d, t]), var[d], -(sizes / unit))
+    ld, lt, lo = np.nonzero(v.L >= 0)
+    b.entries(start[ld, lt], v.L[ld, lt, lo], -m[lo])
+    # (14) U[d,t,k+1] = U[d,t,k] - free_{d,t,k-1} + m_k R[d,t,k] + copies into d for k.
+    dd, tt, cc = np.nonzero(v.U[:, :, 1:] >= 0)
+    cc = cc + 1
+    kk = cc - 1
+    cols = [v.U[dd, tt, cc], v.U[dd, tt, cc - 1], v.R[dd, tt, kk]]
+    rows = b.rows("14", np.stack([dd, tt, kk], axis=1), cols, [1, -1, -m[kk]], 0, 0)
+    row_of = np.full(v.U.shape, -1)
+    row_of[dd, tt, cc] = rows
+    # (15) free_{d,t,k} = sum_{u in DEPS[k]} m_u F[d,t,(u,k)], from column k+2 on.
+    fd, ft, fe = np.nonzero(v.F >= 0)
+    b.entries(row_of[fd, ft, st.edge_v[fe] + 2], v.F[fd, ft, fe], m[st.edge_u[fe]])
+    cd, ct, ce = np.nonzero(v.C >= 0)
+    b.entries(row_of[cd, ct, st.edge_v[ce] + 1], v.C[cd, ct, ce], -m[st.edge_u[ce]])
+
+
+def _free(b: Builder, st: Structure, v: _Variables) -> None:
+    """(16) as Checkmate's (7b)-(7c) per device: F = 1 iff h(d,t,u,v) = 0."""
+    D = v.R.shape[0]
+    fd, ft, fe = np.nonzero(v.F >= 0)
+    u, w = st.edge_u[fe], st.edge_v[fe]
+    S_next = v.S_next
+    where, j = ragged(st.later_ptr, st.later_idx, fe)
+    later = [v.R[other, ft[where], j] for other in range(D)]
+    count = sum(np.bincount(where[r >= 0], minlength=fe.shape[0]) for r in later)
+    kappa = 1 + (S_next[fd, ft, u] >= 0) + count
+    keys = np.stack([fd, ft, u, w], axis=1)
+    cols = [v.F[fd, ft, fe], v.R[fd, ft, w], S_next[fd, ft, u]]
+    low = b.rows("16 min", keys, cols, [-1, 1, -1], -np.inf, 0)  # 1 - F <= h
+    high = b.rows("16 max", keys, cols, [kappa, -1, 1], -np.inf, kappa - 1)  # kappa(1-F) >= h
+    for r in later:
+        b.entries(low[where], r, -np.ones(where.shape[0]))
+        b.entries(high[where], r, np.ones(where.shape[0]))
+
+
+def _copies(b: Builder, st: Structure, fx: _Fixed, v: _Variables) -> None:
+    D = v.R.shape[0]
+    # A copy of u into d for its first user v there: C >= R[d,t,v] - Z[d,t,u] - earlier.
+    cd, ct, ce = np.nonzero(v.C >= 0)
+    u, w = st.edge_u[ce], st.edge_v[ce]
+    keys = np.stack([cd, ct, u, w], axis=1)
+    cols = [v.C[cd, ct, ce], v.R[cd, ct, w], v.Z[cd, ct, u]]
+    # A latched copy of an output (L) is already on d: no new copy is needed.
+    rows = b.rows("copy", keys, [*cols, v.L[cd, ct, u]], [1, -1, 1, 1], 0, np.inf)
+    where, j = ragged(st.earlier_ptr, st.earlier_idx, ce)
+    b.entries(rows[where], v.R[cd[where], ct[where], j], np.ones(where.shape[0]))
+    # A copied output stays on d for good (the compiler never frees outputs).
+    T = v.R.shape[1]
+    later = ct + 1 < T
+    nxt = np.where(later, v.L[cd, np.minimum(ct + 1, T - 1), u], -1)
+    has = nxt >= 0
+    b.rows("latch copy", keys[has], [v.C[cd, ct, ce][has], nxt[has]], [1, -1], -np.inf, 0)
+    ld, lt, lo = np.nonzero(v.L[:, 1:] >= 0)
+    lt = lt + 1
+    prev = v.L[ld, lt - 1, lo]
+    has = prev >= 0
+    keys = np.stack([ld, lt, lo], axis=1)[has]
+    b.rows("latch keep", keys, [prev[has], v.L[ld, lt, lo][has]], [1, -1], -np.inf, 0)
+    # Fixed memory by placement: R[d,i,i] <= H[d,f]; sum_{t>i} R[d,t,i] <= count H[d,f].
+    for label, var, pairs in (("H", v.H, fx.pairs), ("G", v.G, fx.grad_pairs)):
+        if pairs.shape[0] == 0:
+            continue
+        f, node = pairs[:, 0], pairs[:, 1]
+        for d in range(D):
+            keys = np.stack([np.full(len(f), d), f, node], axis=1)
+            b.rows(f"{label} first", keys, [v.R[d, node, node], var[d, f]], [1, -1], -np.inf, 0)
+            recompute = v.R[d][:, node]  # [T, P]
+            recompute = np.where(np.arange(v.R.shape[1])[:, None] > node[None, :], recompute, -1)
+            count = (recompute >= 0).sum(axis=0)
+            some = count > 0
+            rows = b.rows(
+                f"{label} again", keys[some], [var[d, f[some]]], [-count[some]], -np.inf, 0
+            )
+            row_of = np.full(len(f), -1)
+            row_of[some] = rows
+            tt, pp = np.nonzero(recompute >= 0)
+            b.entries(row_of[pp], recompute[tt, pp], np.ones(tt.shape[0]))
+
+
+def _stage_energy(b: Builder, v: _Variables, q: np.ndarray, caps: PowerCaps) -> None:
+    """(19) sum_{d,i} q[d,i] R[d,t,i] + Q_Board <= Q^Max in every stage."""
+    T = v.R.shape[1]
+    assert caps.per_stage is not None
+    rows = b.rows("19", np.arange(T)[:, None], [], [], -np.inf, caps.per_stage - caps.board)
+    dd, tt, ii = np.nonzero(v.R >= 0)
+    b.entries(rows[tt], v.R[dd, tt, ii], q[dd, ii])
+
+
+def _copy_cost(st: Structure, v: _Variables, w: np.ndarray) -> tuple[tuple[int, int, float], ...]:
+    """W of eq. (1): w[u,d,d'] R[d',t,v] Z[d,t,u] for d != d', every edge (u,v)."""
+    D = v.R.shape[0]
+    terms: list[tuple[int, int, float]] = []
+    for dst in range(D):
+        for src in range(D):
+            if src == dst:
+                continue
+            tt, ee = np.nonzero((v.R[dst][:, st.edge_v] >= 0) & (v.Z[src][:, st.edge_u] >= 0))
+            coef = w[st.edge_u[ee], src, dst]
+            keep = coef > 0
+            r = v.R[dst, tt, st.edge_v[ee]][keep].tolist()
+            z = v.Z[src, tt, st.edge_u[ee]][keep].tolist()
+            terms.extend(zip(r, z, coef[keep].tolist(), strict=True))
+    return tuple(terms)

@@ -1,0 +1,385 @@
+"""OR-tools CP-SAT backend: integer variables and integer coefficients only.
+
+The model is scaled to integers first (``scale``, pure numpy, no ortools):
+
+- every variable becomes an integer ``k`` with ``x = step * k``. Integer variables have step
+  1; so do continuous ones that are implied integral (the linearization's products, and
+  equality rows ``x = integer combination``); other continuous variables are discretised at
+  ``resolution`` (e.g. 1e-6: micro-units) and the solver then works on a restriction of the
+  model.
+- each row is multiplied by the smallest power of ten that makes its coefficients integral.
+  When none does (up to 1e9), the row is scaled to ``_PRECISION`` and rounded
+  conservatively: the coefficients are rounded in the direction that over-estimates the
+  constrained side for the variable's sign, and whatever a mixed-sign variable can still
+  add is taken off the bound, so any point CP-SAT accepts satisfies the original row.
+- the objective is scaled the same way; when it has to be rounded, the rounding error
+  (bounded with the variable domains) is taken off the reported bound, so it stays valid.
+
+``exact`` records whether the integer model has the same feasible points as the original.
+When it does not, CP-SAT's bound and infeasibility proof are about the restriction only:
+the result is then ``feasible`` without a bound, or ``unknown`` instead of ``infeasible``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
+from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relative_gap
+
+DEFAULT_RESOLUTION = 1e-6
+_MAX_EXACT_POWER = 9  # try row scale factors 10**0 .. 10**9
+_PRECISION = 1e7  # largest coefficient of a row that has to be rounded
+_INFINITE_DOMAIN = 2**40  # stands in for an infinite variable bound
+_INT64 = 2**63 - 1
+# "Integral" means integral to float precision: the data is only defined that far, and a
+# looser, relative tolerance would call every large number integral.
+_REL_TOL = 1e-12
+_ABS_TOL = 1e-9
+_STOP_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ScaledRow:
+    cols: np.ndarray  # int
+    coefs: np.ndarray  # int64
+    lo: int | None  # None: unbounded side
+    hi: int | None
+
+
+@dataclass(frozen=True)
+class ScaledModel:
+    step: np.ndarray  # x = step * k
+    k_lo: np.ndarray  # int64 domains of k
+    k_hi: np.ndarray
+    rows: tuple[ScaledRow, ...]
+    obj: np.ndarray  # int64 objective coefficients of k
+    obj_scale: float  # scaled objective = obj_scale * (c @ x)
+    obj_error: float  # |unscaled integer objective - c @ x| is at most this
+    exact: bool  # same feasible points as the original model
+
+    def x(self, k: np.ndarray) -> np.ndarray:
+        k = np.asarray(k, dtype=float)
+        return self.step[: len(k)] * k  # a prefix of k: the linearization's products dropped
+
+
+# ------------------------------------------------------------------------------- scaling
+
+
+def scale(model: MILPModel, resolution: float = DEFAULT_RESOLUTION) -> ScaledModel:
+    """The integer model CP-SAT solves; see the module docstring. ``model`` must be linear."""
+    if model.quadratic:
+        raise ValueError("scale() takes a linear model: pass model.linearized()")
+    integral = implied_integral(model)
+    step = np.where(integral, 1.0, resolution)
+    k_lo, k_hi = _domains(model.lb, model.ub, step)
+    A = model.A.tocsr()
+    rows: list[ScaledRow] = []
+    exact = bool(np.all(integral))
+    for r in range(model.n_rows):
+        cols = A.indices[A.indptr[r] : A.indptr[r + 1]]
+        vals = A.data[A.indptr[r] : A.indptr[r + 1]] * step[cols]
+        scaled, row_exact = scale_row(
+            cols, vals, k_lo[cols], k_hi[cols], model.row_lb[r], model.row_ub[r]
+        )
+        rows.extend(scaled)
+        exact = exact and row_exact
+    obj, obj_scale, obj_error = _scale_objective(model.c * step, k_lo, k_hi)
+    return ScaledModel(step, k_lo, k_hi, tuple(rows), obj, obj_scale, obj_error, exact)
+
+
+def implied_integral(model: MILPModel) -> np.ndarray:
+    """Integer variables, plus continuous ones every feasible point gives an integer value:
+    those fixed by an equality row with integral right-hand side, integral coefficients on
+    integral variables and a +-1 coefficient on themselves (iterated to a fixpoint)."""
+    integral = np.asarray(model.integer, dtype=bool).copy()
+    A = model.A.tocsr()
+    eq = np.flatnonzero((model.row_lb == model.row_ub) & _is_integral(model.row_ub))
+    changed = True
+    while changed:
+        changed = False
+        for r in eq:
+            cols = A.indices[A.indptr[r] : A.indptr[r + 1]]
+            vals = A.data[A.indptr[r] : A.indptr[r + 1]]
+            free = cols[~integral[cols]]
+            if len(free) != 1 or not np.all(_is_integral(vals)):
+                continue
+            if abs(abs(vals[cols == free[0]][0]) - 1.0) <= _ABS_TOL:
+                integral[free[0]] = True
+                changed = True
+    return integral
+
+
+def scale_row(
+    cols: np.ndarray,
+    vals: np.ndarray,
+    k_lo: np.ndarray,
+    k_hi: np.ndarray,
+    lo: float,
+    hi: float,
+) -> tuple[list[ScaledRow], bool]:
+    """Integer rows over k whose solutions all satisfy lo <= vals @ k <= hi; and whether they
+    have exactly the same integer solutions."""
+    factor = _exact_factor(vals)
+    if factor is not None:
+        coefs = np.rint(vals * factor).astype(np.int64)
+        row = ScaledRow(cols, coefs, _ceil(lo * factor), _floor(hi * factor))
+        return [row], True
+    peak = float(np.max(np.abs(vals)))
+    factor = 10.0 ** math.ceil(math.log10(_PRECISION / peak))
+    scaled = vals * factor
+    rows = []
+    if math.isfinite(hi):
+        rows.append(_rounded_side(cols, scaled, k_lo, k_hi, hi * factor, upper=True))
+    if math.isfinite(lo):
+        rows.append(_rounded_side(cols, scaled, k_lo, k_hi, lo * factor, upper=False))
+    return rows, False
+
+
+def _rounded_side(
+    cols: np.ndarray,
+    scaled: np.ndarray,
+    k_lo: np.ndarray,
+    k_hi: np.ndarray,
+    rhs: float,
+    upper: bool,
+) -> ScaledRow:
+    # For "<= rhs": round coefficients up on k >= 0 (down on k <= 0), so the integer
+    # activity over-estimates the true one; a mixed-sign k's worst error comes off rhs.
+    # ">= lhs" is the mirror image.
+    negative_k = k_hi <= 0
+    up = np.ceil(scaled) if upper else np.floor(scaled)
+    down = np.floor(scaled) if upper else np.ceil(scaled)
+    coefs = np.where(negative_k, down, up)
+    error = scaled - coefs  # true = integer + error * k
+    worst = np.maximum(error * k_lo, error * k_hi)
+    if upper:
+        slack = float(np.sum(np.maximum(worst, 0.0)))
+        return ScaledRow(cols, coefs.astype(np.int64), None, _floor(rhs - slack))
+    best = np.minimum(error * k_lo, error * k_hi)
+    slack = float(np.sum(np.minimum(best, 0.0)))
+    return ScaledRow(cols, coefs.astype(np.int64), _ceil(rhs - slack), None)
+
+
+def _scale_objective(
+    c: np.ndarray, k_lo: np.ndarray, k_hi: np.ndarray
+) -> tuple[np.ndarray, float, float]:
+    if not np.any(c):
+        return np.zeros(len(c), dtype=np.int64), 1.0, 0.0
+    factor = _exact_factor(c)
+    if factor is not None:
+        return np.rint(c * factor).astype(np.int64), factor, 0.0
+    factor = 10.0 ** math.ceil(math.log10(_PRECISION / float(np.max(np.abs(c)))))
+    coefs = np.rint(c * factor)
+    reach = np.maximum(np.abs(k_lo), np.abs(k_hi)).astype(float)
+    error = float(np.sum(np.abs(c * factor - coefs) * reach)) / factor
+    return coefs.astype(np.int64), factor, error
+
+
+def _exact_factor(vals: np.ndarray) -> float | None:
+    """The smallest 10**p making every value integral (decimal data), if p <= 9."""
+    for power in range(_MAX_EXACT_POWER + 1):
+        scaled = vals * 10.0**power
+        if np.max(np.abs(scaled), initial=0.0) >= 2**53:
+            return None
+        if np.all(_is_integral(scaled)):
+            return 10.0**power
+    return None
+
+
+def _domains(lb: np.ndarray, ub: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.full(len(lb), -_INFINITE_DOMAIN, dtype=np.int64)
+    hi = np.full(len(ub), _INFINITE_DOMAIN, dtype=np.int64)
+    finite = np.isfinite(lb)
+    lo[finite] = [_ceil(v) for v in lb[finite] / step[finite]]
+    finite = np.isfinite(ub)
+    hi[finite] = [_floor(v) for v in ub[finite] / step[finite]]
+    return np.clip(lo, -_INFINITE_DOMAIN, None), np.clip(hi, None, _INFINITE_DOMAIN)
+
+
+def _is_integral(values: np.ndarray) -> np.ndarray:
+    values = np.asarray(values, dtype=float)
+    with np.errstate(invalid="ignore"):  # inf is not integral, and says so as nan
+        error = np.abs(values - np.rint(values))
+        return error <= np.maximum(_ABS_TOL, _REL_TOL * np.abs(values))
+
+
+def _floor(value: float) -> int | None:
+    if not math.isfinite(value):
+        return None
+    slack = max(_ABS_TOL, _REL_TOL * abs(value))  # float noise only: stays conservative
+    return int(min(math.floor(value + slack), _INT64))
+
+
+def _ceil(value: float) -> int | None:
+    if not math.isfinite(value):
+        return None
+    slack = max(_ABS_TOL, _REL_TOL * abs(value))
+    return int(max(math.ceil(value - slack), -_INT64))
+
+
+# --------------------------------------------------------------------------------- solve
+
+
+def solve(
+    model: MILPModel,
+    options: SolveOptions,
+    progress: Callable[[Progress], None],
+    should_stop: Callable[[], bool],
+    incumbent: Incumbent | None = None,
+    resolution: float = DEFAULT_RESOLUTION,
+) -> SolveResult:
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as exc:
+        raise SolverUnavailable(f"ortools cannot be imported: {exc}") from exc
+
+    milp = _with_integral_products(model)
+    scaled = scale(milp, resolution)
+    cp = _build(cp_model, milp, scaled)
+    reporter = Reporter(progress, incumbent)
+    solver = _solver(cp_model, options)
+    unscale = _Unscale(model, scaled)
+    solver.best_bound_callback = lambda b: reporter.update(bound=unscale.bound(b))
+    callback = _callback(cp_model, model, scaled, reporter)
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(solver, should_stop, reporter, done))
+    watcher.start()
+    try:
+        status = solver.solve(cp, callback)
+    finally:
+        done.set()
+        watcher.join()
+    return _result(cp_model, solver, status, cp, model, scaled, unscale, reporter, options)
+
+
+def _with_integral_products(model: MILPModel) -> MILPModel:
+    """The linearization's y = x_i * x_j of binaries is 0/1 at every optimum, so it can be an
+    integer variable: the integer model stays exact."""
+    milp = model.linearized()
+    if not model.quadratic:
+        return milp
+    integer = milp.integer.copy()
+    binary = model.integer & (model.lb >= 0) & (model.ub <= 1)
+    for q, (i, j, _) in enumerate(model.quadratic):
+        integer[model.n_vars + q] = bool(binary[i] and binary[j])
+    return replace(milp, integer=integer)
+
+
+def _build(cp_model: Any, milp: MILPModel, scaled: ScaledModel) -> Any:
+    cp = cp_model.CpModel()
+    k = [
+        cp.new_int_var(int(lo), int(hi), f"k{j}")
+        for j, (lo, hi) in enumerate(zip(scaled.k_lo, scaled.k_hi, strict=True))
+    ]
+    for row in scaled.rows:
+        terms = [k[j] for j in row.cols]
+        expr = cp_model.LinearExpr.weighted_sum(terms, [int(a) for a in row.coefs])
+        lo = cp_model.INT_MIN if row.lo is None else row.lo
+        hi = cp_model.INT_MAX if row.hi is None else row.hi
+        cp.add_linear_constraint(expr, lo, hi)
+    nonzero = np.flatnonzero(scaled.obj)
+    cp.minimize(
+        cp_model.LinearExpr.weighted_sum(
+            [k[j] for j in nonzero], [int(scaled.obj[j]) for j in nonzero]
+        )
+    )
+    if milp.start is not None:
+        hint = np.rint(np.asarray(milp.start, dtype=float) / scaled.step)
+        hint = np.clip(hint, scaled.k_lo, scaled.k_hi).astype(np.int64)
+        for var, value in zip(k, hint, strict=True):
+            cp.add_hint(var, int(value))
+    return cp
+
+
+def _solver(cp_model: Any, options: SolveOptions) -> Any:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(options.time_limit_s)
+    solver.parameters.num_workers = max(1, int(options.threads))
+    solver.parameters.relative_gap_limit = float(options.gap)
+    solver.parameters.log_search_progress = False
+    return solver
+
+
+class _Unscale:
+    """Integer objective values back to the model's units (offset included)."""
+
+    def __init__(self, model: MILPModel, scaled: ScaledModel) -> None:
+        self._offset = model.offset
+        self._scale = scaled.obj_scale
+        self._error = scaled.obj_error
+        self._valid_bound = scaled.exact
+
+    def bound(self, value: float) -> float | None:
+        if not self._valid_bound or not math.isfinite(value):
+            return None
+        return value / self._scale + self._offset - self._error
+
+
+def _callback(cp_model: Any, model: MILPModel, scaled: ScaledModel, reporter: Reporter) -> Any:
+    n = model.n_vars
+
+    class _Callback(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            x = scaled.x(np.asarray(self.response_proto.solution, dtype=np.int64)[:n])
+            # The exact objective of the original model, not the rounded integer one.
+            reporter.update(float(model.objective(x)), x=x)
+
+    return _Callback()
+
+
+def _watch(solver: Any, should_stop: Callable[[], bool], reporter: Reporter, done: Any) -> None:
+    # CP-SAT has no interrupt callback: poll should_stop here and ask the search to stop.
+    while not done.wait(_STOP_POLL_S):
+        if should_stop():
+            solver.stop_search()
+            return
+        reporter.tick()
+
+
+def _result(
+    cp_model: Any,
+    solver: Any,
+    status: Any,
+    cp: Any,
+    model: MILPModel,
+    scaled: ScaledModel,
+    unscale: _Unscale,
+    reporter: Reporter,
+    options: SolveOptions,
+) -> SolveResult:
+    reporter.flush()
+    seconds = reporter.elapsed()
+    restricted = "" if scaled.exact else "integer scaling restricted the model; "
+    if status == cp_model.MODEL_INVALID:
+        message = f"CP-SAT rejected the model: {cp.validate()}"
+        return SolveResult(SolveStatus.ERROR, None, None, None, None, seconds, message, "cpsat")
+    if status == cp_model.INFEASIBLE:
+        if scaled.exact:
+            return SolveResult(SolveStatus.INFEASIBLE, None, None, None, None, seconds, "", "cpsat")
+        message = restricted + "CP-SAT's infeasibility is not a proof for the original"
+        return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, seconds, message, "cpsat")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        message = f"CP-SAT stopped without a solution ({solver.status_name(status)})"
+        return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, seconds, message, "cpsat")
+    k = np.asarray(solver.response_proto.solution, dtype=np.int64)[: model.n_vars]
+    x = scaled.x(k)
+    objective = float(model.objective(x))
+    bound = unscale.bound(solver.best_objective_bound)
+    if bound is not None:
+        bound = min(bound, objective)
+    gap = relative_gap(objective, bound)
+    proven = gap is not None and gap <= options.gap + 1e-12
+    if status == cp_model.OPTIMAL and proven:
+        return SolveResult(SolveStatus.OPTIMAL, x, objective, bound, gap, seconds, "", "cpsat")
+    if scaled.exact:
+        message = f"CP-SAT stopped: {solver.status_name(status)}"
+    else:
+        message = restricted + "no bound for the original model"
+    return SolveResult(SolveStatus.FEASIBLE, x, objective, bound, gap, seconds, message, "cpsat")

@@ -1,0 +1,110 @@
+"""A backend-neutral mixed-integer model in matrix form, and what a solve returns.
+
+Formulations (``remat.formulations``) build a ``MILPModel``; each backend translates it
+to its own API. Rows are ``row_lb <= A x <= row_ub``; columns have bounds and an
+integrality flag. ``quadratic`` holds bilinear objective terms ``coef * x_i * x_j`` of
+binaries (XEngine's copy term W, eq. 1): backends that take them natively (SCIP, Gurobi)
+use them as written, the others solve ``linearized()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import scipy.sparse as sp
+
+
+@dataclass(frozen=True)
+class MILPModel:
+    c: np.ndarray  # objective coefficients, [n_vars]
+    A: sp.csr_array  # constraint matrix, [n_rows, n_vars]
+    row_lb: np.ndarray
+    row_ub: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    integer: np.ndarray  # bool, [n_vars]
+    quadratic: tuple[tuple[int, int, float], ...] = ()
+    offset: float = 0.0
+    start: np.ndarray | None = None  # a feasible warm start, if known
+    names: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def n_vars(self) -> int:
+        return int(self.c.shape[0])
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.A.shape[0])
+
+    def objective(self, x: np.ndarray) -> float:
+        value = float(self.c @ x) + self.offset
+        return value + sum(coef * x[i] * x[j] for i, j, coef in self.quadratic)
+
+    def linearized(self) -> MILPModel:
+        """Each bilinear term coef * x_i * x_j (coef > 0, binaries) becomes coef * y with
+        y >= x_i + x_j - 1, y >= 0: with a positive cost, y takes the product's value at
+        any optimum (DESIGN.md)."""
+        if not self.quadratic:
+            return self
+        if any(coef < 0 for _, _, coef in self.quadratic):
+            raise ValueError("linearization needs non-negative bilinear coefficients")
+        k = len(self.quadratic)
+        n = self.n_vars
+        rows = np.repeat(np.arange(k), 3)
+        cols = np.array([[n + q, i, j] for q, (i, j, _) in enumerate(self.quadratic)]).ravel()
+        vals = np.tile([1.0, -1.0, -1.0], k)
+        extra = sp.csr_array((vals, (rows, cols)), shape=(k, n + k))
+        A = sp.vstack([sp.hstack([self.A, sp.csr_array((self.n_rows, k))]), extra]).tocsr()
+        start = None
+        if self.start is not None:
+            products = [self.start[i] * self.start[j] for i, j, _ in self.quadratic]
+            start = np.concatenate([self.start, products])
+        return MILPModel(
+            c=np.concatenate([self.c, [coef for _, _, coef in self.quadratic]]),
+            A=sp.csr_array(A),
+            row_lb=np.concatenate([self.row_lb, np.full(k, -1.0)]),
+            row_ub=np.concatenate([self.row_ub, np.full(k, np.inf)]),
+            lb=np.concatenate([self.lb, np.zeros(k)]),
+            ub=np.concatenate([self.ub, np.ones(k)]),
+            integer=np.concatenate([self.integer, np.zeros(k, dtype=bool)]),
+            offset=self.offset,
+            start=start,
+            names=self.names + tuple(f"y{q}" for q in range(k)) if self.names else (),
+        )
+
+
+class SolveStatus(StrEnum):
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"  # stopped (time limit, gap, cancel) with an incumbent
+    INFEASIBLE = "infeasible"  # proven
+    UNKNOWN = "unknown"  # stopped without an incumbent or a proof
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    time_limit_s: float = 60.0
+    gap: float = 1e-4  # relative gap target
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class Progress:
+    elapsed_s: float
+    objective: float | None  # incumbent
+    bound: float | None  # best proven lower bound
+    gap: float | None
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    status: SolveStatus
+    x: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    seconds: float
+    message: str = ""
+    backend: str = ""

@@ -1,0 +1,405 @@
+"""Solve a ``MILPModel`` with one backend in a fresh subprocess.
+
+Every solve runs in its own ``spawn``-ed process (DESIGN.md): ortools and highspy cannot
+be imported into the same process, and a process gives clean cancellation, time limits and
+crash isolation. The child streams progress and incumbents back over a pipe; the parent
+delivers progress to ``on_progress``, stops the child cooperatively on cancel or at the hard
+time limit (and terminates it if it does not stop), and turns every solver failure into a
+``SolveResult`` with status ``error`` instead of raising.
+
+As with any ``spawn``, the caller's ``__main__`` must be importable without side effects
+(scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.
+
+The helpers the backends share (``SolverUnavailable``, ``relative_gap``, ``Reporter``) live
+here too; this module imports no solver library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
+
+BACKENDS = ("highs", "cpsat", "scip", "gurobi")
+DEFAULT_BACKEND = "highs"  # pending a benchmark across the formulations
+
+# After a stop request the child gets this long to return its own result (with the
+# incumbent) before it is terminated; terminate + kill fit in the rest of the 2 s budget.
+COOPERATIVE_WAIT_S = 1.0
+TERMINATE_WAIT_S = 0.4
+POLL_S = 0.05
+DEFAULT_GRACE_S = 5.0  # beyond time_limit_s: process start, imports, model building
+
+Incumbent = Callable[[np.ndarray, float], None]
+
+
+class SolverUnavailable(Exception):
+    """The backend cannot solve this model here (not installed, unlicensed, or over a
+    size-limited license). The runner falls back to another backend."""
+
+
+def relative_gap(objective: float | None, bound: float | None) -> float | None:
+    """|objective - bound| / |objective| (Gurobi's definition; inf when the objective is 0
+    and the bound is not). None while either is unknown."""
+    if objective is None or bound is None or not math.isfinite(objective):
+        return None
+    if not math.isfinite(bound):
+        return None
+    diff = max(0.0, objective - bound)
+    if diff <= 1e-9 * max(1.0, abs(objective)):
+        return 0.0
+    return diff / abs(objective) if objective != 0 else math.inf
+
+
+class Reporter:
+    """Turns a solver's many callbacks into at most one report every ``interval_s``.
+
+    Backends call ``update`` with whatever they learned (incumbent objective, bound, the
+    incumbent itself: an array, or a function producing it when the data stays valid) and
+    ``tick`` from frequent callbacks; a report goes out when something changed and the
+    interval has passed. Thread-safe: CP-SAT and Gurobi call back from solver threads.
+    """
+
+    def __init__(
+        self,
+        progress: Callable[[Progress], None],
+        incumbent: Incumbent | None = None,
+        interval_s: float = 0.5,
+    ) -> None:
+        self._progress = progress
+        self._incumbent = incumbent
+        self._interval = interval_s
+        self._start = time.monotonic()
+        self._lock = threading.Lock()
+        self._last_sent = -math.inf
+        self._changed = False
+        self.objective: float | None = None
+        self.bound: float | None = None
+        # The incumbent not yet sent, with its own objective: the objective reported by
+        # some callbacks may already be newer than the last solution seen.
+        self._pending: tuple[np.ndarray | Callable[[], np.ndarray], float] | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def update(
+        self,
+        objective: float | None = None,
+        bound: float | None = None,
+        x: np.ndarray | Callable[[], np.ndarray] | None = None,
+    ) -> None:
+        with self._lock:
+            if objective is not None and math.isfinite(objective):
+                if self.objective is None or objective < self.objective:
+                    self.objective = objective
+                    self._changed = True
+                if x is not None and objective <= self.objective:
+                    self._pending = (x, objective)
+                    self._changed = True
+            # The best proven bound only rises; solvers sometimes report a stale one.
+            if (
+                bound is not None
+                and math.isfinite(bound)
+                and (self.bound is None or bound > self.bound)
+            ):
+                self.bound = bound
+                self._changed = True
+            self._emit_if_due(force=False)
+
+    def tick(self) -> None:
+        with self._lock:
+            self._emit_if_due(force=False)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._emit_if_due(force=True)
+
+    def _emit_if_due(self, force: bool) -> None:
+        now = time.monotonic()
+        if not self._changed or (not force and now - self._last_sent < self._interval):
+            return
+        self._last_sent = now
+        self._changed = False
+        if self._pending is not None and self._incumbent is not None:
+            x, objective = self._pending
+            self._pending = None  # sent once; the next incumbent replaces it
+            self._incumbent(np.asarray(x() if callable(x) else x, dtype=float), objective)
+        bound = self.bound
+        if bound is not None and self.objective is not None:
+            bound = min(bound, self.objective)  # tolerances can put it a hair above
+        gap = relative_gap(self.objective, bound)
+        self._progress(Progress(now - self._start, self.objective, bound, gap))
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def _child_main(
+    backend: str,
+    inbox: Connection,
+    conn: Connection,
+    stop: Any,  # multiprocessing Event
+) -> None:
+    lock = threading.Lock()  # solver threads may report concurrently
+
+    def send(message: tuple[Any, ...]) -> None:
+        with lock:
+            conn.send(message)
+
+    try:
+        model, options, backend_options = inbox.recv()
+        inbox.close()
+        module = importlib.import_module(f"remat.solvers.{backend}")
+        result = module.solve(
+            model,
+            options,
+            lambda p: send(("progress", p)),
+            stop.is_set,
+            incumbent=lambda x, obj: send(("incumbent", x, obj)),
+            **backend_options,
+        )
+        send(("result", replace(result, backend=backend)))
+    except SolverUnavailable as exc:
+        send(("unavailable", str(exc)))
+    except BaseException as exc:  # report everything; the parent must never hang
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        send(("crash", f"{detail}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+@dataclass
+class _Seen:
+    """What the parent knows about a running child, for when it has to kill it."""
+
+    start: float
+    x: np.ndarray | None = None
+    objective: float | None = None
+    bound: float | None = None
+
+
+@dataclass
+class _Outcome:
+    result: SolveResult | None = None
+    unavailable: str | None = None
+
+
+def solve(
+    model: MILPModel,
+    backend: str = DEFAULT_BACKEND,
+    options: SolveOptions = SolveOptions(),  # noqa: B008 - frozen dataclass
+    on_progress: Callable[[Progress], None] | None = None,
+    cancel: threading.Event | None = None,
+    fallback: str | None = "highs",
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    backend_options: Mapping[str, Any] | None = None,
+) -> SolveResult:
+    """Solve ``model`` with ``backend`` in a subprocess; see the module docstring.
+
+    ``backend_options`` are passed to the backend's ``solve`` as keywords (e.g. cpsat's
+    ``resolution``). Only ``ValueError`` for an unknown backend is raised; solver failures,
+    crashes and kills come back as results. ``on_progress`` runs in the calling thread; an
+    exception it raises propagates, after the child has been stopped.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown solver backend {backend!r}; choose one of {BACKENDS}")
+    if fallback is not None and fallback not in BACKENDS:
+        raise ValueError(f"unknown fallback backend {fallback!r}")
+    outcome = _run_child(
+        model, backend, options, on_progress, cancel, grace_s, dict(backend_options or {})
+    )
+    if outcome.result is not None:
+        return outcome.result
+    reason = outcome.unavailable or "unavailable"
+    if fallback is None or fallback == backend:
+        return _empty(SolveStatus.ERROR, backend, 0.0, f"{backend}: {reason}")
+    result = solve(model, fallback, options, on_progress, cancel, None, grace_s=grace_s)
+    note = f"{backend}: {reason}; solved with {fallback}"
+    return replace(result, message=_join(note, result.message))
+
+
+def _run_child(
+    model: MILPModel,
+    backend: str,
+    options: SolveOptions,
+    on_progress: Callable[[Progress], None] | None,
+    cancel: threading.Event | None,
+    grace_s: float,
+    backend_options: dict[str, Any],
+) -> _Outcome:
+    if cancel is not None and cancel.is_set():
+        return _Outcome(_empty(SolveStatus.UNKNOWN, backend, 0.0, "cancelled before start"))
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    inbox, outbox = ctx.Pipe(duplex=False)
+    stop = ctx.Event()
+    # The model does not travel in the process arguments: spawn writes those to the child
+    # while holding the pipe's read end itself, so a child that dies while bootstrapping
+    # (e.g. an unguarded __main__) would block start() forever on a model over 64 KiB.
+    process = ctx.Process(
+        target=_child_main,
+        args=(backend, inbox, sender, stop),
+        name=f"remat-solve-{backend}",
+        daemon=True,  # never outlive the caller
+    )
+    seen = _Seen(start=time.monotonic())
+    process.start()
+    sender.close()  # the child holds the only writer: its exit shows as EOF here
+    inbox.close()
+    feeder = threading.Thread(
+        target=_feed, args=(outbox, (model, options, backend_options)), daemon=True
+    )
+    feeder.start()  # a thread: a child that never reads must not block the caller
+    try:
+        return _supervise(
+            process, receiver, stop, backend, options, on_progress, cancel, grace_s, seen
+        )
+    finally:
+        _ensure_dead(process)
+        receiver.close()
+        feeder.join()
+
+
+def _feed(outbox: Connection, payload: tuple[Any, ...]) -> None:
+    try:
+        outbox.send(payload)
+    except OSError:
+        pass  # the child died first; the supervisor reports it
+    finally:
+        outbox.close()
+
+
+def _supervise(
+    process: Any,
+    receiver: Connection,
+    stop: Any,
+    backend: str,
+    options: SolveOptions,
+    on_progress: Callable[[Progress], None] | None,
+    cancel: threading.Event | None,
+    grace_s: float,
+    seen: _Seen,
+) -> _Outcome:
+    deadline = seen.start + options.time_limit_s + grace_s
+    stop_requested: float | None = None
+    why = ""
+    while True:
+        if receiver.poll(POLL_S):
+            try:
+                message = receiver.recv()
+            except (EOFError, OSError):
+                return _Outcome(_crashed(process, backend, seen))
+            outcome = _handle(message, backend, on_progress, seen)
+            if outcome is not None:
+                return _annotate(outcome, why)
+            continue
+        now = time.monotonic()
+        if stop_requested is None:
+            why = _stop_reason(cancel, now, deadline)
+            if why:
+                stop.set()  # the backend's should_stop() sees it and stops cooperatively
+                stop_requested = now
+        elif now - stop_requested > COOPERATIVE_WAIT_S:
+            _ensure_dead(process)
+            return _Outcome(_from_seen(seen, backend, why + "; solver terminated"))
+
+
+def _stop_reason(cancel: threading.Event | None, now: float, deadline: float) -> str:
+    if cancel is not None and cancel.is_set():
+        return "cancelled"
+    if now > deadline:
+        return "hard time limit reached"
+    return ""
+
+
+def _handle(
+    message: tuple[Any, ...],
+    backend: str,
+    on_progress: Callable[[Progress], None] | None,
+    seen: _Seen,
+) -> _Outcome | None:
+    kind = message[0]
+    if kind == "progress":
+        progress: Progress = message[1]
+        seen.bound = progress.bound if progress.bound is not None else seen.bound
+        if on_progress is not None:
+            on_progress(progress)
+        return None
+    if kind == "incumbent":
+        seen.x, seen.objective = message[1], message[2]
+        return None
+    if kind == "result":
+        return _Outcome(result=message[1])
+    if kind == "unavailable":
+        return _Outcome(unavailable=message[1])
+    if kind == "crash":
+        return _Outcome(_from_seen(seen, backend, f"{backend} failed: {message[1]}", error=True))
+    return _Outcome(_from_seen(seen, backend, f"unexpected message {kind!r}", error=True))
+
+
+def _annotate(outcome: _Outcome, why: str) -> _Outcome:
+    if outcome.result is None or not why:
+        return outcome
+    return _Outcome(replace(outcome.result, message=_join(why, outcome.result.message)))
+
+
+def _crashed(process: Any, backend: str, seen: _Seen) -> SolveResult:
+    process.join(TERMINATE_WAIT_S)
+    code = process.exitcode
+    return _from_seen(
+        seen, backend, f"{backend} process died (exit code {code}; see its stderr)", error=True
+    )
+
+
+def _from_seen(seen: _Seen, backend: str, message: str, error: bool = False) -> SolveResult:
+    """The result of a child that gave none: its last streamed incumbent, if any. A crash is
+    an error even with an incumbent (kept in x for inspection); a stop is not."""
+    seconds = time.monotonic() - seen.start
+    if seen.x is None:
+        status = SolveStatus.ERROR if error else SolveStatus.UNKNOWN
+        return _empty(status, backend, seconds, message)
+    bound = seen.bound
+    if bound is not None and seen.objective is not None:
+        bound = min(bound, seen.objective)
+    return SolveResult(
+        status=SolveStatus.ERROR if error else SolveStatus.FEASIBLE,
+        x=seen.x,
+        objective=seen.objective,
+        bound=bound,
+        gap=relative_gap(seen.objective, bound),
+        seconds=seconds,
+        message=message + ("; last incumbent kept" if error else ""),
+        backend=backend,
+    )
+
+
+def _ensure_dead(process: Any) -> None:
+    if process.is_alive():
+        process.terminate()  # SIGTERM: solvers install no handler for it
+        process.join(TERMINATE_WAIT_S)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def _empty(status: SolveStatus, backend: str, seconds: float, message: str) -> SolveResult:
+    return SolveResult(status, None, None, None, None, seconds, message, backend)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)

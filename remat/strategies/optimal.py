@@ -1,0 +1,197 @@
+"""The optimal strategies: Checkmate's MILP (section 4) and LP rounding (section 5), and
+XEngine's multi-device MIQP (section 3.2).
+
+Each builds its formulation, warm-starts it from the best baseline, solves it in a
+subprocess (``remat.solvers.runner``), decodes R and S and lets the simulator judge the
+plan. A solve never blocks a plan on a proof: a stopped solve returns its incumbent, and a
+solve without one returns the warm start. The reported bound is a proven lower bound on
+the whole problem: the solver's bound, or the ideal cost (every node once on its fastest
+device, no copies), whichever is larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from remat.errors import RematError, ScheduleError
+from remat.formulations.checkmate import build_checkmate
+from remat.formulations.xengine import build_xengine
+from remat.plan import SolverInfo
+from remat.schedule import Schedule
+from remat.solvers import runner
+from remat.solvers.model import MILPModel, SolveResult, SolveStatus
+from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.policy import device_fixed_bytes
+from remat.strategies.rsolve import solve_r
+
+LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
+
+
+def _warm_start(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
+    """The cheapest feasible baseline plan on any of ``devices``."""
+    from remat.strategies import BASELINES, run_strategy
+
+    best: StrategyResult | None = None
+    for device in devices:
+        for name in BASELINES:
+            try:
+                result = run_strategy(name, problem, device)
+            except RematError:
+                continue  # not applicable (e.g. a chain-only heuristic)
+            if (
+                result.feasible
+                and result.simulation is not None
+                and (
+                    best is None or result.simulation.total_ms < best.simulation.total_ms  # type: ignore[union-attr]
+                )
+            ):
+                best = result
+    return best
+
+
+def _solve(problem: Problem, model: MILPModel) -> SolveResult:
+    settings = problem.solver
+    return runner.solve(
+        model,
+        backend=settings.backend,
+        options=settings.options,
+        on_progress=settings.on_progress,
+        cancel=settings.cancel,
+    )
+
+
+def _finish(
+    problem: Problem,
+    strategy: str,
+    solved: SolveResult,
+    evaluation: Evaluation | None,
+    fallback: StrategyResult | None,
+    ideal: float,
+) -> StrategyResult:
+    """The solver's plan if the simulator accepts it, else the warm start; with the bound
+    and gap of the whole problem."""
+    chosen = select_best(strategy, [evaluation]) if evaluation is not None else None
+    if chosen is None or not chosen.feasible:
+        if fallback is None:
+            return _no_plan(strategy, solved, chosen)
+        chosen = replace(fallback, strategy=strategy)
+    assert chosen.plan is not None and chosen.simulation is not None
+    objective = chosen.simulation.total_ms
+    bound = max(ideal, solved.bound) if solved.bound is not None else ideal
+    bound = min(bound, objective)
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    status = solved.status
+    if status is SolveStatus.OPTIMAL and evaluation is None:
+        status = SolveStatus.FEASIBLE
+    if status in (SolveStatus.UNKNOWN, SolveStatus.ERROR):
+        status = SolveStatus.FEASIBLE  # the warm start is a feasible incumbent
+    info = SolverInfo(status.value, objective, bound, gap, solved.seconds)
+    plan = replace(chosen.plan, strategy=strategy, solver=info)
+    message = solved.message
+    return replace(chosen, plan=plan, message=message)
+
+
+def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) -> StrategyResult:
+    if solved.status is SolveStatus.INFEASIBLE:
+        message = f"infeasible at this budget: {strategy} proved that no schedule fits"
+    elif chosen is not None and chosen.message:
+        message = chosen.message
+    else:
+        message = f"{strategy}: no schedule found ({solved.status.value}) {solved.message}"
+    return StrategyResult(strategy, None, None, message.strip())
+
+
+def checkmate_milp(problem: Problem, device: str) -> StrategyResult:
+    """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline."""
+    formulation = build_checkmate(
+        problem.graph,
+        problem.costs,
+        device,
+        problem.budgets.get(device),
+        device_fixed_bytes(problem, device),
+    )
+    warm = _warm_start(problem, [device])
+    model = formulation.model
+    if warm is not None and warm.schedule is not None:
+        model = replace(model, start=_encoded(formulation.encode, warm.schedule))
+    solved = _solve(problem, model)
+    evaluation = None
+    if solved.x is not None:
+        evaluation = evaluate(problem, formulation.decode(solved.x), "checkmate_milp")
+    ideal = problem.costs.ideal_ms(device)
+    return _finish(problem, "checkmate_milp", solved, evaluation, warm, ideal)
+
+
+def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
+    """Checkmate Algorithm 2: solve the LP relaxation at (1 - epsilon) x budget, round S
+    deterministically (S* > 0.5), solve R exactly, check with the simulator; swept over
+    epsilon, the cheapest plan within the budget wins. The bound is the LP at epsilon 0."""
+    budget = problem.budgets.get(device)
+    fixed = device_fixed_bytes(problem, device)
+    evaluations: list[Evaluation] = []
+    bound: SolveResult | None = None
+    seconds = 0.0
+    for epsilon in LP_EPSILONS if budget is not None else (0.0,):
+        scaled = None if budget is None else fixed + int((budget - fixed) * (1 - epsilon))
+        formulation = build_checkmate(problem.graph, problem.costs, device, scaled, fixed)
+        relaxed = _solve(problem, formulation.lp_relaxation())
+        seconds += relaxed.seconds
+        if epsilon == 0.0:
+            bound = relaxed
+        if relaxed.x is None:
+            continue
+        S = formulation.decode(relaxed.x).S[0]  # decode rounds at 0.5 (Algorithm 2)
+        schedule = Schedule.single(device, solve_r(problem.graph, S), S)
+        evaluations.append(evaluate(problem, schedule, "checkmate_lp_rounding"))
+    result = select_best("checkmate_lp_rounding", evaluations)
+    if not result.feasible or result.plan is None or result.simulation is None:
+        return result
+    objective = result.simulation.total_ms
+    lower = problem.costs.ideal_ms(device)
+    if bound is not None and bound.objective is not None:
+        lower = max(lower, bound.objective)
+    lower = min(lower, objective)
+    gap = (objective - lower) / objective if objective > 0 else 0.0
+    info = SolverInfo("feasible", objective, lower, gap, seconds)
+    return replace(result, plan=replace(result.plan, solver=info))
+
+
+def xengine(problem: Problem, device: str | None = None) -> StrategyResult:
+    """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
+    best single-device baseline. ``device`` is ignored: the strategy places operators."""
+    names = [d.name for d in problem.costs.devices]
+    budgets = {name: problem.budgets.get(name) for name in names}
+    formulation = build_xengine(problem.graph, problem.costs, budgets)
+    warm = _warm_start(problem, names)
+    model = formulation.model
+    if warm is not None and warm.schedule is not None:
+        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+        model = replace(model, start=start)
+    solved = _solve(problem, model)
+    evaluation = None
+    if solved.x is not None:
+        evaluation = evaluate(problem, formulation.decode(solved.x), "xengine")
+    return _finish(problem, "xengine", solved, evaluation, warm, problem.costs.ideal_ms())
+
+
+def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np.ndarray | None:
+    """The warm start, or none when the baseline's schedule does not fit the model (the
+    solver then starts cold; the baseline stays the fallback plan)."""
+    try:
+        return encode(schedule)
+    except ScheduleError:
+        return None
+
+
+def _on_devices(schedule: Schedule, names: Sequence[str]) -> Schedule:
+    """A single-device schedule embedded in an all-devices one (zeros elsewhere)."""
+    D, T, n = len(names), schedule.stages, schedule.size
+    R = np.zeros((D, T, n), dtype=bool)
+    S = np.zeros((D, T, n), dtype=bool)
+    for index, name in enumerate(schedule.devices):
+        R[names.index(name)] = schedule.R[index]
+        S[names.index(name)] = schedule.S[index]
+    return Schedule(tuple(names), R, S)

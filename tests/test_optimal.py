@@ -1,0 +1,106 @@
+"""The optimal strategies end to end: formulation, a real solver subprocess, decoding,
+the simulator's verdict."""
+
+import threading
+
+import pytest
+
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import BASELINES, run_strategy
+from remat.strategies.base import Problem, SolverSettings
+from remat.strategies.optimal import checkmate_lp_rounding, checkmate_milp, xengine
+from remat.training import training_graph
+
+from graphs import chain, diamond
+
+CPU = Device("cpu0", DeviceKind.CPU)
+GPU = Device("cuda0", DeviceKind.CUDA)
+FAST = SolverSettings(options=SolveOptions(time_limit_s=20, gap=1e-6))
+
+
+def _problem(graph, budget_fraction, devices=(CPU,), settings=FAST):
+    costs = analytical_costs(graph, list(devices))
+    ref = run_strategy("checkpoint_all", Problem(graph, costs, {}), devices[0].name)
+    peak, fixed = ref.simulation.peak_bytes[devices[0].name], ref.simulation.fixed_bytes
+    budgets = {
+        d.name: None
+        if budget_fraction is None
+        else fixed[devices[0].name] + int((peak - fixed[devices[0].name]) * budget_fraction)
+        for d in devices
+    }
+    return Problem(graph, costs, budgets, settings)
+
+
+def _best_baseline_ms(problem, device):
+    costs = []
+    for name in BASELINES:
+        try:
+            result = run_strategy(name, problem, device)
+        except Exception:
+            continue
+        if result.feasible:
+            costs.append(result.simulation.total_ms)
+    return min(costs, default=float("inf"))
+
+
+def test_milp_with_ample_memory_is_the_ideal():
+    problem = _problem(training_graph(diamond()), None)
+    result = checkmate_milp(problem, "cpu0")
+    assert result.feasible
+    assert result.simulation.total_ms == pytest.approx(problem.costs.ideal_ms("cpu0"))
+    assert result.plan.solver.status == "optimal" and result.plan.solver.gap == pytest.approx(0)
+
+
+def test_milp_beats_or_matches_every_baseline_at_a_tight_budget():
+    problem = _problem(training_graph(chain(5)), 0.5)
+    result = checkmate_milp(problem, "cpu0")
+    assert result.feasible, result.message
+    verdict = simulate(result.plan, problem.graph, problem.costs)
+    assert verdict.valid and verdict.peak_bytes["cpu0"] <= problem.budgets["cpu0"]
+    assert verdict.total_ms <= _best_baseline_ms(problem, "cpu0") + 1e-9
+    solver = result.plan.solver
+    assert solver.bound <= solver.objective and 0 <= solver.gap < 1
+
+
+def test_impossible_budget_is_reported_infeasible():
+    problem = _problem(training_graph(chain(3)), None)
+    problem = Problem(problem.graph, problem.costs, {"cpu0": 10}, FAST)
+    result = checkmate_milp(problem, "cpu0")
+    assert not result.feasible and "infeasible" in result.message
+
+
+def test_lp_rounding_gives_a_valid_plan_with_an_lp_bound():
+    problem = _problem(training_graph(chain(5)), 0.8)
+    result = checkmate_lp_rounding(problem, "cpu0")
+    if result.feasible:
+        assert simulate(result.plan, problem.graph, problem.costs).valid
+        assert result.plan.solver.bound <= result.plan.solver.objective
+    else:
+        assert "infeasible" in result.message
+
+
+def test_xengine_places_work_on_the_faster_device_and_equals_checkmate_on_one():
+    graph = training_graph(chain(3, size=4_000_000))
+    two = _problem(graph, None, (CPU, GPU))
+    result = xengine(two)
+    assert result.feasible, result.message
+    devices = {s.device for s in result.plan.steps if s.op == "compute"}
+    assert "cuda0" in devices
+    assert simulate(result.plan, graph, two.costs).valid
+    one = _problem(graph, 0.6)
+    single_x = xengine(one)
+    single_c = checkmate_milp(one, "cpu0")
+    assert single_x.simulation.total_ms == pytest.approx(single_c.simulation.total_ms)
+
+
+def test_a_cancelled_solve_still_returns_the_warm_start():
+    cancel = threading.Event()
+    cancel.set()
+    settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel)
+    problem = _problem(training_graph(chain(5)), 0.9, settings=settings)
+    result = checkmate_milp(problem, "cpu0")
+    assert result.feasible
+    assert simulate(result.plan, problem.graph, problem.costs).valid

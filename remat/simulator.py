@@ -18,7 +18,7 @@ steps on a transfer stream) add a handler without touching the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from remat.costs import CostModel
@@ -132,25 +132,27 @@ _HANDLERS: dict[str, Callable[[_State, Step], None]] = {
 }
 
 
-def fixed_bytes(graph: Graph, plan: Plan) -> dict[str, int]:
-    """Fixed memory per device under the placement rule in the module docstring."""
-    held: dict[str, set[str]] = {d.name: set() for d in plan.devices}
-    gradients: dict[str, set[str]] = {d.name: set() for d in plan.devices}
+def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
+    """Fixed memory of a device that computes ``nodes``: the rule in the module docstring."""
+    held: set[str] = set()
+    gradients: set[str] = set()
     training = graph.mode is Mode.TRAINING
-    for step in plan.steps:
-        if not isinstance(step, Compute) or step.device not in held:
-            continue
-        if not 0 <= step.node < len(graph):
-            continue
-        node = graph.nodes[step.node]
-        held[step.device].update(node.fixed)
+    for index in nodes:
+        node = graph.nodes[index]
+        held.update(node.fixed)
         if training and node.kind is NodeKind.BACKWARD:
-            gradients[step.device].update(node.fixed)
-    return {
-        name: sum(graph.fixed[t].nbytes for t in held[name])
-        + sum(graph.fixed[t].nbytes for t in gradients[name])
-        for name in held
-    }
+            gradients.update(node.fixed)
+    return sum(graph.fixed[t].nbytes for t in held) + sum(graph.fixed[t].nbytes for t in gradients)
+
+
+def fixed_bytes(graph: Graph, plan: Plan) -> dict[str, int]:
+    """Fixed memory per device of a plan (steps naming unknown nodes are skipped here and
+    reported by the replay)."""
+    computed: dict[str, set[int]] = {d.name: set() for d in plan.devices}
+    for step in plan.steps:
+        if isinstance(step, Compute) and step.device in computed and 0 <= step.node < len(graph):
+            computed[step.device].add(step.node)
+    return {name: held_fixed_bytes(graph, nodes) for name, nodes in computed.items()}
 
 
 def simulate(

@@ -44,11 +44,13 @@ from remat.formulations.common import (
     Structure,
     memory_unit,
     ragged,
+    read_binary,
     scaled_budget,
     violations,
 )
-from remat.graph import Graph, Mode, NodeKind
+from remat.graph import Graph
 from remat.schedule import Schedule
+from remat.simulator import held_fixed_bytes
 from remat.solvers.model import MILPModel
 
 
@@ -79,7 +81,7 @@ class CheckmateModel:
 
     def decode(self, x: np.ndarray) -> Schedule:
         """R and S of a (possibly fractional) solution, rounded at 0.5 (Algorithm 2)."""
-        return Schedule.single(self.device, _read(self.R, x), _read(self.S[:-1], x))
+        return Schedule.single(self.device, read_binary(self.R, x), read_binary(self.S[:-1], x))
 
     def encode(self, schedule: Schedule, repair: bool = True) -> np.ndarray:
         """A full assignment (R, S, FREE, U) for ``schedule``, e.g. as a warm start.
@@ -153,21 +155,9 @@ class CheckmateModel:
         return U
 
 
-def _read(index: np.ndarray, x: np.ndarray) -> np.ndarray:
-    out = np.zeros(index.shape, dtype=bool)
-    present = index >= 0
-    out[present] = np.asarray(x)[index[present]] > 0.5
-    return out
-
-
 def single_device_fixed_bytes(graph: Graph) -> int:
-    """Fixed memory when every node runs on one device (the simulator's rule): each fixed
-    tensor some node reads, plus a gradient buffer for those a backward node reads."""
-    read = {f for node in graph.nodes for f in node.fixed}
-    grads: set[str] = set()
-    if graph.mode is Mode.TRAINING:
-        grads = {f for node in graph.nodes if node.kind is NodeKind.BACKWARD for f in node.fixed}
-    return sum(graph.fixed[f].nbytes for f in read) + sum(graph.fixed[f].nbytes for f in grads)
+    """Fixed memory when every node runs on one device (the simulator's rule)."""
+    return held_fixed_bytes(graph, range(len(graph)))
 
 
 def build_checkmate(

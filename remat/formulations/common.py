@@ -268,3 +268,12 @@ def violations(model: MILPModel, builder: Builder, x: np.ndarray, tol: float = 1
     fractional = model.integer & (np.abs(x - np.round(x)) > tol)
     out.extend(f"{model.names[j]} = {x[j]:g} is not integral" for j in np.flatnonzero(fractional))
     return out
+
+
+def read_binary(index: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The 0/1 matrix of variables ``index`` (-1: no variable, read as 0) in a possibly
+    fractional solution ``x``, rounded at 0.5 (Checkmate Algorithm 2)."""
+    out = np.zeros(index.shape, dtype=bool)
+    present = index >= 0
+    out[present] = np.asarray(x)[index[present]] > 0.5
+    return out

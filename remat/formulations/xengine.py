@@ -59,6 +59,7 @@ from remat.formulations.common import (
     Structure,
     memory_unit,
     ragged,
+    read_binary,
     scaled_budget,
     violations,
 )
@@ -132,7 +133,7 @@ class XEngineModel:
 
     def decode(self, x: np.ndarray) -> Schedule:
         """R and S of a solution (rounded at 0.5) as a schedule over the model's devices."""
-        return Schedule(self.devices, _read(self.R, x), _read(self.S[:, :-1], x))
+        return Schedule(self.devices, read_binary(self.R, x), read_binary(self.S[:, :-1], x))
 
     def check(self, x: np.ndarray) -> list[str]:
         return violations(self.model, self.builder, x)
@@ -261,13 +262,6 @@ class XEngineModel:
         U[:, :, 1:] = start[:, :, None] + np.cumsum(alloc, axis=2)
         U[:, :, 2:] -= np.cumsum(freed, axis=2)[:, :, :-1]
         return U
-
-
-def _read(index: np.ndarray, x: np.ndarray) -> np.ndarray:
-    out = np.zeros(index.shape, dtype=bool)
-    present = index >= 0
-    out[present] = np.asarray(x)[index[present]] > 0.5
-    return out
 
 
 def _write(x: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from remat.plan import Compute, Plan
-from remat.simulator import fixed_bytes
+from remat.simulator import held_fixed_bytes
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
 from remat.strategies.rsolve import Holds, Sparse, solve_and_prune_sparse, span_events
 
@@ -36,13 +35,7 @@ class Candidate:
 
 def device_fixed_bytes(problem: Problem, device: str) -> int:
     """Fixed memory when every node runs on ``device`` (the simulator's own rule)."""
-    graph = problem.graph
-    plan = Plan(
-        "fixed",
-        problem.plan_devices([device]),
-        tuple(Compute(i, i, device) for i in range(len(graph))),
-    )
-    return fixed_bytes(graph, plan)[device]
+    return held_fixed_bytes(problem.graph, range(len(problem.graph)))
 
 
 def predict(problem: Problem, device: str, sparse: Sparse, fixed: int) -> Prediction:

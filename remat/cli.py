@@ -1,4 +1,4 @@
-"""The ``remat`` command line: graph, plan, check, demo.
+"""The ``remat`` command line: graph, plan, check, demo, max-batch.
 
 Every error the library raises on purpose becomes a one-line message and exit status 2;
 ``check`` exits 1 when the plan is invalid.
@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -22,16 +22,27 @@ from remat.costs import CostModel, analytical_costs, load_cost_table, profiled_c
 from remat.devices import Device, DeviceKind, format_bytes, parse_device, parse_size
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Graph, Mode
-from remat.onnx_ingest import load_forward_graph, parse_input_shape
+from remat.max_batch import (
+    AUTO,
+    DEFAULT_CAP,
+    CostBound,
+    MaxBatch,
+    Trial,
+    describe_trial,
+    max_batch,
+    max_batch_to_json,
+    plan_with,
+)
+from remat.onnx_ingest import forward_graph, load_forward_graph, load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
-from remat.strategies import BASELINES, STRATEGIES, run_strategy
+from remat.strategies import STRATEGIES
 from remat.strategies.base import Problem, SolverSettings, StrategyResult
 from remat.training import for_mode
 
-AUTO = "auto"
+MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,7 +101,67 @@ def _parser() -> argparse.ArgumentParser:
         help="solver time limit per optimal plan (default 5)",
     )
     demo.set_defaults(run=_demo_command)
+
+    _max_batch_arguments(commands)
     return parser
+
+
+def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    search = commands.add_parser(
+        "max-batch",
+        help="the largest batch size with a plan within the budgets and a cost bound",
+        description="The largest batch size with a feasible plan under the budgets whose "
+        "predicted time is at most one extra forward pass above the ideal (Checkmate eq. 10), "
+        "or --max-overhead PCT above it: batch 1, doubling, then bisection.",
+    )
+    search.add_argument("model", type=Path, help="ONNX model file (symbolic batch dimension)")
+    search.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="whole shape of an input, the same at every batch size (repeatable)",
+    )
+    search.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="NAME:KIND[:key=value,...]",
+        help="a device, e.g. cpu0:cpu:threads=2 or cuda0:cuda (default: one cpu0)",
+    )
+    search.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="memory budget in bytes or KiB/MiB/GiB (not %%: it would change with the batch)",
+    )
+    search.add_argument(
+        "--strategy",
+        default=AUTO,
+        choices=[AUTO, *STRATEGIES],
+        help="strategy (default: auto, the cheapest feasible baseline)",
+    )
+    search.add_argument(
+        "--max-overhead",
+        type=_percentage,
+        metavar="PCT",
+        help="at most PCT%% above the ideal instead of one extra forward pass (eq. 10)",
+    )
+    search.add_argument(
+        "--max",
+        type=_positive_int,
+        default=DEFAULT_CAP,
+        dest="cap",
+        metavar="B",
+        help=f"largest batch size to try (default {DEFAULT_CAP})",
+    )
+    _solver_arguments(search, time_limit_s=MAX_BATCH_TIME_LIMIT_S, per="per batch size tried")
+    search.add_argument("--json", action="store_true", help="print the result as JSON")
+    search.add_argument(
+        "-o", "--output", type=Path, help="write the plan at the largest batch to this file"
+    )
+    search.set_defaults(run=_max_batch_command)
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,15 +195,19 @@ def _cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", type=Path, help="cost table JSON (default: analytical)")
 
 
-def _solver_arguments(parser: argparse.ArgumentParser) -> None:
+def _solver_arguments(
+    parser: argparse.ArgumentParser, time_limit_s: float = 60.0, per: str = ""
+) -> None:
     solver = parser.add_argument_group("optimal strategies (checkmate_milp, lp rounding, xengine)")
     solver.add_argument("--solver", choices=BACKENDS, default=DEFAULT_BACKEND)
+    each = f" {per}" if per else ""
     solver.add_argument(
         "--time-limit",
         type=_positive_float,
-        default=60.0,
+        default=time_limit_s,
         metavar="S",
-        help="stop the solve after S seconds and keep the best plan (default 60)",
+        help=f"stop the solve after S seconds{each} and keep the best plan "
+        f"(default {time_limit_s:g})",
     )
     solver.add_argument(
         "--gap",
@@ -151,6 +226,18 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _percentage(text: str) -> float:
+    """``10`` or ``10%`` -> 10.0 (>= 0)."""
+    stripped = text.strip().removesuffix("%")
+    try:
+        value = float(stripped)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
     return value
 
 
@@ -292,7 +379,7 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 
 def _plan_command(args: argparse.Namespace) -> int:
     setup = _setup(args)
-    result = _run(args.strategy, setup.problem)
+    result = plan_with(args.strategy, setup.problem)
     if result.plan is None:
         raise InvalidInputError(result.message)
     document = plan_to_json(result.plan)
@@ -304,21 +391,6 @@ def _plan_command(args: argparse.Namespace) -> int:
     else:
         _print_summary(setup.problem, result)
     return 0
-
-
-def _run(strategy: str, problem: Problem) -> StrategyResult:
-    if strategy != AUTO:
-        return run_strategy(strategy, problem)
-    results = []
-    for name in BASELINES:
-        try:
-            results.append(run_strategy(name, problem))
-        except RematError:
-            continue  # not applicable to this graph (e.g. griewank on a non-chain)
-    feasible = [r for r in results if r.plan is not None and r.simulation is not None]
-    if feasible:
-        return min(feasible, key=lambda r: r.simulation.total_ms)  # type: ignore[union-attr]
-    return min(results, key=lambda r: max((r.min_budget_bytes or {"": 2**63}).values()))
 
 
 def _print_summary(problem: Problem, result: StrategyResult) -> None:
@@ -364,6 +436,105 @@ def _demo_command(args: argparse.Namespace) -> int:
 
     run_demo(args.model, args.batch, args.time_limit)
     return 0
+
+
+def _max_batch_command(args: argparse.Namespace) -> int:
+    build = _batch_problems(args)
+    bound = CostBound(None if args.max_overhead is None else args.max_overhead / 100.0)
+
+    def progress(trial: Trial) -> None:
+        print(describe_trial(trial), file=sys.stderr, flush=True)
+
+    found = max_batch(build, args.strategy, bound, args.cap, on_trial=progress)
+    best = found.best
+    if best is not None and args.output is not None:
+        assert best.result.plan is not None
+        args.output.write_text(json.dumps(plan_to_json(best.result.plan), indent=1))
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(max_batch_to_json(found, bound)))
+    elif best is not None:
+        _print_max_batch(found, bound)
+    if best is None:
+        first = found.tries[0]
+        print(f"remat: even batch 1 does not fit: {first.reason}", file=sys.stderr)
+        return 1
+    if found.interrupted:
+        print(
+            f"remat: interrupted: batch {found.batch} fits, larger ones were not settled",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+def _batch_problems(args: argparse.Namespace) -> Callable[[int], Problem]:
+    """The problem at each batch size: the model reloaded with ``--batch B``, analytical
+    costs, budgets in bytes (a percentage of the checkpoint-all peak would move with B)."""
+    devices = [parse_device(spec) for spec in args.device] or [Device("cpu0", DeviceKind.CPU)]
+    if len({d.name for d in devices}) != len(devices):
+        raise InvalidInputError("device names must be unique")
+    sizes = {}
+    for item in args.budget:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
+        size = parse_size(text)
+        if size.percent is not None:
+            raise InvalidInputError(
+                f"budget {item!r}: max-batch needs a size in bytes (e.g. {name}=512MiB); "
+                "a percentage of the checkpoint-all peak changes with the batch size"
+            )
+        sizes[name] = size
+    if not sizes:
+        raise InvalidInputError(
+            "max-batch needs --budget NAME=SIZE for at least one device: "
+            "without a memory limit every batch size fits"
+        )
+    inputs = dict(parse_input_shape(text) for text in args.input) or None
+    model = load_model(args.model)
+    solver = _solver_settings(args)
+
+    def build(batch: int) -> Problem:
+        graph = for_mode(forward_graph(model, batch=batch, inputs=inputs), Mode.TRAINING)
+        costs = analytical_costs(graph, devices)
+        return Problem(graph, costs, resolve_budgets(sizes, graph, costs), solver)
+
+    return build
+
+
+def _print_max_batch(found: MaxBatch, bound: CostBound) -> None:
+    best = found.best
+    assert best is not None and best.result.plan is not None and best.result.simulation
+    plan, sim = best.result.plan, best.result.simulation
+    if found.capped:
+        note = f"the largest tried (--max {found.cap}); larger batches may fit"
+    elif found.interrupted:
+        note = "at least: the search was interrupted"
+    else:
+        failure = found.first_failure
+        note = "" if failure is None else f"batch {failure.batch}: {_short(failure)}"
+    print(f"max batch:  {found.batch}" + (f" ({note})" if note else ""))
+    print(f"strategy:   {plan.strategy}")
+    print(f"bound:      {best.bound_ms:.3f} ms, {bound.describe()}")
+    print(
+        f"predicted:  {best.predicted_ms:.3f} ms ({best.overhead:+.1%} vs ideal "
+        f"{best.ideal_ms:.3f} ms)"
+    )
+    for device in plan.devices:
+        budget = "unlimited" if device.budget_bytes is None else format_bytes(device.budget_bytes)
+        peak = sim.peak_bytes[device.name]
+        print(f"{device.name + ':':<11} peak {format_bytes(peak)} ({peak} B), budget {budget}")
+    print(f"tries:      {len(found.tries)} (batch {', '.join(str(t.batch) for t in found.tries)})")
+    solver = plan.solver
+    if solver is not None:
+        print(f"solver:     {solver.status}, gap {solver.gap:.2%}, {solver.seconds:.1f} s")
+
+
+def _short(trial: Trial) -> str:
+    """Why a batch did not fit, in a few words."""
+    text = describe_trial(trial)
+    return " ".join(text.split(":", 1)[1].split())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,213 @@
+"""The max-batch search (``remat.max_batch``) and the ``remat max-batch`` command."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from remat import samples
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.graph import Mode, NodeKind
+from remat.max_batch import CostBound, max_batch, one_extra_forward_ms, plan_with, try_batch
+from remat.onnx_ingest import forward_graph
+from remat.strategies import run_strategy
+from remat.strategies.base import Problem, SolverSettings
+from remat.training import for_mode
+
+CPU = Device("cpu0", DeviceKind.CPU)
+GPU = Device("cuda0", DeviceKind.CUDA)
+MiB = 2**20
+VGG = samples.vgg16()
+VGG_BUDGET = 64 * MiB
+
+
+def remat(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def builder(model, devices=(CPU,), budget=VGG_BUDGET, solver=None):
+    def build(batch):
+        graph = for_mode(forward_graph(model, batch=batch), Mode.TRAINING)
+        costs = analytical_costs(graph, list(devices))
+        budgets = {d.name: budget for d in devices}
+        return Problem(graph, costs, budgets, solver or SolverSettings())
+
+    return build
+
+
+def within_bound(result, problem, bound=None):
+    limit = (bound or CostBound()).limit_ms(problem.graph, problem.costs)
+    return result.feasible and result.simulation.total_ms <= limit * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "chen_greedy"])
+def test_found_batch_fits_under_the_bound_and_the_next_does_not(strategy):
+    build = builder(VGG)
+    found = max_batch(build, strategy)
+    assert found.batch is not None and not found.capped and not found.interrupted
+    assert found.best.batch == found.batch and found.best.fits
+
+    def run(batch):
+        problem = build(batch)
+        result = (
+            plan_with(strategy, problem) if strategy == "auto" else run_strategy(strategy, problem)
+        )
+        return result, problem
+
+    result, problem = run(found.batch)
+    assert within_bound(result, problem)
+    assert result.simulation.peak_bytes["cpu0"] <= VGG_BUDGET
+    assert result.simulation.total_ms == pytest.approx(found.best.predicted_ms)
+    result, problem = run(found.batch + 1)
+    assert not within_bound(result, problem)
+    # doubling, then bisection: every try is recorded, each batch once, B + 1 among them
+    batches = [t.batch for t in found.tries]
+    assert batches[:3] == [1, 2, 4] and len(set(batches)) == len(batches)
+    assert found.first_failure.batch == found.batch + 1
+
+
+def test_default_bound_is_one_extra_forward_pass_eq_10():
+    graph = for_mode(forward_graph(samples.chain(3), batch=2), Mode.TRAINING)
+    costs = analytical_costs(graph, [CPU, GPU])
+    by_hand = 0.0
+    for node in graph.nodes:
+        fastest = min(costs.compute_ms[node.id])  # C_i on its fastest device
+        by_hand += 2 * fastest if node.kind is NodeKind.FORWARD else fastest
+    kinds = {n.kind for n in graph.nodes}
+    assert kinds == {NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD}
+    assert CostBound().limit_ms(graph, costs) == pytest.approx(by_hand, rel=1e-12)
+    assert one_extra_forward_ms(graph, costs) == pytest.approx(by_hand, rel=1e-12)
+    assert CostBound(0.25).limit_ms(graph, costs) == pytest.approx(1.25 * costs.ideal_ms())
+    # a trial is judged against exactly this bound
+    problem = Problem(graph, costs, {"cpu0": None, "cuda0": None})
+    trial = try_batch(problem, 2)
+    assert trial.fits and trial.bound_ms == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_zero_overhead_is_the_checkpoint_all_max_batch():
+    build = builder(VGG)
+    default = max_batch(build)
+    tight = max_batch(build, bound=CostBound(0.0))
+    checkpoint_all = max_batch(build, "checkpoint_all")
+    assert tight.batch <= default.batch
+    assert tight.batch == checkpoint_all.batch
+    assert tight.best.overhead == pytest.approx(0.0, abs=1e-9)
+    # recomputation buys batch size at this budget: the default bound finds more
+    assert default.batch > tight.batch
+
+
+def test_the_cap_stops_the_doubling():
+    found = max_batch(builder(samples.chain(3), budget=2**40), cap=24)
+    assert found.batch == 24 and found.capped
+    assert [t.batch for t in found.tries] == [1, 2, 4, 8, 16, 24]
+
+
+def test_a_cancelled_search_stops_with_what_it_has():
+    cancel = threading.Event()
+    cancel.set()
+    found = max_batch(builder(VGG, solver=SolverSettings(cancel=cancel)))
+    assert found.interrupted and found.batch == 1 and len(found.tries) == 1
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vgg(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "vgg16.onnx"
+    path.write_bytes(VGG.SerializeToString())
+    return path
+
+
+def test_cli_finds_writes_and_checks_the_plan(vgg, tmp_path):
+    out = tmp_path / "plan.json"
+    result = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", "--json", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    expected = max_batch(builder(VGG))
+    assert document["max_batch"] == expected.batch
+    assert document["bound"]["kind"] == "one_extra_forward"
+    assert document["predicted_ms"] <= document["bound_ms"]
+    assert document["peak_bytes"]["cpu0"] <= document["budget_bytes"]["cpu0"] == VGG_BUDGET
+    assert [t["batch"] for t in document["tries"]] == [t.batch for t in expected.tries]
+    # one progress line per try on stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith("batch")]
+    assert len(progress) == len(document["tries"])
+    assert "too big" in result.stderr and "<= bound" in result.stderr
+    check = remat("check", str(vgg), str(out), "--batch", str(document["max_batch"]))
+    assert check.returncode == 0 and check.stdout.startswith("valid"), check.stdout
+    text = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", "--max-overhead", "0")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("max batch:  ")
+    assert int(text.stdout.split()[2]) <= document["max_batch"]
+    assert "at most 0.0% above the ideal" in text.stdout and "cpu0:       peak" in text.stdout
+
+
+def test_two_devices_with_xengine_fit_at_least_the_best_single_device(tmp_path):
+    chain = tmp_path / "chain.onnx"
+    chain.write_bytes(samples.chain(5, features=64).SerializeToString())
+    common = ["--time-limit", "2", "--max", "64", "--json"]
+    single = remat(
+        "max-batch", str(chain), "--device", "cuda0:cuda", "--budget", "cuda0=40000", *common
+    )
+    assert single.returncode == 0, single.stderr
+    pair = remat(
+        "max-batch",
+        str(chain),
+        "--device",
+        "cuda0:cuda",
+        "--device",
+        "cuda1:cuda",
+        "--budget",
+        "cuda0=40000",
+        "--budget",
+        "cuda1=40000",
+        "--strategy",
+        "xengine",
+        *common,
+    )
+    assert pair.returncode == 0, pair.stderr
+    one, two = json.loads(single.stdout), json.loads(pair.stdout)
+    assert two["strategy"] == "xengine"
+    assert two["max_batch"] >= one["max_batch"]
+    assert all(two["peak_bytes"][d] <= 40000 for d in two["peak_bytes"])
+
+
+def test_percentage_budget_is_rejected(vgg):
+    result = remat("max-batch", str(vgg), "--budget", "cpu0=50%")
+    assert result.returncode == 2
+    assert result.stderr.startswith("remat: error: ") and "Traceback" not in result.stderr
+    assert "bytes" in result.stderr and "percentage" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "--budget"),
+        (["--budget", "cpu0=64MiB", "--device", "gpu0:tpu"], "tpu"),
+        (["--budget", "gpu7=1GiB"], "gpu7"),
+    ],
+)
+def test_bad_input_is_exit_2(vgg, args, message):
+    result = remat("max-batch", str(vgg), *args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith("remat: error: ") and message in result.stderr
+
+
+def test_a_model_without_a_batch_dimension_is_rejected(tmp_path):
+    fixed = tmp_path / "fixed.onnx"
+    fixed.write_bytes(samples.chain(3, batch=4).SerializeToString())
+    result = remat("max-batch", str(fixed), "--budget", "cpu0=1MiB")
+    assert result.returncode == 2 and "no symbolic batch dimension" in result.stderr
+
+
+def test_batch_1_not_fitting_exits_1_with_what_it_needs(vgg):
+    result = remat("max-batch", str(vgg), "--budget", "cpu0=1MiB")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "even batch 1 does not fit" in result.stderr and "needs at least" in result.stderr

@@ -1,54 +1,150 @@
-"""Solver backends on Checkmate's MILP: status, incumbent, bound and gap after a fixed
-time limit, per model and budget (analytical costs, one cpu0 with 4 threads).
+"""The optimal strategies per backend: seconds to the first plan, seconds to a 1% gap (or
+the gap at the time limit), objective vs the best baseline and vs the ideal.
 
-    .venv/bin/python bench/solvers.py [--time-limit 10] [--batch 4]
+Models in training mode at 100, 50 and 25% of the checkpoint-all peak, on one device
+(``checkmate_milp`` on the device with the lower ideal) and on cpu+cuda (``xengine``, each
+device with that budget). Analytical costs in XEngine's regime (section 4.2: CPU and GPU
+comparably fast, each winning on some operators): a 12-thread CPU and an integrated-GPU-like
+device (2 TFLOP/s, 60 GB/s, 10 us launches). The gap is against the bound of the whole
+problem (the solver's bound or the ideal, whichever is larger).
+
+    .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet]
+        [--budgets 100,50,25] [--setups one,two] [--backends highs,cpsat,scip,gurobi]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from dataclasses import dataclass
 
 from remat import samples
 from remat.budgets import reference
-from remat.costs import analytical_costs
+from remat.costs import CostModel, analytical_costs
 from remat.devices import Device, DeviceKind, Size
-from remat.formulations.checkmate import build_checkmate, single_device_fixed_bytes
+from remat.errors import RematError
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
-from remat.solvers.model import SolveOptions
+from remat.solvers.model import Progress, SolveOptions
+from remat.strategies import BASELINES, run_strategy
+from remat.strategies.base import Problem, SolverSettings, StrategyResult
 from remat.training import training_graph
 
-CPU = Device("cpu0", DeviceKind.CPU, {"threads": "4"})
-CASES = (("chain", {"n": 16}, 50.0), ("vgg16", {}, 80.0), ("resnet18", {}, 60.0))
+CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
+IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
+MODELS = ("vgg16", "resnet18", "unet", "mobilenet_v1", "transformer")
+TARGET_GAP = 0.01
+
+
+@dataclass
+class _Clock:
+    """Wall-clock times of the first plan and of the first 1% gap, from progress events."""
+
+    start: float
+    ideal: float
+    first_plan: float | None = None
+    first_gap: float | None = None
+
+    def __call__(self, progress: Progress) -> None:
+        if progress.objective is None:
+            return
+        now = time.monotonic() - self.start
+        if self.first_plan is None:
+            self.first_plan = now
+        bound = max(progress.bound or 0.0, self.ideal)
+        gap = (progress.objective - bound) / progress.objective if progress.objective else 0
+        if self.first_gap is None and gap <= TARGET_GAP:
+            self.first_gap = now
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--budgets", default="100,50,25")
+    parser.add_argument("--setups", default="one,two")
+    parser.add_argument("--backends", default=",".join(runner.BACKENDS))
     args = parser.parse_args()
-    print("| model (stages) | budget | backend | status | incumbent ms | bound ms | gap | s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, kwargs, percent in CASES:
-        graph = training_graph(forward_graph(samples.ZOO[name](**kwargs), batch=args.batch))
-        costs = analytical_costs(graph, [CPU])
+    print(
+        "| model (stages) | budget | devices | backend | status | first plan s | 1% gap s "
+        "| objective ms | vs best baseline | vs ideal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        graph = training_graph(forward_graph(samples.ZOO[name](), batch=args.batch))
+        costs = analytical_costs(graph, [CPU, IGPU])
         ref = reference(graph, costs)
-        budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-        fixed = single_device_fixed_bytes(graph)
-        model = build_checkmate(graph, costs, CPU.name, budget, fixed).model
-        for backend in runner.BACKENDS:
-            options = SolveOptions(time_limit_s=args.time_limit, gap=1e-4, threads=2)
-            r = runner.solve(model, backend=backend, options=options)
-            used = r.backend if r.backend == backend else f"{backend} -> {r.backend}"
-            print(
-                f"| {name} ({len(graph)}) | {percent:.0f}% | {used} | {r.status.value} | "
-                f"{_num(r.objective)} | {_num(r.bound)} | "
-                f"{'-' if r.gap is None else f'{r.gap:.1%}'} | {r.seconds:.1f} |"
-            )
+        for percent in (float(p) for p in args.budgets.split(",")):
+            budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+            for setup in args.setups.split(","):
+                devices = _devices(costs, setup)
+                problem = Problem(graph, costs, dict.fromkeys(devices, budget))
+                baseline = _best_baseline(problem, devices)
+                for backend in args.backends.split(","):
+                    row = _run(problem, devices, backend, args.time_limit, baseline)
+                    print(f"| {name} ({len(graph)}) | {percent:.0f}% | {row}", flush=True)
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _devices(costs: CostModel, setup: str) -> tuple[str, ...]:
+    if setup == "two":
+        return ("cpu0", "cuda0")
+    return (min(("cpu0", "cuda0"), key=costs.ideal_ms),)
+
+
+def _best_baseline(problem: Problem, devices: tuple[str, ...]) -> float | None:
+    best: float | None = None
+    for device in devices:
+        for name in BASELINES:
+            try:
+                result = run_strategy(name, problem, device)
+            except RematError:
+                continue
+            if result.feasible and result.simulation is not None:
+                cost = result.simulation.total_ms
+                best = cost if best is None else min(best, cost)
+    return best
+
+
+def _run(
+    problem: Problem, devices: tuple[str, ...], backend: str, limit: float, baseline: float | None
+) -> str:
+    ideal = problem.costs.ideal_ms(devices[0] if len(devices) == 1 else None)
+    clock = _Clock(time.monotonic(), ideal)
+    options = SolveOptions(time_limit_s=limit, gap=1e-4, threads=2)
+    settings = SolverSettings(backend=backend, options=options, on_progress=clock)
+    problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
+    if len(devices) == 1:
+        result = run_strategy("checkmate_milp", problem, devices[0])
+    else:
+        result = run_strategy("xengine", problem)
+    return _row(result, devices, backend, clock, baseline, ideal)
+
+
+def _row(
+    result: StrategyResult,
+    devices: tuple[str, ...],
+    backend: str,
+    clock: _Clock,
+    baseline: float | None,
+    ideal: float,
+) -> str:
+    where = "+".join(devices)
+    if not result.feasible or result.plan is None or result.plan.solver is None:
+        status = "infeasible" if "infeasible" in result.message else "no plan"
+        return f"{where} | {backend} | {status} | - | - | - | - | - |"
+    solver = result.plan.solver
+    objective = solver.objective
+    gap = f"{_s(clock.first_gap)}" if clock.first_gap is not None else f"gap {solver.gap:.1%}"
+    versus = "-" if baseline is None else f"{objective / baseline - 1:+.1%}"
+    return (
+        f"{where} | {backend} | {solver.status} | {_s(clock.first_plan)} | {gap} | "
+        f"{objective:.3f} | {versus} | {objective / ideal - 1:+.1%} |"
+    )
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
 
 
 if __name__ == "__main__":

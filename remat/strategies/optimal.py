@@ -22,12 +22,14 @@ from remat.formulations.xengine import build_xengine
 from remat.plan import SolverInfo
 from remat.schedule import Schedule
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, SolveResult, SolveStatus
+from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.rsolve import solve_r
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
+PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
 def _warm_start(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
@@ -50,6 +52,34 @@ def _warm_start(problem: Problem, devices: Sequence[str]) -> StrategyResult | No
             ):
                 best = result
     return best
+
+
+def _better(*results: StrategyResult | None) -> StrategyResult | None:
+    """The cheapest feasible result, or None."""
+    feasible = [r for r in results if r is not None and r.feasible and r.simulation is not None]
+    return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
+
+
+def _announce(problem: Problem, warm: StrategyResult | None, ideal: float) -> None:
+    """Tell the progress listener about the warm start: a plan exists before any solve."""
+    listener = problem.solver.on_progress
+    if listener is None or warm is None or warm.simulation is None:
+        return
+    objective = warm.simulation.total_ms
+    gap = (objective - ideal) / objective if objective > 0 else 0.0
+    listener(Progress(0.0, objective, min(ideal, objective), max(gap, 0.0)))
+
+
+def _reaches(warm: StrategyResult | None, ideal: float) -> bool:
+    """The warm start already costs the ideal (a lower bound): it is optimal, no solve."""
+    if warm is None or warm.simulation is None:
+        return False
+    return warm.simulation.total_ms <= ideal * (1 + PROVEN_GAP)
+
+
+def _no_solve() -> SolveResult:
+    reason = "the warm start costs the ideal"
+    return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
 
 
 def _solve(problem: Problem, model: MILPModel) -> SolveResult:
@@ -88,6 +118,8 @@ def _finish(
         status = SolveStatus.FEASIBLE
     if status in (SolveStatus.UNKNOWN, SolveStatus.ERROR):
         status = SolveStatus.FEASIBLE  # the warm start is a feasible incumbent
+    if gap <= PROVEN_GAP:
+        status = SolveStatus.OPTIMAL  # the bound of the whole problem proves it
     info = SolverInfo(status.value, objective, bound, gap, solved.seconds)
     plan = replace(chosen.plan, strategy=strategy, solver=info)
     message = solved.message
@@ -114,6 +146,10 @@ def checkmate_milp(problem: Problem, device: str) -> StrategyResult:
         device_fixed_bytes(problem, device),
     )
     warm = _warm_start(problem, [device])
+    ideal = problem.costs.ideal_ms(device)
+    _announce(problem, warm, ideal)
+    if _reaches(warm, ideal):
+        return _finish(problem, "checkmate_milp", _no_solve(), None, warm, ideal)
     model = formulation.model
     if warm is not None and warm.schedule is not None:
         model = replace(model, start=_encoded(formulation.encode, warm.schedule))
@@ -121,7 +157,6 @@ def checkmate_milp(problem: Problem, device: str) -> StrategyResult:
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), "checkmate_milp")
-    ideal = problem.costs.ideal_ms(device)
     return _finish(problem, "checkmate_milp", solved, evaluation, warm, ideal)
 
 
@@ -165,7 +200,11 @@ def xengine(problem: Problem, device: str | None = None) -> StrategyResult:
     names = [d.name for d in problem.costs.devices]
     budgets = {name: problem.budgets.get(name) for name in names}
     formulation = build_xengine(problem.graph, problem.costs, budgets)
-    warm = _warm_start(problem, names)
+    warm = _better(_warm_start(problem, names), placed_greedy(problem, names))
+    ideal = problem.costs.ideal_ms()
+    _announce(problem, warm, ideal)
+    if _reaches(warm, ideal):
+        return _finish(problem, "xengine", _no_solve(), None, warm, ideal)
     model = formulation.model
     if warm is not None and warm.schedule is not None:
         start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
@@ -174,7 +213,7 @@ def xengine(problem: Problem, device: str | None = None) -> StrategyResult:
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), "xengine")
-    return _finish(problem, "xengine", solved, evaluation, warm, problem.costs.ideal_ms())
+    return _finish(problem, "xengine", solved, evaluation, warm, ideal)
 
 
 def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np.ndarray | None:

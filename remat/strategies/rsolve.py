@@ -42,34 +42,46 @@ def solve_r(graph: Graph, S: np.ndarray) -> np.ndarray:
     Every entry set here is forced by a constraint, so the result is the unique minimal
     R ⊇ I satisfying (1b), (1c) and (8a) for this S."""
     S = np.asarray(S, dtype=bool)
-    T, n = S.shape
-    R = np.eye(T, n, dtype=bool)  # eq. 8a: node t is computed in stage t
-    # (1c): a checkpoint must have been present in the previous stage; if it was not saved
-    # there, it has to be computed there. S is fixed, so one vectorised pass suffices.
-    R[:-1] |= S[1:] & ~S[:-1]
+    return solve_r_placed(graph, S[None], np.zeros(S.shape[1], dtype=np.int64))[0]
+
+
+def solve_r_placed(graph: Graph, S: np.ndarray, place: np.ndarray) -> np.ndarray:
+    """``solve_r`` over devices: S[d,t,i] and a home device ``place[i]`` per node.
+
+    Node t is computed in stage t on its home (XEngine eq. 8-9); a checkpoint kept on d
+    from stage t must be on d in t-1 (eq. 11); a missing dependency of a computed node is
+    recomputed on its home (eq. 12: anything resident on some device may be copied), and so
+    on, transitively. With one device this is exactly Checkmate's R solve."""
+    S = np.asarray(S, dtype=bool)
+    D, T, n = S.shape
+    R = np.zeros((D, T, n), dtype=bool)
+    R[place[:T], np.arange(T), np.arange(T)] = True  # eq. 8a / XEngine 8-9
+    # (1c) / eq. 11: a checkpoint must have been on its device in the previous stage; if it
+    # was not saved there, it has to be computed there. S is fixed: one vectorised pass.
+    R[:, :-1] |= S[:, 1:] & ~S[:, :-1]
     deps = [node.deps for node in graph.nodes]
+    home = [int(d) for d in place]
     for t in range(T):
-        _close_stage(R, S, t, deps)
+        _close_stage(R, S, t, deps, home)
     return R
 
 
-def _close_stage(R: np.ndarray, S: np.ndarray, t: int, deps: Sequence[tuple[int, ...]]) -> None:
+def _close_stage(
+    R: np.ndarray, S: np.ndarray, t: int, deps: Sequence[tuple[int, ...]], home: list[int]
+) -> None:
     """(1b) within stage t: compute every missing dependency of a computed node, and theirs.
 
     Checkmate scans the stage right to left (reverse topological order); a depth-first walk
     from the computed nodes visits the same closure, touching only nonzeros."""
-    available = bytearray((R[t] | S[t]).tobytes())  # fast scalar access
-    stack = np.flatnonzero(R[t]).tolist()
-    added: list[int] = []
+    available = bytearray((R[:, t] | S[:, t]).any(axis=0).tobytes())  # fast scalar access
+    stack = np.flatnonzero(R[:, t].any(axis=0)).tolist()
     while stack:
         j = stack.pop()
         for i in deps[j]:
             if not available[i]:
                 available[i] = 1
-                added.append(i)
+                R[home[i], t, i] = True
                 stack.append(i)
-    if added:
-        R[t, added] = True
 
 
 def users_computed(graph: Graph, R: np.ndarray) -> np.ndarray:
@@ -100,14 +112,20 @@ def prune_checkpoints(graph: Graph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     S[t,i] (1c), which is then needed too; a dependency read in t with R[t,i] = 0 was in
     S[t] (1b) and is needed."""
     R = np.asarray(R, dtype=bool)
-    S = np.asarray(S, dtype=bool)
-    used = users_computed(graph, R)
-    needed = np.zeros(S.shape[1], dtype=bool)
-    needed[list(graph.outputs)] = True
+    return prune_placed(graph, R[None], np.asarray(S, dtype=bool)[None])[0]
+
+
+def prune_placed(graph: Graph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
+    """``prune_checkpoints`` over devices [D, T, n]: a checkpoint on d is needed if it is
+    not recomputed on d in that stage and a user on any device reads it then (it may be
+    copied from d) or it is needed on d at the start of the next stage."""
+    used = users_computed(graph, R.any(axis=0))
+    needed = np.zeros(S.shape[::2], dtype=bool)  # [D, n]
+    needed[:, list(graph.outputs)] = True
     pruned = np.zeros_like(S)
-    for t in range(S.shape[0] - 1, -1, -1):
-        needed = S[t] & ~R[t] & (used[t] | needed)
-        pruned[t] = needed
+    for t in range(S.shape[1] - 1, -1, -1):
+        needed = S[:, t] & ~R[:, t] & (used[t][None, :] | needed)
+        pruned[:, t] = needed
     return pruned
 
 
@@ -118,9 +136,18 @@ def solve_and_prune(graph: Graph, S: np.ndarray) -> tuple[np.ndarray, np.ndarray
     recomputation through (1c); once pruned, re-solving drops that recomputation (the new R
     is a subset: the old one was feasible for the smaller S, and solve_r is minimal)."""
     S = np.asarray(S, dtype=bool)
+    R, S = solve_and_prune_placed(graph, S[None], np.zeros(S.shape[1], dtype=np.int64))
+    return R[0], S[0]
+
+
+def solve_and_prune_placed(
+    graph: Graph, S: np.ndarray, place: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``solve_and_prune`` over devices with home devices ``place`` (``solve_r_placed``)."""
+    S = np.asarray(S, dtype=bool)
     while True:
-        R = solve_r(graph, S)
-        pruned = prune_checkpoints(graph, R, S)
+        R = solve_r_placed(graph, S, place)
+        pruned = prune_placed(graph, R, S)
         if np.array_equal(pruned, S):
             return R, S
         S = pruned

@@ -1,0 +1,183 @@
+"""A multi-device heuristic: a home device per node, a Chen-style checkpoint policy, and R
+solved over devices (``rsolve.solve_r_placed``).
+
+XEngine warm-starts from the best single-device schedule, but where no single device fits
+(the case XEngine is for) there is none. This heuristic finds a feasible multi-device
+schedule in a second or two, so the MIQP starts from an incumbent and a stopped solve still
+returns a plan. Candidates are (placement, policy) pairs:
+
+* placements: every node on its fastest device; every node on one device; and cuts: for an
+  ordered device pair (a, b), forward layers before the cut (and their backward nodes) on
+  a, the rest on b (XEngine 4.2: "the minimal cut is found where data copies are cheapest
+  and one half is computed on the first device and the other on the second");
+* policies: the S policies of ``linearized_greedy`` and ``ap_greedy`` (Chen's greedy swept
+  over its segment budget) and "keep everything"; each kept value stays on its home.
+
+Each candidate's R is solved and pruned, its compute cost and a per-device memory estimate
+(every value resident in a stage, plus the copies its users on another device need) are
+computed in numpy; the simulator then judges them in order, those estimated to fit first,
+cheapest first, until ``KEEP`` fit or the time budget is spent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.schedule import Schedule
+from remat.simulator import held_fixed_bytes
+from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.chen import (
+    articulation_candidates,
+    greedy_budgets,
+    greedy_checkpoints,
+    linearized_candidates,
+)
+from remat.strategies.rsolve import (
+    Layout,
+    checkpoint_holds,
+    holds_to_dense,
+    segments_from_checkpoints,
+    solve_and_prune_placed,
+)
+
+CUTS = 8  # cut positions tried per ordered device pair
+KEEP = 3  # candidates accepted by the simulator before stopping
+TIME_BUDGET_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    cost_ms: float
+    fits: bool  # by the memory estimate
+    R: np.ndarray
+    S: np.ndarray
+
+
+def placed_greedy(
+    problem: Problem, names: Sequence[str] | None = None, time_budget_s: float = TIME_BUDGET_S
+) -> StrategyResult:
+    """The cheapest multi-device schedule among the candidates that the simulator accepts
+    under every device's budget (``names``: the devices to use, default all)."""
+    names = tuple(names or (d.name for d in problem.costs.devices))
+    deadline = time.monotonic() + time_budget_s
+    policies = _policies(problem)
+    context = _Context.of(problem, names)
+    candidates: list[_Candidate] = []
+    for place in placements(problem, names):
+        fixed = context.fixed(place)
+        if context.fixed_fits(fixed):
+            candidates.extend(context.candidate(place, fixed, S) for S in policies)
+    candidates.sort(key=lambda c: (not c.fits, c.cost_ms))
+    evaluations: list[Evaluation] = []
+    for candidate in candidates:
+        evaluation = evaluate(problem, Schedule(names, candidate.R, candidate.S), "placed_greedy")
+        evaluations.append(evaluation)
+        if sum(e.fits for e in evaluations) >= KEEP or time.monotonic() > deadline:
+            break
+    return select_best("placed_greedy", evaluations)
+
+
+def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
+    """Home device per node (indices into ``names``): fastest, each single device, cuts."""
+    graph, costs = problem.graph, problem.costs
+    n, D = len(graph), len(names)
+    compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
+    found = [np.argmin(compute, axis=1)] + [np.full(n, d) for d in range(D)]
+    layer = _layer(problem)
+    F = max(int(layer.max()), 1)
+    cuts = sorted({int(k) for k in np.linspace(1, F, CUTS + 2)[1:-1]})
+    for a in range(D):
+        for b in range(D):
+            if a != b:
+                found.extend(np.where(layer < k, a, b) for k in cuts)
+    unique: dict[bytes, np.ndarray] = {}
+    for place in found:
+        unique.setdefault(place.astype(np.int64).tobytes(), place.astype(np.int64))
+    return list(unique.values())
+
+
+def _layer(problem: Problem) -> np.ndarray:
+    """The forward position a node belongs to: itself (forward), its forward node
+    (backward), the end of the forward pass (loss)."""
+    layout = Layout.of(problem.graph)
+    n = len(problem.graph)
+    layer = np.minimum(np.arange(n), layout.F)
+    backward = layout.forward_of >= 0
+    layer[backward] = layout.forward_of[backward]
+    return layer
+
+
+def _policies(problem: Problem) -> list[np.ndarray]:
+    """Dense S [T, n] of Chen's greedy on linearized and articulation candidates, swept
+    over the segment budget, plus "keep everything" (pruned to free-after-last-use)."""
+    graph = problem.graph
+    F, T = Layout.of(graph).F, len(graph)
+    sizes = np.asarray(problem.costs.output_bytes[:F], dtype=float)
+    choices: set[tuple[int, ...]] = set()
+    for candidates in (linearized_candidates(graph), articulation_candidates(graph)):
+        for b in greedy_budgets(sizes):
+            chosen = greedy_checkpoints(sizes, candidates, b)
+            choices.add(tuple(sorted(c for c in chosen if c < F - 1)))
+    policies = [
+        holds_to_dense(checkpoint_holds(graph, key, segments_from_checkpoints(F, key)), T)
+        for key in sorted(choices)
+    ]
+    return [np.tril(np.ones((T, T), dtype=bool), -1), *policies]
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every candidate of one problem shares."""
+
+    problem: Problem
+    names: tuple[str, ...]
+    compute: np.ndarray  # [D, n] ms
+    size: np.ndarray  # [n] bytes
+    reads: np.ndarray  # [n, n]: reads[k, i] = 1 if node k reads value i
+
+    @classmethod
+    def of(cls, problem: Problem, names: tuple[str, ...]) -> _Context:
+        costs, graph = problem.costs, problem.graph
+        compute = costs.compute_ms[:, [costs.device_index(name) for name in names]].T
+        n = len(graph)
+        reads = np.zeros((n, n), dtype=np.float32)
+        for node in graph.nodes:
+            reads[node.id, list(node.deps)] = 1
+        return cls(problem, names, compute, np.asarray(costs.output_bytes, float), reads)
+
+    def fixed(self, place: np.ndarray) -> list[int]:
+        """Bytes of the parameters and buffers a placement puts on each device."""
+        graph = self.problem.graph
+        return [
+            held_fixed_bytes(graph, np.flatnonzero(place == d).tolist())
+            for d in range(len(self.names))
+        ]
+
+    def fixed_fits(self, fixed: list[int]) -> bool:
+        budgets = [self.problem.budgets.get(name) for name in self.names]
+        return all(b is None or f <= b for f, b in zip(fixed, budgets, strict=True))
+
+    def candidate(self, place: np.ndarray, fixed: list[int], policy: np.ndarray) -> _Candidate:
+        D = len(self.names)
+        S = policy[None] & (place[None, None, :] == np.arange(D)[:, None, None])
+        R, S = solve_and_prune_placed(self.problem.graph, S, place)
+        cost = float((R * self.compute[:, None, :]).sum())
+        return _Candidate(cost, self._estimate_fits(fixed, R, S), R, S)
+
+    def _estimate_fits(self, fixed: list[int], R: np.ndarray, S: np.ndarray) -> bool:
+        """An over-estimate of each device's peak: fixed memory, every value computed or
+        kept on it in a stage, and every value its nodes read from another device then."""
+        for d, name in enumerate(self.names):
+            budget = self.problem.budgets.get(name)
+            if budget is None:
+                continue
+            there = R[d] | S[d]
+            copied = ((R[d].astype(np.float32) @ self.reads) > 0) & ~there
+            stage = ((there | copied) * self.size).sum(axis=1).max(initial=0.0)
+            if fixed[d] + stage > budget:
+                return False
+        return True

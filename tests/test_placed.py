@@ -1,0 +1,127 @@
+"""The multi-device R solve (``rsolve.solve_r_placed``) and the placed heuristic that
+warm-starts XEngine where no single device fits."""
+
+import numpy as np
+import pytest
+
+from remat import samples
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind, Size
+from remat.onnx_ingest import forward_graph
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import BASELINES, run_strategy
+from remat.strategies.base import Problem, SolverSettings
+from remat.strategies.optimal import xengine
+from remat.strategies.placed import placed_greedy, placements
+from remat.strategies.rsolve import (
+    solve_and_prune,
+    solve_and_prune_placed,
+    solve_r,
+    solve_r_placed,
+)
+from remat.training import training_graph
+
+from graphs import chain, diamond
+
+CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
+# An integrated-GPU-like device: each of the two wins on some operators (XEngine 4.2).
+IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_placed_r_solve_satisfies_xengine_constraints(seed):
+    rng = np.random.default_rng(seed)
+    graph = training_graph(diamond() if seed % 2 else chain(4))
+    T, D = len(graph), 2
+    place = rng.integers(0, D, T)
+    S = (rng.random((D, T, T)) < 0.3) & np.tril(np.ones((T, T), dtype=bool), -1)[None]
+    S &= place[None, None, :] == np.arange(D)[:, None, None]
+    R = solve_r_placed(graph, S, place)
+    assert R[place, np.arange(T), np.arange(T)].all()  # eq. 8-9: node t on its home
+    assert not np.triu(R.any(axis=0), 1).any()  # eq. 7
+    on = R | S
+    for d in range(D):  # eq. 11: keep only what was on the same device
+        assert not (S[d, 1:] & ~on[d, :-1]).any()
+    anywhere = on.any(axis=0)
+    for t in range(T):  # eq. 12: dependencies computed or kept on some device
+        for k in np.flatnonzero(R[:, t].any(axis=0)):
+            assert all(anywhere[t, i] for i in graph.nodes[k].deps)
+
+
+def test_one_device_placed_solve_is_checkmates():
+    graph = training_graph(diamond())
+    T = len(graph)
+    S = np.tril(np.ones((T, T), dtype=bool), -1)
+    S[:, 1] = False
+    zeros = np.zeros(T, dtype=np.int64)
+    assert np.array_equal(solve_r_placed(graph, S[None], zeros)[0], solve_r(graph, S))
+    R, pruned = solve_and_prune_placed(graph, S[None], zeros)
+    R1, pruned1 = solve_and_prune(graph, S)
+    assert np.array_equal(R[0], R1) and np.array_equal(pruned[0], pruned1)
+
+
+def _split_problem(name, percent, settings=None):
+    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
+    costs = analytical_costs(graph, [CPU, IGPU])
+    ref = reference(graph, costs)
+    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+    budgets = {"cpu0": budget, "cuda0": budget}
+    return Problem(graph, costs, budgets, settings or SolverSettings())
+
+
+def _no_single_device_fits(problem):
+    for device in ("cpu0", "cuda0"):
+        for name in BASELINES:
+            try:
+                result = run_strategy(name, problem, device)
+            except Exception:
+                continue
+            assert not result.feasible, (name, device)
+
+
+def test_placed_greedy_fits_where_no_single_device_does():
+    problem = _split_problem("vgg16", 25)
+    _no_single_device_fits(problem)
+    result = placed_greedy(problem)
+    assert result.feasible, result.message
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid
+    for device, peak in verdict.peak_bytes.items():
+        assert peak <= problem.budgets[device]
+    used = {s.device for s in result.plan.steps if s.op == "compute"}
+    assert used == {"cpu0", "cuda0"}
+
+
+def test_placements_include_fastest_single_devices_and_cuts():
+    problem = _split_problem("vgg16", 100)
+    found = placements(problem, ("cpu0", "cuda0"))
+    fastest = np.argmin(problem.costs.compute_ms, axis=1)
+    assert any(np.array_equal(p, fastest) for p in found)
+    assert any((p == 0).all() for p in found) and any((p == 1).all() for p in found)
+    mixed = [p for p in found if 0 < p.sum() < len(p)]
+    assert len(mixed) >= 8  # cuts in both directions
+
+
+def test_xengine_returns_a_plan_where_no_single_device_fits_even_when_stopped_early():
+    settings = SolverSettings(options=SolveOptions(time_limit_s=1.0))
+    problem = _split_problem("vgg16", 25, settings)
+    result = xengine(problem)
+    assert result.feasible, result.message
+    assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
+    solver = result.plan.solver
+    assert solver.bound <= solver.objective and solver.gap > 0
+
+
+def test_xengine_with_ample_memory_is_optimal_without_a_solve():
+    """One device is faster on every node: its checkpoint-all plan costs the ideal, which
+    is a proven bound, so no solver runs."""
+    graph = training_graph(chain(4))
+    slow = Device("cpu1", DeviceKind.CPU, {"threads": "1"})
+    costs = analytical_costs(graph, [CPU, slow])
+    result = xengine(Problem(graph, costs, {"cpu0": None, "cpu1": None}))
+    assert result.plan.solver.status == "optimal"
+    assert result.plan.solver.gap == pytest.approx(0)
+    assert result.plan.solver.seconds == 0
+    assert result.simulation.total_ms == pytest.approx(costs.ideal_ms())

@@ -16,7 +16,8 @@ returns a plan. Candidates are (placement, policy) pairs:
 Each candidate's R is solved and pruned, its compute cost and a per-device memory estimate
 (every value resident in a stage, plus the copies its users on another device need) are
 computed in numpy; the simulator then judges them in order, those estimated to fit first,
-cheapest first, until ``KEEP`` fit or the time budget is spent.
+cheapest first, until ``KEEP`` fit or the time budget is spent. The best is then improved by
+moving single layers between devices (``_move_layers``) for up to another time budget.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class _Candidate:
     fits: bool  # by the memory estimate
     R: np.ndarray
     S: np.ndarray
+    place: np.ndarray
+    policy: np.ndarray
 
 
 def placed_greedy(
@@ -72,13 +75,47 @@ def placed_greedy(
         if context.fixed_fits(fixed):
             candidates.extend(context.candidate(place, fixed, S) for S in policies)
     candidates.sort(key=lambda c: (not c.fits, c.cost_ms))
-    evaluations: list[Evaluation] = []
+    judged: list[tuple[_Candidate, Evaluation]] = []
     for candidate in candidates:
-        evaluation = evaluate(problem, Schedule(names, candidate.R, candidate.S), "placed_greedy")
-        evaluations.append(evaluation)
-        if sum(e.fits for e in evaluations) >= KEEP or time.monotonic() > deadline:
+        judged.append((candidate, context.evaluate(candidate)))
+        if sum(e.fits for _, e in judged) >= KEEP or time.monotonic() > deadline:
             break
-    return select_best("placed_greedy", evaluations)
+    fitting = [(c, e) for c, e in judged if e.fits]
+    if fitting:
+        best = min(fitting, key=lambda pair: pair[1].cost_ms)
+        judged.append(_move_layers(context, *best, deadline + time_budget_s))
+    return select_best("placed_greedy", [e for _, e in judged])
+
+
+def _move_layers(
+    context: _Context, candidate: _Candidate, evaluation: Evaluation, deadline: float
+) -> tuple[_Candidate, Evaluation]:
+    """Local search on the placement: move one layer (a forward node and its backward
+    node) to another device, keep the move if the simulator says the plan is cheaper and
+    fits; repeat while moves help and time is left. A move whose compute cost alone is not
+    below the incumbent's total is not simulated (copies only add to it)."""
+    layer = _layer(context.problem)
+    improved = True
+    while improved and time.monotonic() < deadline:
+        improved = False
+        for group in np.unique(layer).tolist():
+            for d in range(len(context.names)):
+                place = candidate.place.copy()
+                place[layer == group] = d
+                if np.array_equal(place, candidate.place):
+                    continue
+                fixed = context.fixed(place)
+                if not context.fixed_fits(fixed):
+                    continue
+                trial = context.candidate(place, fixed, candidate.policy)
+                if trial.cost_ms >= evaluation.cost_ms:
+                    continue
+                judged = context.evaluate(trial)
+                if judged.fits and judged.cost_ms < evaluation.cost_ms:
+                    candidate, evaluation, improved = trial, judged, True
+            if time.monotonic() > deadline:
+                break
+    return candidate, evaluation
 
 
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
@@ -166,7 +203,11 @@ class _Context:
         S = policy[None] & (place[None, None, :] == np.arange(D)[:, None, None])
         R, S = solve_and_prune_placed(self.problem.graph, S, place)
         cost = float((R * self.compute[:, None, :]).sum())
-        return _Candidate(cost, self._estimate_fits(fixed, R, S), R, S)
+        return _Candidate(cost, self._estimate_fits(fixed, R, S), R, S, place, policy)
+
+    def evaluate(self, candidate: _Candidate) -> Evaluation:
+        schedule = Schedule(self.names, candidate.R, candidate.S)
+        return evaluate(self.problem, schedule, "placed_greedy")
 
     def _estimate_fits(self, fixed: list[int], R: np.ndarray, S: np.ndarray) -> bool:
         """An over-estimate of each device's peak: fixed memory, every value computed or

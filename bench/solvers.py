@@ -44,6 +44,7 @@ class _Clock:
     ideal: float
     first_plan: float | None = None
     first_gap: float | None = None
+    elapsed: float | None = None  # the whole strategy call
 
     def __call__(self, progress: Progress) -> None:
         if progress.objective is None:
@@ -68,9 +69,9 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| model (stages) | budget | devices | backend | status | first plan s | 1% gap s "
-        "| objective ms | vs best baseline | vs ideal |"
+        "| objective ms | vs best baseline | vs ideal | total s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         graph = training_graph(forward_graph(samples.ZOO[name](), batch=args.batch))
         costs = analytical_costs(graph, [CPU, IGPU])
@@ -118,6 +119,7 @@ def _run(
         result = run_strategy("checkmate_milp", problem, devices[0])
     else:
         result = run_strategy("xengine", problem)
+    clock.elapsed = time.monotonic() - clock.start
     return _row(result, devices, backend, clock, baseline, ideal)
 
 
@@ -132,14 +134,14 @@ def _row(
     where = "+".join(devices)
     if not result.feasible or result.plan is None or result.plan.solver is None:
         status = "infeasible" if "infeasible" in result.message else "no plan"
-        return f"{where} | {backend} | {status} | - | - | - | - | - |"
+        return f"{where} | {backend} | {status} | - | - | - | - | - | {_s(clock.elapsed)} |"
     solver = result.plan.solver
     objective = solver.objective
     gap = f"{_s(clock.first_gap)}" if clock.first_gap is not None else f"gap {solver.gap:.1%}"
     versus = "-" if baseline is None else f"{objective / baseline - 1:+.1%}"
     return (
         f"{where} | {backend} | {solver.status} | {_s(clock.first_plan)} | {gap} | "
-        f"{objective:.3f} | {versus} | {objective / ideal - 1:+.1%} |"
+        f"{objective:.3f} | {versus} | {objective / ideal - 1:+.1%} | {_s(clock.elapsed)} |"
     )
 
 

@@ -22,12 +22,12 @@ from remat import samples
 from remat.budgets import reference
 from remat.costs import CostModel, analytical_costs
 from remat.devices import Device, DeviceKind, Size
-from remat.errors import RematError
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import Progress, SolveOptions
-from remat.strategies import BASELINES, run_strategy
+from remat.strategies import run_strategy
 from remat.strategies.base import Problem, SolverSettings, StrategyResult
+from remat.strategies.optimal import best_baseline
 from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
@@ -94,17 +94,8 @@ def _devices(costs: CostModel, setup: str) -> tuple[str, ...]:
 
 
 def _best_baseline(problem: Problem, devices: tuple[str, ...]) -> float | None:
-    best: float | None = None
-    for device in devices:
-        for name in BASELINES:
-            try:
-                result = run_strategy(name, problem, device)
-            except RematError:
-                continue
-            if result.feasible and result.simulation is not None:
-                cost = result.simulation.total_ms
-                best = cost if best is None else min(best, cost)
-    return best
+    best = best_baseline(problem, devices)
+    return None if best is None or best.simulation is None else best.simulation.total_ms
 
 
 def _run(

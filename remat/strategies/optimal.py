@@ -32,7 +32,7 @@ LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
-def _warm_start(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
+def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
     """The cheapest feasible baseline plan on any of ``devices``."""
     from remat.strategies import BASELINES, run_strategy
 
@@ -145,7 +145,7 @@ def checkmate_milp(problem: Problem, device: str) -> StrategyResult:
         problem.budgets.get(device),
         device_fixed_bytes(problem, device),
     )
-    warm = _warm_start(problem, [device])
+    warm = best_baseline(problem, [device])
     ideal = problem.costs.ideal_ms(device)
     _announce(problem, warm, ideal)
     if _reaches(warm, ideal):
@@ -200,7 +200,7 @@ def xengine(problem: Problem, device: str | None = None) -> StrategyResult:
     names = [d.name for d in problem.costs.devices]
     budgets = {name: problem.budgets.get(name) for name in names}
     formulation = build_xengine(problem.graph, problem.costs, budgets)
-    warm = _better(_warm_start(problem, names), placed_greedy(problem, names))
+    warm = _better(best_baseline(problem, names), placed_greedy(problem, names))
     ideal = problem.costs.ideal_ms()
     _announce(problem, warm, ideal)
     if _reaches(warm, ideal):

@@ -36,22 +36,14 @@ def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | 
     """The cheapest feasible baseline plan on any of ``devices``."""
     from remat.strategies import BASELINES, run_strategy
 
-    best: StrategyResult | None = None
+    results: list[StrategyResult] = []
     for device in devices:
         for name in BASELINES:
             try:
-                result = run_strategy(name, problem, device)
+                results.append(run_strategy(name, problem, device))
             except RematError:
                 continue  # not applicable (e.g. a chain-only heuristic)
-            if (
-                result.feasible
-                and result.simulation is not None
-                and (
-                    best is None or result.simulation.total_ms < best.simulation.total_ms  # type: ignore[union-attr]
-                )
-            ):
-                best = result
-    return best
+    return _better(*results)
 
 
 def _better(*results: StrategyResult | None) -> StrategyResult | None:

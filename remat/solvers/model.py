@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -81,6 +82,12 @@ class SolveStatus(StrEnum):
     INFEASIBLE = "infeasible"  # proven
     UNKNOWN = "unknown"  # stopped without an incumbent or a proof
     ERROR = "error"
+
+
+class StopFlag(Protocol):
+    """What stops a solve: a ``threading.Event``, or anything else that can say it is set."""
+
+    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
+from remat.solvers.model import (
+    MILPModel,
+    Progress,
+    SolveOptions,
+    SolveResult,
+    SolveStatus,
+    StopFlag,
+)
 
 BACKENDS = ("highs", "cpsat", "scip", "gurobi")
 DEFAULT_BACKEND = "highs"  # pending a benchmark across the formulations
@@ -203,7 +210,7 @@ def solve(
     backend: str = DEFAULT_BACKEND,
     options: SolveOptions = SolveOptions(),  # noqa: B008 - frozen dataclass
     on_progress: Callable[[Progress], None] | None = None,
-    cancel: threading.Event | None = None,
+    cancel: StopFlag | None = None,
     fallback: str | None = "highs",
     *,
     grace_s: float = DEFAULT_GRACE_S,
@@ -238,7 +245,7 @@ def _run_child(
     backend: str,
     options: SolveOptions,
     on_progress: Callable[[Progress], None] | None,
-    cancel: threading.Event | None,
+    cancel: StopFlag | None,
     grace_s: float,
     backend_options: dict[str, Any],
 ) -> _Outcome:
@@ -291,7 +298,7 @@ def _supervise(
     backend: str,
     options: SolveOptions,
     on_progress: Callable[[Progress], None] | None,
-    cancel: threading.Event | None,
+    cancel: StopFlag | None,
     grace_s: float,
     seen: _Seen,
 ) -> _Outcome:
@@ -307,8 +314,7 @@ def _supervise(
             outcome = _handle(message, backend, on_progress, seen)
             if outcome is not None:
                 return _annotate(outcome, why)
-            continue
-        now = time.monotonic()
+        now = time.monotonic()  # checked after every message too: a chatty child is stoppable
         if stop_requested is None:
             why = _stop_reason(cancel, now, deadline)
             if why:
@@ -319,7 +325,7 @@ def _supervise(
             return _Outcome(_from_seen(seen, backend, why + "; solver terminated"))
 
 
-def _stop_reason(cancel: threading.Event | None, now: float, deadline: float) -> str:
+def _stop_reason(cancel: StopFlag | None, now: float, deadline: float) -> str:
     if cancel is not None and cancel.is_set():
         return "cancelled"
     if now > deadline:

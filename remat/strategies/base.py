@@ -3,7 +3,6 @@ and the result it returns."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -14,7 +13,7 @@ from remat.graph import Graph
 from remat.plan import Plan, PlanDevice, Predicted
 from remat.schedule import Schedule
 from remat.simulator import Simulation, simulate
-from remat.solvers.model import Progress, SolveOptions
+from remat.solvers.model import Progress, SolveOptions, StopFlag
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class SolverSettings:
     backend: str = "highs"
     options: SolveOptions = field(default_factory=SolveOptions)
     on_progress: Callable[[Progress], None] | None = None
-    cancel: threading.Event | None = None
+    cancel: StopFlag | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
+from typing import Protocol
 
 import numpy as np
 
@@ -22,14 +24,25 @@ from remat.formulations.xengine import build_xengine
 from remat.plan import SolverInfo
 from remat.schedule import Schedule
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
+from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.rsolve import solve_r
+from remat.strategies.search import CoarsePhase, Search
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
+
+
+class Formulation(Protocol):
+    """A built model and the maps between its variables and schedules."""
+
+    model: MILPModel
+
+    def encode(self, schedule: Schedule) -> np.ndarray: ...
+
+    def decode(self, x: np.ndarray) -> Schedule: ...
 
 
 def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
@@ -52,16 +65,6 @@ def _better(*results: StrategyResult | None) -> StrategyResult | None:
     return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
 
 
-def _announce(problem: Problem, warm: StrategyResult | None, ideal: float) -> None:
-    """Tell the progress listener about the warm start: a plan exists before any solve."""
-    listener = problem.solver.on_progress
-    if listener is None or warm is None or warm.simulation is None:
-        return
-    objective = warm.simulation.total_ms
-    gap = (objective - ideal) / objective if objective > 0 else 0.0
-    listener(Progress(0.0, objective, min(ideal, objective), max(gap, 0.0)))
-
-
 def _reaches(warm: StrategyResult | None, ideal: float) -> bool:
     """The warm start already costs the ideal (a lower bound): it is optimal, no solve."""
     if warm is None or warm.simulation is None:
@@ -74,14 +77,21 @@ def _no_solve() -> SolveResult:
     return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
 
 
-def _solve(problem: Problem, model: MILPModel) -> SolveResult:
+def _solve(
+    problem: Problem,
+    model: MILPModel,
+    search: Search | None = None,
+) -> SolveResult:
+    """A solve in a subprocess; within a search, for the time left, reporting through it."""
     settings = problem.solver
+    options, listener, cancel = settings.options, settings.on_progress, settings.cancel
+    if search is not None:
+        options = replace(options, time_limit_s=search.remaining())
+        offset = search.elapsed()
+        listener = partial(search.on_full, offset=offset)
+        cancel = search.full_stop()
     return runner.solve(
-        model,
-        backend=settings.backend,
-        options=settings.options,
-        on_progress=settings.on_progress,
-        cancel=settings.cancel,
+        model, backend=settings.backend, options=options, on_progress=listener, cancel=cancel
     )
 
 
@@ -93,13 +103,13 @@ def _finish(
     fallback: StrategyResult | None,
     ideal: float,
 ) -> StrategyResult:
-    """The solver's plan if the simulator accepts it, else the warm start; with the bound
-    and gap of the whole problem."""
-    chosen = select_best(strategy, [evaluation]) if evaluation is not None else None
-    if chosen is None or not chosen.feasible:
-        if fallback is None:
-            return _no_plan(strategy, solved, chosen)
-        chosen = replace(fallback, strategy=strategy)
+    """The cheaper of the solver's plan (if the simulator accepts it) and the plan in hand
+    (warm start or coarse plan); with the bound and gap of the whole problem."""
+    solver_plan = select_best(strategy, [evaluation]) if evaluation is not None else None
+    chosen = _better(solver_plan, fallback)  # the plan in hand may beat the solver's
+    if chosen is None:
+        return _no_plan(strategy, solved, solver_plan)
+    chosen = replace(chosen, strategy=strategy)
     assert chosen.plan is not None and chosen.simulation is not None
     objective = chosen.simulation.total_ms
     bound = max(ideal, solved.bound) if solved.bound is not None else ideal
@@ -128,28 +138,20 @@ def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) 
     return StrategyResult(strategy, None, None, message.strip())
 
 
-def checkmate_milp(problem: Problem, device: str) -> StrategyResult:
-    """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline."""
-    formulation = build_checkmate(
-        problem.graph,
-        problem.costs,
-        device,
-        problem.budgets.get(device),
-        device_fixed_bytes(problem, device),
-    )
+def checkmate_milp(problem: Problem, device: str, *, coarse: bool = True) -> StrategyResult:
+    """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline and,
+    on large graphs, from the coarse graph's plan."""
+    fixed = device_fixed_bytes(problem, device)
+
+    def build(p: Problem) -> Formulation:
+        return build_checkmate(p.graph, p.costs, device, p.budgets.get(device), fixed)
+
+    again = partial(checkmate_milp, device=device, coarse=False)
     warm = best_baseline(problem, [device])
     ideal = problem.costs.ideal_ms(device)
-    _announce(problem, warm, ideal)
-    if _reaches(warm, ideal):
-        return _finish(problem, "checkmate_milp", _no_solve(), None, warm, ideal)
-    model = formulation.model
-    if warm is not None and warm.schedule is not None:
-        model = replace(model, start=_encoded(formulation.encode, warm.schedule))
-    solved = _solve(problem, model)
-    evaluation = None
-    if solved.x is not None:
-        evaluation = evaluate(problem, formulation.decode(solved.x), "checkmate_milp")
-    return _finish(problem, "checkmate_milp", solved, evaluation, warm, ideal)
+    return _optimize(
+        problem, "checkmate_milp", (device,), build, warm, ideal, again if coarse else None
+    )
 
 
 def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
@@ -186,26 +188,60 @@ def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
     return replace(result, plan=replace(result.plan, solver=info))
 
 
-def xengine(problem: Problem, device: str | None = None) -> StrategyResult:
+def xengine(problem: Problem, device: str | None = None, *, coarse: bool = True) -> StrategyResult:
     """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
-    best single-device baseline. ``device`` is ignored: the strategy places operators."""
-    names = [d.name for d in problem.costs.devices]
-    budgets = {name: problem.budgets.get(name) for name in names}
-    formulation = build_xengine(problem.graph, problem.costs, budgets)
+    best single-device baseline, the multi-device heuristic and, on large graphs, the
+    coarse graph's plan. ``device`` is ignored: the strategy places operators."""
+    names = tuple(d.name for d in problem.costs.devices)
+
+    def build(p: Problem) -> Formulation:
+        return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
+
+    again = partial(xengine, coarse=False)
     warm = _better(best_baseline(problem, names), placed_greedy(problem, names))
     ideal = problem.costs.ideal_ms()
-    _announce(problem, warm, ideal)
+    return _optimize(problem, "xengine", names, build, warm, ideal, again if coarse else None)
+
+
+def _optimize(
+    problem: Problem,
+    strategy: str,
+    names: Sequence[str],
+    build: Callable[[Problem], Formulation],
+    warm: StrategyResult | None,
+    ideal: float,
+    again: Callable[[Problem], StrategyResult] | None,
+) -> StrategyResult:
+    """What the exact strategies share: announce the warm start (a plan before any solve),
+    stop if it costs the ideal, else solve the full model from it while the coarse graph's
+    solve (``again``: the strategy without coarsening) runs beside it (``search``); the
+    best plan of either, with the full model's bound."""
+    search = Search(problem, ideal, warm)
+    search.announce()
     if _reaches(warm, ideal):
-        return _finish(problem, "xengine", _no_solve(), None, warm, ideal)
+        return _finish(problem, strategy, _no_solve(), None, warm, ideal)
+    coarse = CoarsePhase.start(problem, strategy, again, search) if again else None
+    formulation = build(problem)
     model = formulation.model
     if warm is not None and warm.schedule is not None:
         start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
         model = replace(model, start=start)
-    solved = _solve(problem, model)
+    try:
+        solved = _solve(problem, model, search)
+    finally:
+        search.coarse_done.set()
+        if coarse is not None:
+            coarse.finish()
+    if search.gap_met.is_set() and not _user_cancelled(problem):
+        solved = replace(solved, message="the gap target is met (with the coarse graph's plan)")
     evaluation = None
     if solved.x is not None:
-        evaluation = evaluate(problem, formulation.decode(solved.x), "xengine")
-    return _finish(problem, "xengine", solved, evaluation, warm, ideal)
+        evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
+    return _finish(problem, strategy, solved, evaluation, search.best, ideal)
+
+
+def _user_cancelled(problem: Problem) -> bool:
+    return problem.solver.cancel is not None and problem.solver.cancel.is_set()
 
 
 def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np.ndarray | None:

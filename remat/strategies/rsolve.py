@@ -153,6 +153,27 @@ def solve_and_prune_placed(
         S = pruned
 
 
+def clean_placed(graph: Graph, R: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """R and S [D, T, n] without what nothing reads: checkpoints (``prune_placed``) and
+    recomputations (off the diagonal) that no node of their stage reads and that are not
+    kept for the next stage, or that repeat a value already kept on that device. Only 1s
+    are removed, to a fixed point; every constraint stays satisfied (``prune_checkpoints``)."""
+    R = np.asarray(R, dtype=bool).copy()
+    S = np.asarray(S, dtype=bool)
+    _, T, n = R.shape
+    first = np.zeros((T, n), dtype=bool)
+    first[np.arange(min(T, n)), np.arange(min(T, n))] = True
+    R &= first[None] | ~S  # a value kept on a device is not recomputed there
+    while True:
+        S = prune_placed(graph, R, S)
+        used = users_computed(graph, R.any(axis=0))
+        kept_next = np.concatenate([S[:, 1:], np.zeros_like(S[:, :1])], axis=1)
+        needed = first[None] | used[None] | kept_next
+        if not (R & ~needed).any():
+            return R, S
+        R &= needed
+
+
 # --- sparse -----------------------------------------------------------------------------
 
 

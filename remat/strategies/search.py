@@ -1,0 +1,170 @@
+"""The search of an exact strategy: the full model's solve and, beside it, the same
+strategy on the coarse graph (``remat.strategies.coarsen``), sharing the best plan in hand.
+
+The two run at once (the coarse solve in a thread, each solver in its own subprocess): the
+full model's solve gives the bound of the whole problem and, on small graphs, the optimum;
+the coarse solve, a smaller model, finds good plans where the full one finds none in time
+(U-Net, ResNet). Each stops the other's waste: the coarse solve stops once its bound
+reaches the plan in hand (no coarse plan can be better), the full solve once the plan in
+hand meets the gap target against its bound, and the coarse solve when the full one ends.
+
+Progress events carry the best plan in hand (the simulator accepted it) and the full
+model's bound (or the ideal): the coarse solve's own objective and bound belong to another
+problem, so they are never reported.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from remat.solvers.model import Progress, StopFlag
+from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
+from remat.strategies.coarsen import coarsen
+
+COARSE_MIN_NODES = 40  # smaller graphs solve well as they are
+COARSE_MAX_RATIO = 0.8  # coarsen only when it removes a fifth of the nodes or more
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Set when any of its flags is."""
+
+    flags: tuple[StopFlag | None, ...]
+
+    def is_set(self) -> bool:
+        return any(flag is not None and flag.is_set() for flag in self.flags)
+
+
+class Search:
+    """The shared state of one strategy call (thread-safe)."""
+
+    def __init__(self, problem: Problem, ideal: float, best: StrategyResult | None) -> None:
+        self.problem = problem
+        self.ideal = ideal
+        self.best = best
+        self.bound = ideal  # the whole problem's best proven bound so far
+        self.start = time.monotonic()
+        self.gap_met = threading.Event()  # stops the full solve
+        self.coarse_done = threading.Event()  # stops the coarse solve
+        self._lock = threading.Lock()
+
+    @property
+    def best_ms(self) -> float | None:
+        return (
+            None
+            if self.best is None or self.best.simulation is None
+            else self.best.simulation.total_ms
+        )
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def remaining(self) -> float:
+        """The time limit left; at least a second, so that the full model gets its bound."""
+        return max(self.problem.solver.options.time_limit_s - self.elapsed(), 1.0)
+
+    def full_stop(self) -> AnyOf:
+        return AnyOf((self.problem.solver.cancel, self.gap_met))
+
+    def coarse_stop(self) -> AnyOf:
+        return AnyOf((self.problem.solver.cancel, self.coarse_done))
+
+    def offer(self, result: StrategyResult | None) -> None:
+        """A plan the simulator accepted: kept and reported if it beats the one in hand."""
+        if result is None or result.simulation is None or not result.feasible:
+            return
+        with self._lock:
+            if self.best_ms is not None and result.simulation.total_ms >= self.best_ms:
+                return
+            self.best = result
+            self._report()
+
+    def on_full(self, progress: Progress, offset: float) -> None:
+        """The full model's progress: its bound is the whole problem's."""
+        with self._lock:
+            if progress.bound is not None:
+                self.bound = max(self.bound, progress.bound)
+            objective = progress.objective
+            if self.best_ms is not None and (objective is None or self.best_ms < objective):
+                objective = self.best_ms
+            self._report(objective, progress.elapsed_s + offset)
+            if objective != progress.objective and self._meets_gap():
+                self.gap_met.set()  # a plan the solver does not know meets the target
+
+    def _meets_gap(self) -> bool:
+        best = self.best_ms
+        if best is None or best <= 0:
+            return False
+        return (best - self.bound) / best <= self.problem.solver.options.gap
+
+    def on_coarse(self, progress: Progress) -> None:
+        """The coarse solve's progress: only to stop it once it cannot help."""
+        best = self.best_ms
+        if progress.bound is not None and best is not None and progress.bound >= best:
+            self.coarse_done.set()
+
+    def announce(self) -> None:
+        with self._lock:
+            self._report()
+
+    def _report(self, objective: float | None = None, elapsed: float | None = None) -> None:
+        listener = self.problem.solver.on_progress
+        objective = self.best_ms if objective is None else objective
+        if listener is None or objective is None:
+            return
+        bound = min(self.bound, objective)
+        gap = (objective - bound) / objective if objective > 0 else 0.0
+        listener(Progress(self.elapsed() if elapsed is None else elapsed, objective, bound, gap))
+
+
+class CoarsePhase:
+    """The strategy on the coarse graph, in a thread; its expanded plan offered to the
+    search. ``start`` returns None when the graph is too small or does not coarsen."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+        self.error: BaseException | None = None
+
+    @classmethod
+    def start(
+        cls,
+        problem: Problem,
+        strategy: str,
+        again: Callable[[Problem], StrategyResult],
+        search: Search,
+    ) -> CoarsePhase | None:
+        if len(problem.graph) < COARSE_MIN_NODES:
+            return None
+        coarse = coarsen(problem.graph, problem.costs)
+        if coarse.ratio > COARSE_MAX_RATIO:
+            return None
+        settings = problem.solver
+        solver = replace(
+            settings,
+            options=replace(settings.options, time_limit_s=search.remaining()),
+            on_progress=search.on_coarse,
+            cancel=search.coarse_stop(),
+        )
+        coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets, solver)
+
+        def work() -> None:
+            try:
+                result = again(coarse_problem)
+                if result.schedule is not None:
+                    fine = coarse.expand(result.schedule)
+                    search.offer(select_best(strategy, [evaluate(problem, fine, strategy)]))
+            except BaseException as exc:  # re-raised in the caller's thread by finish()
+                phase.error = exc
+
+        phase = cls(threading.Thread(target=work, name="remat-coarse", daemon=True))
+        phase.thread.start()
+        return phase
+
+    def finish(self) -> None:
+        """Stop the coarse solve (the caller sets the search's flag) and wait for it."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error

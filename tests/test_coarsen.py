@@ -1,0 +1,134 @@
+"""Graph coarsening (``remat.strategies.coarsen``): which chains fuse, the coarse costs, and
+coarse schedules expanded into valid fine ones; the optimal strategies' coarse phase."""
+
+import numpy as np
+import pytest
+
+from remat import samples
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind, Size
+from remat.graph import NodeKind
+from remat.onnx_ingest import forward_graph
+from remat.plan import Compute
+from remat.schedule import Schedule
+from remat.solvers.model import SolveOptions
+from remat.strategies import BASELINES, run_strategy
+from remat.strategies.base import Problem, SolverSettings, evaluate
+from remat.strategies.coarsen import coarsen
+from remat.strategies.optimal import checkmate_milp, xengine
+from remat.strategies.placed import placed_greedy
+from remat.strategies.rsolve import clean_placed
+from remat.training import training_graph
+
+from graphs import chain
+
+CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
+IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
+
+
+def _problem(name, percent, settings=None):
+    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
+    costs = analytical_costs(graph, [CPU, IGPU])
+    ref = reference(graph, costs)
+    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+    return Problem(graph, costs, {"cpu0": budget, "cuda0": budget}, settings or SolverSettings())
+
+
+def test_resnet_fuses_conv_norm_relu_and_mirrors_it_backwards():
+    problem = _problem("resnet18", 100)
+    coarse = coarsen(problem.graph, problem.costs)
+    graph = problem.graph
+    ops = ["+".join(graph.nodes[m].op for m in g) for g in coarse.groups]
+    assert ops.count("Conv+BatchNormalization+Relu") >= 8
+    forward_groups = [g for g in coarse.groups if graph.nodes[g[0]].kind is NodeKind.FORWARD]
+    backward_groups = [g for g in coarse.groups if graph.nodes[g[0]].kind is NodeKind.BACKWARD]
+    assert sum(len(g) > 1 for g in forward_groups) == sum(len(g) > 1 for g in backward_groups)
+    for group in coarse.groups:  # contiguous, one kind, one op per chain link
+        assert list(group) == list(range(group[0], group[-1] + 1))
+        assert len({graph.nodes[m].kind for m in group}) == 1
+    assert coarse.ratio < 0.5
+    for c, group in enumerate(coarse.groups):
+        assert coarse.costs.compute_ms[c] == pytest.approx(
+            problem.costs.compute_ms[list(group)].sum(0)
+        )
+        assert coarse.costs.output_bytes[c] >= problem.costs.output_bytes[group[-1]]
+
+
+def test_groups_stop_at_max_group():
+    graph = training_graph(chain(6))  # Relu after Relu: each fuses into its producer
+    costs = analytical_costs(graph, [CPU])
+    coarse = coarsen(graph, costs)
+    assert max(len(g) for g in coarse.groups) <= 4
+    assert sum(len(g) for g in coarse.groups) == len(graph)
+
+
+@pytest.mark.parametrize("name", ["vgg16", "resnet18", "unet"])
+def test_expanded_baselines_are_valid_no_costlier_and_within_the_coarse_peak(name):
+    problem = _problem(name, 100)
+    coarse = coarsen(problem.graph, problem.costs)
+    coarse_problem = Problem(coarse.graph, coarse.costs, {})
+    checked = 0
+    for strategy in BASELINES:
+        for device in ("cpu0", "cuda0"):
+            try:
+                result = run_strategy(strategy, coarse_problem, device)
+            except Exception:
+                continue  # not applicable to this graph (e.g. chain-only)
+            fine = coarse.expand(result.schedule)
+            fine.check(problem.graph)
+            # the coarse accounting covers the fine plan: it fits the coarse plan's peak
+            peak = dict(result.simulation.peak_bytes)
+            evaluation = evaluate(Problem(problem.graph, problem.costs, peak), fine, strategy)
+            assert evaluation.fits, (strategy, device, evaluation.simulation.violation)
+            assert evaluation.cost_ms <= result.simulation.total_ms * (1 + 1e-9)
+            checked += 1
+    assert checked >= 8
+
+
+def test_expanded_multi_device_plan_fits_where_no_single_device_does():
+    problem = _problem("resnet18", 25)
+    coarse = coarsen(problem.graph, problem.costs)
+    names = ["cpu0", "cuda0"]
+    result = placed_greedy(Problem(coarse.graph, coarse.costs, problem.budgets), names)
+    assert result.feasible
+    fine = coarse.expand(result.schedule)
+    fine.check(problem.graph)
+    evaluation = evaluate(problem, fine, "xengine")
+    assert evaluation.fits
+    assert {s.device for s in evaluation.plan.steps if isinstance(s, Compute)} == set(names)
+
+
+def test_clean_drops_unread_recomputations_and_checkpoints():
+    graph = training_graph(chain(3))  # 0 1 2 forward, 3 loss, 4 5 6 = grads of 2 1 0
+    T = len(graph)
+    R = np.zeros((1, T, T), dtype=bool)
+    R[0, np.arange(T), np.arange(T)] = True
+    S = np.tril(np.ones((1, T, T), dtype=bool), -1)
+    R[0, 5, 0] = R[0, 4, 1] = True  # recomputed while kept on the same device
+    Rc, Sc = clean_placed(graph, R, S)
+    Schedule(("cpu0",), Rc, Sc).check(graph)
+    assert np.array_equal(Rc[0], np.eye(T, dtype=bool))
+    assert Sc[0, 5, 1] and Sc[0, 6, 0]  # read by the gradients of 1 and 0
+    assert not Sc[0, 6, 2] and not Sc[0, 6, 1]  # nobody reads them in stage 6 or later
+
+
+def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
+    settings = SolverSettings(options=SolveOptions(time_limit_s=8, gap=0.01, threads=2))
+    problem = _problem("resnet18", 25, settings)
+    heuristic = placed_greedy(problem, ["cpu0", "cuda0"])
+    result = xengine(problem)
+    assert result.feasible, result.message
+    assert result.simulation.valid
+    assert result.simulation.total_ms < heuristic.simulation.total_ms
+    solver = result.plan.solver
+    assert solver.bound <= solver.objective and solver.bound >= problem.costs.ideal_ms() - 1e-9
+
+
+def test_checkmate_milp_with_coarsening_still_proves_the_ideal_with_ample_memory():
+    settings = SolverSettings(options=SolveOptions(time_limit_s=20, gap=1e-6))
+    problem = _problem("vgg16", 100, settings)
+    problem = Problem(problem.graph, problem.costs, {"cpu0": None}, settings)
+    result = checkmate_milp(problem, "cpu0")
+    assert result.plan.solver.status == "optimal"
+    assert result.simulation.total_ms == pytest.approx(problem.costs.ideal_ms("cpu0"))

@@ -1,6 +1,9 @@
 """Graph coarsening (``remat.strategies.coarsen``): which chains fuse, the coarse costs, and
 coarse schedules expanded into valid fine ones; the optimal strategies' coarse phase."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -132,3 +135,24 @@ def test_checkmate_milp_with_coarsening_still_proves_the_ideal_with_ample_memory
     result = checkmate_milp(problem, "cpu0")
     assert result.plan.solver.status == "optimal"
     assert result.simulation.total_ms == pytest.approx(problem.costs.ideal_ms("cpu0"))
+
+
+def test_cancelling_stops_the_full_and_the_coarse_solve_and_keeps_the_plan_in_hand():
+    cancel = threading.Event()
+    seen: list[float] = []
+
+    def on_progress(progress):
+        seen.append(progress.elapsed_s)
+        if len(seen) == 1:  # the warm start is announced: cancel a little later
+            threading.Timer(4.0, cancel.set).start()
+
+    limit = 600.0
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=limit, threads=2), on_progress=on_progress, cancel=cancel
+    )
+    problem = _problem("unet", 25, settings)
+    started = time.monotonic()
+    result = xengine(problem)
+    assert time.monotonic() - started < limit / 4  # stopped by the cancel, not the limit
+    assert result.feasible and result.simulation.valid
+    assert not any(t.name == "remat-coarse" and t.is_alive() for t in threading.enumerate())

@@ -4,9 +4,12 @@ strategy on the coarse graph (``remat.strategies.coarsen``), sharing the best pl
 The two run at once (the coarse solve in a thread, each solver in its own subprocess): the
 full model's solve gives the bound of the whole problem and, on small graphs, the optimum;
 the coarse solve, a smaller model, finds good plans where the full one finds none in time
-(U-Net, ResNet). Each stops the other's waste: the coarse solve stops once its bound
-reaches the plan in hand (no coarse plan can be better), the full solve once the plan in
-hand meets the gap target against its bound, and the coarse solve when the full one ends.
+(ResNet18; U-Net when its first coarse plan comes in time). Each stops the other's waste:
+the coarse solve stops once its bound reaches the plan in hand (no coarse plan can be
+better), the full solve once the plan in hand meets the gap target against its bound, and
+the coarse solve when the full one ends. Run one after the other instead (the coarse solve
+alone for half the limit), U-Net found no coarse plan either and the full model's LP bound
+no longer arrived in 120 s, so they share the time.
 
 Progress events carry the best plan in hand (the simulator accepted it) and the full
 model's bound (or the ideal): the coarse solve's own objective and bound belong to another
@@ -101,10 +104,13 @@ class Search:
         return (best - self.bound) / best <= self.problem.solver.options.gap
 
     def on_coarse(self, progress: Progress) -> None:
-        """The coarse solve's progress: only to stop it once it cannot help."""
-        best = self.best_ms
-        if progress.bound is not None and best is not None and progress.bound >= best:
-            self.coarse_done.set()
+        """The coarse solve's progress: a heartbeat with the plan in hand (its objective and
+        bound are the coarse problem's), and the sign to stop it once it cannot help."""
+        with self._lock:
+            best = self.best_ms
+            if progress.bound is not None and best is not None and progress.bound >= best:
+                self.coarse_done.set()
+            self._report()
 
     def announce(self) -> None:
         with self._lock:

@@ -99,10 +99,10 @@ class Coarse:
 
 def coarsen(graph: Graph, costs: CostModel) -> Coarse:
     """Fuse cheap chains (module docstring)."""
-    group_of = _group_starts(graph)
+    joins = _joins(graph)
     groups: list[list[int]] = []
     for index in range(len(graph)):
-        if group_of[index]:
+        if joins[index]:
             groups[-1].append(index)
         else:
             groups.append([index])
@@ -124,7 +124,7 @@ def coarsen(graph: Graph, costs: CostModel) -> Coarse:
     return Coarse(graph, coarse_graph, coarse_costs, tuple(tuple(g) for g in groups))
 
 
-def _group_starts(graph: Graph) -> list[bool]:
+def _joins(graph: Graph) -> list[bool]:
     """joins[i]: node i joins node i-1's group."""
     n = len(graph)
     users = graph.users()

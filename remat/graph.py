@@ -29,16 +29,22 @@ class NodeKind(StrEnum):
 class FixedKind(StrEnum):
     PARAMETER = "parameter"
     INPUT = "input"
+    HELD = "held"  # a value computed outside this graph (a part of a decomposed graph)
 
 
 @dataclass(frozen=True)
 class FixedTensor:
-    """A tensor resident for the whole step: a parameter (initializer or folded constant)
-    or a model input."""
+    """A tensor resident for the whole step: a parameter (initializer or folded constant),
+    a model input, or (in a part of a decomposed graph) a value another part computed."""
 
     name: str
     kind: FixedKind
     nbytes: int
+
+    @property
+    def has_gradient(self) -> bool:
+        """Training keeps a gradient buffer for it; a held value's gradient is a value."""
+        return self.kind is not FixedKind.HELD
 
 
 @dataclass(frozen=True)

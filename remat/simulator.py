@@ -141,7 +141,7 @@ def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
         node = graph.nodes[index]
         held.update(node.fixed)
         if training and node.kind is NodeKind.BACKWARD:
-            gradients.update(node.fixed)
+            gradients.update(t for t in node.fixed if graph.fixed[t].has_gradient)
     return sum(graph.fixed[t].nbytes for t in held) + sum(graph.fixed[t].nbytes for t in gradients)
 
 

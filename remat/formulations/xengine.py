@@ -97,8 +97,9 @@ class _Fixed:
         pairs = [(names.index(f), node.id) for node in graph.nodes for f in set(node.fixed)]
         training = graph.mode is Mode.TRAINING
         backward = [n for n in graph.nodes if training and n.kind is NodeKind.BACKWARD]
-        grads = sorted({f for node in backward for f in node.fixed})
-        grad_pairs = [(grads.index(f), node.id) for node in backward for f in set(node.fixed)]
+        read = [(node, {f for f in node.fixed if graph.fixed[f].has_gradient}) for node in backward]
+        grads = sorted(set().union(*(fixed for _, fixed in read)))
+        grad_pairs = [(grads.index(f), node.id) for node, fixed in read for f in fixed]
         return cls(
             tuple(names),
             np.array([graph.fixed[f].nbytes for f in names], dtype=np.int64),

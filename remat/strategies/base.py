@@ -49,7 +49,7 @@ class Problem:
 class Evaluation:
     """A candidate schedule compiled into a plan and judged by the simulator."""
 
-    schedule: Schedule
+    schedule: Schedule | None  # None: a plan stitched from parts (remat.strategies.decompose)
     plan: Plan
     simulation: Simulation
 
@@ -69,6 +69,12 @@ def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
     plan = compile_plan(
         problem.graph, schedule, problem.plan_devices(schedule.devices), strategy, problem.costs
     )
+    return evaluate_plan(problem, plan, schedule)
+
+
+def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None) -> Evaluation:
+    """Simulate ``plan`` (compiled from ``schedule``, or stitched without one) as
+    ``evaluate`` does."""
     simulation = simulate(plan, problem.graph, problem.costs, problem.budgets)
     if not simulation.valid:
         unlimited = simulate(plan, problem.graph, problem.costs, {})

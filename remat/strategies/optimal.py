@@ -11,8 +11,9 @@ device, no copies), whichever is larger.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from remat.schedule import Schedule
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.decompose import is_large, solve_parts
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.rsolve import solve_r
@@ -138,20 +140,21 @@ def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) 
     return StrategyResult(strategy, None, None, message.strip())
 
 
-def checkmate_milp(problem: Problem, device: str, *, coarse: bool = True) -> StrategyResult:
+def checkmate_milp(
+    problem: Problem, device: str, *, coarse: bool = True, decompose: bool = True
+) -> StrategyResult:
     """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline and,
-    on large graphs, from the coarse graph's plan."""
+    on graphs of 40+ nodes, from the coarse graph's plan; large graphs are decomposed."""
     fixed = device_fixed_bytes(problem, device)
 
     def build(p: Problem) -> Formulation:
         return build_checkmate(p.graph, p.costs, device, p.budgets.get(device), fixed)
 
-    again = partial(checkmate_milp, device=device, coarse=False)
+    variant = partial(checkmate_milp, device=device)
     warm = best_baseline(problem, [device])
     ideal = problem.costs.ideal_ms(device)
-    return _optimize(
-        problem, "checkmate_milp", (device,), build, warm, ideal, again if coarse else None
-    )
+    ways = _Ways(variant, coarse, decompose)
+    return _optimize(problem, "checkmate_milp", (device,), build, warm, ideal, ways)
 
 
 def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
@@ -188,19 +191,48 @@ def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
     return replace(result, plan=replace(result.plan, solver=info))
 
 
-def xengine(problem: Problem, device: str | None = None, *, coarse: bool = True) -> StrategyResult:
+def xengine(
+    problem: Problem,
+    device: str | None = None,
+    *,
+    coarse: bool = True,
+    decompose: bool = True,
+) -> StrategyResult:
     """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
-    best single-device baseline, the multi-device heuristic and, on large graphs, the
-    coarse graph's plan. ``device`` is ignored: the strategy places operators."""
+    best single-device baseline, the multi-device heuristic and, on graphs of 40+ nodes,
+    the coarse graph's plan; large graphs are decomposed. ``device`` is ignored: the
+    strategy places operators."""
     names = tuple(d.name for d in problem.costs.devices)
 
     def build(p: Problem) -> Formulation:
         return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
 
-    again = partial(xengine, coarse=False)
-    warm = _better(best_baseline(problem, names), placed_greedy(problem, names))
+    ways = _Ways(partial(xengine), coarse, decompose)
+    warm = best_baseline(problem, names)
+    if not ways.decomposes(problem):  # the heuristic is slow on large graphs; parts use it
+        warm = _better(warm, placed_greedy(problem, names))
     ideal = problem.costs.ideal_ms()
-    return _optimize(problem, "xengine", names, build, warm, ideal, again if coarse else None)
+    return _optimize(problem, "xengine", names, build, warm, ideal, ways)
+
+
+@dataclass(frozen=True)
+class _Ways:
+    """How an exact strategy attacks a graph besides its full model: ``variant(problem,
+    coarse=..., decompose=...)`` is the strategy itself, run on the coarse graph (without
+    coarsening) or on each part of a large graph (without decomposing)."""
+
+    variant: Callable[..., StrategyResult]
+    coarse: bool
+    decompose: bool
+
+    def decomposes(self, problem: Problem) -> bool:
+        return self.decompose and is_large(problem.graph)
+
+    def on_coarse(self, problem: Problem) -> StrategyResult:
+        return self.variant(problem, coarse=False, decompose=False)
+
+    def on_part(self, problem: Problem) -> StrategyResult:
+        return self.variant(problem, coarse=self.coarse, decompose=False)
 
 
 def _optimize(
@@ -210,17 +242,19 @@ def _optimize(
     build: Callable[[Problem], Formulation],
     warm: StrategyResult | None,
     ideal: float,
-    again: Callable[[Problem], StrategyResult] | None,
+    ways: _Ways,
 ) -> StrategyResult:
     """What the exact strategies share: announce the warm start (a plan before any solve),
-    stop if it costs the ideal, else solve the full model from it while the coarse graph's
-    solve (``again``: the strategy without coarsening) runs beside it (``search``); the
-    best plan of either, with the full model's bound."""
+    stop if it costs the ideal; on a large graph solve its parts (``solve_parts``), else
+    solve the full model from the warm start while the coarse graph's solve runs beside it
+    (``search``); the best plan found, with the whole problem's bound."""
     search = Search(problem, ideal, warm)
     search.announce()
     if _reaches(warm, ideal):
         return _finish(problem, strategy, _no_solve(), None, warm, ideal)
-    coarse = CoarsePhase.start(problem, strategy, again, search) if again else None
+    if ways.decomposes(problem):
+        return _decomposed(problem, strategy, names, ways, search)
+    coarse = CoarsePhase.start(problem, strategy, ways.on_coarse, search) if ways.coarse else None
     formulation = build(problem)
     model = formulation.model
     if warm is not None and warm.schedule is not None:
@@ -238,6 +272,24 @@ def _optimize(
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
     return _finish(problem, strategy, solved, evaluation, search.best, ideal)
+
+
+def _decomposed(
+    problem: Problem, strategy: str, names: Sequence[str], ways: _Ways, search: Search
+) -> StrategyResult:
+    """The stitched plan of the parts, or the warm start if it is cheaper (or the parts
+    found none); the bound is the ideal: no part's bound bounds the whole."""
+    started = time.monotonic()
+    stitched = solve_parts(problem, strategy, names, ways.on_part, search.announce)
+    search.offer(stitched)
+    if stitched.plan is not None and stitched.simulation is not None:
+        message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"
+    else:
+        message = stitched.message
+    solved = SolveResult(
+        SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
+    )
+    return _finish(problem, strategy, solved, None, search.best, search.ideal)
 
 
 def _user_cancelled(problem: Problem) -> bool:

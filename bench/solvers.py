@@ -8,7 +8,7 @@ comparably fast, each winning on some operators): a 12-thread CPU and an integra
 device (2 TFLOP/s, 60 GB/s, 10 us launches). The gap is against the bound of the whole
 problem (the solver's bound or the ideal, whichever is larger).
 
-    .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet]
+    .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet,large8]
         [--budgets 100,50,25] [--setups one,two] [--backends highs,cpsat,scip,gurobi]
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+
+import onnx
 
 from remat import samples
 from remat.budgets import reference
@@ -73,7 +75,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        graph = training_graph(forward_graph(samples.ZOO[name](), batch=args.batch))
+        graph = training_graph(forward_graph(_model(name), batch=args.batch))
         costs = analytical_costs(graph, [CPU, IGPU])
         ref = reference(graph, costs)
         for percent in (float(p) for p in args.budgets.split(",")):
@@ -85,6 +87,13 @@ def main() -> None:
                 for backend in args.backends.split(","):
                     row = _run(problem, devices, backend, args.time_limit, baseline)
                     print(f"| {name} ({len(graph)}) | {percent:.0f}% | {row}", flush=True)
+
+
+def _model(name: str) -> onnx.ModelProto:
+    """A zoo model, or ``large<blocks>``: the deep transformer stack that is decomposed."""
+    if name.startswith("large"):
+        return samples.large(blocks=int(name[len("large") :] or 8))
+    return samples.ZOO[name]()
 
 
 def _devices(costs: CostModel, setup: str) -> tuple[str, ...]:

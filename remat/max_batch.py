@@ -199,7 +199,7 @@ def max_batch(
         return answer(None)
     best, worst = first, None
     while worst is None and best.batch < cap:
-        if _cancelled(best.problem):
+        if best.problem.cancelled:
             return answer(best, interrupted=True)
         trial = attempt(min(2 * best.batch, cap))
         if trial.fits:
@@ -209,19 +209,14 @@ def max_batch(
     if worst is None:
         return answer(best, capped=True)
     while worst.batch - best.batch > 1:
-        if _cancelled(best.problem):
+        if best.problem.cancelled:
             return answer(best, interrupted=True)
         trial = attempt((best.batch + worst.batch) // 2)
         if trial.fits:
             best = trial
         else:
             worst = trial
-    return answer(best, interrupted=_cancelled(worst.problem))
-
-
-def _cancelled(problem: Problem) -> bool:
-    cancel = problem.solver.cancel
-    return cancel is not None and cancel.is_set()
+    return answer(best, interrupted=worst.problem.cancelled)
 
 
 def describe_trial(trial: Trial) -> str:

@@ -6,11 +6,10 @@ import time
 
 import numpy as np
 import pytest
+from regime import CPU, budgeted
 
 from remat import samples
-from remat.budgets import reference
 from remat.costs import analytical_costs
-from remat.devices import Device, DeviceKind, Size
 from remat.graph import NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.plan import Compute
@@ -26,16 +25,10 @@ from remat.training import training_graph
 
 from graphs import chain
 
-CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
-IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
-
 
 def _problem(name, percent, settings=None):
     graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
-    costs = analytical_costs(graph, [CPU, IGPU])
-    ref = reference(graph, costs)
-    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-    return Problem(graph, costs, {"cpu0": budget, "cuda0": budget}, settings or SolverSettings())
+    return budgeted(graph, percent, settings=settings)
 
 
 def test_resnet_fuses_conv_norm_relu_and_mirrors_it_backwards():

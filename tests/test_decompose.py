@@ -3,11 +3,9 @@ graph as the plan order needs, held values carry no gradient buffer, and the exa
 strategies stitch the parts' plans into one plan the simulator accepts."""
 
 import pytest
+from regime import budgeted
 
 from remat import samples
-from remat.budgets import reference
-from remat.costs import analytical_costs
-from remat.devices import Device, DeviceKind, Size
 from remat.graph import Mode, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.simulator import held_fixed_bytes, simulate
@@ -24,8 +22,6 @@ from remat.strategies.decompose import (
 from remat.strategies.optimal import best_baseline, checkmate_milp, xengine
 from remat.training import training_graph
 
-CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
-IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
 FAST = SolverSettings(options=SolveOptions(time_limit_s=20, gap=0.01, threads=2))
 
 
@@ -33,10 +29,7 @@ def _problem(blocks, percent, devices=("cuda0",), mode=Mode.TRAINING, settings=F
     graph = forward_graph(samples.large(batch=4, blocks=blocks))
     if mode is Mode.TRAINING:
         graph = training_graph(graph)
-    costs = analytical_costs(graph, [CPU, IGPU])
-    ref = reference(graph, costs)
-    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-    return Problem(graph, costs, dict.fromkeys(devices, budget), settings)
+    return budgeted(graph, percent, devices, settings)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@ warm-starts XEngine where no single device fits."""
 
 import numpy as np
 import pytest
+from regime import CPU, budgeted
 
 from remat import samples
-from remat.budgets import reference
 from remat.costs import analytical_costs
-from remat.devices import Device, DeviceKind, Size
+from remat.devices import Device, DeviceKind
 from remat.onnx_ingest import forward_graph
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
@@ -24,10 +24,6 @@ from remat.strategies.rsolve import (
 from remat.training import training_graph
 
 from graphs import chain, diamond
-
-CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
-# An integrated-GPU-like device: each of the two wins on some operators (XEngine 4.2).
-IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -64,11 +60,7 @@ def test_one_device_placed_solve_is_checkmates():
 
 def _split_problem(name, percent, settings=None):
     graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
-    costs = analytical_costs(graph, [CPU, IGPU])
-    ref = reference(graph, costs)
-    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-    budgets = {"cpu0": budget, "cuda0": budget}
-    return Problem(graph, costs, budgets, settings or SolverSettings())
+    return budgeted(graph, percent, settings=settings)
 
 
 def _no_single_device_fits(problem):

@@ -36,6 +36,11 @@ class Problem:
     budgets: Mapping[str, int | None]
     solver: SolverSettings = field(default_factory=SolverSettings)
 
+    @property
+    def cancelled(self) -> bool:
+        """The user asked to stop (the solver settings' cancel flag is set)."""
+        return self.solver.cancel is not None and self.solver.cancel.is_set()
+
     def plan_devices(self, names: Iterable[str] | None = None) -> tuple[PlanDevice, ...]:
         wanted = set(names) if names is not None else None
         return tuple(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -226,13 +227,10 @@ def solve_parts(
     room = _room(problem, names, reserved)
     stored = stored_values(graph, costs, cuts, room)
     deadline = time.monotonic() + problem.solver.options.time_limit_s
-    result = _stitch(
-        problem, strategy, names, parts(graph, cuts, stored), solve_part, heartbeat, deadline
-    )
-    if result.plan is None and stored and not _cancelled(problem):
-        result = _stitch(
-            problem, strategy, names, parts(graph, cuts), solve_part, heartbeat, deadline
-        )
+    stitch = partial(_stitch, problem, strategy, names, reserved, solve_part, heartbeat, deadline)
+    result = stitch(parts(graph, cuts, stored))
+    if result.plan is None and stored and not problem.cancelled:
+        result = stitch(parts(graph, cuts))
     return result
 
 
@@ -292,13 +290,13 @@ def _stitch(
     problem: Problem,
     strategy: str,
     names: Sequence[str],
-    plan_parts: list[Part],
+    reserved: int,
     solve_part: Callable[[Problem], StrategyResult],
     heartbeat: Callable[[], None],
     deadline: float,
+    plan_parts: list[Part],
 ) -> StrategyResult:
     graph, costs = problem.graph, problem.costs
-    reserved = held_fixed_bytes(graph, range(len(graph)))
     stitcher = _Stitcher(problem, names)
     left = sum(len(part.nodes) for part in plan_parts)
     for number, part in enumerate(plan_parts, start=1):
@@ -318,7 +316,7 @@ def _stitch(
         if result.plan is None:
             return _failed(strategy, f"{where}: {result.message}")
         stitcher.add(part, result.plan)
-        if _cancelled(problem):
+        if problem.cancelled:
             return _failed(strategy, "cancelled")
     plan = Plan(strategy, problem.plan_devices(names), tuple(stitcher.steps))
     return select_best(strategy, [evaluate_plan(problem, plan)])
@@ -326,10 +324,6 @@ def _stitch(
 
 def _failed(strategy: str, why: str) -> StrategyResult:
     return StrategyResult(strategy, None, None, f"decomposition: {why}")
-
-
-def _cancelled(problem: Problem) -> bool:
-    return problem.solver.cancel is not None and problem.solver.cancel.is_set()
 
 
 class _Stitcher:

@@ -266,7 +266,7 @@ def _optimize(
         search.coarse_done.set()
         if coarse is not None:
             coarse.finish()
-    if search.gap_met.is_set() and not _user_cancelled(problem):
+    if search.gap_met.is_set() and not problem.cancelled:
         solved = replace(solved, message="the gap target is met (with the coarse graph's plan)")
     evaluation = None
     if solved.x is not None:
@@ -290,10 +290,6 @@ def _decomposed(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
     return _finish(problem, strategy, solved, None, search.best, search.ideal)
-
-
-def _user_cancelled(problem: Problem) -> bool:
-    return problem.solver.cancel is not None and problem.solver.cancel.is_set()
 
 
 def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np.ndarray | None:

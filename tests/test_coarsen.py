@@ -110,7 +110,7 @@ def test_clean_drops_unread_recomputations_and_checkpoints():
 
 
 def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
-    settings = SolverSettings(options=SolveOptions(time_limit_s=8, gap=0.01, threads=2))
+    settings = SolverSettings(options=SolveOptions(time_limit_s=20, gap=0.01, threads=2))
     problem = _problem("resnet18", 25, settings)
     heuristic = placed_greedy(problem, ["cpu0", "cuda0"])
     result = xengine(problem)

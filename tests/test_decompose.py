@@ -10,8 +10,9 @@ from remat.graph import Mode, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.simulator import held_fixed_bytes, simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies.base import Problem, SolverSettings
+from remat.strategies.base import Problem, SolverSettings, StrategyResult
 from remat.strategies.decompose import (
+    PartSolvers,
     crossing_bytes,
     is_large,
     parts,
@@ -127,8 +128,9 @@ def test_inference_graphs_decompose_into_forward_parts_and_keep_the_outputs():
     plan_parts = parts(graph, segments(graph, problem.costs))
     assert sum(len(p.nodes) for p in plan_parts) == len(graph)  # each node once
     assert set(graph.outputs) <= plan_parts[-1].needed_after
-    solve_part = lambda part: checkmate_milp(part, "cuda0", decompose=False)  # noqa: E731
-    result = solve_parts(problem, "checkmate_milp", ("cuda0",), solve_part, lambda: None)
+    exact = lambda part: checkmate_milp(part, "cuda0", decompose=False)  # noqa: E731
+    solvers = PartSolvers(exact, _never_called)
+    result = solve_parts(problem, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60)
     assert result.plan is not None, result.message
     simulation = simulate(result.plan, graph, problem.costs, problem.budgets)
     assert simulation.valid  # the outputs are resident at the end
@@ -139,10 +141,24 @@ def test_an_impossible_budget_is_reported_not_stitched(large):
     tight = Problem(large.graph, large.costs, {"cuda0": 1}, large.solver)
     cuts = segments(tight.graph, tight.costs)
     assert stored_values(tight.graph, tight.costs, cuts, 0) == frozenset()
-    result = solve_parts(tight, "checkmate_milp", ("cuda0",), _never_called, lambda: None)
+    solvers = PartSolvers(_never_called, _never_called)
+    result = solve_parts(tight, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60)
     assert result.plan is None
     assert "exceed a budget" in result.message
 
 
+def test_a_spent_time_limit_stitches_the_parts_baselines_without_solving(large):
+    solvers = PartSolvers(_never_called, _baseline)
+    result = solve_parts(large, "checkmate_milp", ("cuda0",), solvers, lambda: None, 0)
+    assert result.plan is not None, result.message
+    simulation = simulate(result.plan, large.graph, large.costs, large.budgets)
+    assert simulation.valid
+    assert simulation.peak_bytes["cuda0"] <= large.budgets["cuda0"]
+
+
+def _baseline(part):
+    return best_baseline(part, ["cuda0"]) or StrategyResult("baseline", None, None, "none fits")
+
+
 def _never_called(problem):
-    raise AssertionError("no part may be solved when the fixed memory does not fit")
+    raise AssertionError("this part solver must not be called here")

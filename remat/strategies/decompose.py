@@ -45,6 +45,7 @@ from remat.strategies.base import Problem, StrategyResult, evaluate_plan, select
 
 DECOMPOSE_MIN_NODES = 250  # larger graphs are decomposed: the whole model is not built
 SEGMENT_FORWARD_NODES = 50  # forward nodes per segment: parts of about 100 nodes
+MIN_PART_S = 1.0  # a part's time share below this: no solve, its best baseline
 
 
 def is_large(graph: Graph) -> bool:
@@ -209,25 +210,36 @@ def _with_boundaries(graph: Graph, node_sets: list[list[int]]) -> list[Part]:
 # --- solving the parts and stitching their plans -----------------------------------------
 
 
+@dataclass(frozen=True)
+class PartSolvers:
+    """How a part is solved: ``exact``, the strategy itself for the part's share of the time
+    limit; ``quick``, once that share is under ``MIN_PART_S`` (the limit is spent): the
+    part's best baseline, so that a stitched plan still arrives near the limit."""
+
+    exact: Callable[[Problem], StrategyResult]
+    quick: Callable[[Problem], StrategyResult]
+
+
 def solve_parts(
     problem: Problem,
     strategy: str,
     names: Sequence[str],
-    solve_part: Callable[[Problem], StrategyResult],
+    solvers: PartSolvers,
     heartbeat: Callable[[], None],
+    seconds: float,
 ) -> StrategyResult:
-    """Each part solved by ``solve_part`` in plan order (a part's budget depends on where
-    the earlier parts left their values), for a share of the time limit proportional to
-    its size; the stitched plan judged by the simulator. As many segments as the memory
-    estimate allows keep their forward values (``stored_values``); if a part then finds
-    no plan, every segment is recomputed instead, in the time left."""
+    """Each part solved in plan order (a part's budget depends on where the earlier parts
+    left their values), for a share of ``seconds`` proportional to its size; the stitched
+    plan judged by the simulator. As many segments as the memory estimate allows keep
+    their forward values (``stored_values``); if a part then finds no plan, every segment
+    is recomputed instead, in the time left."""
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
     room = _room(problem, names, reserved)
     stored = stored_values(graph, costs, cuts, room)
-    deadline = time.monotonic() + problem.solver.options.time_limit_s
-    stitch = partial(_stitch, problem, strategy, names, reserved, solve_part, heartbeat, deadline)
+    deadline = time.monotonic() + seconds
+    stitch = partial(_stitch, problem, strategy, names, reserved, solvers, heartbeat, deadline)
     result = stitch(parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(parts(graph, cuts))
@@ -291,7 +303,7 @@ def _stitch(
     strategy: str,
     names: Sequence[str],
     reserved: int,
-    solve_part: Callable[[Problem], StrategyResult],
+    solvers: PartSolvers,
     heartbeat: Callable[[], None],
     deadline: float,
     plan_parts: list[Part],
@@ -304,7 +316,7 @@ def _stitch(
         budgets = stitcher.budgets(part, reserved)
         if budgets is None:
             return _failed(strategy, f"{where}: fixed memory and checkpoints exceed a budget")
-        share = max((deadline - time.monotonic()) * len(part.nodes) / left, 1.0)
+        share = (deadline - time.monotonic()) * len(part.nodes) / left
         left -= len(part.nodes)
         settings = replace(
             problem.solver,
@@ -312,7 +324,7 @@ def _stitch(
             on_progress=lambda _progress: heartbeat(),
         )
         sub = Problem(part.graph(graph, costs), part.costs(costs), budgets, settings)
-        result = solve_part(sub)
+        result = solvers.exact(sub) if share >= MIN_PART_S else solvers.quick(sub)
         if result.plan is None:
             return _failed(strategy, f"{where}: {result.message}")
         stitcher.add(part, result.plan)

@@ -27,13 +27,15 @@ from remat.schedule import Schedule
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
-from remat.strategies.decompose import is_large, solve_parts
+from remat.strategies.decompose import PartSolvers, is_large, solve_parts
+from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.rsolve import solve_r
 from remat.strategies.search import CoarsePhase, Search
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
+MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
@@ -83,10 +85,14 @@ def _solve(
     problem: Problem,
     model: MILPModel,
     search: Search | None = None,
+    seconds: float | None = None,
 ) -> SolveResult:
-    """A solve in a subprocess; within a search, for the time left, reporting through it."""
+    """A solve in a subprocess, for ``seconds`` (default: the time limit); within a search,
+    for the time it has left, reporting through it."""
     settings = problem.solver
     options, listener, cancel = settings.options, settings.on_progress, settings.cancel
+    if seconds is not None:
+        options = replace(options, time_limit_s=seconds)
     if search is not None:
         options = replace(options, time_limit_s=search.remaining())
         offset = search.elapsed()
@@ -145,6 +151,7 @@ def checkmate_milp(
 ) -> StrategyResult:
     """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline and,
     on graphs of 40+ nodes, from the coarse graph's plan; large graphs are decomposed."""
+    start = time.monotonic()
     fixed = device_fixed_bytes(problem, device)
 
     def build(p: Problem) -> Formulation:
@@ -153,14 +160,17 @@ def checkmate_milp(
     variant = partial(checkmate_milp, device=device)
     warm = best_baseline(problem, [device])
     ideal = problem.costs.ideal_ms(device)
+    search = Search(problem, ideal, warm, start)
     ways = _Ways(variant, coarse, decompose)
-    return _optimize(problem, "checkmate_milp", (device,), build, warm, ideal, ways)
+    return _optimize(search, "checkmate_milp", (device,), build, ways)
 
 
 def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
     """Checkmate Algorithm 2: solve the LP relaxation at (1 - epsilon) x budget, round S
     deterministically (S* > 0.5), solve R exactly, check with the simulator; swept over
-    epsilon, the cheapest plan within the budget wins. The bound is the LP at epsilon 0."""
+    epsilon, the cheapest plan within the budget wins. The bound is the LP at epsilon 0.
+    The sweep shares the time limit and stops when it is spent (epsilon 0 always runs)."""
+    deadline = time.monotonic() + problem.solver.options.time_limit_s
     budget = problem.budgets.get(device)
     fixed = device_fixed_bytes(problem, device)
     evaluations: list[Evaluation] = []
@@ -168,8 +178,11 @@ def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
     seconds = 0.0
     for epsilon in LP_EPSILONS if budget is not None else (0.0,):
         scaled = None if budget is None else fixed + int((budget - fixed) * (1 - epsilon))
+        left = deadline - time.monotonic()
+        if bound is not None and left <= 0:
+            break
         formulation = build_checkmate(problem.graph, problem.costs, device, scaled, fixed)
-        relaxed = _solve(problem, formulation.lp_relaxation())
+        relaxed = _solve(problem, formulation.lp_relaxation(), seconds=max(left, MIN_LP_S))
         seconds += relaxed.seconds
         if epsilon == 0.0:
             bound = relaxed
@@ -202,6 +215,7 @@ def xengine(
     best single-device baseline, the multi-device heuristic and, on graphs of 40+ nodes,
     the coarse graph's plan; large graphs are decomposed. ``device`` is ignored: the
     strategy places operators."""
+    start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
 
     def build(p: Problem) -> Formulation:
@@ -210,9 +224,11 @@ def xengine(
     ways = _Ways(partial(xengine), coarse, decompose)
     warm = best_baseline(problem, names)
     if not ways.decomposes(problem):  # the heuristic is slow on large graphs; parts use it
-        warm = _better(warm, placed_greedy(problem, names))
-    ideal = problem.costs.ideal_ms()
-    return _optimize(problem, "xengine", names, build, warm, ideal, ways)
+        limit = problem.solver.options.time_limit_s
+        heuristic = placed_greedy(problem, names, min(PLACED_TIME_BUDGET_S, limit / 4))
+        warm = _better(warm, heuristic)
+    search = Search(problem, problem.costs.ideal_ms(), warm, start)
+    return _optimize(search, "xengine", names, build, ways)
 
 
 @dataclass(frozen=True)
@@ -236,19 +252,17 @@ class _Ways:
 
 
 def _optimize(
-    problem: Problem,
+    search: Search,
     strategy: str,
     names: Sequence[str],
     build: Callable[[Problem], Formulation],
-    warm: StrategyResult | None,
-    ideal: float,
     ways: _Ways,
 ) -> StrategyResult:
-    """What the exact strategies share: announce the warm start (a plan before any solve),
-    stop if it costs the ideal; on a large graph solve its parts (``solve_parts``), else
-    solve the full model from the warm start while the coarse graph's solve runs beside it
-    (``search``); the best plan found, with the whole problem's bound."""
-    search = Search(problem, ideal, warm)
+    """What the exact strategies share: announce the warm start (``search.best``, a plan
+    before any solve), stop if it costs the ideal; on a large graph solve its parts
+    (``solve_parts``), else solve the full model from the warm start while the coarse
+    graph's solve runs beside it; the best plan found, with the whole problem's bound."""
+    problem, warm, ideal = search.problem, search.best, search.ideal
     search.announce()
     if _reaches(warm, ideal):
         return _finish(problem, strategy, _no_solve(), None, warm, ideal)
@@ -280,7 +294,14 @@ def _decomposed(
     """The stitched plan of the parts, or the warm start if it is cheaper (or the parts
     found none); the bound is the ideal: no part's bound bounds the whole."""
     started = time.monotonic()
-    stitched = solve_parts(problem, strategy, names, ways.on_part, search.announce)
+
+    def quick(part: Problem) -> StrategyResult:
+        found = best_baseline(part, names)
+        return found or StrategyResult(strategy, None, None, "no baseline fits its budget")
+
+    solvers = PartSolvers(ways.on_part, quick)
+    seconds = search.time_left()
+    stitched = solve_parts(problem, strategy, names, solvers, search.announce, seconds)
     search.offer(stitched)
     if stitched.plan is not None and stitched.simulation is not None:
         message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"

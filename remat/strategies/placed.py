@@ -71,6 +71,8 @@ def placed_greedy(
     context = _Context.of(problem, names)
     candidates: list[_Candidate] = []
     for place in placements(problem, names):
+        if candidates and time.monotonic() > deadline:
+            break  # solving R for every candidate is most of the cost
         fixed = context.fixed(place)
         if context.fixed_fits(fixed):
             candidates.extend(context.candidate(place, fixed, S) for S in policies)

@@ -29,6 +29,7 @@ from remat.strategies.coarsen import coarsen
 
 COARSE_MIN_NODES = 40  # smaller graphs solve well as they are
 COARSE_MAX_RATIO = 0.8  # coarsen only when it removes a fifth of the nodes or more
+MIN_SOLVE_S = 1.0  # the full model's solve gets at least this long (see Search.remaining)
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,16 @@ class AnyOf:
 class Search:
     """The shared state of one strategy call (thread-safe)."""
 
-    def __init__(self, problem: Problem, ideal: float, best: StrategyResult | None) -> None:
+    def __init__(
+        self, problem: Problem, ideal: float, best: StrategyResult | None, start: float
+    ) -> None:
+        """``start``: when the strategy was called (``time.monotonic()``); the time limit
+        counts from there, warm starts included."""
         self.problem = problem
         self.ideal = ideal
         self.best = best
         self.bound = ideal  # the whole problem's best proven bound so far
-        self.start = time.monotonic()
+        self.start = start
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
         self._lock = threading.Lock()
@@ -65,9 +70,15 @@ class Search:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
+    def time_left(self) -> float:
+        """The time limit left (negative once spent)."""
+        return self.problem.solver.options.time_limit_s - self.elapsed()
+
     def remaining(self) -> float:
-        """The time limit left; at least a second, so that the full model gets its bound."""
-        return max(self.problem.solver.options.time_limit_s - self.elapsed(), 1.0)
+        """The time limit left for a solve: at least a second (a quarter of a shorter
+        limit), so that the full model gets its bound even after slow warm starts."""
+        limit = self.problem.solver.options.time_limit_s
+        return max(self.time_left(), min(MIN_SOLVE_S, limit / 4))
 
     def full_stop(self) -> AnyOf:
         return AnyOf((self.problem.solver.cancel, self.gap_met))

@@ -45,8 +45,15 @@ from remat.training import for_mode
 MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+Commands = argparse._SubParsersAction  # the ``add_parser`` of ``remat``'s subcommands
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    extend: Callable[[Commands], None] | None = None,
+) -> int:
+    """``extend`` adds commands of layers above the library (``app.cli``: serve, submit)."""
+    parser = _parser(extend)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
@@ -58,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Plan rematerialization for training under memory budgets."
     )
@@ -103,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo_command)
 
     _max_batch_arguments(commands)
+    if extend is not None:
+        extend(commands)
     return parser
 
 

@@ -1,0 +1,218 @@
+"""``/v1/jobs``: submit (idempotent with ``Idempotency-Key``), list, get (ETag), cancel,
+plan, schedule, server-sent progress events."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from app.api.models import load_model_row
+from app.context import Services, require_key, services
+from app.pagination import MAX_LIMIT, next_cursor, page
+from app.planning import build_problem
+from app.problems import ApiError
+from app.schemas import JobOut, JobSpec, Page, Progress, ScheduleOut
+from app.tables import JobRow, JobStatus, PlanRow, now
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_key)])
+EVENT_POLL_S = 0.5
+
+
+def to_out(row: JobRow) -> JobOut:
+    return JobOut(
+        id=row.id,
+        model_id=row.model_id,
+        status=row.status,
+        cancel_requested=row.cancel_requested,
+        spec=JobSpec.model_validate(row.spec),
+        progress=Progress(
+            incumbent_ms=row.incumbent_ms,
+            bound_ms=row.bound_ms,
+            gap=row.gap,
+            elapsed_s=row.elapsed_s,
+        ),
+        solver_status=row.solver_status,
+        message=row.message,
+        error=row.error,
+        attempts=row.attempts,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
+
+
+@router.post("", status_code=202, response_model=JobOut)
+def submit_job(
+    spec: JobSpec,
+    response: Response,
+    ctx: Annotated[Services, Depends(services)],
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobOut:
+    """Validate the job against its model (devices, budgets, strategy), commit it, then
+    enqueue it. The same ``Idempotency-Key`` and body give the same job."""
+    body = spec.model_dump(mode="json")
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    if idempotency_key is not None and (earlier := _by_key(ctx, idempotency_key, digest)):
+        return _accepted(response, earlier)
+    _validate(ctx, spec)
+    row = JobRow(
+        model_id=spec.model_id, spec=body, idempotency_key=idempotency_key, request_hash=digest
+    )
+    try:
+        with ctx.db.session() as session:
+            session.add(row)
+    except IntegrityError:  # the same key at the same time: theirs won
+        earlier = _by_key(ctx, idempotency_key or "", digest)
+        if earlier is None:
+            raise
+        return _accepted(response, earlier)
+    _enqueue(ctx, row)  # only after the row is committed: a worker must find it
+    return _accepted(response, row)
+
+
+def _by_key(ctx: Services, key: str, digest: str) -> JobRow | None:
+    with ctx.db.session() as session:
+        row = session.scalar(select(JobRow).where(JobRow.idempotency_key == key))
+    if row is not None and row.request_hash != digest:
+        raise ApiError(422, f"Idempotency-Key {key!r} was used for another request body")
+    return row
+
+
+def _validate(ctx: Services, spec: JobSpec) -> None:
+    if spec.solver.time_limit_s > ctx.settings.max_time_limit_s:
+        raise ApiError(
+            422, f"solver.time_limit_s: at most {ctx.settings.max_time_limit_s:g} s on this server"
+        )
+    model = _model_for_job(ctx, spec.model_id)
+    build_problem(spec, ctx.store.path(model.sha256))  # RematError -> 422 with its message
+
+
+def _model_for_job(ctx: Services, model_id: str):  # type: ignore[no-untyped-def]
+    try:
+        return load_model_row(ctx, model_id)
+    except ApiError:
+        raise ApiError(422, f"model_id: model {model_id!r} does not exist") from None
+
+
+def _enqueue(ctx: Services, row: JobRow) -> None:
+    try:
+        ctx.dispatcher.enqueue(row.id)
+    except Exception as exc:  # the broker is down: say so, keep no job that never runs
+        with ctx.db.session() as session:
+            job = session.get_one(JobRow, row.id)
+            job.status, job.error, job.finished_at = JobStatus.FAILED, f"not queued: {exc}", now()
+        raise ApiError(503, f"the job queue is unreachable: {exc}") from exc
+
+
+def _accepted(response: Response, row: JobRow) -> JobOut:
+    response.headers["Location"] = f"/v1/jobs/{row.id}"
+    return to_out(row)
+
+
+@router.get("", response_model=Page[JobOut])
+def list_jobs(
+    ctx: Annotated[Services, Depends(services)],
+    status: JobStatus | None = None,
+    model_id: str | None = None,
+    cursor: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
+) -> Page[JobOut]:
+    query = select(JobRow)
+    if status is not None:
+        query = query.where(JobRow.status == status)
+    if model_id is not None:
+        query = query.where(JobRow.model_id == model_id)
+    with ctx.db.session() as session:
+        rows = list(session.scalars(page(query, JobRow, cursor, limit)))
+    return Page[JobOut](
+        items=[to_out(r) for r in rows[:limit]], next_cursor=next_cursor(rows, limit)
+    )
+
+
+def load_job(ctx: Services, job_id: str) -> JobRow:
+    with ctx.db.session() as session:
+        row = session.get(JobRow, job_id)
+    if row is None:
+        raise ApiError(404, f"job {job_id!r} does not exist")
+    return row
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(
+    job_id: str,
+    ctx: Annotated[Services, Depends(services)],
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The job; ``ETag`` on its content, ``If-None-Match`` with it gives 304."""
+    body = to_out(load_job(ctx, job_id)).model_dump_json().encode()
+    etag = f'"{hashlib.sha1(body, usedforsecurity=False).hexdigest()}"'
+    if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type="application/json", headers={"ETag": etag})
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut)
+def cancel_job(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JobOut:
+    """A queued job is cancelled at once; a running one is flagged and its solve stopped
+    by its worker within seconds. Cancelling a finished job changes nothing."""
+    with ctx.db.session() as session:
+        row = session.get(JobRow, job_id, with_for_update=True)
+        if row is None:
+            raise ApiError(404, f"job {job_id!r} does not exist")
+        if row.status == JobStatus.QUEUED:
+            row.status, row.finished_at = JobStatus.CANCELLED, now()
+            row.cancel_requested = True
+        elif row.status == JobStatus.RUNNING:
+            row.cancel_requested = True
+    return to_out(row)
+
+
+def _plan_row(ctx: Services, job_id: str) -> PlanRow:
+    job = load_job(ctx, job_id)
+    with ctx.db.session() as session:
+        plan = session.get(PlanRow, job_id)
+    if plan is None:
+        raise ApiError(404, f"job {job_id!r} has no plan (status: {job.status})")
+    return plan
+
+
+@router.get("/{job_id}/plan")
+def get_plan(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+    return JSONResponse(_plan_row(ctx, job_id).document)
+
+
+@router.get("/{job_id}/schedule", response_model=ScheduleOut)
+def get_schedule(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+    return JSONResponse(_plan_row(ctx, job_id).schedule)
+
+
+@router.get("/{job_id}/events")
+async def job_events(
+    job_id: str, request: Request, ctx: Annotated[Services, Depends(services)]
+) -> StreamingResponse:
+    """Server-sent events: ``progress`` whenever the job changes, ``end`` once finished."""
+    await run_in_threadpool(load_job, ctx, job_id)
+    return StreamingResponse(_events(ctx, job_id, request), media_type="text/event-stream")
+
+
+async def _events(ctx: Services, job_id: str, request: Request) -> AsyncIterator[str]:
+    last = None
+    while not await request.is_disconnected():
+        job = to_out(await run_in_threadpool(load_job, ctx, job_id))
+        data = job.model_dump_json()
+        if data != last:
+            last = data
+            yield f"event: progress\ndata: {data}\n\n"
+        if JobStatus(job.status).finished:
+            yield f"event: end\ndata: {json.dumps({'status': job.status})}\n\n"
+            return
+        await asyncio.sleep(EVENT_POLL_S)

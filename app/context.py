@@ -1,0 +1,56 @@
+"""What request handlers share (settings, database, file store, dispatcher), and the
+API-key check."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from fastapi import Request
+from sqlalchemy import exists, select
+
+from app.database import Database
+from app.problems import ApiError
+from app.settings import Settings
+from app.storage import ModelStore
+from app.tables import ApiKeyRow
+
+API_KEY_HEADER = "X-API-Key"
+
+
+class Dispatcher(Protocol):
+    """Where committed jobs go to be solved: Celery workers, or the embedded dispatcher."""
+
+    def enqueue(self, job_id: str) -> None: ...
+
+    def check(self) -> None:
+        """Raise if jobs cannot be dispatched now (``/readyz``)."""
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    store: ModelStore
+    dispatcher: Dispatcher
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def require_key(request: Request) -> None:
+    """Once any API key exists, model and job endpoints need one (``X-API-Key``)."""
+    db = services(request).db
+    key = request.headers.get(API_KEY_HEADER)
+    with db.session() as session:
+        if not session.scalar(select(exists().where(ApiKeyRow.id.isnot(None)))):
+            return
+        if key and session.scalar(select(exists().where(ApiKeyRow.sha256 == key_digest(key)))):
+            return
+    raise ApiError(401, f"a valid API key is required in the {API_KEY_HEADER} header")

@@ -1,0 +1,46 @@
+"""Cursor pagination over (created_at, id), newest first: stable while rows are added."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, and_, or_
+
+from app.problems import ApiError
+
+MAX_LIMIT = 200
+
+
+def encode(created_at: datetime, id_: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{id_}".encode()).decode()
+
+
+def _decode(cursor: str) -> tuple[datetime, str]:
+    try:
+        stamp, id_ = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(stamp), id_
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(422, f"bad cursor {cursor!r}: pass next_cursor from a page") from None
+
+
+def page(query: Select[Any], table: Any, cursor: str | None, limit: int) -> Select[Any]:
+    """``query`` ordered newest first, after ``cursor``, one row more than ``limit`` (to
+    know whether there is a next page)."""
+    if cursor:
+        created_at, id_ = _decode(cursor)
+        query = query.where(
+            or_(
+                table.created_at < created_at,
+                and_(table.created_at == created_at, table.id < id_),
+            )
+        )
+    return query.order_by(table.created_at.desc(), table.id.desc()).limit(limit + 1)
+
+
+def next_cursor(rows: list[Any], limit: int) -> str | None:
+    if len(rows) <= limit:
+        return None
+    last = rows[limit - 1]
+    return encode(last.created_at, last.id)

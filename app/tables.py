@@ -1,0 +1,147 @@
+"""The database schema (SQLAlchemy 2 ORM). Migrations in ``migrations/`` create it;
+change both together (``alembic revision --autogenerate`` compares them)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        datetime: DateTime(timezone=True),
+    }
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class ModelRow(Base):
+    """An uploaded ONNX model; its bytes live in the file store under ``sha256``."""
+
+    __tablename__ = "models"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    summary: Mapped[dict[str, Any]]  # operator counts, parameter and activation bytes
+    created_at: Mapped[datetime] = mapped_column(default=now, index=True)
+
+
+class JobRow(Base):
+    """A planning job: its request (``spec``), lifecycle and the solver's progress."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="RESTRICT"), index=True)
+    spec: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    # progress of the running solve (the best plan in hand and the proven bound)
+    incumbent_ms: Mapped[float | None] = mapped_column(Float)
+    bound_ms: Mapped[float | None] = mapped_column(Float)
+    gap: Mapped[float | None] = mapped_column(Float)
+    elapsed_s: Mapped[float | None] = mapped_column(Float)
+    solver_status: Mapped[str | None] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=now, index=True)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
+
+
+class PlanRow(Base):
+    """A job's plan (the plan JSON) and its schedule for drawing; written once, after the
+    simulator accepted the plan."""
+
+    __tablename__ = "plans"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    document: Mapped[dict[str, Any]]
+    schedule: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class ProfileRow(Base):
+    """A measured cost table (issue: node agents), keyed by model, inputs, node, devices."""
+
+    __tablename__ = "profiles"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    key: Mapped[str] = mapped_column(String(64), index=True)  # hash of inputs and devices
+    table: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class NodeRow(Base):
+    """A compute node's agent (issue: node agents); its token is stored hashed."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(255))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    devices: Mapped[dict[str, Any]]
+    last_seen_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class AgentTaskRow(Base):
+    """Work leased to agents (profile, execute), with a lease and an attempt cap."""
+
+    __tablename__ = "agent_tasks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    payload: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    result: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=now)
+    updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
+
+
+class ApiKeyRow(Base):
+    """An API key, stored as its sha256; once any exists, model and job endpoints need one."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(255))
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=now)

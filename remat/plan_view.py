@@ -1,0 +1,44 @@
+"""A plan as stage matrices, for drawing (XEngine figure 3): per device, which nodes are
+computed in each stage (R) and which values are resident when the stage starts (S).
+
+Derived from the plan's steps alone, so it works for every strategy, stitched plans
+included: a compute puts its value on its device, a copy on the destination, a free
+removes it. Pairs are sparse (stage, node) lists: a 1,000-node graph's dense matrices
+would hold millions of cells per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.plan import Compute, Copy, Free, Plan
+
+Cell = tuple[int, int]  # (stage, node)
+
+
+@dataclass(frozen=True)
+class StageMatrices:
+    stages: int
+    R: dict[str, list[Cell]]  # computed on the device in the stage
+    S: dict[str, list[Cell]]  # resident on the device when the stage starts
+
+
+def stage_matrices(plan: Plan) -> StageMatrices:
+    names = [d.name for d in plan.devices]
+    R: dict[str, list[Cell]] = {name: [] for name in names}
+    S: dict[str, list[Cell]] = {name: [] for name in names}
+    resident: dict[str, set[int]] = {name: set() for name in names}
+    stage = -1
+    for step in plan.steps:
+        while stage < step.stage:  # entering a new stage: what it starts with
+            stage += 1
+            for name in names:
+                S[name].extend((stage, node) for node in sorted(resident[name]))
+        if isinstance(step, Compute):
+            R[step.device].append((stage, step.node))
+            resident[step.device].add(step.node)
+        elif isinstance(step, Copy):
+            resident[step.dst].add(step.node)
+        elif isinstance(step, Free):
+            resident[step.device].discard(step.node)
+    return StageMatrices(stage + 1, R, S)

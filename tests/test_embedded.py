@@ -1,0 +1,112 @@
+"""The embedded default: ``remat serve`` on SQLite under a data directory, with its own
+dispatcher thread (no PostgreSQL, no Redis), and ``remat submit`` as its client: the
+README's main command, end to end over real HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+import pytest
+from service import BIN, ROOT, job_body, remat_serve, sample_bytes, service_env, upload, wait_job
+
+from remat.plan import plan_from_json
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    data = tmp_path_factory.mktemp("embedded")
+    env = service_env(data_dir=str(data))
+    server, url = remat_serve(env, data / "serve.log")
+    try:
+        yield env, url, server
+    finally:
+        server.stop()
+
+
+def test_remat_serve_prints_its_url_and_uses_sqlite(embedded):
+    env, url, server = embedded
+    assert f"Remat serving on {url}" in server.output()
+    assert "embedded worker" in server.output()
+    assert (ROOT.parent / env["REMAT_DATA_DIR"] / "remat.db").exists()  # SQLite, no server
+    assert httpx.get(f"{url}/readyz").json() == {"status": "ready"}
+
+
+def test_remat_submit_runs_a_sample_job_to_its_plan(embedded):
+    env, url, _ = embedded
+    command = [
+        str(BIN / "remat"),
+        "submit",
+        "--sample",
+        "unet",
+        "--server",
+        url,
+        "--batch",
+        "4",
+        "--budget",
+        "cpu0=50%",
+        "--strategy",
+        "checkmate_milp",
+        "--time-limit",
+        "5",
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "succeeded" in done.stdout and "strategy:   checkmate_milp" in done.stdout
+    assert "peak" in done.stdout and "budget" in done.stdout
+
+
+def test_the_same_job_end_to_end_in_embedded_mode(embedded):
+    _, url, _ = embedded
+    with httpx.Client(base_url=url, timeout=60) as client:
+        model = upload(client, sample_bytes("resnet18")).json()
+        job = client.post("/v1/jobs", json=job_body(model["id"])).json()
+        done = wait_job(client, job["id"])
+        assert done["status"] == "succeeded", done
+        plan = plan_from_json(client.get(f"/v1/jobs/{job['id']}/plan").json())
+        assert plan.predicted is not None
+        assert plan.predicted.peak_bytes["cpu0"] <= plan.budgets["cpu0"]
+        schedule = client.get(f"/v1/jobs/{job['id']}/schedule").json()
+        assert max(schedule["memory"]["cpu0"]) == plan.predicted.peak_bytes["cpu0"]
+
+
+def test_submit_reports_a_server_error_in_plain_words(embedded):
+    env, url, _ = embedded
+    command = [
+        str(BIN / "remat"),
+        "submit",
+        "--sample",
+        "chain",
+        "--server",
+        url,
+        "--batch",
+        "2",
+        "--budget",
+        "gpu7=1GiB",
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "unknown device 'gpu7'" in done.stderr
+
+
+def test_api_keys_once_created_are_required(tmp_path):
+    env = service_env(data_dir=str(tmp_path))
+    created = subprocess.run(
+        [str(BIN / "remat"), "api-key", "create", "ci"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    server, url = remat_serve(env, tmp_path / "serve.log")
+    try:
+        refused = httpx.get(f"{url}/v1/jobs")
+        assert refused.status_code == 401
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert httpx.get(f"{url}/v1/jobs", headers={"X-API-Key": key}).status_code == 200
+        assert httpx.get(f"{url}/v1/jobs", headers={"X-API-Key": "rk_wrong"}).status_code == 401
+        assert httpx.get(f"{url}/healthz").status_code == 200  # health needs no key
+    finally:
+        server.stop()

@@ -71,8 +71,8 @@ def placed_greedy(
     context = _Context.of(problem, names)
     candidates: list[_Candidate] = []
     for place in placements(problem, names):
-        if candidates and time.monotonic() > deadline:
-            break  # solving R for every candidate is most of the cost
+        if any(c.fits for c in candidates) and time.monotonic() > deadline:
+            break  # solving R for every candidate is most of the cost; one fit is enough
         fixed = context.fixed(place)
         if context.fixed_fits(fixed):
             candidates.extend(context.candidate(place, fixed, S) for S in policies)

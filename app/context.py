@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from fastapi import Request
 from sqlalchemy import exists, select
@@ -17,6 +17,7 @@ from app.storage import ModelStore
 from app.tables import ApiKeyRow
 
 API_KEY_HEADER = "X-API-Key"
+T = TypeVar("T")
 
 
 class Dispatcher(Protocol):
@@ -38,6 +39,15 @@ class Services:
 
 def services(request: Request) -> Services:
     return request.app.state.services  # type: ignore[no-any-return]
+
+
+def get_or_404(db: Database, table: type[T], id_: str, what: str) -> T:
+    """The row of ``table`` with primary key ``id_``, or a 404 naming ``what``."""
+    with db.session() as session:
+        row = session.get(table, id_)
+    if row is None:
+        raise ApiError(404, f"{what} {id_!r} does not exist")
+    return row
 
 
 def key_digest(key: str) -> str:

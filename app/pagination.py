@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Select, and_, or_
 
+from app.database import Database
 from app.problems import ApiError
 
 MAX_LIMIT = 200
@@ -23,6 +24,15 @@ def _decode(cursor: str) -> tuple[datetime, str]:
         return datetime.fromisoformat(stamp), id_
     except (ValueError, UnicodeDecodeError):
         raise ApiError(422, f"bad cursor {cursor!r}: pass next_cursor from a page") from None
+
+
+def fetch(
+    db: Database, query: Select[Any], table: Any, cursor: str | None, limit: int
+) -> tuple[list[Any], str | None]:
+    """One page of ``query``'s rows, newest first, and the cursor of the next (or None)."""
+    with db.session() as session:
+        rows = list(session.scalars(page(query, table, cursor, limit)))
+    return rows[:limit], next_cursor(rows, limit)
 
 
 def page(query: Select[Any], table: Any, cursor: str | None, limit: int) -> Select[Any]:

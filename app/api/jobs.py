@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from app.api.models import load_model_row
-from app.context import Services, require_key, services
-from app.pagination import MAX_LIMIT, next_cursor, page
+from app.context import Services, get_or_404, require_key, services
+from app.pagination import MAX_LIMIT, fetch
 from app.planning import build_problem
 from app.problems import ApiError
 from app.schemas import JobOut, JobSpec, Page, Progress, ScheduleOut
@@ -131,19 +131,12 @@ def list_jobs(
         query = query.where(JobRow.status == status)
     if model_id is not None:
         query = query.where(JobRow.model_id == model_id)
-    with ctx.db.session() as session:
-        rows = list(session.scalars(page(query, JobRow, cursor, limit)))
-    return Page[JobOut](
-        items=[to_out(r) for r in rows[:limit]], next_cursor=next_cursor(rows, limit)
-    )
+    rows, after = fetch(ctx.db, query, JobRow, cursor, limit)
+    return Page[JobOut](items=[to_out(r) for r in rows], next_cursor=after)
 
 
 def load_job(ctx: Services, job_id: str) -> JobRow:
-    with ctx.db.session() as session:
-        row = session.get(JobRow, job_id)
-    if row is None:
-        raise ApiError(404, f"job {job_id!r} does not exist")
-    return row
+    return get_or_404(ctx.db, JobRow, job_id, "job")
 
 
 @router.get("/{job_id}", response_model=JobOut)

@@ -11,8 +11,8 @@ from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
 from starlette.datastructures import UploadFile
 
-from app.context import Services, require_key, services
-from app.pagination import MAX_LIMIT, next_cursor, page
+from app.context import Services, get_or_404, require_key, services
+from app.pagination import MAX_LIMIT, fetch
 from app.planning import job_graph, summarize
 from app.problems import ApiError
 from app.schemas import JobSpec, ModelOut, ModelSummary, Page
@@ -111,19 +111,12 @@ def list_models(
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
 ) -> Page[ModelOut]:
-    with ctx.db.session() as session:
-        rows = list(session.scalars(page(select(ModelRow), ModelRow, cursor, limit)))
-    return Page[ModelOut](
-        items=[to_out(r) for r in rows[:limit]], next_cursor=next_cursor(rows, limit)
-    )
+    rows, after = fetch(ctx.db, select(ModelRow), ModelRow, cursor, limit)
+    return Page[ModelOut](items=[to_out(r) for r in rows], next_cursor=after)
 
 
 def load_model_row(ctx: Services, model_id: str) -> ModelRow:
-    with ctx.db.session() as session:
-        row = session.get(ModelRow, model_id)
-    if row is None:
-        raise ApiError(404, f"model {model_id!r} does not exist")
-    return row
+    return get_or_404(ctx.db, ModelRow, model_id, "model")
 
 
 @router.get("/{model_id}", response_model=ModelOut)

@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +40,14 @@ def _service_commands(commands: remat_cli.Commands) -> None:
     serve = commands.add_parser("serve", help="run the API with an embedded worker")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument(
+        "--agent-device",
+        action="append",
+        default=[],
+        metavar="NAME:KIND[:threads=N]",
+        help="a device for the local agent, repeatable (default: this machine's devices)",
+    )
+    serve.add_argument("--no-agent", action="store_true", help="start no local agent")
     serve.set_defaults(run=_serve)
 
     submit = commands.add_parser("submit", help="submit a job to a server, print its plan")
@@ -70,14 +81,40 @@ def _serve(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = Settings()
+    if not settings.enroll_token:
+        settings = Settings(enroll_token=secrets.token_urlsafe(24))
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database)
     app = create_app(settings)
+    url = f"http://{args.host}:{args.port}"
     where = "Celery via " + settings.broker_url if settings.broker_url else "embedded worker"
-    print(f"Remat serving on http://{args.host}:{args.port} ({where}; data: {settings.data_dir})")
-    print(f"API docs: http://{args.host}:{args.port}/docs", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print(f"Remat serving on {url} ({where}; data: {settings.data_dir})")
+    print(f"API docs: {url}/docs")
+    print(f"agent enrollment token: {settings.enroll_token}", flush=True)
+    agent = None if args.no_agent else _local_agent(url, settings, args.agent_device)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=30)
     return 0
+
+
+def _local_agent(
+    url: str, settings: Settings, devices: list[str]
+) -> subprocess.Popen[bytes] | None:
+    """A ``remat-agent`` for this machine's devices (it needs the ``[agent]`` extra)."""
+    if importlib.util.find_spec("torch") is None:
+        print("no local agent: PyTorch is missing (pip install 'remat[agent]')", flush=True)
+        return None
+    command = [sys.executable, "-m", "agents.agent", "--server", url, "--name", "local"]
+    command += ["--cache-dir", str(settings.data_dir / "agent")]
+    for device in devices:
+        command += ["--device", device]
+    env = {**os.environ, "REMAT_ENROLL_TOKEN": settings.enroll_token or ""}
+    print("local agent: starting (node 'local')", flush=True)
+    return subprocess.Popen(command, env=env)
 
 
 # --- submit ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from app.problems import ApiError
 from app.settings import Settings
 from app.storage import ModelStore
 from app.tables import ApiKeyRow
+from app.task_queue import TaskQueue
 
 API_KEY_HEADER = "X-API-Key"
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class Services:
     db: Database
     store: ModelStore
     dispatcher: Dispatcher
+    tasks: TaskQueue
 
 
 def services(request: Request) -> Services:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from app import problems
-from app.api import health, jobs, models
+from app.api import agent, executions, health, jobs, models, nodes
 from app.context import Dispatcher, Services
 from app.database import Database
 from app.settings import Settings
 from app.storage import ModelStore
+from app.task_queue import TaskQueue
 
 
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
@@ -26,9 +27,13 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         version="1",
         summary="Optimal rematerialization and placement plans for training under memory budgets",
     )
-    app.state.services = Services(settings, db, ModelStore(settings.model_dir), dispatcher)
+    tasks = TaskQueue(db, settings.lease_s, settings.task_max_attempts)
+    app.state.services = Services(settings, db, ModelStore(settings.model_dir), dispatcher, tasks)
     problems.install(app)
     app.include_router(health.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
+    app.include_router(executions.router)
+    app.include_router(nodes.router)
+    app.include_router(agent.router)
     return app

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from app.schemas import JobSpec, ModelSummary
 from remat.budgets import reference, resolve_budgets
-from remat.costs import CostModel, analytical_costs
+from remat.costs import CostModel, CostTable, analytical_costs, profiled_costs
 from remat.devices import Device, DeviceKind, format_bytes, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph
@@ -47,24 +47,28 @@ def job_graph(spec: JobSpec, path: Path) -> Graph:
     return for_mode(forward, spec.mode)
 
 
-def build_problem(spec: JobSpec, path: Path, solver: SolverSettings | None = None) -> Problem:
-    """The job's problem; ``InvalidInputError`` for what no plan can satisfy: an unknown
-    strategy, device or costs source, a budget for an unknown device, budgets that cannot
-    hold the parameters, inputs and gradients."""
+def build_problem(
+    spec: JobSpec,
+    path: Path,
+    solver: SolverSettings | None = None,
+    table: CostTable | None = None,
+) -> Problem:
+    """The job's problem, with costs from ``table`` (a profile) where given, else
+    analytical; ``InvalidInputError`` for what no plan can satisfy: an unknown strategy
+    or device, a budget for an unknown device, budgets that cannot hold the parameters,
+    inputs and gradients."""
     if spec.strategy != AUTO and spec.strategy not in STRATEGIES:
         known = ", ".join([AUTO, *STRATEGIES])
         raise InvalidInputError(f"unknown strategy {spec.strategy!r} (known: {known})")
-    if spec.costs != "analytical":
-        raise InvalidInputError(
-            "costs from profiles or nodes need node agents, which this server does not run "
-            'yet; use "analytical"'
-        )
     names = [d.name for d in spec.devices]
     if len(set(names)) != len(names):
         raise InvalidInputError(f"device names must be unique: {names}")
-    devices = [Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices]
     graph = job_graph(spec, path)
-    costs = analytical_costs(graph, devices)
+    if table is not None:
+        costs = profiled_costs(graph, restricted(table, names))
+    else:
+        devices = [Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices]
+        costs = analytical_costs(graph, devices)
     sizes = {name: parse_size(text) for name, text in spec.budgets.items()}
     budgets = resolve_budgets(sizes, graph, costs)
     _check_fixed_memory_fits(graph, budgets, costs)
@@ -91,3 +95,27 @@ def _check_fixed_memory_fits(
             f"the budgets ({format_bytes(total)} in all) are below the fixed memory of "
             f"{format_bytes(fixed)} (parameters, inputs and gradients): no plan can fit"
         )
+
+
+def restricted(table: CostTable, names: list[str]) -> CostTable:
+    """The table's costs for the devices ``names`` only, in that order."""
+    have = {d.name: d for d in table.devices}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise InvalidInputError(
+            f"the profile has no device {missing[0]!r} (it has: {', '.join(have)})"
+        )
+    chosen = set(names)
+    return table.model_copy(
+        update={
+            "devices": [have[n] for n in names],
+            "nodes": {
+                key: node.model_copy(update={"compute_ms": {n: node.compute_ms[n] for n in names}})
+                for key, node in table.nodes.items()
+            },
+            "copy_ms": {
+                key: {pair: ms for pair, ms in pairs.items() if set(pair.split("->", 1)) <= chosen}
+                for key, pairs in table.copy_ms.items()
+            },
+        }
+    )

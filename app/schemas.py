@@ -115,3 +115,43 @@ class ScheduleOut(BaseModel):
     memory: dict[str, list[int]]
     budgets: dict[str, int | None]
     peak_bytes: dict[str, int]
+
+
+class NodeOut(BaseModel):
+    id: str
+    name: str
+    status: Literal["online", "offline"]  # from heartbeats
+    devices: list[DeviceSpec]
+    version: str | None
+    last_seen_at: datetime | None
+    created_at: datetime
+
+
+class ProfileOut(BaseModel):
+    id: str
+    model_id: str
+    node_id: str | None
+    spec: dict[str, object] | None  # what was measured: model, mode, shapes, devices
+    created_at: datetime
+    table: dict[str, object] | None = None  # only on GET /v1/profiles/{id}
+
+
+class ExecutionRequest(Strict):
+    node_id: str
+
+
+class ExecutionOut(BaseModel):
+    """An agent's execution of a job's plan: measured against predicted."""
+
+    id: str
+    job_id: str
+    node_id: str | None
+    status: str  # queued, leased (running), succeeded, failed
+    attempts: int
+    measured: dict[str, object] | None = None  # total_ms, peak_bytes per device, step_ms
+    predicted: dict[str, object] | None = None  # total_ms, peak_bytes per device
+    gradients_match: bool | None = None
+    max_rel_error: float | None = None
+    error: str | None = None
+    created_at: datetime
+    finished_at: datetime | None

@@ -31,6 +31,13 @@ class Settings(BaseSettings):
     default_time_limit_s: float = Field(default=60.0, gt=0)
     broker_visibility_timeout_s: int = Field(default=7200, gt=0)  # above the longest solve
     progress_interval_s: float = Field(default=1.0, ge=0)  # progress rows at most this often
+    # node agents
+    enroll_token: str | None = None  # None: agents cannot register
+    heartbeat_s: float = Field(default=10.0, gt=0)  # agents send one this often
+    offline_after_s: float = Field(default=35.0, gt=0)  # no heartbeat this long: offline
+    lease_s: float = Field(default=60.0, gt=0)  # an agent's task lease, renewed while it works
+    task_max_attempts: int = Field(default=3, ge=1)  # leases of one agent task at most
+    profile_wait_s: float = Field(default=3600.0, gt=0)  # a job waits this long for a profile
 
     @property
     def database(self) -> str:

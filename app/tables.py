@@ -20,6 +20,11 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
+def utc(moment: datetime) -> datetime:
+    """A stored time as an aware UTC time (SQLite gives naive ones back)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         dict[str, Any]: JSON,
@@ -37,6 +42,17 @@ class JobStatus(StrEnum):
     @property
     def finished(self) -> bool:
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class TaskStatus(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (TaskStatus.SUCCEEDED, TaskStatus.FAILED)
 
 
 class ModelRow(Base):
@@ -101,6 +117,7 @@ class ProfileRow(Base):
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
     key: Mapped[str] = mapped_column(String(64), index=True)  # hash of inputs and devices
     table: Mapped[dict[str, Any]]
+    spec: Mapped[dict[str, Any] | None]  # what was profiled: mode, shapes, devices
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 
@@ -110,15 +127,20 @@ class NodeRow(Base):
     __tablename__ = "nodes"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    name: Mapped[str] = mapped_column(String(255))
+    name: Mapped[str] = mapped_column(String(255), unique=True)
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
-    devices: Mapped[dict[str, Any]]
+    devices: Mapped[dict[str, Any]]  # {"devices": [{name, kind, options}]}
+    version: Mapped[str | None] = mapped_column(String(64))
     last_seen_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 
 class AgentTaskRow(Base):
-    """Work leased to agents (profile, execute), with a lease and an attempt cap."""
+    """Work for one node's agents (profile, execute), with a lease and an attempt cap.
+
+    ``lease_token`` is the lease of the current (or, once finished, the last) attempt: it
+    proves which attempt a renewal or report belongs to.
+    """
 
     __tablename__ = "agent_tasks"
 
@@ -126,12 +148,16 @@ class AgentTaskRow(Base):
     kind: Mapped[str] = mapped_column(String(16))
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    key: Mapped[str | None] = mapped_column(String(64), index=True)  # a profile task's key
     payload: Mapped[dict[str, Any]]
-    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    status: Mapped[str] = mapped_column(String(16), default=TaskStatus.QUEUED, index=True)
     lease_token: Mapped[str | None] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime | None]
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    progress: Mapped[dict[str, Any] | None]
     result: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    finished_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=now)
     updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
 

@@ -274,8 +274,19 @@ def test_an_upload_that_is_not_multipart_is_refused(client):
         ({"strategy": "magic"}, "unknown strategy"),
         ({"devices": [{"name": "cpu0", "kind": "tpu"}]}, "devices.0.kind"),
         ({"solver": {"backend": "highs", "time_limit_s": -1}}, "time_limit_s"),
+        ({"costs": {"node_id": "0" * 32}}, "costs.node_id"),
+        ({"costs": {"profile_id": "0" * 32}}, "costs.profile_id"),
     ],
-    ids=["unknown-device", "budget-too-small", "unknown-model", "strategy", "kind", "limit"],
+    ids=[
+        "unknown-device",
+        "budget-too-small",
+        "unknown-model",
+        "strategy",
+        "kind",
+        "limit",
+        "unknown-node",
+        "unknown-profile",
+    ],
 )
 def test_bad_job_specs_get_clear_errors(client, unet_id, change, words):
     response = client.post("/v1/jobs", json=job_body(unet_id) | change)

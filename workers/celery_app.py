@@ -13,7 +13,8 @@ from __future__ import annotations
 from celery import Celery
 
 from app.settings import Settings
-from workers.solve import WorkerContext, solve_job
+from workers.context import WorkerContext
+from workers.solve import solve_job
 
 SOLVE_TASK = "remat.solve_job"
 HANG_MARGIN_S = 600  # past the longest allowed solve, a task is stopped as hung

@@ -14,7 +14,8 @@ from app.database import Database
 from app.settings import Settings
 from app.storage import ModelStore
 from app.tables import JobRow, JobStatus
-from workers.solve import WorkerContext, solve_job
+from workers.context import WorkerContext
+from workers.solve import solve_job
 
 log = logging.getLogger("remat.worker")
 IDLE_POLL_S = 2.0

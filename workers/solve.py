@@ -18,8 +18,6 @@ from pathlib import Path
 from app.database import Database
 from app.planning import build_problem, solver_settings
 from app.schemas import JobSpec, ScheduleOut
-from app.settings import Settings
-from app.storage import ModelStore
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, now
 from remat.errors import RematError
 from remat.max_batch import plan_with
@@ -27,25 +25,17 @@ from remat.plan import plan_to_json
 from remat.plan_view import stage_matrices
 from remat.solvers.model import Progress
 from remat.strategies.base import Problem, StrategyResult
+from workers.context import WorkerContext
+from workers.costs import Cancelled, job_costs
 
 log = logging.getLogger("remat.worker")
 CANCEL_POLL_S = 0.5  # the cancel flag is read at most this often (stops within 2 s)
 
 
 @dataclass(frozen=True)
-class WorkerContext:
-    settings: Settings
-    db: Database
-    store: ModelStore
-
-    @classmethod
-    def of(cls, settings: Settings) -> WorkerContext:
-        return cls(settings, Database(settings.database), ModelStore(settings.model_dir))
-
-
-@dataclass(frozen=True)
 class _Claim:
     spec: JobSpec
+    model: ModelRow
     model_path: Path
 
 
@@ -56,9 +46,14 @@ def solve_job(ctx: WorkerContext, job_id: str) -> None:
     cancel = CancelFlag(ctx.db, job_id)
     progress = ProgressWriter(ctx.db, job_id, ctx.settings.progress_interval_s)
     try:
+        say = MessageWriter(ctx.db, job_id)
+        table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
         settings = replace(solver_settings(claim.spec), on_progress=progress, cancel=cancel)
-        problem = build_problem(claim.spec, claim.model_path, settings)
+        problem = build_problem(claim.spec, claim.model_path, settings, table)
         result = plan_with(claim.spec.strategy, problem)
+    except Cancelled:
+        _finish(ctx, job_id, JobStatus.CANCELLED, message="cancelled while waiting for a profile")
+        return
     except RematError as exc:
         _finish(ctx, job_id, JobStatus.FAILED, error=str(exc))
         return
@@ -92,7 +87,7 @@ def _claim(ctx: WorkerContext, job_id: str) -> _Claim | None:
         job.status = JobStatus.RUNNING
         job.started_at = job.started_at or now()
         model = session.get_one(ModelRow, job.model_id)
-        return _Claim(JobSpec.model_validate(job.spec), ctx.store.path(model.sha256))
+        return _Claim(JobSpec.model_validate(job.spec), model, ctx.store.path(model.sha256))
 
 
 def _finish(
@@ -180,3 +175,20 @@ class ProgressWriter:
                 return
             job.incumbent_ms, job.bound_ms = progress.objective, progress.bound
             job.gap, job.elapsed_s = progress.gap, progress.elapsed_s
+
+
+class MessageWriter:
+    """A line for the job's ``message`` while it waits (e.g. for a node's profile)."""
+
+    def __init__(self, db: Database, job_id: str) -> None:
+        self.db, self.job_id = db, job_id
+        self._last: str | None = None
+
+    def __call__(self, message: str) -> None:
+        if message == self._last:
+            return
+        self._last = message
+        with self.db.session() as session:
+            job = session.get(JobRow, self.job_id)
+            if job is not None and job.status == JobStatus.RUNNING:
+                job.message = message

@@ -20,8 +20,10 @@ from app.context import Services, get_or_404, require_key, services
 from app.pagination import MAX_LIMIT, fetch
 from app.planning import build_problem
 from app.problems import ApiError
-from app.schemas import JobOut, JobSpec, Page, Progress, ScheduleOut
-from app.tables import JobRow, JobStatus, PlanRow, now
+from app.profiles import job_devices_on
+from app.schemas import JobOut, JobSpec, NodeCosts, Page, ProfileCosts, Progress, ScheduleOut
+from app.tables import JobRow, JobStatus, NodeRow, PlanRow, ProfileRow, now
+from remat.costs import CostTable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_key)])
 EVENT_POLL_S = 0.5
@@ -93,7 +95,28 @@ def _validate(ctx: Services, spec: JobSpec) -> None:
             422, f"solver.time_limit_s: at most {ctx.settings.max_time_limit_s:g} s on this server"
         )
     model = _model_for_job(ctx, spec.model_id)
-    build_problem(spec, ctx.store.path(model.sha256))  # RematError -> 422 with its message
+    table = _costs_table(ctx, spec)
+    build_problem(spec, ctx.store.path(model.sha256), table=table)  # RematError -> 422
+
+
+def _costs_table(ctx: Services, spec: JobSpec) -> CostTable | None:
+    """The profile a job names; a node it names must have the job's devices. (A node's
+    profile may not exist yet: the worker has it measured.)"""
+    if isinstance(spec.costs, NodeCosts):
+        with ctx.db.session() as session:
+            node = session.get(NodeRow, spec.costs.node_id)
+        if node is None:
+            raise ApiError(422, f"costs.node_id: node {spec.costs.node_id!r} does not exist")
+        job_devices_on(node, spec)  # RematError -> 422 naming the missing device
+    if not isinstance(spec.costs, ProfileCosts):
+        return None
+    with ctx.db.session() as session:
+        profile = session.get(ProfileRow, spec.costs.profile_id)
+    if profile is None or profile.model_id != spec.model_id:
+        raise ApiError(
+            422, f"costs.profile_id: no profile {spec.costs.profile_id!r} for this model"
+        )
+    return CostTable.model_validate(profile.table)
 
 
 def _model_for_job(ctx: Services, model_id: str):  # type: ignore[no-untyped-def]

@@ -1,0 +1,364 @@
+"""``remat-agent``: the node agent process.
+
+It registers with the enrollment token (and gets its own token), sends heartbeats at the
+interval the server gives, long-polls for a task, and runs it in a worker thread while
+the main thread keeps the lease renewed. Results are reported with the attempt's lease
+token, so a retried report is recorded once. An unreachable server is retried with
+back-off and jitter; an unknown token (the server forgot this node) means registering
+again. SIGTERM or SIGINT: the task in hand is given back (its lease released) and the
+agent exits.
+
+Tasks run the kernels of the ``[agent]`` extra (PyTorch): ``agents.profiler`` and
+``agents.executor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
+
+from agents.client import AgentClient, Rejected, StaleLease, Stopped, Unauthorized
+from agents.protocol import (
+    AgentDevice,
+    Enrolled,
+    ExecutePayload,
+    ModelRef,
+    ProfilePayload,
+    Registration,
+    Task,
+    TaskKind,
+    TaskProgress,
+    TaskReport,
+)
+from remat.devices import Device, parse_device
+from remat.errors import RematError
+
+log = logging.getLogger("remat.agent")
+PROGRESS_INTERVAL_S = 1.0
+STOP_CHECK_S = 0.25  # a stop request is noticed this fast while a task runs
+VERSION = "1"
+
+
+@dataclass
+class AgentConfig:
+    server: str
+    enroll_token: str
+    name: str
+    devices: list[Device]
+    cache_dir: Path
+    lease_wait_s: float = 20.0
+
+
+@dataclass
+class _Outcome:
+    report: TaskReport | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.stop = threading.Event()
+        self.client = AgentClient(config.server, self.stop)
+        self.enrolled: Enrolled | None = None
+        self._idle = True
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self._enroll()
+            threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+            while not self.stop.is_set():
+                self._serve_one()
+        except Stopped:
+            pass
+        finally:
+            self.client.close()
+        log.info("agent %s stopped", self.config.name)
+        return 0
+
+    def request_stop(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping", signum)
+        self.stop.set()
+        if self._idle:  # waiting on the server: leave now, nothing to give back
+            raise Stopped
+
+    def _enroll(self) -> None:
+        registration = Registration(
+            enroll_token=self.config.enroll_token,
+            name=self.config.name,
+            devices=[
+                AgentDevice(name=d.name, kind=d.kind, options=dict(d.options))
+                for d in self.config.devices
+            ],
+            version=VERSION,
+        )
+        self.enrolled = self.client.register(registration)
+        names = ", ".join(d.name for d in self.config.devices)
+        log.info("registered as node %s (devices: %s)", self.enrolled.node_id, names)
+        print(f"remat-agent {self.config.name}: node {self.enrolled.node_id} ({names})", flush=True)
+
+    def _heartbeats(self) -> None:
+        while not self.stop.is_set():
+            interval = self.enrolled.heartbeat_s if self.enrolled else 10.0
+            if self.stop.wait(interval):
+                return
+            try:
+                self.client.heartbeat()
+            except Unauthorized:
+                self._reenroll()
+            except (Rejected, Stopped) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _reenroll(self) -> None:
+        log.warning("the server no longer knows this agent's token: registering again")
+        try:
+            self._enroll()
+        except (Rejected, Stopped) as exc:
+            log.warning("registering again failed: %s", exc)
+
+    # --- tasks ----------------------------------------------------------------------
+
+    def _serve_one(self) -> None:
+        try:
+            task = self.client.lease(self.config.lease_wait_s)
+        except Unauthorized:
+            self._reenroll()
+            return
+        if task is None:
+            return
+        self._idle = False
+        try:
+            self._work_on(task)
+        finally:
+            self._idle = True
+
+    def _work_on(self, task: Task) -> None:
+        """Run ``task`` in a thread; renew its lease until it ends or the agent stops."""
+        log.info("task %s (%s, attempt %d)", task.id, task.kind, task.attempt)
+        outcome = _Outcome()
+        worker = threading.Thread(
+            target=self._run_task, args=(task, outcome), name=f"task-{task.id}", daemon=True
+        )
+        worker.start()
+        assert self.enrolled is not None
+        renew_every = max(self.enrolled.lease_s / 3, 0.2)
+        renewed = time.monotonic()
+        while not outcome.done.wait(STOP_CHECK_S):
+            if self.stop.is_set():
+                self._give_back(task)
+            if time.monotonic() - renewed >= renew_every:
+                renewed = time.monotonic()
+                self._renew(task)
+        if outcome.report is not None:
+            self._report(task, outcome.report)
+
+    def _renew(self, task: Task) -> None:
+        try:
+            self.client.renew(task.id, task.lease_token)
+        except StaleLease:
+            log.warning("task %s: lease lost; its result will be refused", task.id)
+        except Unauthorized:
+            self._reenroll()
+        except Rejected as exc:
+            log.warning("task %s: renewing failed: %s", task.id, exc)
+
+    def _give_back(self, task: Task) -> None:
+        try:
+            self.client.release(task.id, task.lease_token)
+            log.info("task %s: lease given back", task.id)
+        except (Rejected, Stopped) as exc:
+            log.warning("task %s: could not give the lease back: %s", task.id, exc)
+        raise Stopped
+
+    def _report(self, task: Task, report: TaskReport) -> None:
+        try:
+            accepted = self.client.report(task.id, report)
+        except Unauthorized:  # the node got a new token (registered again): same lease
+            self._reenroll()
+            accepted = self.client.report(task.id, report)
+        except StaleLease as exc:
+            log.warning("task %s: report refused, the lease is gone: %s", task.id, exc.detail)
+            return
+        except Rejected as exc:  # the result did not pass the server's checks
+            log.error("task %s: result rejected: %s", task.id, exc.detail)
+            failed = TaskReport(
+                lease_token=task.lease_token,
+                status="failed",
+                error=f"the server rejected the agent's result: {exc.detail}",
+            )
+            self.client.report(task.id, failed)
+            return
+        log.info("task %s: %s%s", task.id, accepted.status, " (again)" * accepted.duplicate)
+
+    def _run_task(self, task: Task, outcome: _Outcome) -> None:
+        try:
+            result = self._result_of(task)
+            outcome.report = TaskReport(
+                lease_token=task.lease_token, status="succeeded", result=result
+            )
+        except Exception as exc:
+            outcome.report = TaskReport(
+                lease_token=task.lease_token, status="failed", error=_describe(exc)
+            )
+            log.warning("task %s failed: %s", task.id, outcome.report.error)
+        finally:
+            outcome.done.set()
+
+    def _result_of(self, task: Task) -> dict[str, Any]:
+        if task.kind is TaskKind.PROFILE:
+            return self._profile(task, ProfilePayload.model_validate(task.payload))
+        return self._execute(ExecutePayload.model_validate(task.payload))
+
+    def _profile(self, task: Task, payload: ProfilePayload) -> dict[str, Any]:
+        from agents.profiler import profile
+
+        model, graph = self._model_and_graph(payload.model)
+        devices = self._devices(payload.devices)
+        report = _ProgressReporter(self.client, task)
+        table = profile(model, graph, devices, repeats=payload.repeats, warmup=payload.warmup,
+                        on_progress=report)  # fmt: skip
+        return table.model_dump(mode="json")
+
+    def _execute(self, payload: ExecutePayload) -> dict[str, Any]:
+        from agents.executor import execute
+        from remat.plan import plan_from_json
+
+        model, graph = self._model_and_graph(payload.model)
+        plan = plan_from_json(payload.plan)
+        return execute(model, graph, plan, self.config.devices).to_json()
+
+    def _model_and_graph(self, ref: ModelRef) -> tuple[Any, Any]:
+        from remat.onnx_ingest import forward_graph, load_model
+        from remat.training import for_mode
+
+        path = self.client.model_file(ref.model_id, ref.sha256, self.config.cache_dir)
+        model = load_model(path)
+        graph = for_mode(forward_graph(model, batch=ref.batch, inputs=ref.inputs), ref.mode)
+        return model, graph
+
+    def _devices(self, names: Sequence[str]) -> list[Device]:
+        from agents.errors import DeviceError
+
+        have = {d.name: d for d in self.config.devices}
+        missing = [n for n in names if n not in have]
+        if missing:
+            raise DeviceError(
+                f"this agent has no device {missing[0]!r} (it has: {', '.join(have)})"
+            )
+        return [have[n] for n in names]
+
+
+class _ProgressReporter:
+    """The profiler's progress to the server, at most once a second (it renews too)."""
+
+    def __init__(self, client: AgentClient, task: Task) -> None:
+        self.client, self.task = client, task
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self._last < PROGRESS_INTERVAL_S and done < total:
+            return
+        self._last = time.monotonic()
+        body = TaskProgress(lease_token=self.task.lease_token, done=done, total=total)
+        try:
+            self.client.progress(self.task.id, body)
+        except (Rejected, Stopped) as exc:
+            log.warning("task %s: progress not sent: %s", self.task.id, exc)
+
+
+def _describe(exc: BaseException) -> str:
+    from agents.errors import TaskError
+
+    if isinstance(exc, TaskError | RematError):
+        return str(exc)
+    if isinstance(exc, ValidationError):
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        return f"malformed task payload: {where}: {error['msg']}"
+    if isinstance(exc, Rejected):
+        return f"the server refused a call the task needed: {exc.detail}"
+    return f"internal error in the agent: {type(exc).__name__}: {exc}"
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="remat-agent",
+        description="Remat node agent: profiles operators and executes plans on this node.",
+    )
+    parser.add_argument("--server", required=True, help="the Remat API, e.g. http://host:8642")
+    parser.add_argument(
+        "--enroll-token",
+        default=os.environ.get("REMAT_ENROLL_TOKEN"),
+        help="the server's enrollment token (default: $REMAT_ENROLL_TOKEN)",
+    )
+    parser.add_argument(
+        "--device",
+        action="append",
+        metavar="NAME:KIND[:threads=N]",
+        help="a device to offer, repeatable (default: this machine's CPU and each CUDA GPU)",
+    )
+    parser.add_argument("--name", default=socket.gethostname(), help="node name (one agent each)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".remat" / "agent",
+        help="where downloaded models are kept",
+    )
+    parser.add_argument("--lease-wait", type=float, default=20.0, help="long-poll seconds")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> AgentConfig:
+    if not args.enroll_token:
+        raise RematError("an enrollment token is required: --enroll-token or REMAT_ENROLL_TOKEN")
+    if args.device:
+        devices = [parse_device(text) for text in args.device]
+    else:
+        from agents.torch_devices import detect_devices
+
+        devices = detect_devices()
+    return AgentConfig(
+        server=args.server,
+        enroll_token=args.enroll_token,
+        name=args.name,
+        devices=devices,
+        cache_dir=args.cache_dir,
+        lease_wait_s=args.lease_wait,
+    )
+
+
+def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.run) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = config_from(args)
+    except RematError as exc:
+        print(f"remat-agent: error: {exc}", file=sys.stderr)
+        return 2
+    agent = Agent(config)
+    signal.signal(signal.SIGTERM, agent.request_stop)
+    signal.signal(signal.SIGINT, agent.request_stop)
+    return run(agent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""``/v1/agent``: what node agents call (the protocol is in ``agents.protocol``):
+registration with the enrollment token, heartbeats, leasing tasks, renewing, progress,
+reports (checked, recorded once per lease), release, and model downloads."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agents.protocol import (
+    Enrolled,
+    ExecutionResult,
+    Heartbeat,
+    Lease,
+    LeaseProof,
+    LeaseRequest,
+    ProfilePayload,
+    Registration,
+    ReportAccepted,
+    Task,
+    TaskKind,
+    TaskProgress,
+    TaskReport,
+)
+from app.context import Services, get_or_404, key_digest, services
+from app.problems import ApiError
+from app.profiles import checked_table, graph_of
+from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, now, utc
+
+router = APIRouter(prefix="/v1/agent", tags=["agent protocol"])
+LEASE_POLL_S = 0.5
+
+
+def current_node(request: Request) -> NodeRow:
+    """The node whose token is in ``Authorization: Bearer``, or 401."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(401, "an agent token is required: Authorization: Bearer <token>")
+    with services(request).db.session() as session:
+        node = session.scalar(select(NodeRow).where(NodeRow.token_sha256 == key_digest(token)))
+    if node is None:
+        raise ApiError(401, "unknown agent token: register again with the enrollment token")
+    return node
+
+
+Ctx = Annotated[Services, Depends(services)]
+Node = Annotated[NodeRow, Depends(current_node)]
+
+
+@router.post("/register", response_model=Enrolled)
+def register(body: Registration, ctx: Ctx) -> Enrolled:
+    """A node joins with the enrollment token and gets its own token (stored hashed).
+    Registering a name again replaces that node's token and devices."""
+    expected = ctx.settings.enroll_token
+    if not expected:
+        raise ApiError(403, "agent enrollment is disabled on this server (set REMAT_ENROLL_TOKEN)")
+    if not hmac.compare_digest(body.enroll_token.encode(), expected.encode()):
+        raise ApiError(401, "wrong enrollment token")
+    names = [d.name for d in body.devices]
+    if len(set(names)) != len(names):
+        raise ApiError(422, f"devices: names must be unique: {names}")
+    token = secrets.token_urlsafe(32)
+    devices = {"devices": [d.model_dump(mode="json") for d in body.devices]}
+    with ctx.db.session() as session:
+        node = session.scalar(select(NodeRow).where(NodeRow.name == body.name))
+        if node is None:
+            node = NodeRow(name=body.name, token_sha256="", devices=devices)
+            session.add(node)
+        node.token_sha256, node.devices = key_digest(token), devices
+        node.version, node.last_seen_at = body.version or None, now()
+        session.flush()
+        node_id = node.id
+    return Enrolled(
+        node_id=node_id,
+        token=token,
+        heartbeat_s=ctx.settings.heartbeat_s,
+        lease_s=ctx.settings.lease_s,
+    )
+
+
+@router.post("/heartbeat", response_model=Heartbeat)
+def heartbeat(node: Node, ctx: Ctx) -> Heartbeat:
+    with ctx.db.session() as session:
+        session.get_one(NodeRow, node.id).last_seen_at = now()
+    return Heartbeat(heartbeat_s=ctx.settings.heartbeat_s)
+
+
+@router.post("/lease", response_model=Task, responses={204: {"description": "no task in time"}})
+async def lease(body: LeaseRequest, node: Node, ctx: Ctx) -> Task | Response:
+    """Long poll: the oldest queued task for this node, or 204 after ``wait_s``."""
+    deadline = time.monotonic() + body.wait_s
+    while True:
+        claimed = await run_in_threadpool(ctx.tasks.claim, node.id)
+        if claimed is not None:
+            row = claimed.row
+            assert row.lease_expires_at is not None
+            return Task(
+                id=row.id,
+                kind=TaskKind(row.kind),
+                attempt=row.attempts,
+                lease_token=claimed.token,
+                lease_expires_at=utc(row.lease_expires_at),
+                payload=row.payload,
+            )
+        if time.monotonic() >= deadline:
+            return Response(status_code=204)
+        await asyncio.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0)))
+
+
+@router.post("/tasks/{task_id}/renew", response_model=Lease)
+def renew(task_id: str, body: LeaseProof, node: Node, ctx: Ctx) -> Lease:
+    return Lease(lease_expires_at=ctx.tasks.renew(task_id, node.id, body.lease_token))
+
+
+@router.post("/tasks/{task_id}/progress", response_model=Lease)
+def progress(task_id: str, body: TaskProgress, node: Node, ctx: Ctx) -> Lease:
+    shown = body.model_dump(include={"done", "total", "message"})
+    expires = ctx.tasks.progress(task_id, node.id, body.lease_token, shown)
+    return Lease(lease_expires_at=expires)
+
+
+@router.post("/tasks/{task_id}/release", status_code=204)
+def release(task_id: str, body: LeaseProof, node: Node, ctx: Ctx) -> Response:
+    ctx.tasks.release(task_id, node.id, body.lease_token)
+    return Response(status_code=204)
+
+
+@router.post("/tasks/{task_id}/report", response_model=ReportAccepted)
+def report(task_id: str, body: TaskReport, node: Node, ctx: Ctx) -> ReportAccepted:
+    """Record the outcome of this lease's attempt, once. A success's result is checked
+    first (422 says what is wrong; the lease stays the agent's)."""
+    row = ctx.tasks.lookup_report(task_id, node.id, body.lease_token)
+    if TaskStatus(row.status).finished:
+        return ReportAccepted(task_id=task_id, status=row.status, duplicate=True)
+    status = TaskStatus(body.status)
+    if status is TaskStatus.FAILED:
+        error = body.error or "the agent reported a failure without a message"
+        fresh = ctx.tasks.finish(task_id, body.lease_token, status, None, error)
+    else:
+        result, also = _checked_result(ctx, row, body.result)
+        fresh = ctx.tasks.finish(task_id, body.lease_token, status, result, None, also)
+    return ReportAccepted(task_id=task_id, status=status, duplicate=not fresh)
+
+
+@router.get("/models/{model_id}", response_class=FileResponse)
+def download_model(model_id: str, node: Node, ctx: Ctx) -> FileResponse:
+    model = get_or_404(ctx.db, ModelRow, model_id, "model")
+    return FileResponse(ctx.store.path(model.sha256), media_type="application/octet-stream")
+
+
+def _checked_result(ctx: Services, row: AgentTaskRow, result: object):  # type: ignore[no-untyped-def]
+    """The result to store and what else to write with it."""
+    if row.kind == TaskKind.EXECUTE:
+        try:
+            checked = ExecutionResult.model_validate(result)
+        except ValidationError as exc:
+            raise ApiError(422, f"result: not an execution result: {_first(exc)}") from None
+        return checked.model_dump(mode="json"), None
+    payload = ProfilePayload.model_validate(row.payload)
+    model = get_or_404(ctx.db, ModelRow, payload.model.model_id, "model")
+    graph = graph_of(ctx.store.path(model.sha256), payload.model)
+    table = checked_table(graph, result, payload.devices)  # RematError -> 422
+    document = table.model_dump(mode="json")
+
+    def store_profile(session: Session, task: AgentTaskRow) -> None:
+        profile = ProfileRow(
+            model_id=model.id,
+            node_id=task.node_id,
+            key=task.key or "",
+            table=document,
+            spec=payload.model_dump(mode="json"),
+        )
+        session.add(profile)
+        session.flush()
+        task.result = {"profile_id": profile.id}
+
+    return None, store_profile
+
+
+def _first(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"

@@ -1,0 +1,108 @@
+"""Profiles: measured cost tables from a node's agent, keyed by what was measured (the
+model's bytes, mode, input shapes and the node's device definitions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agents.protocol import AgentDevice, ModelRef, ProfilePayload, TaskKind
+from app.schemas import JobSpec
+from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow
+from app.task_queue import active_task
+from remat.costs import CostTable, profiled_costs
+from remat.errors import InvalidInputError
+from remat.graph import Graph
+from remat.onnx_ingest import forward_graph, load_model
+from remat.training import for_mode
+
+
+def graph_of(path: Path, ref: ModelRef) -> Graph:
+    """The graph an agent rebuilds from the same reference (what the job schedules)."""
+    return for_mode(forward_graph(load_model(path), batch=ref.batch, inputs=ref.inputs), ref.mode)
+
+
+def model_ref(spec: JobSpec, model: ModelRow) -> ModelRef:
+    return ModelRef(
+        model_id=model.id, sha256=model.sha256, mode=spec.mode, batch=spec.batch, inputs=spec.inputs
+    )
+
+
+def node_devices(node: NodeRow) -> list[AgentDevice]:
+    return [AgentDevice.model_validate(d) for d in node.devices.get("devices", [])]
+
+
+def job_devices_on(node: NodeRow, spec: JobSpec) -> list[AgentDevice]:
+    """The job's devices as the node defines them (options such as threads come from the
+    node); InvalidInputError names a device the node lacks or has as another kind."""
+    have = {d.name: d for d in node_devices(node)}
+    chosen = []
+    for device in spec.devices:
+        found = have.get(device.name)
+        if found is None or found.kind != device.kind:
+            listing = ", ".join(f"{d.name} ({d.kind})" for d in have.values())
+            raise InvalidInputError(
+                f"node {node.name!r} has no {device.kind} device {device.name!r} "
+                f"(it has: {listing})"
+            )
+        chosen.append(found)
+    return chosen
+
+
+def profile_key(ref: ModelRef, devices: list[AgentDevice]) -> str:
+    what = {
+        "sha256": ref.sha256,
+        "mode": ref.mode,
+        "batch": ref.batch,
+        "inputs": ref.inputs,
+        "devices": [d.model_dump(mode="json") for d in devices],
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def find_profile(session: Session, node_id: str, key: str) -> ProfileRow | None:
+    return session.scalar(
+        select(ProfileRow)
+        .where(ProfileRow.node_id == node_id, ProfileRow.key == key)
+        .order_by(ProfileRow.created_at.desc())
+        .limit(1)
+    )
+
+
+def request_profile(
+    session: Session, node: NodeRow, ref: ModelRef, devices: list[AgentDevice]
+) -> AgentTaskRow:
+    """The node's unfinished profiling task for this key, or a new one."""
+    key = profile_key(ref, devices)
+    task = active_task(session, TaskKind.PROFILE, key)
+    if task is None:
+        payload = ProfilePayload(model=ref, devices=[d.name for d in devices])
+        task = AgentTaskRow(
+            kind=TaskKind.PROFILE, node_id=node.id, key=key, payload=payload.model_dump(mode="json")
+        )
+        session.add(task)
+        session.flush()
+    return task
+
+
+def checked_table(graph: Graph, document: object, devices: list[str]) -> CostTable:
+    """A reported cost table, checked against the graph it claims to measure; a
+    ``RematError`` (422 to the agent) says what is wrong."""
+    if not isinstance(document, dict):
+        raise InvalidInputError("a profile report's result must be a cost table object")
+    try:
+        table = CostTable.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise InvalidInputError(f"the cost table is malformed: {where}: {error['msg']}") from None
+    missing = sorted(set(devices) - {d.name for d in table.devices})
+    if missing:
+        raise InvalidInputError(f"the cost table has no times for device {missing[0]!r}")
+    profiled_costs(graph, table)  # every node on every device, every copy: or it raises
+    return table

@@ -1,5 +1,5 @@
-# The Remat service image: the API (uvicorn), the Celery worker and, later, the node agent
-# all run from it (docker-compose.yml picks the command).
+# The Remat service image: the API (uvicorn), the Celery worker and (built with
+# EXTRAS=agent) the node agent all run from it (docker-compose.yml picks the command).
 #
 # The source tree stays at /srv/remat and is installed in editable mode: app/migrate.py and
 # `alembic upgrade head` find alembic.ini and migrations/ next to the app package.
@@ -14,8 +14,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /srv/remat
 
 # Dependencies first, from pyproject.toml alone, so that a source change keeps this layer.
+# EXTRAS names optional groups to add (the agent image: EXTRAS=agent).
+ARG EXTRAS=""
 COPY pyproject.toml ./
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(deps))" > /tmp/requirements.txt \
+RUN python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in sys.argv[1].split(',') if e]; print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "$EXTRAS" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

@@ -1,0 +1,1219 @@
+"""Kernels: each ONNX operator as the equivalent PyTorch operation, and its vector-Jacobian
+product (VJP) for backward nodes.
+
+A kernel takes an ``OpSpec`` (the operator's type, decoded attributes, opset and the small
+constant inputs such as shapes and axes) and its inputs by ONNX position (``None`` for an
+omitted optional input), and returns one tensor per ONNX output. Semantics follow the ONNX
+operator specification at the model's opset (attribute defaults, ``pads`` as
+``[begin..., end...]``, ``auto_pad``, ``transA``/``transB``, axis conventions); training
+only ever runs operators with inference semantics (BatchNormalization uses its running
+statistics, Dropout is the identity).
+
+The VJP of an operator is, by preference, a closed form (``VJP_RULES``): from the output
+alone for the operators whose gradient needs only their output (Relu, Sigmoid, Tanh,
+Softmax, ...), from shapes alone for those that need neither inputs nor output (Add,
+Reshape, Transpose, Concat, ...), and direct formulas for the heavy ones (Conv, MatMul,
+Gemm). Everything else re-runs the forward kernel under autograd on its inputs and calls
+``torch.autograd.grad`` with the upstream gradients. Inputs a backward node does not
+receive (``remat.training.gradient_needs``) arrive as *placeholders*: zero tensors expanded
+with stride 0 to the input's shape, which allocate nothing and carry only shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+from agents.errors import UnsupportedOpError
+from remat.training import GRADIENT_NEEDS, Needs
+
+Tensor = torch.Tensor
+Args = Sequence[Tensor | None]
+Outputs = tuple[Tensor, ...]
+Grads = list[Tensor | None]
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+DTYPES: dict[int, torch.dtype] = {
+    TensorProto.FLOAT: torch.float32,
+    TensorProto.DOUBLE: torch.float64,
+    TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16,
+    TensorProto.INT8: torch.int8,
+    TensorProto.INT16: torch.int16,
+    TensorProto.INT32: torch.int32,
+    TensorProto.INT64: torch.int64,
+    TensorProto.UINT8: torch.uint8,
+    TensorProto.UINT16: torch.uint16,
+    TensorProto.UINT32: torch.uint32,
+    TensorProto.UINT64: torch.uint64,
+    TensorProto.BOOL: torch.bool,
+    TensorProto.COMPLEX64: torch.complex64,
+    TensorProto.COMPLEX128: torch.complex128,
+}
+
+
+def torch_dtype(elem_type: int) -> torch.dtype:
+    try:
+        return DTYPES[elem_type]
+    except KeyError:
+        name = TensorProto.DataType.Name(elem_type) if elem_type else "undefined"
+        raise UnsupportedOpError(f"no PyTorch dtype for ONNX element type {name}") from None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One ONNX operator as a kernel sees it."""
+
+    op_type: str
+    name: str  # the graph node's name, for messages
+    domain: str = ""
+    opset: int = 17
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()  # ONNX input names by position; "" = omitted
+    outputs: tuple[str, ...] = ()  # ONNX output names by position; "" = not wanted
+    consts: Mapping[int, np.ndarray] = field(default_factory=dict)  # small constant inputs
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+    def wants_output(self, position: int) -> bool:
+        return position < len(self.outputs) and bool(self.outputs[position])
+
+    def has_input(self, position: int) -> bool:
+        return position < len(self.inputs) and bool(self.inputs[position])
+
+    def ints(self, position: int, args: Args) -> list[int] | None:
+        """A constant-like input (shape, axes, pads, ...) as Python ints; None if omitted.
+        Constants come from the host copy, so a CUDA kernel does not synchronise."""
+        if not self.has_input(position):
+            return None
+        if position in self.consts:
+            return [int(v) for v in np.asarray(self.consts[position]).reshape(-1)]
+        value = args[position]
+        assert value is not None
+        return [int(v) for v in value.reshape(-1).tolist()]
+
+    def scalar(self, position: int, args: Args) -> float | None:
+        if not self.has_input(position):
+            return None
+        if position in self.consts:
+            return float(np.asarray(self.consts[position]).reshape(-1)[0])
+        value = args[position]
+        assert value is not None
+        return float(value.reshape(-1)[0].item())
+
+    def unsupported(self, why: str = "") -> UnsupportedOpError:
+        detail = f": {why}" if why else ""
+        return UnsupportedOpError(
+            f"no kernel for ONNX op {self.op_type!r} (node {self.name!r}){detail}"
+        )
+
+
+def spec_of(
+    proto: onnx.NodeProto,
+    name: str,
+    opsets: Mapping[str, int],
+    consts: Mapping[int, np.ndarray] | None = None,
+) -> OpSpec:
+    """The kernel's view of ``proto`` (``name`` is its graph node's name)."""
+    domain = "" if proto.domain in _DEFAULT_DOMAINS else proto.domain
+    return OpSpec(
+        op_type=proto.op_type,
+        name=name,
+        domain=domain,
+        opset=opsets.get(domain, opsets.get("", 17)),
+        attrs={a.name: _attribute(a) for a in proto.attribute},
+        inputs=tuple(proto.input),
+        outputs=tuple(proto.output),
+        consts=dict(consts or {}),
+    )
+
+
+def _attribute(attribute: AttributeProto) -> Any:
+    value = helper.get_attribute_value(attribute)
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode() for v in value]
+    return value
+
+
+def check_supported(spec: OpSpec) -> None:
+    """UnsupportedOpError naming the operator and node when no kernel computes it."""
+    if spec.domain:
+        raise spec.unsupported(f"operators of domain {spec.domain!r} are not supported")
+    if spec.op_type not in KERNELS:
+        raise spec.unsupported()
+
+
+def run_forward(spec: OpSpec, args: Args) -> Outputs:
+    """The operator's outputs (one tensor per wanted ONNX output)."""
+    check_supported(spec)
+    outputs = KERNELS[spec.op_type](spec, args)
+    return tuple(out for out, name in zip(outputs, spec.outputs, strict=False) if name)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def _float(t: Tensor | None) -> bool:
+    return t is not None and (t.is_floating_point() or t.is_complex())
+
+
+def _torch_pad(begins: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """ONNX [b1..bn], [e1..en] for the last n dims -> F.pad's (bn, en, ..., b1, e1)."""
+    pad: list[int] = []
+    for b, e in zip(reversed(begins), reversed(ends), strict=True):
+        pad += [b, e]
+    return pad
+
+
+def _window_pads(
+    spec: OpSpec,
+    spatial: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+) -> tuple[list[int], list[int]]:
+    """(begin, end) pads per spatial dim for Conv and pooling, ``auto_pad`` included."""
+    r = len(spatial)
+    auto = spec.attr("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        begins, ends = [], []
+        for size, k, s, d in zip(spatial, kernel, strides, dilations, strict=True):
+            out = -(-size // s)
+            total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+            small = total // 2
+            begins.append(small if auto == "SAME_UPPER" else total - small)
+            ends.append(total - begins[-1])
+        return begins, ends
+    if auto == "VALID":
+        return [0] * r, [0] * r
+    pads = list(spec.attr("pads", [0] * (2 * r)))
+    return pads[:r], pads[r:]
+
+
+@dataclass(frozen=True)
+class _Window:
+    kernel: list[int]
+    strides: list[int]
+    dilations: list[int]
+    begins: list[int]
+    ends: list[int]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.begins == self.ends
+
+
+def _window(spec: OpSpec, x: Tensor, kernel: Sequence[int] | None = None) -> _Window:
+    r = x.dim() - 2
+    kernel = list(kernel if kernel is not None else spec.attr("kernel_shape"))
+    strides = list(spec.attr("strides", [1] * r))
+    dilations = list(spec.attr("dilations", [1] * r))
+    begins, ends = _window_pads(spec, list(x.shape[2:]), kernel, strides, dilations)
+    return _Window(kernel, strides, dilations, begins, ends)
+
+
+# --- elementwise -----------------------------------------------------------------------------
+
+
+def _unary(fn: Callable[[Tensor], Tensor]) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        assert args[0] is not None
+        return (fn(args[0]),)
+
+    return kernel
+
+
+def _binary(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        a, b = args[0], args[1]
+        assert a is not None and b is not None
+        return (fn(a, b),)
+
+    return kernel
+
+
+def _variadic(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        values = [a for a in args if a is not None]
+        result = values[0]
+        for value in values[1:]:
+            result = fn(result, value)
+        return (result,)
+
+    return kernel
+
+
+def _div(a: Tensor, b: Tensor) -> Tensor:
+    if a.is_floating_point() or b.is_floating_point():
+        return a / b
+    return torch.div(a, b, rounding_mode="trunc")  # ONNX integer division truncates
+
+
+def _mean(spec: OpSpec, args: Args) -> Outputs:
+    values = [a for a in args if a is not None]
+    return (_variadic(torch.add)(spec, values)[0] / len(values),)
+
+
+def _leaky_relu(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (F.leaky_relu(args[0], spec.attr("alpha", 0.01)),)
+
+
+def _elu(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (F.elu(args[0], spec.attr("alpha", 1.0)),)
+
+
+def _selu(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    alpha = spec.attr("alpha", 1.67326319217681884765625)
+    gamma = spec.attr("gamma", 1.05070102214813232421875)
+    return (gamma * torch.where(x > 0, x, alpha * (torch.exp(x) - 1)),)
+
+
+def _hard_sigmoid(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    alpha, beta = spec.attr("alpha", 0.2), spec.attr("beta", 0.5)
+    return (torch.clamp(alpha * args[0] + beta, 0.0, 1.0),)
+
+
+def _hard_swish(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    return (x * torch.clamp(x / 6.0 + 0.5, 0.0, 1.0),)
+
+
+def _prelu(spec: OpSpec, args: Args) -> Outputs:
+    x, slope = args[0], args[1]
+    assert x is not None and slope is not None
+    return (torch.where(x < 0, x * slope, x),)
+
+
+def _gelu(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (F.gelu(args[0], approximate=spec.attr("approximate", "none")),)
+
+
+def _clip(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    if spec.opset < 11:
+        low, high = spec.attr("min"), spec.attr("max")
+    else:
+        low, high = spec.scalar(1, args), spec.scalar(2, args)
+    if low is None and high is None:
+        return (x,)
+    return (torch.clamp(x, low, high),)
+
+
+def _where(spec: OpSpec, args: Args) -> Outputs:
+    cond, a, b = args[0], args[1], args[2]
+    assert cond is not None and a is not None and b is not None
+    return (torch.where(cond, a, b),)
+
+
+def _cast(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (args[0].to(torch_dtype(spec.attr("to"))),)
+
+
+def _softmax_like(fn: Callable[..., Tensor]) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        x = args[0]
+        assert x is not None
+        return (_softmax_apply(spec, x, lambda t, dim: fn(t, dim=dim)),)
+
+    return kernel
+
+
+def _softmax_apply(spec: OpSpec, x: Tensor, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """Before opset 13 Softmax coerces its input to 2-D at ``axis`` (default 1); from 13 it
+    works along ``axis`` (default -1)."""
+    if spec.opset < 13:
+        axis = _axis(spec.attr("axis", 1), x.dim())
+        flat = x.reshape(math.prod(x.shape[:axis]), -1)
+        return fn(flat, 1).reshape(x.shape)
+    return fn(x, spec.attr("axis", -1))
+
+
+# --- linear algebra and convolution ------------------------------------------------------------
+
+
+def _gemm(spec: OpSpec, args: Args) -> Outputs:
+    a, b = args[0], args[1]
+    c = args[2] if len(args) > 2 else None
+    assert a is not None and b is not None
+    alpha, beta = float(spec.attr("alpha", 1.0)), float(spec.attr("beta", 1.0))
+    a = a.t() if spec.attr("transA", 0) else a
+    if spec.attr("transB", 0) and alpha == 1.0 and beta == 1.0 and (c is None or c.dim() <= 1):
+        return (F.linear(a, b, c),)  # one fused call for the common layer
+    b = b.t() if spec.attr("transB", 0) else b
+    if c is None or beta == 0.0:
+        product = a @ b
+        return (product if alpha == 1.0 else alpha * product,)
+    return (torch.addmm(c, a, b, beta=beta, alpha=alpha),)
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _conv(spec: OpSpec, args: Args) -> Outputs:
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    assert x is not None and w is not None
+    win = _window(spec, x, spec.attr("kernel_shape") or list(w.shape[2:]))
+    padding = win.begins
+    if not win.symmetric:
+        x = F.pad(x, _torch_pad(win.begins, win.ends))
+        padding = [0] * len(win.begins)
+    conv = _CONV.get(x.dim() - 2)
+    if conv is None:
+        raise spec.unsupported(f"{x.dim() - 2}-D convolution")
+    return (conv(x, w, b, win.strides, padding, win.dilations, spec.attr("group", 1)),)
+
+
+@dataclass(frozen=True)
+class _Transposed:
+    strides: list[int]
+    dilations: list[int]
+    output_padding: list[int]
+    begins: list[int]
+    ends: list[int]
+
+
+def _transposed(spec: OpSpec, x: Tensor, w: Tensor) -> _Transposed:
+    r = x.dim() - 2
+    kernel = list(spec.attr("kernel_shape") or w.shape[2:])
+    strides = list(spec.attr("strides", [1] * r))
+    dilations = list(spec.attr("dilations", [1] * r))
+    output_padding = list(spec.attr("output_padding", [0] * r))
+    pads = list(spec.attr("pads", [0] * (2 * r)))
+    begins, ends = pads[:r], pads[r:]
+    output_shape = spec.attr("output_shape")
+    auto = spec.attr("auto_pad", "NOTSET")
+    if output_shape is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+        sizes = x.shape[2:]
+        targets = list(output_shape)[-r:] if output_shape is not None else None
+        begins, ends = [], []
+        for i in range(r):
+            target = targets[i] if targets else sizes[i] * strides[i]
+            full = strides[i] * (sizes[i] - 1) + output_padding[i]
+            total = max(full + (kernel[i] - 1) * dilations[i] + 1 - target, 0)
+            upper = auto == "SAME_UPPER"
+            begins.append(total - total // 2 if upper else total // 2)
+            ends.append(total - begins[-1])
+    elif auto == "VALID":
+        begins, ends = [0] * r, [0] * r
+    return _Transposed(strides, dilations, output_padding, begins, ends)
+
+
+def _conv_transpose(spec: OpSpec, args: Args) -> Outputs:
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    assert x is not None and w is not None
+    conv = _CONV_T.get(x.dim() - 2)
+    if conv is None:
+        raise spec.unsupported(f"{x.dim() - 2}-D transposed convolution")
+    t = _transposed(spec, x, w)
+    group = spec.attr("group", 1)
+    if t.begins == t.ends:
+        return (conv(x, w, b, t.strides, t.begins, t.output_padding, group, t.dilations),)
+    full = conv(x, w, b, t.strides, 0, t.output_padding, group, t.dilations)
+    crop = [slice(None), slice(None)]
+    for i, (begin, end) in enumerate(zip(t.begins, t.ends, strict=True)):
+        crop.append(slice(begin, full.shape[2 + i] - end))
+    return (full[tuple(crop)],)
+
+
+# --- pooling and normalization ----------------------------------------------------------------
+
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _max_pool(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    pool = _MAX_POOL.get(x.dim() - 2)
+    if pool is None:
+        raise spec.unsupported(f"{x.dim() - 2}-D pooling")
+    win = _window(spec, x)
+    ceil = bool(spec.attr("ceil_mode", 0))
+    padding = win.begins
+    padded = x
+    # torch pads by at most half the kernel and only symmetrically: pad with -inf instead.
+    if not win.symmetric or any(2 * p > k for p, k in zip(win.begins, win.kernel, strict=True)):
+        padded = F.pad(x, _torch_pad(win.begins, win.ends), value=-math.inf)
+        padding = [0] * len(win.begins)
+    want_indices = spec.wants_output(1)
+    result = pool(
+        padded, win.kernel, win.strides, padding, win.dilations, ceil, return_indices=want_indices
+    )
+    if not want_indices:
+        return (result,)
+    values, indices = result
+    if padded is not x:
+        raise spec.unsupported("MaxPool indices with asymmetric or large pads")
+    return values, _onnx_indices(spec, x, indices)
+
+
+def _onnx_indices(spec: OpSpec, x: Tensor, indices: Tensor) -> Tensor:
+    """torch's per-plane indices -> ONNX's indices into the whole flattened tensor."""
+    if spec.attr("storage_order", 0):
+        raise ValueError("column-major storage_order")
+    plane = math.prod(x.shape[2:])
+    n, c = x.shape[0], x.shape[1]
+    offset = torch.arange(n * c, device=x.device, dtype=torch.int64).reshape(n, c)
+    return indices + (offset * plane).reshape(n, c, *([1] * (x.dim() - 2)))
+
+
+def _average_pool(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    pool = _AVG_POOL.get(x.dim() - 2)
+    if pool is None:
+        raise spec.unsupported(f"{x.dim() - 2}-D pooling")
+    win = _window(spec, x)
+    ceil = bool(spec.attr("ceil_mode", 0))
+    include = bool(spec.attr("count_include_pad", 0))
+    if any(d != 1 for d in win.dilations):
+        raise spec.unsupported("dilated AveragePool")
+    fits = win.symmetric and all(2 * p <= k for p, k in zip(win.begins, win.kernel, strict=True))
+    if fits:
+        return (pool(x, win.kernel, win.strides, win.begins, ceil, include),)
+    # Pad explicitly; without count_include_pad divide by the number of real elements.
+    pad = _torch_pad(win.begins, win.ends)
+    total = pool(F.pad(x, pad), win.kernel, win.strides, 0, ceil, True)
+    if include:
+        return (total,)
+    ones = F.pad(torch.ones_like(x[:1, :1]), pad)
+    count = pool(ones, win.kernel, win.strides, 0, ceil, True)
+    return (total / count,)
+
+
+def _global_average_pool(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    return (x.mean(dim=tuple(range(2, x.dim())), keepdim=True),)
+
+
+def _global_max_pool(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    return (x.amax(dim=tuple(range(2, x.dim())), keepdim=True),)
+
+
+def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
+    x, scale, bias, mean, var = args[:5]
+    assert x is not None and mean is not None and var is not None
+    # Inference semantics: the running statistics normalise (training is not simulated).
+    eps = spec.attr("epsilon", 1e-5)
+    return (F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps),)
+
+
+def _instance_norm(spec: OpSpec, args: Args) -> Outputs:
+    x, scale, bias = args[:3]
+    assert x is not None
+    return (F.instance_norm(x, weight=scale, bias=bias, eps=spec.attr("epsilon", 1e-5)),)
+
+
+def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    scale = args[1]
+    bias = args[2] if len(args) > 2 else None
+    assert x is not None and scale is not None
+    axis = _axis(spec.attr("axis", -1), x.dim())
+    eps = spec.attr("epsilon", 1e-5)
+    shape = list(x.shape[axis:])
+    if not (spec.wants_output(1) or spec.wants_output(2)) and list(scale.shape) == shape:
+        return (F.layer_norm(x, shape, scale, bias, eps),)
+    dims = tuple(range(axis, x.dim()))
+    mean = x.mean(dim=dims, keepdim=True)
+    inv_std = torch.rsqrt(((x - mean) ** 2).mean(dim=dims, keepdim=True) + eps)
+    y = (x - mean) * inv_std * scale
+    if bias is not None:
+        y = y + bias
+    return y, mean, inv_std
+
+
+def _lrn(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    return (
+        F.local_response_norm(
+            x,
+            spec.attr("size"),
+            alpha=spec.attr("alpha", 1e-4),
+            beta=spec.attr("beta", 0.75),
+            k=spec.attr("bias", 1.0),
+        ),
+    )
+
+
+# --- shape and data movement ------------------------------------------------------------------
+
+
+def _reshape(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    shape = spec.ints(1, args) if spec.opset >= 5 else list(spec.attr("shape"))
+    assert shape is not None
+    if not spec.attr("allowzero", 0):
+        shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    return (x.reshape(shape),)
+
+
+def _flatten(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    axis = _axis(spec.attr("axis", 1), x.dim())
+    return (x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:])),)
+
+
+def _transpose(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    perm = spec.attr("perm") or list(reversed(range(x.dim())))
+    return (x.permute(*perm),)
+
+
+def _axes(spec: OpSpec, args: Args, since: int) -> list[int] | None:
+    """``axes`` from an attribute before opset ``since``, from input 1 from then on."""
+    if spec.opset >= since:
+        return spec.ints(1, args)
+    axes = spec.attr("axes")
+    return list(axes) if axes is not None else None
+
+
+def _squeeze(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    axes = _axes(spec, args, 13)
+    if axes is None:
+        return (x.squeeze(),)
+    keep = {_axis(a, x.dim()) for a in axes}
+    return (x.reshape([d for i, d in enumerate(x.shape) if i not in keep]),)
+
+
+def _unsqueeze(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    axes = _axes(spec, args, 13)
+    assert axes is not None
+    rank = x.dim() + len(axes)
+    inserted = {_axis(a, rank) for a in axes}
+    dims = iter(x.shape)
+    return (x.reshape([1 if i in inserted else next(dims) for i in range(rank)]),)
+
+
+def _concat(spec: OpSpec, args: Args) -> Outputs:
+    return (torch.cat([a for a in args if a is not None], dim=spec.attr("axis")),)
+
+
+def _split(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    axis = _axis(spec.attr("axis", 0), x.dim())
+    sizes = spec.ints(1, args) if spec.opset >= 13 else spec.attr("split")
+    count = len(spec.outputs)
+    if sizes is None:
+        length = x.shape[axis]
+        chunk = -(-length // count)
+        sizes = [min(chunk, length - i * chunk) for i in range(count)]
+    return tuple(torch.split(x, list(sizes), dim=axis))
+
+
+def _slice(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    if spec.opset < 10:
+        starts, ends = list(spec.attr("starts")), list(spec.attr("ends"))
+        axes, steps = spec.attr("axes"), None
+    else:
+        starts, ends = spec.ints(1, args) or [], spec.ints(2, args) or []
+        axes, steps = spec.ints(3, args), spec.ints(4, args)
+    axes = list(axes) if axes is not None else list(range(len(starts)))
+    steps = list(steps) if steps is not None else [1] * len(starts)
+    result = x
+    for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+        dim = _axis(axis, x.dim())
+        begin, stop, stride = slice(start, end, step).indices(x.shape[dim])
+        if stride > 0:
+            index = [slice(None)] * x.dim()
+            index[dim] = slice(begin, stop, stride)
+            result = result[tuple(index)]
+        else:
+            picks = torch.arange(begin, stop, stride, device=x.device)
+            result = result.index_select(dim, picks)
+    return (result,)
+
+
+def _gather(spec: OpSpec, args: Args) -> Outputs:
+    data, indices = args[0], args[1]
+    assert data is not None and indices is not None
+    axis = _axis(spec.attr("axis", 0), data.dim())
+    size = data.shape[axis]
+    flat = indices.reshape(-1).long()
+    flat = torch.where(flat < 0, flat + size, flat)
+    picked = data.index_select(axis, flat)
+    shape = [*data.shape[:axis], *indices.shape, *data.shape[axis + 1 :]]
+    return (picked.reshape(shape),)
+
+
+def _gather_elements(spec: OpSpec, args: Args) -> Outputs:
+    data, indices = args[0], args[1]
+    assert data is not None and indices is not None
+    axis = _axis(spec.attr("axis", 0), data.dim())
+    index = indices.long()
+    index = torch.where(index < 0, index + data.shape[axis], index)
+    return (torch.gather(data, axis, index),)
+
+
+def _expand(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    shape = spec.ints(1, args)
+    assert shape is not None
+    return (torch.broadcast_to(x, torch.broadcast_shapes(tuple(x.shape), tuple(shape))),)
+
+
+def _tile(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    repeats = spec.ints(1, args)
+    assert repeats is not None
+    return (x.repeat(*repeats),)
+
+
+def _pad(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    mode = spec.attr("mode", "constant")
+    if spec.opset < 11:
+        pads, value = list(spec.attr("pads")), float(spec.attr("value", 0.0))
+    else:
+        pads = spec.ints(1, args) or []
+        value = spec.scalar(2, args) or 0.0
+    axes = spec.ints(3, args) if spec.opset >= 18 else None
+    axes = [_axis(a, x.dim()) for a in axes] if axes is not None else list(range(x.dim()))
+    n = len(axes)
+    begins, ends = [0] * x.dim(), [0] * x.dim()
+    for i, axis in enumerate(axes):
+        begins[axis], ends[axis] = pads[i], pads[n + i]
+    first = next((i for i in range(x.dim()) if begins[i] or ends[i]), x.dim())
+    torch_pad = _torch_pad(begins[first:], ends[first:])
+    if mode == "constant":
+        return (F.pad(x, torch_pad, value=value),)
+    torch_mode = {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}.get(mode)
+    if torch_mode is None:
+        raise spec.unsupported(f"Pad mode {mode!r}")
+    return (F.pad(x, torch_pad, mode=torch_mode),)
+
+
+def _constant_of_shape(spec: OpSpec, args: Args) -> Outputs:
+    shape = spec.ints(0, args)
+    assert shape is not None
+    value = spec.attr("value")
+    array = numpy_helper.to_array(value) if value is not None else np.zeros(1, np.float32)
+    device = args[0].device if args[0] is not None else torch.device("cpu")
+    fill = torch.as_tensor(array.reshape(-1)[:1].copy(), device=device)
+    return (fill.expand(shape).clone() if shape else fill.reshape(()).clone(),)
+
+
+def _shape(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    dims = list(x.shape)[spec.attr("start", 0) : spec.attr("end", x.dim())]
+    return (torch.tensor(dims, dtype=torch.int64, device=x.device),)
+
+
+def _size(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    return (torch.tensor(x.numel(), dtype=torch.int64, device=x.device),)
+
+
+def _identity(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (args[0],)
+
+
+def _dropout(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    # Inference semantics: the identity, and a mask of ones when it is asked for.
+    return x, torch.ones_like(x, dtype=torch.bool)
+
+
+def _reduce(
+    fn: Callable[[Tensor, tuple[int, ...], bool], Tensor], axes_input_since: int
+) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        x = args[0]
+        assert x is not None
+        axes = _axes(spec, args, axes_input_since)
+        keep = bool(spec.attr("keepdims", 1))
+        if not axes:
+            if spec.attr("noop_with_empty_axes", 0):
+                return (x,)
+            axes = list(range(x.dim()))
+        return (fn(x, tuple(_axis(a, x.dim()) for a in axes), keep),)
+
+    return kernel
+
+
+def _arg(fn: Callable[..., Tensor]) -> Callable[[OpSpec, Args], Outputs]:
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        x = args[0]
+        assert x is not None
+        axis = _axis(spec.attr("axis", 0), x.dim())
+        keep = bool(spec.attr("keepdims", 1))
+        if spec.attr("select_last_index", 0):
+            flipped = fn(x.flip(axis), dim=axis, keepdim=keep)
+            return (x.shape[axis] - 1 - flipped,)
+        return (fn(x, dim=axis, keepdim=keep),)
+
+    return kernel
+
+
+def _einsum(spec: OpSpec, args: Args) -> Outputs:
+    return (torch.einsum(spec.attr("equation"), *[a for a in args if a is not None]),)
+
+
+KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
+    # elementwise
+    "Add": _binary(torch.add),
+    "Sub": _binary(torch.sub),
+    "Mul": _binary(torch.mul),
+    "Div": _binary(_div),
+    "Pow": _binary(torch.pow),
+    "Sum": _variadic(torch.add),
+    "Mean": _mean,
+    "Max": _variadic(torch.maximum),
+    "Min": _variadic(torch.minimum),
+    "Equal": _binary(torch.eq),
+    "Less": _binary(torch.lt),
+    "LessOrEqual": _binary(torch.le),
+    "Greater": _binary(torch.gt),
+    "GreaterOrEqual": _binary(torch.ge),
+    "And": _binary(torch.logical_and),
+    "Or": _binary(torch.logical_or),
+    "Xor": _binary(torch.logical_xor),
+    "Not": _unary(torch.logical_not),
+    "Where": _where,
+    "Relu": _unary(torch.relu),
+    "Sigmoid": _unary(torch.sigmoid),
+    "Tanh": _unary(torch.tanh),
+    "Exp": _unary(torch.exp),
+    "Log": _unary(torch.log),
+    "Sqrt": _unary(torch.sqrt),
+    "Abs": _unary(torch.abs),
+    "Neg": _unary(torch.neg),
+    "Reciprocal": _unary(torch.reciprocal),
+    "Floor": _unary(torch.floor),
+    "Ceil": _unary(torch.ceil),
+    "Round": _unary(torch.round),
+    "Sign": _unary(torch.sign),
+    "Sin": _unary(torch.sin),
+    "Cos": _unary(torch.cos),
+    "Erf": _unary(torch.erf),
+    "Softplus": _unary(F.softplus),
+    "Softsign": _unary(F.softsign),
+    "LeakyRelu": _leaky_relu,
+    "Elu": _elu,
+    "Selu": _selu,
+    "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish,
+    "PRelu": _prelu,
+    "Gelu": _gelu,
+    "Clip": _clip,
+    "Cast": _cast,
+    "Softmax": _softmax_like(torch.softmax),
+    "LogSoftmax": _softmax_like(torch.log_softmax),
+    # linear algebra, convolution
+    "MatMul": _binary(torch.matmul),
+    "Gemm": _gemm,
+    "Einsum": _einsum,
+    "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    # pooling, normalization
+    "MaxPool": _max_pool,
+    "AveragePool": _average_pool,
+    "GlobalAveragePool": _global_average_pool,
+    "GlobalMaxPool": _global_max_pool,
+    "BatchNormalization": _batch_norm,
+    "InstanceNormalization": _instance_norm,
+    "LayerNormalization": _layer_norm,
+    "LRN": _lrn,
+    # shape, data movement
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Transpose": _transpose,
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Concat": _concat,
+    "Split": _split,
+    "Slice": _slice,
+    "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "Expand": _expand,
+    "Tile": _tile,
+    "Pad": _pad,
+    "ConstantOfShape": _constant_of_shape,
+    "Shape": _shape,
+    "Size": _size,
+    "Identity": _identity,
+    "Dropout": _dropout,
+    # reductions
+    "ReduceMean": _reduce(lambda x, d, k: x.mean(dim=d, keepdim=k), 18),
+    "ReduceSum": _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k), 13),
+    "ReduceMax": _reduce(lambda x, d, k: x.amax(dim=d, keepdim=k), 18),
+    "ReduceMin": _reduce(lambda x, d, k: x.amin(dim=d, keepdim=k), 18),
+    "ReduceProd": _reduce(lambda x, d, k: _prod(x, d, k), 18),
+    "ReduceSumSquare": _reduce(lambda x, d, k: (x * x).sum(dim=d, keepdim=k), 18),
+    "ReduceL2": _reduce(lambda x, d, k: (x * x).sum(dim=d, keepdim=k).sqrt(), 18),
+    "ArgMax": _arg(torch.argmax),
+    "ArgMin": _arg(torch.argmin),
+}
+
+
+def _prod(x: Tensor, dims: tuple[int, ...], keep: bool) -> Tensor:
+    for dim in sorted(dims, reverse=True):
+        x = x.prod(dim=dim, keepdim=keep)
+    return x
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# Inputs that never receive a gradient: statistics, shapes, indices, clip bounds.
+NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
+    "BatchNormalization": frozenset({3, 4}),
+    "Clip": frozenset({1, 2}),
+    "Pad": frozenset({1, 2, 3}),
+    "Pow": frozenset({1}),
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Split": frozenset({1}),
+    "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "Where": frozenset({0}),
+    "ConstantOfShape": frozenset({0}),
+    "Dropout": frozenset({1, 2}),
+    "ReduceMean": frozenset({1}),
+    "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}),
+    "ReduceProd": frozenset({1}),
+    "ReduceSumSquare": frozenset({1}),
+    "ReduceL2": frozenset({1}),
+}
+# Operators whose outputs carry no gradient at all (comparisons, indices, shapes).
+NO_GRADIENT = _names(
+    "Equal Less LessOrEqual Greater GreaterOrEqual And Or Xor Not Shape Size ArgMax ArgMin "
+    "ConstantOfShape Floor Ceil Round Sign"
+)
+
+
+def differentiable(spec: OpSpec, position: int) -> bool:
+    """Whether input ``position`` of the operator can receive a gradient."""
+    if spec.op_type in NO_GRADIENT:
+        return False
+    return position not in NON_DIFFERENTIABLE.get(spec.op_type, frozenset())
+
+
+# --- vector-Jacobian products ----------------------------------------------------------------
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` that allocates nothing: a zero expanded with stride 0."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
+@dataclass(frozen=True)
+class VjpCall:
+    """One backward evaluation: inputs by position (placeholders where the gradient does
+    not read them), the output when the gradient needs it, the upstream gradient of each
+    output (None: zero) and which input positions want a gradient."""
+
+    spec: OpSpec
+    args: Args
+    output: Outputs | None
+    grads: Sequence[Tensor | None]
+    wanted: Sequence[bool]
+
+    @property
+    def g(self) -> Tensor:
+        grad = self.grads[0]
+        assert grad is not None
+        return grad
+
+    def arg(self, position: int) -> Tensor:
+        value = self.args[position] if position < len(self.args) else None
+        assert value is not None
+        return value
+
+    def optional(self, position: int) -> Tensor | None:
+        return self.args[position] if position < len(self.args) else None
+
+    def only(self, *makers: Callable[[], Tensor] | None) -> Grads:
+        """The gradient of each wanted position, evaluated lazily (makers by position)."""
+        result: Grads = [None] * len(self.args)
+        for position, make in enumerate(makers):
+            if make is not None and position < len(self.wanted) and self.wanted[position]:
+                result[position] = make()
+        return result
+
+
+Rule = Callable[[VjpCall], Grads]
+
+
+def vjp(call: VjpCall) -> Grads:
+    """The gradient for each input position (None where not wanted or zero)."""
+    if not any(call.wanted) or all(g is None for g in call.grads):
+        return [None] * len(call.args)
+    rule = VJP_RULES.get(call.spec.op_type)
+    if rule is not None:
+        return rule(call)
+    if call.spec.op_type in OUTPUT_ONLY:
+        raise call.spec.unsupported("no gradient from the output")
+    return autograd_vjp(call)
+
+
+def autograd_vjp(call: VjpCall) -> Grads:
+    """Re-run the forward kernel under autograd and differentiate it."""
+    wanted = [w and a is not None for a, w in zip(call.args, call.wanted, strict=True)]
+    with torch.enable_grad():
+        leaves = [
+            a.detach().requires_grad_(True) if w and a is not None else a
+            for a, w in zip(call.args, wanted, strict=True)
+        ]
+        outputs = run_forward(call.spec, leaves)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, call.grads, strict=False)
+            if grad is not None and out.requires_grad
+        ]
+        targets = [leaf for leaf, w in zip(leaves, wanted, strict=True) if w]
+        if not pairs or not targets:
+            return [None] * len(call.args)
+        found = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+            )
+        )
+    return [next(found) if w else None for w in wanted]
+
+
+# Closed forms from the output y and the upstream gradient g.
+def _from_output(fn: Callable[[OpSpec, Tensor, Tensor], Tensor]) -> Rule:
+    def rule(call: VjpCall) -> Grads:
+        assert call.output is not None
+        return call.only(lambda: fn(call.spec, call.output[0], call.g))  # type: ignore[index]
+
+    return rule
+
+
+def _softmax_grad(spec: OpSpec, y: Tensor, g: Tensor) -> Tensor:
+    def grad(yy: Tensor, dim: int) -> Tensor:
+        gg = g.reshape(yy.shape)
+        return yy * (gg - (gg * yy).sum(dim=dim, keepdim=True))
+
+    return _softmax_apply(spec, y, grad)
+
+
+def _log_softmax_grad(spec: OpSpec, y: Tensor, g: Tensor) -> Tensor:
+    def grad(yy: Tensor, dim: int) -> Tensor:
+        gg = g.reshape(yy.shape)
+        return gg - torch.exp(yy) * gg.sum(dim=dim, keepdim=True)
+
+    return _softmax_apply(spec, y, grad)
+
+
+# Closed forms that need only shapes (inputs may be placeholders).
+def _add(call: VjpCall) -> Grads:
+    g = call.g
+    return call.only(
+        lambda: g.sum_to_size(call.arg(0).shape), lambda: g.sum_to_size(call.arg(1).shape)
+    )
+
+
+def _sub(call: VjpCall) -> Grads:
+    g = call.g
+    return call.only(
+        lambda: g.sum_to_size(call.arg(0).shape), lambda: (-g).sum_to_size(call.arg(1).shape)
+    )
+
+
+def _sum(call: VjpCall) -> Grads:
+    g = call.g
+    return [
+        g.sum_to_size(a.shape) if w and a is not None else None
+        for a, w in zip(call.args, call.wanted, strict=True)
+    ]
+
+
+def _mul(call: VjpCall) -> Grads:
+    a, b, g = call.arg(0), call.arg(1), call.g
+    return call.only(lambda: (g * b).sum_to_size(a.shape), lambda: (g * a).sum_to_size(b.shape))
+
+
+def _div_grad(call: VjpCall) -> Grads:
+    a, b, g = call.arg(0), call.arg(1), call.g
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return [None] * len(call.args)
+    return call.only(
+        lambda: (g / b).sum_to_size(a.shape), lambda: (-g * a / (b * b)).sum_to_size(b.shape)
+    )
+
+
+def _reshape_grad(call: VjpCall) -> Grads:
+    return call.only(lambda: call.g.reshape(call.arg(0).shape))
+
+
+def _transpose_grad(call: VjpCall) -> Grads:
+    g = call.g
+    perm = call.spec.attr("perm") or list(reversed(range(g.dim())))
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return call.only(lambda: g.permute(*inverse))
+
+
+def _concat_grad(call: VjpCall) -> Grads:
+    g = call.g
+    axis = _axis(call.spec.attr("axis"), g.dim())
+    present = [a for a in call.args if a is not None]
+    pieces = iter(torch.split(g, [a.shape[axis] for a in present], dim=axis))
+    result: Grads = []
+    for arg, want in zip(call.args, call.wanted, strict=True):
+        piece = next(pieces) if arg is not None else None
+        result.append(piece if want else None)
+    return result
+
+
+def _global_average_pool_grad(call: VjpCall) -> Grads:
+    shape = call.arg(0).shape
+    return call.only(lambda: (call.g / math.prod(shape[2:])).expand(shape))
+
+
+def _identity_grad(call: VjpCall) -> Grads:
+    return call.only(lambda: call.g)
+
+
+# Direct formulas for the heavy operators (no forward re-run).
+def _matmul_grad(call: VjpCall) -> Grads:
+    a, b, g = call.arg(0), call.arg(1), call.g
+    if a.dim() < 2 or b.dim() < 2:
+        return autograd_vjp(call)
+    return call.only(
+        lambda: (g @ b.transpose(-1, -2)).sum_to_size(a.shape),
+        lambda: (a.transpose(-1, -2) @ g).sum_to_size(b.shape),
+    )
+
+
+def _gemm_grad(call: VjpCall) -> Grads:
+    spec, g = call.spec, call.g
+    alpha, beta = float(spec.attr("alpha", 1.0)), float(spec.attr("beta", 1.0))
+    trans_a, trans_b = spec.attr("transA", 0), spec.attr("transB", 0)
+    a = call.arg(0).t() if trans_a else call.arg(0)  # the operands as multiplied
+    b = call.arg(1).t() if trans_b else call.arg(1)
+    c = call.optional(2)
+    scaled = g if alpha == 1.0 else alpha * g
+    return call.only(
+        # dA' = g B'^T, transposed back (as B' g^T) when A was transposed; likewise for B.
+        lambda: b @ scaled.t() if trans_a else scaled @ b.t(),
+        lambda: scaled.t() @ a if trans_b else a.t() @ scaled,
+        lambda: (g if beta == 1.0 else beta * g).sum_to_size(c.shape),  # type: ignore[union-attr]
+    )
+
+
+def _conv_grad(transposed: bool) -> Rule:
+    def rule(call: VjpCall) -> Grads:
+        spec, x, w, g = call.spec, call.arg(0), call.arg(1), call.g
+        bias = call.optional(2)
+        group = spec.attr("group", 1)
+        if transposed:
+            t = _transposed(spec, x, w)
+            symmetric, strides, dilations = t.begins == t.ends, t.strides, t.dilations
+            padding, output_padding = t.begins, t.output_padding
+            bias_size = w.shape[1] * group
+        else:
+            win = _window(spec, x, spec.attr("kernel_shape") or list(w.shape[2:]))
+            symmetric, strides, dilations = win.symmetric, win.strides, win.dilations
+            padding, output_padding = win.begins, [0] * len(win.begins)
+            bias_size = w.shape[0]
+        if not symmetric:
+            return autograd_vjp(call)
+        wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
+        mask = [wanted[0], wanted[1], bias is not None and wanted[2]]
+        grads = torch.ops.aten.convolution_backward(
+            g,
+            x,
+            w,
+            [bias_size] if bias is not None else None,
+            strides,
+            padding,
+            dilations,
+            transposed,
+            output_padding,
+            group,
+            mask,
+        )
+        return [grad if m else None for grad, m in zip(grads, mask, strict=True)][: len(call.args)]
+
+    return rule
+
+
+VJP_RULES: dict[str, Rule] = {
+    "Relu": _from_output(lambda s, y, g: g * (y > 0)),
+    "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
+    "Tanh": _from_output(lambda s, y, g: g * (1 - y * y)),
+    "Exp": _from_output(lambda s, y, g: g * y),
+    "Sqrt": _from_output(lambda s, y, g: g / (2 * y)),
+    "Softmax": _from_output(_softmax_grad),
+    "LogSoftmax": _from_output(_log_softmax_grad),
+    "Dropout": _identity_grad,
+    "Add": _add,
+    "Sub": _sub,
+    "Sum": _sum,
+    "Mul": _mul,
+    "Div": _div_grad,
+    "Reshape": _reshape_grad,
+    "Flatten": _reshape_grad,
+    "Squeeze": _reshape_grad,
+    "Unsqueeze": _reshape_grad,
+    "Transpose": _transpose_grad,
+    "Identity": _identity_grad,
+    "Concat": _concat_grad,
+    "GlobalAveragePool": _global_average_pool_grad,
+    "MatMul": _matmul_grad,
+    "Gemm": _gemm_grad,
+    "Conv": _conv_grad(False),
+    "ConvTranspose": _conv_grad(True),
+}
+# Operators whose gradient the training graph computes from their output alone.
+OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -1,0 +1,613 @@
+"""A model bound to a graph for execution: what every graph node computes, and with which
+tensors.
+
+``build_program(model, graph)`` matches every forward node of ``graph`` (a forward graph or
+the training graph ``remat`` built from the same model) to its ONNX operator (by its first
+output name), materialises the fixed tensors (initializers, folded constants, and seeded
+random model inputs) and decides which of them receive gradients. ``Program.compute`` then
+evaluates any one node from the values of its dependencies, exactly the ones the graph
+lists, so that an executor can run the nodes in any order a plan gives:
+
+* a forward node's value is one tensor per ONNX output;
+* the loss is ``L = sum over model outputs y of 0.5 * mean(y**2)``; its value is ``dL/dy``
+  for each output of each node it reads (zeros for outputs that are not model outputs), so
+  its size is the graph's loss ``output_bytes``;
+* a backward node's value is the gradient with respect to every output of every node its
+  forward node reads (in ``deps`` order, zeros where none flows), so that it has the
+  graph's ``output_bytes``; the gradients of parameters and model inputs accumulate into
+  gradient buffers instead. Its upstream gradient is the sum of its forward node's entries
+  in the values of its upstream dependencies (the backward nodes of its users and/or the
+  loss). Inputs its gradient does not need (``remat.training.gradient_needs``) are not
+  dependencies: the kernel gets zero-stride placeholders of the right shape for them.
+
+Every value owns its storage (a kernel result that aliases an input, or is a view into a
+larger buffer, is copied), so a value's bytes are exactly what it keeps allocated, as the
+simulator counts them.
+
+Parameters whose gradient needs an activation the backward node does not receive (the
+factor of a ``Mul`` or the divisor of a ``Div`` by a parameter: the training graph models
+those gradients as reading no activation) are not trained, in scheduled and plain training
+alike; their gradient buffers are still allocated, as the simulator accounts for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from agents import kernels
+from agents.errors import TaskError
+from agents.kernels import OpSpec, Tensor, VjpCall
+from remat.graph import FixedKind, Graph, Node, NodeKind
+from remat.training import GRADIENT_NEEDS, Needs
+
+Value = tuple[Tensor, ...]
+# Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
+# that shapes, axes and pads are read without a device synchronisation.
+_HOST_CONSTANT_ELEMENTS = 64
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an ONNX input comes from: a node's output, a fixed tensor, or nothing."""
+
+    node: int | None = None  # producing node
+    output: int = 0  # index among that node's outputs
+    fixed: str | None = None  # fixed tensor name
+
+    @property
+    def omitted(self) -> bool:
+        return self.node is None and self.fixed is None
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a forward node's gradients sit in an upstream value: ``count`` tensors from
+    ``offset`` in the value of node ``node`` (a backward node or the loss)."""
+
+    node: int
+    offset: int
+    count: int
+
+
+@dataclass
+class Program:
+    graph: Graph
+    specs: dict[int, OpSpec]  # forward node -> its operator
+    sources: dict[int, list[Source]]  # forward node -> its inputs by ONNX position
+    upstream: dict[int, list[Upstream]]  # backward node -> where its upstream gradient is
+    fixed: dict[str, Tensor]  # every fixed tensor's value, on the host
+    trainable: frozenset[str]  # fixed tensors that receive gradients
+    model_outputs: frozenset[str]
+    types: dict[str, torch.dtype]  # element type of every activation tensor
+    output_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+
+    # --- layout --------------------------------------------------------------------------
+
+    def forward_of(self, node: Node) -> Node:
+        """The forward node a node computes with (itself unless it is a backward node)."""
+        return self.graph.nodes[node.forward] if node.forward is not None else node
+
+    def outputs_of(self, node: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor of a forward node's value."""
+        names = self.graph.nodes[node].attrs["onnx_outputs"]
+        assert isinstance(names, list)
+        return [
+            (shape, self.types.get(name, torch.float32))
+            for name, shape in zip(names, self.output_shapes[node], strict=True)
+        ]
+
+    def gradient_buffers(self, nodes: Sequence[int]) -> list[str]:
+        """The fixed tensors a device computing ``nodes`` keeps a gradient buffer for (the
+        simulator's rule: those read by backward nodes, when they have a gradient)."""
+        names: dict[str, None] = {}
+        for index in nodes:
+            node = self.graph.nodes[index]
+            if node.kind is NodeKind.BACKWARD:
+                names.update((t, None) for t in node.fixed if self.graph.fixed[t].has_gradient)
+        return list(names)
+
+    def held_fixed(self, nodes: Sequence[int]) -> list[str]:
+        """The fixed tensors a device computing ``nodes`` holds."""
+        names: dict[str, None] = {}
+        for index in nodes:
+            names.update((t, None) for t in self.graph.nodes[index].fixed)
+        return list(names)
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def compute(
+        self,
+        index: int,
+        values: Mapping[int, Value],
+        fixed: Mapping[str, Tensor],
+        grads: MutableMapping[str, Tensor] | None,
+        device: torch.device,
+    ) -> Value:
+        """Node ``index``'s value from its dependencies' ``values`` and the ``fixed``
+        tensors on ``device``; a backward node adds its parameter and input gradients to
+        ``grads`` (None: drop them, e.g. when a backward node is recomputed)."""
+        node = self.graph.nodes[index]
+        if node.kind is NodeKind.FORWARD:
+            args = self._args(index, values, fixed, device, available=None)
+            result = kernels.run_forward(self.specs[index], args)
+            return _owned(result, args)
+        if node.kind is NodeKind.LOSS:
+            return self._loss(node, values)
+        return self._backward(node, values, fixed, grads, device)
+
+    def _args(
+        self,
+        index: int,
+        values: Mapping[int, Value],
+        fixed: Mapping[str, Tensor],
+        device: torch.device,
+        available: frozenset[int] | None,
+    ) -> list[Tensor | None]:
+        args: list[Tensor | None] = []
+        for source in self.sources[index]:
+            if source.fixed is not None:
+                args.append(fixed[source.fixed])
+            elif source.node is None:
+                args.append(None)
+            elif available is None or source.node in available:
+                args.append(values[source.node][source.output])
+            else:
+                shape, dtype = self.outputs_of(source.node)[source.output]
+                args.append(kernels.placeholder(shape, dtype, device))
+        return args
+
+    def _loss(self, node: Node, values: Mapping[int, Value]) -> Value:
+        result = []
+        for dep in node.deps:
+            names = self.graph.nodes[dep].attrs["onnx_outputs"]
+            assert isinstance(names, list)
+            for name, y in zip(names, values[dep], strict=True):
+                if name in self.model_outputs and y.is_floating_point():
+                    result.append(y / y.numel())  # d/dy of 0.5 * mean(y**2)
+                else:
+                    result.append(torch.zeros_like(y))
+        return tuple(result)
+
+    def _backward(
+        self,
+        node: Node,
+        values: Mapping[int, Value],
+        fixed: Mapping[str, Tensor],
+        grads: MutableMapping[str, Tensor] | None,
+        device: torch.device,
+    ) -> Value:
+        f = self.forward_of(node)
+        spec = self.specs[f.id]
+        available = frozenset(node.deps)
+        args = self._args(f.id, values, fixed, device, available)
+        output = values[f.id] if f.id in available else None
+        upstream = self._upstream_gradient(node, f, values)
+        wanted = [
+            self._wanted(spec, position, arg, source)
+            for position, (arg, source) in enumerate(zip(args, self.sources[f.id], strict=True))
+        ]
+        found = kernels.vjp(VjpCall(spec, args, output, upstream, wanted))
+        result = self._gradient_value(f, found, device)
+        if grads is not None:
+            self._accumulate(f, found, grads)
+        return _owned(result, [*args, *(output or ()), *(g for g in upstream if g is not None)])
+
+    def _wanted(self, spec: OpSpec, position: int, arg: Tensor | None, source: Source) -> bool:
+        if arg is None or not arg.is_floating_point() or not kernels.differentiable(spec, position):
+            return False
+        return source.node is not None or source.fixed in self.trainable
+
+    def _upstream_gradient(
+        self, node: Node, f: Node, values: Mapping[int, Value]
+    ) -> list[Tensor | None]:
+        """The gradient of each output of ``f``: its entries in the upstream values, summed."""
+        total: list[Tensor | None] = []
+        for k, (_, dtype) in enumerate(self.outputs_of(f.id)):
+            if not dtype.is_floating_point:
+                total.append(None)
+                continue
+            parts = [values[u.node][u.offset + k] for u in self.upstream[node.id]]
+            summed = parts[0]
+            for part in parts[1:]:
+                summed = summed + part
+            total.append(summed)
+        return total
+
+    def _gradient_value(
+        self, f: Node, found: Sequence[Tensor | None], device: torch.device
+    ) -> Value:
+        """The gradient for every output of every node ``f`` reads, in ``deps`` order."""
+        by_output: dict[tuple[int, int], Tensor] = {}
+        for grad, source in zip(found, self.sources[f.id], strict=True):
+            if grad is None or source.node is None:
+                continue
+            key = (source.node, source.output)
+            by_output[key] = by_output[key] + grad if key in by_output else grad
+        result = []
+        for dep in f.deps:
+            for k, (shape, dtype) in enumerate(self.outputs_of(dep)):
+                grad = by_output.get((dep, k))
+                if grad is None:
+                    grad = torch.zeros(shape, dtype=dtype, device=device)
+                assert tuple(grad.shape) == tuple(shape), (f.name, grad.shape, shape)
+                result.append(grad)
+        return tuple(result)
+
+    def _accumulate(
+        self, f: Node, found: Sequence[Tensor | None], grads: MutableMapping[str, Tensor]
+    ) -> None:
+        for grad, source in zip(found, self.sources[f.id], strict=True):
+            if grad is not None and source.fixed is not None and source.fixed in grads:
+                grads[source.fixed].add_(grad)
+
+    # --- plain execution (the references) ------------------------------------------------
+
+    def forward_values(self, device: torch.device | None = None) -> dict[int, Value]:
+        """Every forward node's value, computed in node order on one device (host)."""
+        device = device or torch.device("cpu")
+        fixed = {name: t.to(device) for name, t in self.fixed.items()}
+        values: dict[int, Value] = {}
+        for node in self.graph.nodes:
+            if node.kind is NodeKind.FORWARD:
+                values[node.id] = self.compute(node.id, values, fixed, None, device)
+        return values
+
+    def reference_gradients(self) -> dict[str, Tensor]:
+        """Plain end-to-end autograd on the host: the forward kernels in node order, the
+        loss, and ``torch.autograd.grad`` for every trainable fixed tensor."""
+        names = sorted(self.trainable)
+        with torch.enable_grad():
+            fixed = {
+                name: t.detach().requires_grad_(name in self.trainable)
+                for name, t in self.fixed.items()
+            }
+            outputs: dict[int, Value] = {}
+            for node in self.graph.nodes:
+                if node.kind is NodeKind.FORWARD:
+                    args = self._args(node.id, outputs, fixed, torch.device("cpu"), None)
+                    outputs[node.id] = kernels.run_forward(self.specs[node.id], args)
+            loss = self._plain_loss(outputs)
+            if not names or not loss.requires_grad:
+                return {}
+            found = torch.autograd.grad(loss, [fixed[n] for n in names], allow_unused=True)
+        return {
+            name: (grad if grad is not None else torch.zeros_like(self.fixed[name]))
+            for name, grad in zip(names, found, strict=True)
+        }
+
+    def _plain_loss(self, outputs: Mapping[int, Value]) -> Tensor:
+        terms = []
+        for node in self.graph.forward_nodes():
+            names = node.attrs["onnx_outputs"]
+            assert isinstance(names, list)
+            for name, y in zip(names, outputs[node.id], strict=True):
+                if name in self.model_outputs and y.is_floating_point():
+                    terms.append(0.5 * (y * y).mean())
+        return torch.stack(terms).sum() if terms else torch.zeros(())
+
+    def model_output_values(self, values: Mapping[int, Value]) -> dict[str, Tensor]:
+        """The model's outputs by name, from forward values."""
+        result = {}
+        for index in self.graph.outputs:
+            if index not in values:
+                continue
+            names = self.graph.nodes[index].attrs["onnx_outputs"]
+            assert isinstance(names, list)
+            for name, tensor in zip(names, values[index], strict=True):
+                if name in self.model_outputs:
+                    result[name] = tensor
+        return result
+
+
+def value_bytes(value: Value) -> int:
+    """The bytes a value keeps allocated (it owns its storage, see ``_owned``)."""
+    return sum(t.untyped_storage().nbytes() for t in value)
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _owned(result: Sequence[Tensor], inputs: Sequence[Tensor | None]) -> Value:
+    """``result`` with every tensor owning exactly its own storage: a tensor that aliases an
+    input or an earlier result (a view, the identity, a broadcast) or that is a view into a
+    larger buffer is copied, so that its bytes are what the simulator counts."""
+    seen = {_storage(t) for t in inputs if t is not None and t.numel()}
+    owned = []
+    for t in result:
+        exact = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if t.numel() and (not exact or _storage(t) in seen):
+            t = t.clone(memory_format=torch.contiguous_format)
+        if t.numel():
+            seen.add(_storage(t))
+        owned.append(t.detach())
+    return tuple(owned)
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+def build_program(
+    model: onnx.ModelProto,
+    graph: Graph,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> Program:
+    """Bind ``graph`` (built by ``remat`` from ``model``) to ``model``'s operators.
+
+    ``inputs`` gives model input values by name; the others are seeded random normals
+    (integers: zeros, valid indices for any Gather). UnsupportedOpError names the first
+    operator without a kernel."""
+    if any(t.kind is FixedKind.HELD for t in graph.fixed.values()):
+        raise TaskError("the graph is a part of a decomposed graph (held values): not executable")
+    protos = {o: p for p in model.graph.node for o in p.output if o}
+    shapes = _tensor_shapes(graph)
+    types = _tensor_types(model)
+    forward = [n for n in graph.nodes if n.kind is NodeKind.FORWARD]
+    fixed = _fixed_values(model, graph, shapes, types, inputs or {}, seed)
+    opsets = {
+        (o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
+        for o in model.opset_import
+    }
+    specs: dict[int, OpSpec] = {}
+    sources: dict[int, list[Source]] = {}
+    producer: dict[str, tuple[int, int]] = {}
+    for node in forward:
+        outputs = _names(node, "onnx_outputs")
+        proto = protos.get(outputs[0]) if outputs else None
+        if proto is None:
+            raise TaskError(f"node {node.name!r} matches no operator of the model")
+        consts = {
+            position: fixed[name].numpy()
+            for position, name in enumerate(proto.input)
+            if name in fixed and fixed[name].numel() <= _HOST_CONSTANT_ELEMENTS
+        }
+        spec = kernels.spec_of(proto, node.name, opsets, consts)
+        kernels.check_supported(spec)
+        specs[node.id] = spec
+        sources[node.id] = [_source(name, producer, graph) for name in proto.input]
+        producer.update((name, (node.id, k)) for k, name in enumerate(outputs))
+    for name, tensor in fixed.items():
+        types.setdefault(name, tensor.dtype)
+    return Program(
+        graph=graph,
+        specs=specs,
+        sources=sources,
+        upstream=_upstream(graph),
+        fixed=fixed,
+        trainable=_trainable(graph, specs, sources, fixed),
+        model_outputs=frozenset(o.name for o in model.graph.output),
+        types=types,
+        output_shapes={n.id: [tuple(s) for s in _shapes(n, "output_shapes")] for n in forward},
+    )
+
+
+def _names(node: Node, key: str) -> list[str]:
+    names = node.attrs.get(key)
+    if not isinstance(names, list):
+        raise TaskError(f"node {node.name!r} has no {key}: build the graph with remat")
+    return names
+
+
+def _shapes(node: Node, key: str) -> list[tuple[int, ...]]:
+    shapes = node.attrs.get(key)
+    if not isinstance(shapes, list):
+        raise TaskError(f"node {node.name!r} has no {key}: build the graph with remat")
+    return shapes
+
+
+def _source(name: str, producer: Mapping[str, tuple[int, int]], graph: Graph) -> Source:
+    if not name:
+        return Source()
+    if name in producer:
+        node, output = producer[name]
+        return Source(node=node, output=output)
+    if name in graph.fixed:
+        return Source(fixed=name)
+    raise TaskError(f"tensor {name!r} is neither a node output nor a fixed tensor of the graph")
+
+
+def _tensor_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """Every tensor a forward node reads or writes, with the shape remat inferred."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for node in graph.forward_nodes():
+        pairs = [
+            *zip(_names(node, "onnx_inputs"), _shapes(node, "input_shapes"), strict=True),
+            *zip(_names(node, "onnx_outputs"), _shapes(node, "output_shapes"), strict=True),
+        ]
+        shapes.update((name, tuple(int(d) for d in shape)) for name, shape in pairs)
+    return shapes
+
+
+def _tensor_types(model: onnx.ModelProto) -> dict[str, torch.dtype]:
+    """Element types from ONNX type inference (they do not depend on the batch)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # inference is best effort here; unknown types default to float32
+        inferred = model
+    types: dict[str, torch.dtype] = {}
+    graph = inferred.graph
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        elem = value.type.tensor_type.elem_type
+        if elem in kernels.DTYPES:
+            types[value.name] = kernels.DTYPES[elem]
+    for tensor in graph.initializer:
+        if tensor.data_type in kernels.DTYPES:
+            types[tensor.name] = kernels.DTYPES[tensor.data_type]
+    return types
+
+
+def _upstream(graph: Graph) -> dict[int, list[Upstream]]:
+    result: dict[int, list[Upstream]] = {}
+    counts = {n.id: len(n.attrs.get("onnx_outputs") or []) for n in graph.forward_nodes()}
+    for node in graph.nodes:
+        if node.kind is not NodeKind.BACKWARD:
+            continue
+        f = node.forward
+        assert f is not None
+        entries = []
+        for dep in node.deps:
+            upper = graph.nodes[dep]
+            if upper.kind is NodeKind.FORWARD:
+                continue
+            reads = upper.deps if upper.kind is NodeKind.LOSS else graph.nodes[upper.forward].deps  # type: ignore[index]
+            offset = sum(counts[d] for d in reads if d < f)
+            entries.append(Upstream(dep, offset, counts[f]))
+        result[node.id] = entries
+    return result
+
+
+def _trainable(
+    graph: Graph,
+    specs: Mapping[int, OpSpec],
+    sources: Mapping[int, list[Source]],
+    fixed: Mapping[str, Tensor],
+) -> frozenset[str]:
+    """Float parameters and inputs that a backward node can differentiate: read at a
+    differentiable position, and not the factor of a Mul / divisor of a Div whose
+    activation operand the backward node does not receive."""
+    reachable: set[str] = set()
+    blocked: set[str] = set()
+    for node in graph.nodes:
+        if node.kind is not NodeKind.BACKWARD or node.forward is None:
+            continue
+        f = graph.nodes[node.forward]
+        spec = specs[f.id]
+        missing = any(s.node is not None and s.node not in node.deps for s in sources[f.id])
+        partial = GRADIENT_NEEDS.get(f.op) in (Needs.MUL, Needs.DIV) and missing
+        for position, source in enumerate(sources[f.id]):
+            if source.fixed is None or not kernels.differentiable(spec, position):
+                continue
+            (blocked if partial else reachable).add(source.fixed)
+    return frozenset(
+        name
+        for name in reachable - blocked
+        if graph.fixed[name].has_gradient and fixed[name].is_floating_point()
+    )
+
+
+# --- fixed tensors ---------------------------------------------------------------------------
+
+
+def _fixed_values(
+    model: onnx.ModelProto,
+    graph: Graph,
+    shapes: Mapping[str, tuple[int, ...]],
+    types: Mapping[str, torch.dtype],
+    inputs: Mapping[str, np.ndarray],
+    seed: int,
+) -> dict[str, Tensor]:
+    initializers = {t.name: t for t in model.graph.initializer}
+    values: dict[str, Tensor] = {}
+    folded: list[str] = []
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in graph.fixed.items():
+        if tensor.kind is FixedKind.INPUT:
+            values[name] = _input_value(name, inputs, shapes, types, model, generator)
+        elif name in initializers:
+            values[name] = torch.from_numpy(numpy_helper.to_array(initializers[name]).copy())
+        else:
+            folded.append(name)
+    if folded:
+        evaluated = _evaluate_constants(model, graph, folded, shapes)
+        values.update((n, torch.from_numpy(np.ascontiguousarray(evaluated[n]))) for n in folded)
+    return values
+
+
+def _input_value(
+    name: str,
+    given: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    types: Mapping[str, torch.dtype],
+    model: onnx.ModelProto,
+    generator: torch.Generator,
+) -> Tensor:
+    if name in given:
+        return torch.from_numpy(np.ascontiguousarray(given[name]))
+    shape = shapes.get(name) or _declared_shape(model, name)
+    dtype = types.get(name, torch.float32)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _declared_shape(model: onnx.ModelProto, name: str) -> tuple[int, ...]:
+    for value in model.graph.input:
+        if value.name == name:
+            dims = value.type.tensor_type.shape.dim
+            if all(d.HasField("dim_value") for d in dims):
+                return tuple(d.dim_value for d in dims)
+    raise TaskError(f"model input {name!r} has no known shape: pass its value")
+
+
+def _evaluate_constants(
+    model: onnx.ModelProto,
+    graph: Graph,
+    names: Sequence[str],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, np.ndarray]:
+    """Values of folded constants (outputs of operators remat folded: Constant,
+    ConstantOfShape, shape arithmetic, ...), with ``onnx.reference`` on the operators they
+    depend on; ``Shape``/``Size`` of an activation become constants of its known shape."""
+    from onnx.reference import ReferenceEvaluator  # slow import, rarely needed
+
+    activations = {o for n in graph.forward_nodes() for o in _names(n, "onnx_outputs")}
+    activations |= {n for n, t in graph.fixed.items() if t.kind is FixedKind.INPUT}
+    producers = {o: (i, p) for i, p in enumerate(model.graph.node) for o in p.output if o}
+    initializers = {t.name: t for t in model.graph.initializer}
+    needed: dict[int, onnx.NodeProto] = {}
+    used_initializers: set[str] = set()
+    stack = list(names)
+    while stack:
+        name = stack.pop()
+        if name in initializers:
+            used_initializers.add(name)
+            continue
+        if name not in producers:
+            raise TaskError(f"cannot evaluate constant {name!r}: no operator produces it")
+        index, proto = producers[name]
+        if index in needed:
+            continue
+        if proto.op_type in ("Shape", "Size") and proto.input[0] in activations:
+            needed[index] = _shape_constant(proto, shapes)
+            continue
+        needed[index] = proto
+        stack.extend(i for i in proto.input if i)
+    nodes = [needed[i] for i in sorted(needed)]
+    sub = helper.make_graph(
+        nodes,
+        "constants",
+        [],
+        [helper.make_empty_tensor_value_info(n) for n in names],
+        initializer=[initializers[n] for n in sorted(used_initializers)],
+    )
+    sub_model = helper.make_model(sub, opset_imports=list(model.opset_import))
+    sub_model.ir_version = model.ir_version
+    sub_model.functions.extend(model.functions)
+    try:
+        results = ReferenceEvaluator(sub_model).run(None, {})
+    except Exception as error:  # any failure of the reference implementation
+        raise TaskError(f"cannot evaluate the model's constant tensors: {error}") from error
+    return {name: np.asarray(value) for name, value in zip(names, results, strict=True)}
+
+
+def _shape_constant(proto: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]]) -> onnx.NodeProto:
+    source = proto.input[0]
+    if source not in shapes:
+        raise TaskError(f"cannot evaluate {proto.op_type} of {source!r}: its shape is unknown")
+    dims = list(shapes[source])
+    if proto.op_type == "Size":
+        value = np.array(int(np.prod(dims)), dtype=np.int64)
+    else:
+        attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+        value = np.array(dims, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", len(dims))]
+    return helper.make_node(
+        "Constant", [], [proto.output[0]], value=numpy_helper.from_array(value, proto.output[0])
+    )

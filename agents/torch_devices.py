@@ -1,0 +1,122 @@
+"""The node's devices as PyTorch sees them: detection, binding a ``remat`` device to a
+``torch.device``, and timing work on it.
+
+Two CPU devices of different speed on one machine are emulated by thread counts: a CPU
+device runs every operation after ``torch.set_num_threads(threads)`` (e.g. cpu0 with one
+thread, cpu1 with two). CUDA devices are timed with events after synchronisation; CPU
+devices with ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from agents.errors import DeviceError
+from remat.devices import Device, DeviceKind
+
+T = TypeVar("T")
+
+# torch's own default (physical cores), used by CPU devices that name no thread count.
+DEFAULT_THREADS = torch.get_num_threads()
+_TRAILING_INDEX = re.compile(r"(\d+)$")
+
+
+def detect_devices() -> list[Device]:
+    """``cpu0`` (kind cpu, threads = ``os.cpu_count()``) plus ``cuda0``..``cudaN``, one
+    per CUDA GPU PyTorch can see."""
+    devices = [Device("cpu0", DeviceKind.CPU, {"threads": str(os.cpu_count() or 1)})]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_name(index)
+            devices.append(Device(f"cuda{index}", DeviceKind.CUDA, {"model": name}))
+    return devices
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One device bound to PyTorch: where its tensors live and how its work is timed."""
+
+    name: str
+    kind: DeviceKind
+    torch_device: torch.device
+    threads: int | None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind is DeviceKind.CUDA
+
+    def activate(self) -> None:
+        """Make this device current: its thread count (CPU) or its CUDA device."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.torch_device)
+        else:
+            threads = self.threads or DEFAULT_THREADS
+            # Changing the pool size is cheap, but skipping the call when unchanged keeps
+            # per-op overhead identical between the profiler and the executor.
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+
+    def timed(self, work: Callable[[], T]) -> tuple[T, float]:
+        """Run ``work`` on this device; its result and its time in milliseconds (CUDA:
+        events around it after synchronising, so that earlier work is not counted)."""
+        self.activate()
+        if not self.is_cuda:
+            start = time.perf_counter()
+            result = work()
+            return result, (time.perf_counter() - start) * 1e3
+        self.synchronize()
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = work()
+        end.record()
+        end.synchronize()
+        return result, float(begin.elapsed_time(end))
+
+
+def runtime_of(device: Device) -> Runtime:
+    """Bind ``device`` to PyTorch; DeviceError when it cannot run here."""
+    if device.kind is DeviceKind.CPU:
+        return Runtime(device.name, device.kind, torch.device("cpu"), device.threads)
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device.name!r} is CUDA, but CUDA is not available here")
+    index = _cuda_index(device)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(f"device {device.name!r} is CUDA index {index}; this node has {count}")
+    return Runtime(device.name, device.kind, torch.device("cuda", index), None)
+
+
+def _cuda_index(device: Device) -> int:
+    """The CUDA index: option ``index``, else the trailing digits of the name (cuda1 -> 1),
+    else 0."""
+    text = device.options.get("index")
+    if text is None:
+        match = _TRAILING_INDEX.search(device.name)
+        text = match.group(1) if match else "0"
+    if not text.isdigit():
+        raise DeviceError(f"device {device.name!r}: index {text!r} is not a number")
+    return int(text)
+
+
+def runtimes(devices: Sequence[Device]) -> dict[str, Runtime]:
+    return {d.name: runtime_of(d) for d in devices}
+
+
+def copy_runtime(src: Runtime, dst: Runtime) -> Runtime:
+    """Which device a copy is timed on: the CUDA side where there is one (its stream does
+    the transfer), else the destination's thread pool (it writes the copy)."""
+    if src.is_cuda and not dst.is_cuda:
+        return src
+    return dst

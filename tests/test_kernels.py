@@ -1,0 +1,457 @@
+"""The agent's kernels and programs: every forward operator against onnxruntime (the sample
+model families and single operators with non-default attributes), every closed-form
+gradient against autograd, and the value layout of training graphs against the graph's
+byte counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
+pytest.importorskip("onnxruntime", reason="the agent extra (onnxruntime) is not installed")
+import onnxruntime as ort
+import torch
+
+from agents import kernels
+from agents.errors import UnsupportedOpError
+from agents.kernels import OpSpec, VjpCall
+from agents.program import Program, build_program, value_bytes
+from remat import samples
+from remat.graph import NodeKind
+from remat.onnx_ingest import forward_graph
+from remat.training import training_graph
+
+F32 = TensorProto.FLOAT
+RTOL = 1e-4
+
+FAMILIES: dict[str, Callable[[], onnx.ModelProto]] = {
+    "vgg16": lambda: samples.vgg16(batch=2, image=32, width=4),
+    "resnet18": lambda: samples.resnet18(batch=2, image=32, width=4),
+    "unet": lambda: samples.unet(batch=1, image=32, width=4, depth=2),
+    "mobilenet_v1": lambda: samples.mobilenet_v1(batch=1, image=32, width=4),
+    "transformer": lambda: samples.transformer_block(batch=2),
+    "old_style": lambda: samples.old_style_model(batch=2),
+    "chain": lambda: samples.chain(6, batch=2),
+}
+
+
+# --- comparing with onnxruntime ---------------------------------------------------------------
+
+
+def _onnxruntime_values(model: onnx.ModelProto, program: Program) -> dict[str, np.ndarray]:
+    """Every tensor a forward node writes, as onnxruntime computes it (all intermediates
+    made graph outputs, graph optimisations off so that they exist)."""
+    values = program.forward_values()
+    extended = onnx.ModelProto()
+    extended.CopyFrom(model)
+    present = {o.name for o in extended.graph.output}
+    for node in program.graph.forward_nodes():
+        for name, tensor in zip(node.attrs["onnx_outputs"], values[node.id], strict=True):
+            if name not in present:
+                elem = helper.np_dtype_to_tensor_dtype(tensor.numpy().dtype)
+                info = helper.make_tensor_value_info(name, elem, list(tensor.shape))
+                extended.graph.output.append(info)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        extended.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    feeds = {i.name: program.fixed[i.name].numpy() for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds), strict=True))
+
+
+def _assert_forward_matches(model: onnx.ModelProto, **graph_args: Any) -> Program:
+    program = build_program(model, forward_graph(model, **graph_args))
+    ours = program.forward_values()
+    theirs = _onnxruntime_values(model, program)
+    checked = 0
+    for node in program.graph.forward_nodes():
+        for name, tensor in zip(node.attrs["onnx_outputs"], ours[node.id], strict=True):
+            expected = theirs[name]
+            got = tensor.numpy()
+            assert got.shape == expected.shape, (node.name, name)
+            assert got.dtype == expected.dtype, (node.name, name)
+            scale = max(float(np.abs(expected).max(initial=0)), 1e-6)
+            error = float(np.abs(got.astype(np.float64) - expected).max(initial=0)) / scale
+            assert error <= RTOL, f"{node.name} ({node.op}) output {name}: rel error {error:.2e}"
+            checked += 1
+    assert checked >= len(program.graph)
+    return program
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sample_families_match_onnxruntime_per_operator(family: str) -> None:
+    _assert_forward_matches(FAMILIES[family]())
+
+
+# --- single operators with non-default attributes ---------------------------------------------
+
+
+@dataclass
+class Case:
+    op: str
+    inputs: dict[str, tuple[int, ...]]  # graph inputs (random normal)
+    consts: dict[str, np.ndarray] = field(default_factory=dict)  # initializers
+    attrs: dict[str, Any] = field(default_factory=dict)
+    opset: int = 17
+    outputs: int = 1
+    order: Sequence[str] | None = None  # input order when consts come first or interleave
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _w(*shape: int) -> np.ndarray:
+    return _rng(1).normal(0, 0.5, shape).astype(np.float32)
+
+
+def _i64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+CASES: dict[str, Case] = {
+    "conv_asymmetric_pads_dilated": Case(
+        "Conv",
+        {"x": (1, 2, 9, 9)},
+        {"w": _w(3, 2, 3, 3), "b": _w(3)},
+        {"pads": [0, 1, 1, 2], "strides": [2, 1], "dilations": [1, 2]},
+    ),
+    "conv_same_upper_grouped": Case(
+        "Conv",
+        {"x": (1, 4, 7, 7)},
+        {"w": _w(4, 2, 3, 3)},
+        {"auto_pad": "SAME_UPPER", "strides": [2, 2], "group": 2},
+    ),
+    "conv_1d": Case("Conv", {"x": (2, 3, 10)}, {"w": _w(4, 3, 3)}, {"pads": [1, 1]}),
+    "conv_transpose_asymmetric": Case(
+        "ConvTranspose",
+        {"x": (1, 3, 5, 5)},
+        {"w": _w(3, 2, 3, 3), "b": _w(2)},
+        {"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 1]},
+    ),
+    "conv_transpose_grouped": Case(
+        "ConvTranspose",
+        {"x": (1, 4, 4, 4)},
+        {"w": _w(4, 1, 2, 2)},
+        {"strides": [2, 2], "group": 2, "pads": [1, 1, 1, 1]},
+    ),
+    "maxpool_indices": Case(
+        "MaxPool", {"x": (2, 3, 6, 6)}, attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, outputs=2
+    ),
+    "maxpool_ceil_pads": Case(
+        "MaxPool",
+        {"x": (1, 2, 7, 7)},
+        attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1},
+    ),
+    "maxpool_same_lower": Case(
+        "MaxPool",
+        {"x": (1, 2, 7, 7)},
+        attrs={"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"},
+    ),
+    "avgpool_exclude_pad": Case(
+        "AveragePool",
+        {"x": (1, 2, 6, 6)},
+        attrs={"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 0},
+    ),
+    "avgpool_asymmetric_include_pad": Case(
+        "AveragePool",
+        {"x": (1, 2, 6, 6)},
+        attrs={"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 0, 0, 1]},
+    ),
+    "avgpool_asymmetric_exclude_pad": Case(
+        "AveragePool",
+        {"x": (1, 2, 6, 6)},
+        attrs={"kernel_shape": [3, 3], "pads": [0, 2, 1, 0], "count_include_pad": 0},
+    ),
+    "gemm_trans_a_alpha_beta": Case(
+        "Gemm",
+        {"a": (5, 3)},
+        {"b": _w(5, 4), "c": _w(3, 4)},
+        {"transA": 1, "alpha": 0.5, "beta": 2.0},
+    ),
+    "softmax_opset11_coerced": Case("Softmax", {"x": (2, 3, 4)}, attrs={"axis": 1}, opset=11),
+    "log_softmax_axis0": Case("LogSoftmax", {"x": (3, 4)}, attrs={"axis": 0}),
+    "slice_negative_step": Case(
+        "Slice",
+        {"x": (3, 10)},
+        {"starts": _i64(-1), "ends": _i64(-1000), "axes": _i64(1), "steps": _i64(-3)},
+    ),
+    "slice_clamped": Case(
+        "Slice", {"x": (4, 6)}, {"starts": _i64(1, -4), "ends": _i64(99, -1), "axes": _i64(0, 1)}
+    ),
+    "pad_reflect": Case(
+        "Pad", {"x": (1, 2, 4, 4)}, {"pads": _i64(0, 0, 1, 2, 0, 0, 2, 1)}, {"mode": "reflect"}
+    ),
+    "pad_constant_value": Case(
+        "Pad",
+        {"x": (2, 3)},
+        {"pads": _i64(1, 0, 0, 2), "value": np.array(1.5, np.float32)},
+        opset=13,
+    ),
+    "split_sizes": Case("Split", {"x": (2, 7)}, {"split": _i64(3, 4)}, {"axis": 1}, outputs=2),
+    "split_num_outputs": Case(
+        "Split", {"x": (7, 2)}, attrs={"num_outputs": 3}, opset=18, outputs=3
+    ),
+    "reduce_mean_attr_axes": Case(
+        "ReduceMean", {"x": (2, 3, 4)}, attrs={"axes": [1, -1], "keepdims": 0}, opset=13
+    ),
+    "reduce_sum_input_axes": Case("ReduceSum", {"x": (2, 3, 4)}, {"axes": _i64(1)}, opset=13),
+    "reduce_max_all": Case("ReduceMax", {"x": (2, 3)}, opset=18),
+    "gather_negative_indices": Case(
+        "Gather", {"x": (3, 5)}, {"i": _i64(-1, 0, 2).reshape(3, 1)}, {"axis": 1}
+    ),
+    "clip_inputs": Case(
+        "Clip",
+        {"x": (4, 4)},
+        {"lo": np.array(-0.2, np.float32), "hi": np.array(0.3, np.float32)},
+        opset=13,
+    ),
+    "layer_norm_two_axes": Case(
+        "LayerNormalization",
+        {"x": (2, 3, 4)},
+        {"scale": _w(3, 4), "bias": _w(3, 4)},
+        {"axis": -2, "epsilon": 1e-3},
+    ),
+    "batch_norm_statistics": Case(
+        "BatchNormalization",
+        {"x": (2, 3, 4, 4)},
+        {
+            "scale": _w(3),
+            "bias": _w(3),
+            "mean": _w(3),
+            "var": np.abs(_w(3)) + 0.5,
+        },
+        {"epsilon": 1e-3},
+    ),
+    "instance_norm": Case(
+        "InstanceNormalization", {"x": (2, 3, 5, 5)}, {"scale": _w(3), "bias": _w(3)}
+    ),
+    "lrn": Case("LRN", {"x": (1, 6, 3, 3)}, attrs={"size": 3, "alpha": 1e-2, "beta": 0.5}),
+    "prelu_channels": Case("PRelu", {"x": (2, 3, 4)}, {"slope": _w(3, 1)}),
+    "hard_sigmoid": Case("HardSigmoid", {"x": (3, 4)}, attrs={"alpha": 0.3, "beta": 0.4}),
+    "hard_swish": Case("HardSwish", {"x": (3, 4)}, opset=14),
+    "elu": Case("Elu", {"x": (3, 4)}, attrs={"alpha": 0.7}),
+    "selu": Case("Selu", {"x": (3, 4)}),
+    "leaky_relu": Case("LeakyRelu", {"x": (3, 4)}, attrs={"alpha": 0.2}),
+    "gelu_tanh": Case("Gelu", {"x": (3, 4)}, attrs={"approximate": "tanh"}, opset=20),
+    "erf": Case("Erf", {"x": (3, 4)}),
+    "pow_constant_exponent": Case("Pow", {"x": (3, 4)}, {"e": np.array(2.0, np.float32)}),
+    "expand": Case("Expand", {"x": (3, 1)}, {"shape": _i64(2, 3, 4)}),
+    "tile": Case("Tile", {"x": (2, 3)}, {"reps": _i64(2, 2)}),
+    "where": Case(
+        "Where",
+        {"a": (3, 4), "b": (4,)},
+        {"c": np.array([True, False, True, False])},
+        order=["c", "a", "b"],
+    ),
+    "cast_to_double": Case("Cast", {"x": (3,)}, attrs={"to": TensorProto.DOUBLE}),
+    "unsqueeze_opset11": Case("Unsqueeze", {"x": (3, 4)}, attrs={"axes": [0, -1]}, opset=11),
+    "squeeze_opset13": Case("Squeeze", {"x": (3, 1, 4, 1)}, {"axes": _i64(-1)}, opset=13),
+    "flatten_axis2": Case("Flatten", {"x": (2, 3, 4, 5)}, attrs={"axis": 2}),
+    "transpose_default": Case("Transpose", {"x": (2, 3, 4)}),
+    "matmul_broadcast": Case("MatMul", {"a": (2, 3, 4)}, {"b": _w(4, 5)}),
+    "einsum": Case("Einsum", {"a": (2, 3), "b": (3, 4)}, attrs={"equation": "ij,jk->ik"}, opset=12),
+    "argmax_last_index": Case(
+        "ArgMax", {"x": (3, 4)}, attrs={"axis": 1, "keepdims": 0, "select_last_index": 1}
+    ),
+    "global_max_pool": Case("GlobalMaxPool", {"x": (2, 3, 4, 4)}),
+    "reshape_zero_and_infer": Case("Reshape", {"x": (2, 3, 4)}, {"shape": _i64(0, -1)}),
+    "concat_negative_axis": Case("Concat", {"a": (2, 3), "b": (2, 2)}, attrs={"axis": -1}),
+    "sum_three": Case("Sum", {"a": (2, 3), "b": (3,), "c": (2, 1)}),
+    "dropout_with_mask": Case("Dropout", {"x": (3, 4)}, outputs=2),
+}
+
+
+def _single_op_model(case: Case) -> onnx.ModelProto:
+    """A one-operator model; the operator's output is fed through Identity only so that a
+    model output is never the operator's input."""
+    names = list(case.order) if case.order else [*case.inputs, *case.consts]
+    outputs = [f"y{i}" for i in range(case.outputs)]
+    node = helper.make_node(case.op, names, outputs, name="op", **case.attrs)
+    graph = helper.make_graph(
+        [node],
+        "single",
+        [helper.make_tensor_value_info(n, F32, list(s)) for n, s in case.inputs.items()],
+        [helper.make_empty_tensor_value_info(o) for o in outputs],
+        initializer=[numpy_helper.from_array(v, n) for n, v in case.consts.items()],
+    )
+    opsets = [helper.make_opsetid("", case.opset)]
+    model = helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets)
+    )
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    for out, info in zip(model.graph.output, inferred.graph.output, strict=True):
+        out.type.CopyFrom(info.type)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_single_operator_matches_onnxruntime(name: str) -> None:
+    _assert_forward_matches(_single_op_model(CASES[name]))
+
+
+def test_every_sample_operator_has_a_kernel() -> None:
+    ops = {n.op for build in FAMILIES.values() for n in forward_graph(build()).nodes}
+    assert ops <= set(kernels.KERNELS), ops - set(kernels.KERNELS)
+
+
+def test_an_operator_without_kernel_is_named() -> None:
+    case = Case("CumSum", {"x": (2, 3)}, {"axis": np.array(1, np.int64)}, opset=14)
+    model = _single_op_model(case)
+    with pytest.raises(UnsupportedOpError, match=r"ONNX op 'CumSum' \(node 'op'\)"):
+        build_program(model, forward_graph(model))
+
+
+def test_a_custom_domain_operator_is_named() -> None:
+    model = samples.chain(2, batch=1)
+    model.graph.node[1].domain = "com.example"
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    model.graph.value_info.append(helper.make_tensor_value_info("act0", F32, [1, 16]))
+    graph = forward_graph(model)
+    with pytest.raises(UnsupportedOpError, match=r"'Relu' \(node 'act0'\).*com\.example"):
+        build_program(model, graph)
+
+
+# --- gradients ----------------------------------------------------------------------------------
+
+
+@dataclass
+class GradCase:
+    op: str
+    shapes: list[tuple[int, ...]]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    opset: int = 17
+
+
+GRAD_CASES: dict[str, GradCase] = {
+    "conv": GradCase(
+        "Conv",
+        [(2, 4, 7, 7), (6, 2, 3, 3), (6,)],
+        {"pads": [1, 1, 1, 1], "group": 2, "strides": [2, 2]},
+    ),
+    "conv_asymmetric": GradCase("Conv", [(1, 2, 6, 6), (3, 2, 3, 3)], {"pads": [0, 1, 2, 0]}),
+    "conv_transpose": GradCase(
+        "ConvTranspose",
+        [(1, 4, 3, 3), (4, 3, 2, 2), (3,)],
+        {"strides": [2, 2], "pads": [1, 1, 1, 1]},
+    ),
+    "gemm": GradCase("Gemm", [(3, 4), (5, 4), (5,)], {"transB": 1}),
+    "gemm_transposes_scaled": GradCase(
+        "Gemm", [(4, 3), (5, 4), (3, 5)], {"transA": 1, "transB": 1, "alpha": 0.5, "beta": 3.0}
+    ),
+    "matmul_batched_broadcast": GradCase("MatMul", [(2, 1, 3, 4), (3, 4, 5)]),
+    "add_broadcast": GradCase("Add", [(2, 3, 4), (3, 1)]),
+    "sub_broadcast": GradCase("Sub", [(4,), (2, 4)]),
+    "mul_broadcast": GradCase("Mul", [(2, 3), (3,)]),
+    "div": GradCase("Div", [(2, 3), (2, 3)]),
+    "sum": GradCase("Sum", [(2, 3), (3,), (2, 1)]),
+    "concat": GradCase("Concat", [(2, 3), (2, 1), (2, 2)], {"axis": 1}),
+    "transpose": GradCase("Transpose", [(2, 3, 4)], {"perm": [1, 2, 0]}),
+    "flatten": GradCase("Flatten", [(2, 3, 4)], {"axis": 2}),
+    "global_average_pool": GradCase("GlobalAveragePool", [(2, 3, 4, 5)]),
+    "softmax": GradCase("Softmax", [(2, 3, 4)], {"axis": 1}),
+    "softmax_opset11": GradCase("Softmax", [(2, 3, 4)], {"axis": 1}, 11),
+    "log_softmax": GradCase("LogSoftmax", [(2, 5)]),
+    "relu": GradCase("Relu", [(3, 4)]),
+    "sigmoid": GradCase("Sigmoid", [(3, 4)]),
+    "tanh": GradCase("Tanh", [(3, 4)]),
+    "exp": GradCase("Exp", [(3, 4)]),
+    "identity": GradCase("Identity", [(3, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_closed_form_gradients_match_autograd(name: str) -> None:
+    case = GRAD_CASES[name]
+    assert case.op in kernels.VJP_RULES
+    generator = torch.Generator().manual_seed(3)
+    args = [torch.randn(s, generator=generator, dtype=torch.float64) for s in case.shapes]
+    spec = OpSpec(
+        case.op,
+        "node",
+        opset=case.opset,
+        attrs=case.attrs,
+        inputs=tuple(f"in{i}" for i in range(len(args))),
+        outputs=("out",),
+    )
+    output = kernels.run_forward(spec, args)
+    grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
+    call = VjpCall(spec, args, output, grads, [True] * len(args))
+    ours, reference = kernels.vjp(call), kernels.autograd_vjp(call)
+    for position, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert a is not None and b is not None, position
+        assert a.shape == b.shape, position
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:
+    """Add's and Concat's gradients need shapes only: zero-stride placeholders allocate
+    nothing and give the same gradients as the real inputs."""
+    for op, shapes, attrs in (
+        ("Add", [(2, 3), (3,)], {}),
+        ("Concat", [(2, 3), (2, 2)], {"axis": 1}),
+    ):
+        spec = OpSpec(op, "n", attrs=attrs, inputs=("a", "b"), outputs=("y",))
+        real = [torch.randn(s) for s in shapes]
+        fake = [kernels.placeholder(s, torch.float32, torch.device("cpu")) for s in shapes]
+        assert all(p.untyped_storage().nbytes() == 4 for p in fake)
+        g = torch.randn(kernels.run_forward(spec, real)[0].shape)
+        with_real = kernels.vjp(VjpCall(spec, real, None, [g], [True, True]))
+        with_fake = kernels.vjp(VjpCall(spec, fake, None, [g], [True, True]))
+        for a, b in zip(with_real, with_fake, strict=True):
+            assert a is not None and b is not None
+            torch.testing.assert_close(a, b)
+
+
+# --- program layout -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["resnet18", "unet", "transformer", "old_style"])
+def test_training_values_have_the_graphs_bytes(family: str) -> None:
+    """Every node's value (forward, loss, backward) in node order is exactly as large as
+    the graph says, and owns its storage."""
+    model = FAMILIES[family]()
+    graph = training_graph(forward_graph(model))
+    program = build_program(model, graph)
+    values: dict[int, tuple[torch.Tensor, ...]] = {}
+    grads = {n: torch.zeros_like(program.fixed[n]) for n in program.trainable}
+    storages: set[int] = set()
+    for node in graph.nodes:
+        value = program.compute(node.id, values, program.fixed, grads, torch.device("cpu"))
+        assert value_bytes(value) == node.output_bytes, node.name
+        for t in value:
+            if t.numel():
+                assert t.untyped_storage().data_ptr() not in storages, node.name
+                storages.add(t.untyped_storage().data_ptr())
+        values[node.id] = value
+    kinds = {n.kind for n in graph.nodes}
+    assert kinds == {NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD}
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+
+
+def test_folded_constants_are_evaluated() -> None:
+    """old_style's conv bias (ConstantOfShape) and flatten shape (Shape/Gather/Concat of an
+    activation) are fixed tensors computed when the program is built."""
+    model = samples.old_style_model(batch=3)
+    program = build_program(model, forward_graph(model))
+    assert program.fixed["conv2_bias"].tolist() == pytest.approx([0.01] * 16)
+    assert program.fixed["flatten_concat"].tolist() == [3, -1]
+
+
+def test_inputs_are_seeded_or_given() -> None:
+    model = samples.chain(2, batch=2, features=4)
+    graph = forward_graph(model)
+    first, again = build_program(model, graph, seed=5), build_program(model, graph, seed=5)
+    torch.testing.assert_close(first.fixed["input"], again.fixed["input"])
+    given = np.ones((2, 4), np.float32)
+    program = build_program(model, graph, inputs={"input": given})
+    assert program.fixed["input"].tolist() == given.tolist()

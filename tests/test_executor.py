@@ -1,0 +1,277 @@
+"""The executor: scheduled training gives the gradients of plain autograd and the
+simulator's peak memory on every device (exactly, on CPU); bad plans and devices are clear
+errors; a device out of memory is a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import onnx
+import pytest
+
+pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
+import torch
+
+from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
+from agents.executor import ExecutionReport, execute, max_relative_error
+from agents.program import Program
+from remat import samples
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind, Size
+from remat.graph import Graph, Mode, Node, NodeKind
+from remat.onnx_ingest import forward_graph
+from remat.plan import Compute, Copy, Free, Plan, PlanDevice, Step
+from remat.strategies import run_strategy
+from remat.strategies.base import Problem
+from remat.strategies.placed import placed_greedy
+from remat.training import for_mode
+
+CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
+CPU1 = Device("cpu1", DeviceKind.CPU, {"threads": "2"})
+DEVICES = [CPU0, CPU1]
+MODELS: dict[str, Callable[[], onnx.ModelProto]] = {
+    "vgg16": lambda: samples.vgg16(batch=2, image=32, width=4),
+    "resnet18": lambda: samples.resnet18(batch=2, image=32, width=4),
+    "unet": lambda: samples.unet(batch=1, image=32, width=4, depth=2),
+    "transformer": lambda: samples.transformer_block(batch=2),
+    "mobilenet_v1": lambda: samples.mobilenet_v1(batch=1, image=32, width=4),
+}
+
+
+def _graph(model: onnx.ModelProto, mode: Mode = Mode.TRAINING) -> Graph:
+    return for_mode(forward_graph(model), mode)
+
+
+def _problem(graph: Graph, percent: float | None, devices: Sequence[str]) -> Problem:
+    costs = analytical_costs(graph, DEVICES)
+    budget = None
+    if percent is not None:
+        ref = reference(graph, costs)
+        budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+    return Problem(graph, costs, dict.fromkeys(devices, budget))
+
+
+def _strategy_plan(graph: Graph, strategy: str, percent: float | None, device: str) -> Plan:
+    result = run_strategy(strategy, _problem(graph, percent, [device]), device)
+    assert result.plan is not None, result.message
+    return result.plan
+
+
+def _assert_matches(report: ExecutionReport, plan: Plan) -> None:
+    assert report.gradients_match is True
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-4
+    # CPU accounting is exact: the same bytes as the simulator, step for step.
+    assert report.peak_bytes == report.predicted_peak_bytes
+    assert set(report.peak_bytes) == {d.name for d in plan.devices}
+    assert len(report.step_ms) == len(plan.steps)
+    assert report.total_ms > 0 and all(ms >= 0 for ms in report.step_ms)
+
+
+def _recomputes(plan: Plan) -> bool:
+    computes = [s.node for s in plan.steps if isinstance(s, Compute)]
+    return len(computes) > len(set(computes))
+
+
+# --- scheduled training ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy", "percent", "device"),
+    [
+        ("vgg16", "checkpoint_all", 100, "cpu0"),
+        ("vgg16", "chen_sqrt", None, "cpu0"),
+        ("resnet18", "ap_sqrt", None, "cpu1"),
+        ("unet", "linearized_greedy", 70, "cpu0"),
+        ("transformer", "checkpoint_all", 100, "cpu1"),
+    ],
+)
+def test_single_device_plans_give_autograds_gradients_and_the_simulators_peak(
+    family: str, strategy: str, percent: float | None, device: str
+) -> None:
+    model = MODELS[family]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, strategy, percent, device)
+    if strategy != "checkpoint_all":
+        assert _recomputes(plan), "the case should exercise recomputation"
+    report = execute(model, graph, plan, DEVICES)
+    _assert_matches(report, plan)
+
+
+def _split_plan(
+    graph: Graph, home: Callable[[Node], str], devices: Sequence[Device] = tuple(DEVICES)
+) -> Plan:
+    """Every node once on its home device; a dependency resident elsewhere is copied in;
+    every copy is freed after the value's last use."""
+    users = graph.users()
+    resident: dict[str, set[int]] = {d.name: set() for d in devices}
+    steps: list[Step] = []
+    for node in graph.nodes:
+        device = home(node)
+        for dep in node.deps:
+            if dep not in resident[device]:
+                source = next(d for d, held in resident.items() if dep in held)
+                steps.append(Copy(node.id, dep, source, device))
+                resident[device].add(dep)
+        steps.append(Compute(node.id, node.id, device))
+        resident[device].add(node.id)
+        for value in {*node.deps, node.id}:
+            if max(users[value], default=-1) <= node.id:
+                for name, held in resident.items():
+                    if value in held:
+                        steps.append(Free(node.id, value, name))
+                        held.discard(value)
+    return Plan("split", tuple(PlanDevice.of(d, None) for d in devices), tuple(steps))
+
+
+@pytest.mark.parametrize("family", ["unet", "mobilenet_v1", "transformer"])
+def test_a_plan_split_over_two_devices_matches(family: str) -> None:
+    """First half of the forward pass (and its backward) on cpu0, the rest on cpu1:
+    activations copy forward, gradients copy back."""
+    model = MODELS[family]()
+    graph = _graph(model)
+    cut = len(graph.forward_nodes()) // 2
+
+    def home(node: Node) -> str:
+        forward = node.forward if node.kind is NodeKind.BACKWARD else node.id
+        return "cpu0" if node.kind is not NodeKind.LOSS and forward < cut else "cpu1"  # type: ignore[operator]
+
+    plan = _split_plan(graph, home)
+    copies = {(s.src, s.dst) for s in plan.steps if isinstance(s, Copy)}
+    assert copies == {("cpu0", "cpu1"), ("cpu1", "cpu0")}
+    _assert_matches(execute(model, graph, plan, DEVICES), plan)
+
+
+def test_a_multi_device_heuristic_plan_matches() -> None:
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    result = placed_greedy(_problem(graph, 40, ["cpu0", "cpu1"]), time_budget_s=2.0)
+    assert result.plan is not None, result.message
+    plan = result.plan
+    assert {s.device for s in plan.steps if isinstance(s, Compute)} == {"cpu0", "cpu1"}
+    report = execute(model, graph, plan, DEVICES)
+    _assert_matches(report, plan)
+    assert report.predicted_total_ms == plan.predicted.total_ms  # type: ignore[union-attr]
+
+
+def test_inference_plan_reproduces_the_outputs() -> None:
+    model = MODELS["resnet18"]()
+    graph = _graph(model, Mode.INFERENCE)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
+    report = execute(model, graph, plan, DEVICES)
+    assert report.gradients_match is None and report.max_rel_error is None
+    assert report.outputs_match is True
+    assert report.peak_bytes == report.predicted_peak_bytes
+
+
+def test_report_json_has_the_protocol_fields() -> None:
+    model = samples.chain(4, batch=2)
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", None, "cpu0")
+    document = execute(model, graph, plan).to_json()
+    assert set(document) == {"measured", "predicted", "gradients_match", "max_rel_error"}
+    assert set(document["measured"]) == {"total_ms", "peak_bytes", "step_ms"}
+    assert set(document["predicted"]) == {"total_ms", "peak_bytes"}
+    assert document["gradients_match"] is True
+    assert document["measured"]["peak_bytes"] == document["predicted"]["peak_bytes"]
+
+
+def test_relative_error_sees_a_wrong_gradient() -> None:
+    expected = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0, 0.0])}
+    assert max_relative_error(expected, expected) == 0.0
+    assert max_relative_error({**expected, "w": torch.tensor([1.0, 2.1])}, expected) > 1e-2
+    assert max_relative_error({"w": expected["w"]}, expected) == float("inf")
+
+
+# --- refusals and faults -------------------------------------------------------------------
+
+
+def _chain_plan() -> tuple[onnx.ModelProto, Graph, Plan]:
+    model = samples.chain(4, batch=2)
+    graph = _graph(model)
+    return model, graph, _strategy_plan(graph, "checkpoint_all", None, "cpu0")
+
+
+def test_a_plan_the_simulator_rejects_is_refused() -> None:
+    model, graph, plan = _chain_plan()
+    first_free = next(i for i, s in enumerate(plan.steps) if isinstance(s, Free))
+    twice = (*plan.steps[: first_free + 1], *plan.steps[first_free:])
+    broken = Plan(plan.strategy, plan.devices, twice)
+    with pytest.raises(PlanRejectedError, match="double free"):
+        execute(model, graph, broken, DEVICES)
+    small = Plan(plan.strategy, (PlanDevice("cpu0", DeviceKind.CPU, 1000),), plan.steps)
+    with pytest.raises(PlanRejectedError, match="over the budget"):
+        execute(model, graph, small, DEVICES)
+
+
+def test_a_device_this_node_lacks_is_refused() -> None:
+    model, graph, plan = _chain_plan()
+    with pytest.raises(DeviceError, match=r"'cpu0'.*this node does not have.*cpu7"):
+        execute(model, graph, plan, [Device("cpu7", DeviceKind.CPU)])
+    elsewhere = Plan(plan.strategy, plan.devices, (Compute(0, 0, "gpu9"), *plan.steps))
+    with pytest.raises(DeviceError, match="unknown device 'gpu9'"):
+        execute(model, graph, elsewhere, DEVICES)
+    mismatched = [Device("cpu0", DeviceKind.CUDA)]
+    with pytest.raises(DeviceError, match="cuda on this node, cpu in the plan"):
+        execute(model, graph, plan, mismatched)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused() -> None:
+    model, graph, plan = _chain_plan()
+    moved = [
+        Compute(s.stage, s.node, "cuda0")
+        if isinstance(s, Compute)
+        else Free(s.stage, s.node, "cuda0")
+        for s in plan.steps
+    ]
+    cuda = Plan(plan.strategy, (PlanDevice("cuda0", DeviceKind.CUDA, None),), tuple(moved))
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        execute(model, graph, cuda)
+
+
+def test_an_unsupported_operator_is_named() -> None:
+    model, graph, plan = _chain_plan()
+    model.graph.node[2].op_type = "Softsign2"  # act1 (Tanh): no such kernel
+    with pytest.raises(UnsupportedOpError, match=r"'Softsign2' \(node 'act1'\)"):
+        execute(model, graph, plan, DEVICES)
+
+
+def test_out_of_memory_names_the_device_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, graph, plan = _chain_plan()
+    original = Program.compute
+
+    def failing(self: Program, index: int, *args: object, **kwargs: object) -> object:
+        if index == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, index, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Program, "compute", failing)
+    step = next(i for i, s in enumerate(plan.steps) if isinstance(s, Compute) and s.node == 3)
+    with pytest.raises(DeviceOutOfMemory, match=rf"device 'cpu0' at step {step} \(compute"):
+        execute(model, graph, plan, DEVICES)
+    monkeypatch.undo()
+    assert execute(model, graph, plan, DEVICES).gradients_match is True  # still usable
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_plan_over_cpu_and_cuda_matches() -> None:  # pragma: no cover - GPU only
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    cut = len(graph.forward_nodes()) // 2
+    cuda = Device("cuda0", DeviceKind.CUDA)
+
+    def home(node: Node) -> str:
+        forward = node.forward if node.kind is NodeKind.BACKWARD else node.id
+        return "cpu0" if node.kind is not NodeKind.LOSS and forward < cut else "cuda0"  # type: ignore[operator]
+
+    plan = _split_plan(graph, home, [CPU0, cuda])
+    report = execute(model, graph, plan, [CPU0, cuda])
+    assert report.gradients_match is True
+    assert report.peak_bytes["cpu0"] == report.predicted_peak_bytes["cpu0"]
+    measured, predicted = report.peak_bytes["cuda0"], report.predicted_peak_bytes["cuda0"]
+    # Kernels' temporary buffers (cuDNN workspaces) count on CUDA: allow 1 MiB.
+    assert abs(measured - predicted) <= max(0.01 * predicted, 2**20)

@@ -160,6 +160,8 @@ class _TableDevice(BaseModel):
 class _TableNode(BaseModel):
     compute_ms: dict[str, float]
     output_bytes: int = Field(ge=0)
+    # Dispersion of a profiled time per device (the interquartile range of the repeats).
+    compute_spread_ms: dict[str, float] = Field(default_factory=dict)
 
 
 class CostTable(BaseModel):

@@ -1,0 +1,97 @@
+"""The profiler: a measured cost table the cost model accepts for the same graph, with
+positive times per node and device, copies in both directions, the graph's bytes, and
+progress while it runs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
+import torch
+
+from agents.errors import DeviceError
+from agents.profiler import median_and_spread, profile
+from remat import samples
+from remat.costs import CostSource, profiled_costs
+from remat.devices import Device, DeviceKind
+from remat.graph import Mode
+from remat.onnx_ingest import forward_graph
+from remat.training import for_mode
+
+CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
+CPU1 = Device("cpu1", DeviceKind.CPU, {"threads": "2"})
+
+
+@pytest.mark.parametrize("mode", [Mode.TRAINING, Mode.INFERENCE])
+def test_profile_is_a_cost_table_for_the_graph(mode: Mode) -> None:
+    model = samples.resnet18(batch=1, image=32, width=4)
+    graph = for_mode(forward_graph(model), mode)
+    progress: list[tuple[int, int]] = []
+    table = profile(
+        model,
+        graph,
+        [CPU0, CPU1],
+        repeats=3,
+        warmup=1,
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    assert table.source is CostSource.PROFILED
+    assert [(d.name, d.kind, d.threads) for d in table.devices] == [
+        ("cpu0", DeviceKind.CPU, 1),
+        ("cpu1", DeviceKind.CPU, 2),
+    ]
+    assert set(table.nodes) == {n.name for n in graph.nodes}
+    costs = profiled_costs(graph, table)  # every node, device and ordered pair is there
+    assert costs.source is CostSource.PROFILED
+    assert (costs.compute_ms > 0).all()
+    assert (costs.copy_ms[:, 0, 1] > 0).all() and (costs.copy_ms[:, 1, 0] > 0).all()
+    assert costs.output_bytes.tolist() == [n.output_bytes for n in graph.nodes]
+    for entry in table.nodes.values():
+        assert set(entry.compute_spread_ms) == {"cpu0", "cpu1"}
+        assert all(v >= 0 for v in entry.compute_spread_ms.values())
+    total = len(graph)
+    assert progress[0] == (0, total) and progress[-1] == (total, total)
+    assert [done for done, _ in progress] == list(range(total + 1))
+
+
+def test_one_device_has_no_copies_and_round_trips_through_json() -> None:
+    model = samples.transformer_block(batch=1)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    table = profile(model, graph, [CPU0], repeats=1, warmup=0)
+    assert all(pairs == {} for pairs in table.copy_ms.values())
+    again = type(table).model_validate_json(table.model_dump_json())
+    assert (
+        profiled_costs(graph, again).compute_ms == profiled_costs(graph, table).compute_ms
+    ).all()
+
+
+def test_median_and_interquartile_range() -> None:
+    assert median_and_spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0)
+    assert median_and_spread([5.0]) == (5.0, 0.0)
+
+
+def test_bad_device_lists_are_refused() -> None:
+    model = samples.chain(2, batch=1)
+    graph = forward_graph(model)
+    with pytest.raises(DeviceError, match="unique"):
+        profile(model, graph, [CPU0, CPU0])
+    with pytest.raises(DeviceError, match="no devices"):
+        profile(model, graph, [])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused() -> None:
+    model = samples.chain(2, batch=1)
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        profile(model, forward_graph(model), [CPU0, Device("cuda0", DeviceKind.CUDA)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_on_cpu_and_cuda() -> None:  # pragma: no cover - GPU only
+    model = samples.resnet18(batch=2, image=32, width=4)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    table = profile(model, graph, [CPU0, Device("cuda0", DeviceKind.CUDA)], repeats=3)
+    costs = profiled_costs(graph, table)
+    assert (costs.compute_ms > 0).all()
+    assert (costs.copy_ms[:, 0, 1] > 0).all() and (costs.copy_ms[:, 1, 0] > 0).all()
+    assert [d.threads for d in table.devices] == [1, None]

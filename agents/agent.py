@@ -357,7 +357,14 @@ def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.
     agent = Agent(config)
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
-    return run(agent)
+    code = run(agent)
+    if any(t.name.startswith("task-") for t in threading.enumerate()):
+        # A task given back is still running in native code (PyTorch): interpreter
+        # shutdown would abort under it, so leave without one.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

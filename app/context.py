@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from fastapi import Request
-from sqlalchemy import exists, select
+from sqlalchemy import case, func, select
 
 from app.database import Database
 from app.problems import ApiError
@@ -60,9 +60,10 @@ def require_key(request: Request) -> None:
     """Once any API key exists, model and job endpoints need one (``X-API-Key``)."""
     db = services(request).db
     key = request.headers.get(API_KEY_HEADER)
+    digest = key_digest(key) if key else ""
+    # one round trip: whether any key exists, and whether this one does
+    query = select(func.count(ApiKeyRow.id), func.max(case((ApiKeyRow.sha256 == digest, 1))))
     with db.session() as session:
-        if not session.scalar(select(exists().where(ApiKeyRow.id.isnot(None)))):
-            return
-        if key and session.scalar(select(exists().where(ApiKeyRow.sha256 == key_digest(key)))):
-            return
-    raise ApiError(401, f"a valid API key is required in the {API_KEY_HEADER} header")
+        keys, found = session.execute(query).one()
+    if keys and not found:
+        raise ApiError(401, f"a valid API key is required in the {API_KEY_HEADER} header")

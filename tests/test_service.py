@@ -116,6 +116,19 @@ def test_get_job_has_an_etag_and_if_none_match_gives_304(client, unet_id):
     assert again.status_code == 304 and again.content == b""
     other = client.get(f"/v1/jobs/{job['id']}", headers={"If-None-Match": '"other"'})
     assert other.status_code == 200 and other.json() == first.json()
+    weak = client.get(f"/v1/jobs/{job['id']}", headers={"If-None-Match": f'"x", W/{etag}'})
+    star = client.get(f"/v1/jobs/{job['id']}", headers={"If-None-Match": "*"})
+    assert weak.status_code == 304 and star.status_code == 304
+
+
+def test_a_jobs_etag_changes_when_the_job_does(stack, unet_id):
+    with httpx.Client(base_url=stack["idle_url"], timeout=60) as idle:  # no worker: queued
+        job = idle.post("/v1/jobs", json=job_body(unet_id)).json()
+        before = idle.get(f"/v1/jobs/{job['id']}").headers["etag"]
+        idle.post(f"/v1/jobs/{job['id']}/cancel")
+        after = idle.get(f"/v1/jobs/{job['id']}", headers={"If-None-Match": before})
+    assert after.status_code == 200 and after.json()["status"] == "cancelled"
+    assert after.headers["etag"] != before
 
 
 def test_server_sent_events_end_with_the_final_status(client, unet_id):

@@ -22,7 +22,7 @@ from app.planning import build_problem
 from app.problems import ApiError
 from app.profiles import job_devices_on
 from app.schemas import JobOut, JobSpec, NodeCosts, Page, ProfileCosts, Progress, ScheduleOut
-from app.tables import JobRow, JobStatus, NodeRow, PlanRow, ProfileRow, now
+from app.tables import JobRow, JobStatus, NodeRow, PlanRow, ProfileRow, now, utc
 from remat.costs import CostTable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_key)])
@@ -168,12 +168,27 @@ def get_job(
     ctx: Annotated[Services, Depends(services)],
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    """The job; ``ETag`` on its content, ``If-None-Match`` with it gives 304."""
-    body = to_out(load_job(ctx, job_id)).model_dump_json().encode()
-    etag = f'"{hashlib.sha1(body, usedforsecurity=False).hexdigest()}"'
-    if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
+    """The job; ``ETag`` on its version, ``If-None-Match`` with it (or ``*``) gives 304
+    without building the body."""
+    row = load_job(ctx, job_id)
+    etag = _etag(row)
+    if if_none_match is not None and _matches(if_none_match, etag):
         return Response(status_code=304, headers={"ETag": etag})
+    body = to_out(row).model_dump_json().encode()
     return Response(body, media_type="application/json", headers={"ETag": etag})
+
+
+def _etag(row: JobRow) -> str:
+    """The row's version: every change to a job goes through the ORM, which moves
+    ``updated_at`` (``onupdate``); the status is in it too, for changes within one clock
+    tick."""
+    version = f"{row.id}|{utc(row.updated_at).isoformat()}|{row.status}|{row.cancel_requested}"
+    return f'"{hashlib.sha1(version.encode(), usedforsecurity=False).hexdigest()}"'
+
+
+def _matches(if_none_match: str, etag: str) -> bool:
+    tags = {t.strip().removeprefix("W/") for t in if_none_match.split(",")}
+    return "*" in tags or etag in tags
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)

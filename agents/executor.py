@@ -278,9 +278,14 @@ class _Run:
             if "can't allocate memory" not in str(error) and "out of memory" not in str(error):
                 raise
             raise self._oom(index, step, error) from error
-        for name in _step_devices(step):
-            self.peaks[name] = max(self.peaks[name], self.fixed_bytes[name] + self.live[name])
         return ms
+
+    def _allocated(self, device: str, value: Value) -> None:
+        """Account a new resident value (only allocations can raise a peak)."""
+        self.live[device] += value_bytes(value)
+        used = self.fixed_bytes[device] + self.live[device]
+        if used > self.peaks[device]:
+            self.peaks[device] = used
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device
@@ -307,7 +312,7 @@ class _Run:
             )
         )
         resident[step.node] = value
-        self.live[step.device] += value_bytes(value)
+        self._allocated(step.device, value)
         return ms
 
     def _copy(self, step: Copy) -> float:
@@ -319,7 +324,7 @@ class _Run:
         if src.is_cuda and dst.is_cuda:
             dst.synchronize()
         self.resident[step.dst][step.node] = copied
-        self.live[step.dst] += value_bytes(copied)
+        self._allocated(step.dst, copied)
         return ms
 
     def _free(self, step: Free) -> float:

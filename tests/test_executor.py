@@ -4,6 +4,7 @@ errors; a device out of memory is a clear error."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import onnx
@@ -15,6 +16,7 @@ import torch
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import ExecutionReport, execute, max_relative_error
 from agents.program import Program
+from agents.torch_devices import detect_devices
 from remat import samples
 from remat.budgets import reference
 from remat.costs import analytical_costs
@@ -275,3 +277,11 @@ def test_a_plan_over_cpu_and_cuda_matches() -> None:  # pragma: no cover - GPU o
     measured, predicted = report.peak_bytes["cuda0"], report.predicted_peak_bytes["cuda0"]
     # Kernels' temporary buffers (cuDNN workspaces) count on CUDA: allow 1 MiB.
     assert abs(measured - predicted) <= max(0.01 * predicted, 2**20)
+
+
+def test_detect_devices_lists_the_host_and_each_gpu() -> None:
+    devices = detect_devices()
+    assert devices[0] == Device("cpu0", DeviceKind.CPU)
+    assert devices[0].threads == os.cpu_count()
+    cuda = [d.name for d in devices if d.kind is DeviceKind.CUDA]
+    assert cuda == [f"cuda{i}" for i in range(torch.cuda.device_count())]

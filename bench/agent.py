@@ -1,0 +1,263 @@
+"""The node agent's agreement targets: profile -> plan -> execute -> compare.
+
+Two emulated CPU devices on one machine (cpu0 with 1 thread, cpu1 with 2), VGG-, ResNet-
+and U-Net-style models (``remat.samples``) in training mode, the same budget on each device
+(100% and 50% of the checkpoint-all peak). Per model: the agent's profiler measures the
+training graph on both devices; ``profiled_costs`` makes the cost model; ``xengine`` plans
+with a short time limit (a plan from ``placed_greedy`` or the single-device baselines if it
+finds none); the executor runs the plan. Targets:
+
+* measured peak per device = the simulator's prediction within 1% or 1 MiB;
+* measured total time within 15% of the profiled prediction;
+* gradients = plain autograd within relative error 1e-4 (fp32).
+
+Prints a markdown table; each missed target is listed below it with by how much.
+
+    .venv/bin/python bench/agent.py [--models vgg16,resnet18,unet] [--budgets 100,50]
+        [--batch 8] [--image 96] [--width 16] [--time-limit 10] [--repeats 5]
+
+Timings need a quiet machine: other processes on the cores distort them (the load average
+at the start and the end is printed with the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx
+
+from agents.executor import ExecutionReport, execute
+from agents.profiler import profile
+from remat import samples
+from remat.budgets import resolve_budgets
+from remat.costs import CostModel, profiled_costs
+from remat.devices import Device, DeviceKind, format_bytes, parse_size
+from remat.errors import RematError
+from remat.graph import Graph
+from remat.max_batch import plan_with
+from remat.onnx_ingest import forward_graph
+from remat.plan import Compute, Copy, Plan
+from remat.solvers.model import SolveOptions
+from remat.strategies.base import Problem, SolverSettings, StrategyResult
+from remat.strategies.placed import placed_greedy
+from remat.training import training_graph
+
+DEVICES = [
+    Device("cpu0", DeviceKind.CPU, {"threads": "1"}),
+    Device("cpu1", DeviceKind.CPU, {"threads": "2"}),
+]
+PEAK_TOLERANCE = (0.01, 2**20)  # relative, absolute bytes
+TIME_TOLERANCE = 0.15
+GRADIENT_TOLERANCE = 1e-4
+QUIET_BUSY = 0.1  # other processes' share of the CPUs under which timings are taken
+QUIET_WAIT_S = 300.0
+
+
+def _models(batch: int, image: int, width: int) -> dict[str, Callable[[], onnx.ModelProto]]:
+    return {
+        "vgg16": lambda: samples.vgg16(batch=batch, image=image, width=width),
+        "resnet18": lambda: samples.resnet18(batch=batch, image=image, width=width),
+        "unet": lambda: samples.unet(batch=batch, image=image, width=width, depth=3),
+    }
+
+
+@dataclass
+class Row:
+    model: str
+    nodes: int
+    budget: str
+    plan: Plan
+    report: ExecutionReport
+    profile_s: float
+    plan_s: float
+    misses: list[str] = field(default_factory=list)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="vgg16,resnet18,unet")
+    parser.add_argument("--budgets", default="100,50")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--image", type=int, default=96)
+    parser.add_argument("--width", type=int, default=16, help="channels of the first layer")
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=5, help="profiler and executor repeats")
+    args = parser.parse_args()
+    builders = _models(args.batch, args.image, args.width)
+    load_before = os.getloadavg()
+    rows: list[Row] = []
+    for name in args.models.split(","):
+        model = builders[name]()
+        graph = training_graph(forward_graph(model))
+        _wait_for_quiet()
+        start = time.monotonic()
+        table = profile(model, graph, DEVICES, repeats=args.repeats, warmup=2)
+        profile_s = time.monotonic() - start
+        costs = profiled_costs(graph, table)
+        for budget in args.budgets.split(","):
+            start = time.monotonic()
+            plan = _plan(graph, costs, f"{budget}%", args.time_limit)
+            plan_s = time.monotonic() - start
+            _wait_for_quiet()
+            report = execute(model, graph, plan, DEVICES, warmup=1, repeats=args.repeats)
+            row = Row(name, len(graph), f"{budget}%", plan, report, profile_s, plan_s)
+            row.misses = _misses(row)
+            rows.append(row)
+            print(f"... {name} {budget}%: {_summary(row)}", file=sys.stderr, flush=True)
+    _print_table(rows, args)
+    print(f"Load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}.")
+
+
+def _busy_fraction(window_s: float = 1.0) -> float:
+    """How busy the machine's CPUs were over ``window_s`` (0..1), from /proc/stat; this
+    process is idle meanwhile, so it is other processes' load. 0 where unknown."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(window_s)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def _wait_for_quiet(limit_s: float = QUIET_WAIT_S) -> None:
+    """Wait (up to ``limit_s``) until other processes leave the CPUs idle: timings taken
+    while they run say more about them than about the plan."""
+    start = time.monotonic()
+    while (busy := _busy_fraction()) > QUIET_BUSY:
+        if time.monotonic() - start > limit_s:
+            print(f"    (measuring although the CPUs are {busy:.0%} busy)", file=sys.stderr)
+            return
+
+
+def _plan(graph: Graph, costs: CostModel, budget: str, time_limit: float) -> Plan:
+    sizes = {d.name: parse_size(budget) for d in DEVICES}
+    budgets = resolve_budgets(sizes, graph, costs)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=time_limit))
+    problem = Problem(graph, costs, budgets, settings)
+    attempts: list[Callable[[], StrategyResult]] = [
+        lambda: plan_with("xengine", problem),
+        lambda: placed_greedy(problem),
+        lambda: plan_with("auto", problem),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            result = attempt()
+        except RematError as error:
+            messages.append(str(error))
+            continue
+        if result.plan is not None:
+            return result.plan
+        messages.append(result.message)
+    raise SystemExit(f"no plan at {budget}: {'; '.join(messages)}")
+
+
+def _misses(row: Row) -> list[str]:
+    report, misses = row.report, []
+    for device, predicted in report.predicted_peak_bytes.items():
+        measured = report.peak_bytes[device]
+        allowed = max(PEAK_TOLERANCE[0] * predicted, PEAK_TOLERANCE[1])
+        if abs(measured - predicted) > allowed:
+            misses.append(
+                f"peak {device}: measured {format_bytes(measured)} vs predicted "
+                f"{format_bytes(predicted)} (off by {format_bytes(abs(measured - predicted))}, "
+                f"allowed {format_bytes(allowed)})"
+            )
+    predicted_ms = report.predicted_total_ms
+    if predicted_ms is not None:
+        error = (report.total_ms - predicted_ms) / predicted_ms
+        if abs(error) > TIME_TOLERANCE:
+            misses.append(
+                f"time: measured {report.total_ms:.1f} ms vs predicted {predicted_ms:.1f} ms "
+                f"({error:+.1%}, {abs(error) - TIME_TOLERANCE:.1%} beyond the 15% target)"
+            )
+    if report.max_rel_error is None or report.max_rel_error > GRADIENT_TOLERANCE:
+        misses.append(f"gradients: max relative error {report.max_rel_error} > 1e-4")
+    return misses
+
+
+def _time_error(report: ExecutionReport) -> str:
+    if report.predicted_total_ms is None:
+        return "n/a"
+    return f"{(report.total_ms - report.predicted_total_ms) / report.predicted_total_ms:+.1%}"
+
+
+def _ops_ms(row: Row) -> float:
+    """Measured time of the compute and copy steps alone (the rest of the total is frees
+    and the executor's own bookkeeping, which the cost model does not count)."""
+    steps = zip(row.plan.steps, row.report.step_ms, strict=True)
+    return sum(ms for step, ms in steps if isinstance(step, Compute | Copy))
+
+
+def _placement(plan: Plan) -> str:
+    computes: dict[str, int] = {}
+    for step in plan.steps:
+        if isinstance(step, Compute):
+            computes[step.device] = computes.get(step.device, 0) + 1
+    copies = sum(isinstance(s, Copy) for s in plan.steps)
+    placed = " + ".join(f"{n} on {d}" for d, n in sorted(computes.items()))
+    return f"{placed}, {copies} copies"
+
+
+def _summary(row: Row) -> str:
+    report = row.report
+    return (
+        f"{row.plan.strategy} ({_placement(row.plan)}), "
+        f"{report.total_ms:.1f} ms vs {report.predicted_total_ms:.1f} ms predicted, "
+        f"peaks {report.peak_bytes} vs {report.predicted_peak_bytes}, "
+        f"gradient error {report.max_rel_error:.1e}"
+    )
+
+
+def _print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        f"\nbatch {args.batch}, image {args.image}, width {args.width}, "
+        "devices cpu0 (1 thread) + cpu1 (2 threads), "
+        f"xengine time limit {args.time_limit:g} s, {args.repeats} repeats\n"
+    )
+    print(
+        "| model (nodes) | budget | plan | predicted ms | measured ms (runs) | time error "
+        "| of which compute + copy | peak cpu0 pred / meas | peak cpu1 pred / meas "
+        "| grad rel error | targets |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        r = row.report
+        runs = ", ".join(f"{ms:.1f}" for ms in r.runs_ms)
+        peaks = [
+            f"{format_bytes(r.predicted_peak_bytes.get(d.name, 0))} / "
+            f"{format_bytes(r.peak_bytes.get(d.name, 0))}"
+            for d in DEVICES
+        ]
+        print(
+            f"| {row.model} ({row.nodes}) | {row.budget} | {row.plan.strategy}: "
+            f"{_placement(row.plan)} | {r.predicted_total_ms:.1f} | {r.total_ms:.1f} ({runs}) "
+            f"| {_time_error(r)} | {_ops_ms(row):.1f} | {peaks[0]} | {peaks[1]} "
+            f"| {r.max_rel_error:.1e} "
+            f"| {'met' if not row.misses else 'MISSED'} |"
+        )
+    missed = [(row, miss) for row in rows for miss in row.misses]
+    print()
+    if not missed:
+        print("All targets met.")
+    for row, miss in missed:
+        print(f"- {row.model} at {row.budget}: {miss}")
+    timing = ", ".join(f"{r.model} {r.profile_s:.0f} s" for r in rows if r.budget.startswith("100"))
+    print(f"\nProfiling took {timing}.")
+
+
+if __name__ == "__main__":
+    main()

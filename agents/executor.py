@@ -34,7 +34,7 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
 from agents.program import Program, Value, build_program, value_bytes
-from agents.torch_devices import Runtime, copy_runtime, runtime_of
+from agents.torch_devices import Runtime, copy_runtime, gc_paused, runtime_of
 from remat.costs import analytical_costs
 from remat.devices import Device
 from remat.graph import Graph, Mode, NodeKind
@@ -91,7 +91,8 @@ def execute(
     runtimes = bind_devices(plan, devices)
     simulation = check_plan(plan, graph)
     program = build_program(model, graph, inputs, seed)
-    runs = [_Run(program, plan, runtimes).run() for _ in range(warmup + max(repeats, 1))]
+    with gc_paused():
+        runs = [_Run(program, plan, runtimes).run() for _ in range(warmup + max(repeats, 1))]
     measured = runs[warmup:]
     chosen = sorted(measured, key=lambda r: r.total_ms)[(len(measured) - 1) // 2]
     report = ExecutionReport(

@@ -25,11 +25,9 @@ device needs the memory of a checkpoint-all step (plus its fixed tensors) to be 
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +36,7 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory
 from agents.program import Program, Value, build_program, value_bytes
-from agents.torch_devices import DEFAULT_THREADS, Runtime, copy_runtime, runtime_of
+from agents.torch_devices import DEFAULT_THREADS, Runtime, copy_runtime, gc_paused, runtime_of
 from remat.costs import CostSource, CostTable
 from remat.devices import Device
 from remat.graph import Graph, Node, NodeKind
@@ -69,7 +67,7 @@ def profile(
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     runtimes = [runtime_of(d) for d in devices]
     session = _Session(build_program(model, graph), runtimes, repeats, warmup, on_progress)
-    with _gc_paused():
+    with gc_paused():
         session.run()
     return CostTable.model_validate(
         {
@@ -84,18 +82,6 @@ def profile(
 def _table_device(runtime: Runtime) -> dict[str, Any]:
     threads = None if runtime.is_cuda else (runtime.threads or DEFAULT_THREADS)
     return {"name": runtime.name, "kind": runtime.kind, "threads": threads}
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while timing (its pauses land on random ops)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def median_and_spread(samples: Sequence[float]) -> tuple[float, float]:

@@ -9,10 +9,12 @@ devices with ``time.perf_counter``.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -120,3 +122,16 @@ def copy_runtime(src: Runtime, dst: Runtime) -> Runtime:
     if src.is_cuda and not dst.is_cuda:
         return src
     return dst
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while timing: its pauses land on random operations
+    (the profiler and the executor both time under it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

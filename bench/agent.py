@@ -16,8 +16,9 @@ Prints a markdown table; each missed target is listed below it with by how much.
     .venv/bin/python bench/agent.py [--models vgg16,resnet18,unet] [--budgets 100,50]
         [--batch 8] [--image 96] [--width 16] [--time-limit 10] [--repeats 5]
 
-Timings need a quiet machine: other processes on the cores distort them (the load average
-at the start and the end is printed with the table).
+Timings need a quiet machine: other processes on the cores distort them. Profiling and
+each execution wait until other processes leave the CPUs idle (/proc/stat) and are taken
+again (up to 3 times) when other processes used more than 10% of the CPUs meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import onnx
 
@@ -56,6 +59,8 @@ TIME_TOLERANCE = 0.15
 GRADIENT_TOLERANCE = 1e-4
 QUIET_BUSY = 0.1  # other processes' share of the CPUs under which timings are taken
 QUIET_WAIT_S = 300.0
+QUIET_TRIES = 3
+T = TypeVar("T")
 
 
 def _models(batch: int, image: int, width: int) -> dict[str, Callable[[], onnx.ModelProto]]:
@@ -94,17 +99,19 @@ def main() -> None:
     for name in args.models.split(","):
         model = builders[name]()
         graph = training_graph(forward_graph(model))
-        _wait_for_quiet()
-        start = time.monotonic()
-        table = profile(model, graph, DEVICES, repeats=args.repeats, warmup=2)
-        profile_s = time.monotonic() - start
+        table, profile_s = _quietly(
+            partial(profile, model, graph, DEVICES, repeats=args.repeats, warmup=2),
+            f"profiling {name}",
+        )
         costs = profiled_costs(graph, table)
         for budget in args.budgets.split(","):
             start = time.monotonic()
             plan = _plan(graph, costs, f"{budget}%", args.time_limit)
             plan_s = time.monotonic() - start
-            _wait_for_quiet()
-            report = execute(model, graph, plan, DEVICES, warmup=1, repeats=args.repeats)
+            report, _ = _quietly(
+                partial(execute, model, graph, plan, DEVICES, warmup=1, repeats=args.repeats),
+                f"executing {name} at {budget}%",
+            )
             row = Row(name, len(graph), f"{budget}%", plan, report, profile_s, plan_s)
             row.misses = _misses(row)
             rows.append(row)
@@ -113,32 +120,50 @@ def main() -> None:
     print(f"Load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}.")
 
 
-def _busy_fraction(window_s: float = 1.0) -> float:
-    """How busy the machine's CPUs were over ``window_s`` (0..1), from /proc/stat; this
-    process is idle meanwhile, so it is other processes' load. 0 where unknown."""
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, of this process) so far, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return (sum(fields) - fields[3] - fields[4]) / ticks, own.user + own.system
 
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
 
+def _others_busy(work: Callable[[], T]) -> tuple[T, float]:
+    """``work()``'s result and the share of the CPUs other processes used meanwhile."""
     try:
-        busy0, total0 = sample()
-        time.sleep(window_s)
-        busy1, total1 = sample()
+        machine0, own0 = _cpu_seconds()
     except (OSError, ValueError, IndexError):
-        return 0.0
-    return (busy1 - busy0) / max(total1 - total0, 1)
+        return work(), 0.0
+    start = time.monotonic()
+    result = work()
+    elapsed = time.monotonic() - start
+    machine1, own1 = _cpu_seconds()
+    others = (machine1 - machine0) - (own1 - own0)
+    return result, max(others, 0.0) / (elapsed * (os.cpu_count() or 1))
+
+
+def _quietly(work: Callable[[], T], what: str) -> tuple[T, float]:
+    """``work()`` (and its seconds) run once other processes leave the CPUs idle, and again
+    (up to ``QUIET_TRIES`` times in all) when they did not stay idle while it ran: timings
+    taken beside other load say more about that load than about the plan."""
+    for _ in range(QUIET_TRIES):
+        _wait_for_quiet()
+        start = time.monotonic()
+        result, busy = _others_busy(work)
+        seconds = time.monotonic() - start
+        if busy <= QUIET_BUSY:
+            return result, seconds
+        print(f"    {what}: other processes took {busy:.0%} of the CPUs", file=sys.stderr)
+    print(f"    {what}: keeping a measurement taken beside other load", file=sys.stderr)
+    return result, seconds
 
 
 def _wait_for_quiet(limit_s: float = QUIET_WAIT_S) -> None:
-    """Wait (up to ``limit_s``) until other processes leave the CPUs idle: timings taken
-    while they run say more about them than about the plan."""
+    """Wait (up to ``limit_s``) until other processes leave the CPUs idle for a second."""
     start = time.monotonic()
-    while (busy := _busy_fraction()) > QUIET_BUSY:
+    while _others_busy(lambda: time.sleep(1.0))[1] > QUIET_BUSY:
         if time.monotonic() - start > limit_s:
-            print(f"    (measuring although the CPUs are {busy:.0%} busy)", file=sys.stderr)
             return
 
 

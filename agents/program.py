@@ -512,12 +512,12 @@ def _fixed_values(
         if tensor.kind is FixedKind.INPUT:
             values[name] = _input_value(name, inputs, shapes, types, model, generator)
         elif name in initializers:
-            values[name] = torch.from_numpy(numpy_helper.to_array(initializers[name]).copy())
+            values[name] = _tensor(numpy_helper.to_array(initializers[name]))
         else:
             folded.append(name)
     if folded:
         evaluated = _evaluate_constants(model, graph, folded, shapes)
-        values.update((n, torch.from_numpy(np.ascontiguousarray(evaluated[n]))) for n in folded)
+        values.update((n, _tensor(evaluated[n])) for n in folded)
     return values
 
 
@@ -530,12 +530,17 @@ def _input_value(
     generator: torch.Generator,
 ) -> Tensor:
     if name in given:
-        return torch.from_numpy(np.ascontiguousarray(given[name]))
+        return _tensor(given[name])
     shape = shapes.get(name) or _declared_shape(model, name)
     dtype = types.get(name, torch.float32)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
     return torch.zeros(shape, dtype=dtype)
+
+
+def _tensor(array: np.ndarray) -> Tensor:
+    """A tensor owning a writable copy (arrays from onnx.reference may be read-only)."""
+    return torch.from_numpy(np.array(array, copy=True, order="C"))
 
 
 def _declared_shape(model: onnx.ModelProto, name: str) -> tuple[int, ...]:

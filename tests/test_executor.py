@@ -4,7 +4,9 @@ errors; a device out of memory is a clear error."""
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import onnx
@@ -15,7 +17,7 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import ExecutionReport, execute, max_relative_error
-from agents.program import Program
+from agents.program import Program, build_program
 from agents.torch_devices import detect_devices
 from remat import samples
 from remat.budgets import reference
@@ -285,3 +287,60 @@ def test_detect_devices_lists_the_host_and_each_gpu() -> None:
     assert devices[0].threads == os.cpu_count()
     cuda = [d.name for d in devices if d.kind is DeviceKind.CUDA]
     assert cuda == [f"cuda{i}" for i in range(torch.cuda.device_count())]
+
+
+# --- a model exported by PyTorch ------------------------------------------------------------
+
+
+class _Net(torch.nn.Module):
+    """Conv, BatchNorm (folded by the exporter), a gated residual (Mul of two activations),
+    MaxPool, Flatten, Linear, Gelu (exported as Div/Erf/Add/Mul with Constant nodes),
+    LayerNorm, Softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
+        self.ln = torch.nn.LayerNorm(10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.c1(x)))
+        y = y + torch.sigmoid(self.c2(y)) * y
+        y = torch.flatten(torch.nn.functional.max_pool2d(y, 2), 1)
+        return self.ln(torch.nn.functional.gelu(self.fc(y))).softmax(-1)
+
+
+def _exported() -> tuple[_Net, torch.Tensor, onnx.ModelProto]:
+    torch.manual_seed(0)
+    net = _Net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(net, (x,), buffer, dynamo=False, opset_version=17)
+        except Exception as error:  # the exporter needs optional packages on some installs
+            pytest.skip(f"torch.onnx.export is unavailable here: {error}")
+    return net, x, onnx.load_from_string(buffer.getvalue())
+
+
+def test_an_exported_model_trains_like_pytorch() -> None:
+    """Scheduled training of a torch.onnx.export model gives the plain autograd gradients,
+    and those are PyTorch's own for the same module, input and loss."""
+    net, x, model = _exported()
+    name = model.graph.input[0].name
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", None, "cpu0")
+    report = execute(model, graph, plan, DEVICES, inputs={name: x.numpy()})
+    _assert_matches(report, plan)
+    ours = build_program(model, graph, inputs={name: x.numpy()}).reference_gradients()
+    leaf = x.clone().requires_grad_(True)
+    loss = 0.5 * (net(leaf) ** 2).mean()
+    loss.backward()
+    theirs = {name: leaf.grad, **{n: p.grad for n, p in net.named_parameters()}}
+    shared = sorted(set(ours) & set(theirs))
+    assert name in shared and "fc.weight" in shared and "ln.weight" in shared
+    for tensor in shared:
+        torch.testing.assert_close(ours[tensor], theirs[tensor], rtol=1e-4, atol=1e-7)

@@ -281,7 +281,8 @@ def _print_table(rows: list[Row], args: argparse.Namespace) -> None:
     for row, miss in missed:
         print(f"- {row.model} at {row.budget}: {miss}")
     timing = ", ".join(f"{r.model} {r.profile_s:.0f} s" for r in rows if r.budget.startswith("100"))
-    print(f"\nProfiling took {timing}.")
+    planning = ", ".join(f"{r.model} {r.budget} {r.plan_s:.0f} s" for r in rows)
+    print(f"\nProfiling took {timing}; planning {planning}.")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ def test_sigterm_gives_the_lease_back(stack, client):
     agent.stop()
 
 
-def test_an_agent_waits_for_a_server_that_is_not_up_yet(stack, tmp_path):
+def test_an_agent_waits_for_a_server_that_is_not_up_yet_and_survives_its_restart(stack, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     agent = start_agent(stack, "early", "agent-early.log", server=url)
@@ -265,6 +265,20 @@ def test_an_agent_waits_for_a_server_that_is_not_up_yet(stack, tmp_path):
                 online_node(late_client, "early")
         finally:
             late.stop()
+        # The server restarts: the agent rides it out and goes on with heartbeats.
+        restarted = Process(late.popen.args, env, tmp_path / "restarted-api.log")  # type: ignore[arg-type]
+        try:
+            wait_ready(url, restarted)
+            with httpx.Client(base_url=url, timeout=30) as again:
+                seen = online_node(again, "early")["last_seen_at"]
+                wait(
+                    lambda: online_node(again, "early")["last_seen_at"] != seen,
+                    30,
+                    "a heartbeat after the restart",
+                )
+            assert agent.popen.poll() is None
+        finally:
+            restarted.stop()
     finally:
         agent.stop()
 

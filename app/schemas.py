@@ -5,25 +5,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, Field
 
+from agents.protocol import AgentDevice, Strict
 from remat.devices import DeviceKind
 from remat.graph import Mode
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 
 T = TypeVar("T")
-DeviceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$", max_length=64)]
 Backend = Literal[BACKENDS]  # type: ignore[valid-type]
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DeviceSpec(Strict):
-    name: DeviceName
-    kind: DeviceKind
-    options: dict[str, str] = Field(default_factory=dict)
+class DeviceSpec(AgentDevice):
+    """A device of a job (the same fields as an agent's device)."""
 
 
 class SolverSpec(Strict):

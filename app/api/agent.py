@@ -8,7 +8,8 @@ import asyncio
 import hmac
 import secrets
 import time
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -39,6 +40,7 @@ from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, 
 
 router = APIRouter(prefix="/v1/agent", tags=["agent protocol"])
 LEASE_POLL_S = 0.5
+AlsoWrite = Callable[[Session, AgentTaskRow], None]  # written with a task's outcome
 
 
 def current_node(request: Request) -> NodeRow:
@@ -158,7 +160,9 @@ def download_model(model_id: str, node: Node, ctx: Ctx) -> FileResponse:
     return FileResponse(ctx.store.path(model.sha256), media_type="application/octet-stream")
 
 
-def _checked_result(ctx: Services, row: AgentTaskRow, result: object):  # type: ignore[no-untyped-def]
+def _checked_result(
+    ctx: Services, row: AgentTaskRow, result: object
+) -> tuple[dict[str, Any] | None, AlsoWrite | None]:
     """The result to store and what else to write with it."""
     if row.kind == TaskKind.EXECUTE:
         try:

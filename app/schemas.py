@@ -111,6 +111,36 @@ class ScheduleOut(BaseModel):
     peak_bytes: dict[str, int]
 
 
+class ProgressPoint(BaseModel):
+    elapsed_s: float
+    incumbent_ms: float | None
+    bound_ms: float | None
+    gap: float | None
+
+
+class ProgressHistory(BaseModel):
+    """A job's solver progress over time (its current attempt), oldest first."""
+
+    points: list[ProgressPoint]
+
+
+class BaselineOut(BaseModel):
+    strategy: str
+    predicted_ms: float | None  # None: no plan within the budgets
+    overhead: float | None  # predicted / ideal - 1
+    peak_bytes: dict[str, int]
+    valid: bool | None  # the simulator's verdict on its plan
+    note: str
+    need_bytes: int | None  # when infeasible: the budget it would need
+
+
+class BaselinesOut(BaseModel):
+    """The baselines on a job's own inputs (budgets, devices, costs), beside its plan."""
+
+    ideal_ms: float  # every node once on its fastest device, no copies
+    items: list[BaselineOut]
+
+
 class NodeOut(BaseModel):
     id: str
     name: str

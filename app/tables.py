@@ -104,7 +104,23 @@ class PlanRow(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     document: Mapped[dict[str, Any]]
     schedule: Mapped[dict[str, Any]]
+    baselines: Mapped[dict[str, Any] | None]  # the baselines on the same inputs
     created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class ProgressRow(Base):
+    """One progress event of a job's solve (incumbent and bound at a moment): the history
+    that the job row's progress columns only hold the latest of. A new attempt starts a
+    new history."""
+
+    __tablename__ = "job_progress"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    elapsed_s: Mapped[float] = mapped_column(Float)
+    incumbent_ms: Mapped[float | None] = mapped_column(Float)
+    bound_ms: Mapped[float | None] = mapped_column(Float)
+    gap: Mapped[float | None] = mapped_column(Float)
 
 
 class ProfileRow(Base):

@@ -11,7 +11,7 @@ from remat.devices import Size, format_bytes
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.simulator import simulate
-from remat.strategies import STRATEGIES, run_strategy
+from remat.strategies import BASELINES, STRATEGIES, run_strategy
 from remat.strategies.base import Problem, SolverSettings
 
 PERCENTS = (100.0, 75.0, 50.0, 35.0, 25.0)
@@ -61,23 +61,52 @@ def _with_need(row: Row, ref: Reference) -> Row:
 
 
 def _row(problem: Problem, strategy: str, percent: float, device: str, ideal: float) -> Row:
-    graph, costs, budget = problem.graph, problem.costs, problem.budgets[device] or 0
-    try:
-        result = run_strategy(strategy, problem, device)
-    except RematError as exc:
-        return Row(strategy, percent, budget, None, None, {}, None, f"n/a: {exc}")
-    if result.plan is None:
-        need = max((result.min_budget_bytes or {}).values(), default=None)
-        return Row(strategy, percent, budget, None, None, {}, None, result.message, need)
-    verdict = simulate(result.plan, graph, costs)  # re-judged independently of the strategy
+    outcome = _judge(problem, strategy, ideal, device)
     return Row(
         strategy,
         percent,
-        budget,
-        verdict.total_ms,
-        verdict.total_ms / ideal - 1,
-        verdict.peak_bytes,
-        verdict.valid,
+        problem.budgets[device] or 0,
+        outcome.predicted_ms,
+        outcome.overhead,
+        outcome.peak_bytes,
+        outcome.valid,
+        outcome.note,
+        outcome.need_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A strategy's plan for a problem as given (its budgets, all its devices), re-judged
+    by the simulator; ``overhead`` is against the ideal on the fastest devices."""
+
+    strategy: str
+    predicted_ms: float | None
+    overhead: float | None
+    peak_bytes: dict[str, int]
+    valid: bool | None  # the simulator's verdict, None without a plan
+    note: str = ""
+    need_bytes: int | None = None  # when infeasible: the budget the strategy needs
+
+
+def baselines(problem: Problem, strategies: Iterable[str] = BASELINES) -> list[Baseline]:
+    """Each baseline on the problem's own inputs: what a job's plan is compared with. A
+    single-device baseline runs on each device and its best plan counts."""
+    ideal = problem.costs.ideal_ms()
+    return [_judge(problem, strategy, ideal) for strategy in strategies]
+
+
+def _judge(problem: Problem, strategy: str, ideal: float, device: str | None = None) -> Baseline:
+    try:
+        result = run_strategy(strategy, problem, device)
+    except RematError as exc:
+        return Baseline(strategy, None, None, {}, None, f"n/a: {exc}")
+    if result.plan is None:
+        need = max((result.min_budget_bytes or {}).values(), default=None)
+        return Baseline(strategy, None, None, {}, None, result.message, need)
+    verdict = simulate(result.plan, problem.graph, problem.costs)  # judged independently
+    return Baseline(
+        strategy, verdict.total_ms, verdict.total_ms / ideal - 1, verdict.peak_bytes, verdict.valid
     )
 
 

@@ -9,6 +9,9 @@ import signal
 import httpx
 import psycopg
 import pytest
+import sqlalchemy
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from service import (
     api_server,
     celery_worker,
@@ -23,6 +26,7 @@ from service import (
 )
 
 from app.migrate import downgrade, upgrade
+from app.tables import Base
 from remat import samples
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
@@ -105,6 +109,24 @@ def test_a_job_end_to_end_gives_a_plan_the_simulator_accepts(client, unet_id):
     assert schedule["peak_bytes"] == simulation.peak_bytes
     assert max(schedule["memory"]["cpu0"]) == simulation.peak_bytes["cpu0"]
     assert schedule["budgets"]["cpu0"] >= simulation.peak_bytes["cpu0"]
+    _check_history_and_baselines(client, done, costs.ideal_ms())
+
+
+def _check_history_and_baselines(client: httpx.Client, done: dict, ideal_ms: float) -> None:
+    """The progress history ends at the final result; the baselines ran on the same
+    inputs and the optimal plan is no worse than any of them."""
+    points = client.get(f"/v1/jobs/{done['id']}/progress").json()["points"]
+    assert points, "a solved job has a progress history"
+    assert [p["elapsed_s"] for p in points] == sorted(p["elapsed_s"] for p in points)
+    assert points[-1]["incumbent_ms"] == pytest.approx(done["progress"]["incumbent_ms"])
+    assert points[-1]["bound_ms"] == pytest.approx(done["progress"]["bound_ms"])
+    compared = client.get(f"/v1/jobs/{done['id']}/baselines").json()
+    assert compared["ideal_ms"] == pytest.approx(ideal_ms)
+    assert {b["strategy"] for b in compared["items"]} >= {"checkpoint_all", "chen_sqrt"}
+    feasible = [b for b in compared["items"] if b["predicted_ms"] is not None]
+    assert feasible and all(b["valid"] for b in feasible)
+    best = min(b["predicted_ms"] for b in feasible)
+    assert ideal_ms <= done["progress"]["incumbent_ms"] <= best * (1 + 1e-9)
 
 
 def test_get_job_has_an_etag_and_if_none_match_gives_304(client, unet_id):
@@ -171,6 +193,9 @@ def test_cancel_a_running_job_stops_its_solve(client, stack):
         60,
         "progress",
     )
+    history = client.get(f"/v1/jobs/{job['id']}/progress").json()["points"]
+    assert history and history[-1]["incumbent_ms"] is not None  # live, while it runs
+    assert client.get(f"/v1/jobs/{job['id']}/baselines").status_code == 404  # no plan yet
     flagged = client.post(f"/v1/jobs/{job['id']}/cancel").json()
     assert flagged["cancel_requested"]
     done = wait_job(client, job["id"])
@@ -331,7 +356,16 @@ def test_migrations_go_up_and_down():
                 r[0]
                 for r in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
             }
-        assert {"models", "jobs", "plans", "profiles", "nodes", "agent_tasks"} <= tables
+        assert {
+            "models",
+            "jobs",
+            "plans",
+            "job_progress",
+            "profiles",
+            "nodes",
+            "agent_tasks",
+        } <= tables
+        assert _schema_drift(database) == []
         downgrade(database)
         with psycopg.connect(database.replace("+psycopg", "")) as db:
             left = {
@@ -340,3 +374,14 @@ def test_migrations_go_up_and_down():
             }
         assert left <= {"alembic_version"}
         upgrade(database)  # and up again
+
+
+def _schema_drift(database: str) -> list[object]:
+    """What ``alembic revision --autogenerate`` would write: the migrations' schema
+    against ``app/tables.py``."""
+    engine = sqlalchemy.create_engine(database)
+    try:
+        with engine.connect() as connection:
+            return compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    finally:
+        engine.dispose()

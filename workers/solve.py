@@ -15,10 +15,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from sqlalchemy import delete
+
 from app.database import Database
 from app.planning import build_problem, solver_settings
-from app.schemas import JobSpec, ScheduleOut
-from app.tables import JobRow, JobStatus, ModelRow, PlanRow, now
+from app.schemas import BaselineOut, BaselinesOut, JobSpec, ScheduleOut
+from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now
+from remat.comparison import baselines
 from remat.errors import RematError
 from remat.max_batch import plan_with
 from remat.plan import plan_to_json
@@ -66,7 +69,7 @@ def solve_job(ctx: WorkerContext, job_id: str) -> None:
     elif result.plan is None or result.simulation is None or not result.simulation.valid:
         _finish(ctx, job_id, JobStatus.FAILED, error=result.message or "no plan found")
     else:
-        _store_plan(ctx, job_id, problem, result)
+        _store_plan(ctx, job_id, problem, result, _baselines(problem), progress.elapsed())
 
 
 def _claim(ctx: WorkerContext, job_id: str) -> _Claim | None:
@@ -85,6 +88,7 @@ def _claim(ctx: WorkerContext, job_id: str) -> _Claim | None:
             return None
         job.attempts += 1
         job.status = JobStatus.RUNNING
+        session.execute(delete(ProgressRow).where(ProgressRow.job_id == job_id))
         job.started_at = job.started_at or now()
         model = session.get_one(ModelRow, job.model_id)
         return _Claim(JobSpec.model_validate(job.spec), model, ctx.store.path(model.sha256))
@@ -104,9 +108,22 @@ def _finish(
         job.status, job.error, job.message, job.finished_at = status, error, message, now()
 
 
-def _store_plan(ctx: WorkerContext, job_id: str, problem: Problem, result: StrategyResult) -> None:
-    """The plan, its schedule view and the final progress, once: a job that finished in
-    the meantime (another delivery of the same job) keeps what it has."""
+def _baselines(problem: Problem) -> BaselinesOut:
+    """The baselines on the job's own inputs, for comparison (well under a second each)."""
+    items = [BaselineOut.model_validate(b, from_attributes=True) for b in baselines(problem)]
+    return BaselinesOut(ideal_ms=problem.costs.ideal_ms(), items=items)
+
+
+def _store_plan(
+    ctx: WorkerContext,
+    job_id: str,
+    problem: Problem,
+    result: StrategyResult,
+    compared: BaselinesOut,
+    elapsed_s: float,
+) -> None:
+    """The plan, its schedule view, the baselines and the final progress, once: a job that
+    finished in the meantime (another delivery of the same job) keeps what it has."""
     assert result.plan is not None and result.simulation is not None
     plan, simulation = result.plan, result.simulation
     matrices = stage_matrices(plan)
@@ -125,7 +142,12 @@ def _store_plan(ctx: WorkerContext, job_id: str, problem: Problem, result: Strat
         if job is None or JobStatus(job.status).finished or session.get(PlanRow, job_id):
             return
         session.add(
-            PlanRow(job_id=job_id, document=plan_to_json(plan), schedule=schedule.model_dump())
+            PlanRow(
+                job_id=job_id,
+                document=plan_to_json(plan),
+                schedule=schedule.model_dump(),
+                baselines=compared.model_dump(),
+            )
         )
         job.status, job.finished_at, job.message = (
             JobStatus.SUCCEEDED,
@@ -135,7 +157,9 @@ def _store_plan(ctx: WorkerContext, job_id: str, problem: Problem, result: Strat
         job.incumbent_ms = simulation.total_ms
         if plan.solver is not None:
             job.solver_status = plan.solver.status
-            job.bound_ms, job.gap = plan.solver.bound, plan.solver.gap
+            job.bound_ms, job.gap, job.elapsed_s = plan.solver.bound, plan.solver.gap, elapsed_s
+            final = Progress(elapsed_s, job.incumbent_ms, job.bound_ms, job.gap)
+            session.add(_point(job_id, final))  # the history ends where the solve did
 
 
 class CancelFlag:
@@ -158,12 +182,28 @@ class CancelFlag:
             return self._set
 
 
+def _point(job_id: str, progress: Progress) -> ProgressRow:
+    return ProgressRow(
+        job_id=job_id,
+        elapsed_s=progress.elapsed_s,
+        incumbent_ms=progress.objective,
+        bound_ms=progress.bound,
+        gap=progress.gap,
+    )
+
+
 class ProgressWriter:
-    """The solver's progress events into the job row, at most once per ``interval_s``."""
+    """The solver's progress events into the job row and its history, at most once per
+    ``interval_s``. Times are the attempt's (since this writer was made): a strategy's
+    several solves each count from their own start."""
 
     def __init__(self, db: Database, job_id: str, interval_s: float) -> None:
         self.db, self.job_id, self.interval_s = db, job_id, interval_s
+        self._start = time.monotonic()
         self._last = float("-inf")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
 
     def __call__(self, progress: Progress) -> None:
         if time.monotonic() - self._last < self.interval_s:
@@ -173,8 +213,10 @@ class ProgressWriter:
             job = session.get(JobRow, self.job_id)
             if job is None or job.status != JobStatus.RUNNING:
                 return
+            progress = replace(progress, elapsed_s=self.elapsed())
             job.incumbent_ms, job.bound_ms = progress.objective, progress.bound
             job.gap, job.elapsed_s = progress.gap, progress.elapsed_s
+            session.add(_point(self.job_id, progress))
 
 
 class MessageWriter:

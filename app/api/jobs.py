@@ -1,5 +1,5 @@
 """``/v1/jobs``: submit (idempotent with ``Idempotency-Key``), list, get (ETag), cancel,
-plan, schedule, server-sent progress events."""
+plan, schedule, baselines, progress history, server-sent progress events."""
 
 from __future__ import annotations
 
@@ -21,8 +21,19 @@ from app.pagination import MAX_LIMIT, fetch
 from app.planning import build_problem
 from app.problems import ApiError
 from app.profiles import job_devices_on
-from app.schemas import JobOut, JobSpec, NodeCosts, Page, ProfileCosts, Progress, ScheduleOut
-from app.tables import JobRow, JobStatus, NodeRow, PlanRow, ProfileRow, now, utc
+from app.schemas import (
+    BaselinesOut,
+    JobOut,
+    JobSpec,
+    NodeCosts,
+    Page,
+    ProfileCosts,
+    Progress,
+    ProgressHistory,
+    ProgressPoint,
+    ScheduleOut,
+)
+from app.tables import JobRow, JobStatus, NodeRow, PlanRow, ProfileRow, ProgressRow, now, utc
 from remat.costs import CostTable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_key)])
@@ -224,6 +235,26 @@ def get_plan(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONRe
 @router.get("/{job_id}/schedule", response_model=ScheduleOut)
 def get_schedule(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
     return JSONResponse(_plan_row(ctx, job_id).schedule)
+
+
+@router.get("/{job_id}/baselines", response_model=BaselinesOut)
+def get_baselines(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+    plan = _plan_row(ctx, job_id)
+    if plan.baselines is None:
+        raise ApiError(404, f"job {job_id!r} was planned before baselines were stored with plans")
+    return JSONResponse(plan.baselines)
+
+
+@router.get("/{job_id}/progress", response_model=ProgressHistory)
+def get_progress(job_id: str, ctx: Annotated[Services, Depends(services)]) -> ProgressHistory:
+    """The solver's incumbent and bound over time (at most one point per progress
+    interval), for the current attempt."""
+    load_job(ctx, job_id)
+    query = select(ProgressRow).where(ProgressRow.job_id == job_id).order_by(ProgressRow.id)
+    with ctx.db.session() as session:
+        rows = session.scalars(query).all()
+    points = [ProgressPoint.model_validate(r, from_attributes=True) for r in rows]
+    return ProgressHistory(points=points)
 
 
 @router.get("/{job_id}/events")

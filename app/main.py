@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from app import problems
+from app import dashboard, problems
 from app.api import agent, executions, health, jobs, models, nodes
 from app.context import Dispatcher, Services
 from app.database import Database
@@ -36,4 +36,5 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.include_router(executions.router)
     app.include_router(nodes.router)
     app.include_router(agent.router)
+    app.include_router(dashboard.router)
     return app

@@ -1,0 +1,464 @@
+"""The web dashboard in a real browser: headless Chromium (Debian's ``chromium`` package)
+driven by Playwright against ``remat serve`` started here (embedded SQLite and worker).
+The pages are used as a person would: upload a model, submit a job from the form, watch
+it finish, read the schedule and memory charts (checked against the API's numbers),
+cancel a running job, see API errors in plain words, move with the keyboard, and fit
+wide and narrow screens. Every test fails on a console error or an uncaught exception.
+
+Screenshots of each page go to ``$REMAT_TEST_OUTPUT/dashboard`` (default
+``test-output/dashboard`` under the repository root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
+from service import (
+    BIN,
+    ROOT,
+    Process,
+    free_port,
+    sample_bytes,
+    service_env,
+    upload,
+    wait_job,
+    wait_ready,
+)
+
+CHROMIUM = Path(os.environ.get("REMAT_CHROMIUM", "/usr/bin/chromium"))
+# This machine's network is closed: nothing in the browser may try to reach out.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+OUTPUT = Path(os.environ.get("REMAT_TEST_OUTPUT", ROOT / "test-output")) / "dashboard"
+ENROLL = "dashboard-enroll"
+WAIT_MS = 60_000  # a job's solve on this 2-core machine, with room
+TWO_CPUS = [
+    {"name": "cpu0", "kind": "cpu", "options": {}},
+    {"name": "cpu1", "kind": "cpu", "options": {}},
+]
+
+
+@dataclass
+class Server:
+    url: str
+    env: dict[str, str]
+    process: Process
+    client: httpx.Client
+    found: dict[str, Any] = field(default_factory=dict)  # what earlier tests made
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    data = tmp_path_factory.mktemp("dashboard")
+    env = service_env(data_dir=str(data), enroll_token=ENROLL, progress_interval_s="0.25")
+    port = free_port()
+    # no local agent: the executions test plays a node's agent itself
+    command = [str(BIN / "remat"), "serve", "--port", str(port), "--no-agent"]
+    process = Process(command, env, data / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, process)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield Server(url, env, process, client)
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"no Chromium at {CHROMIUM}: the dashboard tests need Debian's browser "
+            "(apt-get install -y chromium; .ci/run installs it), or REMAT_CHROMIUM=PATH"
+        )
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    print(f"dashboard screenshots: {OUTPUT}")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@dataclass
+class Ui:
+    """A browser tab on the server, with what its console said."""
+
+    page: Page
+    url: str
+    errors: list[str] = field(default_factory=list)
+    allowed: list[str] = field(default_factory=list)  # errors a test provokes on purpose
+
+    def go(self, route: str) -> None:
+        self.page.goto(f"{self.url}/{route}")
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=OUTPUT / f"{name}.png", full_page=True)
+
+    def unexpected_errors(self) -> list[str]:
+        return [e for e in self.errors if not any(a in e for a in self.allowed)]
+
+
+def _watch(page: Page, url: str) -> Ui:
+    ui = Ui(page, url)
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            ui.errors.append(f"console: {message.text}")
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: ui.errors.append(f"uncaught: {error}"))
+    return ui
+
+
+@pytest.fixture
+def ui(browser: Browser, server: Server) -> Iterator[Ui]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+    context.set_default_timeout(15_000)
+    watched = _watch(context.new_page(), server.url)
+    try:
+        yield watched
+        assert watched.unexpected_errors() == [], "the browser console reported errors"
+    finally:
+        context.close()
+
+
+def _job(server: Server, job_id: str) -> dict[str, Any]:
+    return server.client.get(f"/v1/jobs/{job_id}").json()
+
+
+# --- models ---------------------------------------------------------------------------
+
+
+def test_upload_a_model_with_the_file_picker_and_see_its_summary(ui, server, tmp_path):
+    onnx = tmp_path / "transformer.onnx"
+    onnx.write_bytes(sample_bytes("transformer"))
+    ui.go("#/models")
+    expect(ui.page.get_by_role("heading", name="Models", level=1)).to_be_visible()
+    ui.page.get_by_label("ONNX model file").set_input_files(onnx)
+
+    expect(ui.page.locator("#upload-result")).to_contain_text("transformer.onnx")
+    assert ui.page.locator("#upload-progress").get_attribute("value") == "100"
+    expect(ui.page.locator("#upload-percent")).to_have_text("100%")
+    [model] = server.client.get("/v1/models").json()["items"]
+    nodes = model["summary"]["nodes"]
+    expect(ui.page.locator("#upload-result")).to_contain_text(f"{nodes} nodes")
+    row = ui.page.locator(f'#models-table tr[data-model-id="{model["id"]}"]')
+    expect(row.get_by_role("link", name="transformer.onnx", exact=True)).to_be_visible()
+    expect(row.locator("td[data-nodes]")).to_have_text(str(nodes))
+    ui.shot("models")
+    server.found["model"] = model
+
+
+def test_a_model_page_shows_its_graph_summary(ui, server):
+    model = server.found["model"]
+    ui.go(f"#/models/{model['id']}")
+    expect(ui.page.locator("#model-nodes")).to_have_text(str(model["summary"]["nodes"]))
+    for op, count in model["summary"]["operators"].items():
+        expect(ui.page.locator("#operators-table tr", has_text=op)).to_contain_text(str(count))
+    graph = server.client.get(f"/v1/models/{model['id']}/graph", params={"batch": 4}).json()
+    summary = ui.page.locator("#graph-summary")
+    expect(summary).to_have_attribute("data-nodes", str(len(graph["nodes"])))
+    ui.shot("model")
+
+
+# --- a job from the form to its plan ------------------------------------------------------
+
+
+def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
+    model = server.found["model"]
+    page = ui.page
+    ui.go("#/models")
+    page.get_by_role("link", name="Plan a job for transformer.onnx").click()
+    expect(page.locator("#plan-title")).to_be_focused()  # the link lands on the form
+    page.get_by_label("Memory budget").fill("40%")
+    page.get_by_role("button", name="Add a device").click()
+    page.locator(".device-budget").nth(1).fill("40%")
+    page.get_by_label("Strategy").select_option("xengine")
+    page.get_by_label("Time limit (s)").fill("5")
+    page.get_by_label("Stop at gap (%)").fill("0")  # run to the time limit: long enough to watch
+    page.get_by_role("button", name="Submit job").click()
+
+    page.wait_for_url("**/#/jobs/*")
+    job_id = page.url.rsplit("/", 1)[1]
+    spec = _job(server, job_id)["spec"]
+    assert spec["model_id"] == model["id"] and spec["strategy"] == "xengine"
+    assert [d["name"] for d in spec["devices"]] == ["cpu0", "cpu1"]
+    assert spec["budgets"] == {"cpu0": "40%", "cpu1": "40%"}
+    assert spec["solver"]["time_limit_s"] == 5 and spec["solver"]["gap"] == 0
+    expect(page.locator("#job-status [data-status]")).to_have_text("running", timeout=WAIT_MS)
+
+    # the list refreshes itself: the same row goes from running to succeeded
+    page.get_by_role("link", name="Jobs", exact=True).click()
+    row = page.locator(f'#jobs-table tr[data-job-id="{job_id}"]')
+    expect(row).to_have_attribute("data-status", "running")
+    expect(row.locator("progress")).to_be_visible()
+    expect(row).to_have_attribute("data-status", "succeeded", timeout=WAIT_MS)
+    ui.shot("jobs")
+    assert _job(server, job_id)["status"] == "succeeded"
+
+    row.get_by_role("link", name=job_id[:8]).click()
+    expect(page.locator("#job-status [data-status]")).to_have_text("succeeded")
+    history = server.client.get(f"/v1/jobs/{job_id}/progress").json()["points"]
+    assert history, "the solver reported no progress"
+    progress = page.locator("#progress .chart-box")
+    expect(progress).to_have_attribute("data-points", str(len(history)))
+    expect(progress.locator("path[data-series=incumbent]")).to_have_count(1)
+    server.found["job"] = job_id
+
+
+def test_the_heatmaps_and_memory_charts_carry_the_plans_data(ui, server):
+    job_id = server.found["job"]
+    schedule = server.client.get(f"/v1/jobs/{job_id}/schedule").json()
+    assert set(schedule["devices"]) == {"cpu0", "cpu1"}
+    page = ui.page
+    ui.go(f"#/jobs/{job_id}")
+    for device in schedule["devices"]:
+        for matrix in ("R", "S"):
+            cells = schedule[matrix][device]
+            heatmap = page.locator(f'svg.heatmap[data-device="{device}"][data-matrix="{matrix}"]')
+            expect(heatmap).to_have_attribute("data-cells", str(len(cells)))
+            expect(heatmap.locator("rect[data-node]")).to_have_count(len(cells))
+            assert f"{len(cells)} cells" in (heatmap.get_attribute("aria-label") or "")
+            if cells:  # a cell's tooltip names its node, and so does the readout on hover
+                stage, node = cells[-1]
+                cell = heatmap.locator(f'rect[data-stage="{stage}"][data-node="{node}"]')
+                name = schedule["nodes"][node]
+                assert name in cell.locator("title").text_content()
+                cell.hover()
+                expect(page.locator("#heatmap-readout")).to_contain_text(f"node {node} {name}")
+
+        peak, budget = schedule["peak_bytes"][device], schedule["budgets"][device]
+        assert max(schedule["memory"][device]) == peak
+        chart = page.locator(f'svg.memory-chart[data-device="{device}"]')
+        expect(chart).to_have_attribute("data-peak", str(peak))
+        figure = page.locator(f'figure.memory-figure[data-device="{device}"]')
+        expect(figure.locator(".peak-label")).to_have_attribute("data-peak", str(peak))
+        expect(figure.locator(".peak-label")).to_contain_text("peak ")
+        memory = chart.locator("path[data-role=memory]")
+        expect(memory).to_have_attribute("data-points", str(len(schedule["memory"][device])))
+        # the budget line and the peak marker sit where the chart's own y axis puts them
+        height = float(chart.get_attribute("data-plot-height"))
+        y_max = float(chart.get_attribute("data-y-max"))
+
+        def y(value: float, height: float = height, y_max: float = y_max) -> float:
+            return height - value / y_max * height
+
+        line = chart.locator("line[data-role=budget]")
+        assert int(line.get_attribute("data-value")) == budget
+        assert float(line.get_attribute("y1")) == pytest.approx(y(budget), abs=0.01)
+        assert float(chart.locator("circle[data-role=peak]").get_attribute("cy")) == (
+            pytest.approx(y(peak), abs=0.01)
+        )
+        assert peak <= budget
+    ui.shot("job")
+
+
+def test_the_plan_downloads_as_the_apis_json(ui, server):
+    job_id = server.found["job"]
+    ui.go(f"#/jobs/{job_id}")
+    with ui.page.expect_download() as download:
+        ui.page.get_by_role("button", name="Download plan JSON").click()
+    assert download.value.suggested_filename == f"plan-{job_id}.json"
+    saved = json.loads(Path(download.value.path()).read_text())
+    assert saved == server.client.get(f"/v1/jobs/{job_id}/plan").json()
+
+
+def test_the_baselines_table_compares_the_same_inputs(ui, server):
+    job_id = server.found["job"]
+    baselines = server.client.get(f"/v1/jobs/{job_id}/baselines").json()
+    ui.go(f"#/jobs/{job_id}")
+    table = ui.page.locator("#baselines-table")
+    expect(table.locator("tbody tr")).to_have_count(len(baselines["items"]) + 1)
+    expect(table.locator("tr.this-job")).to_contain_text("xengine (this job)")
+    for item in baselines["items"]:
+        expect(table.locator(f'tr[data-strategy="{item["strategy"]}"]')).to_be_visible()
+
+
+def test_an_execution_shows_measured_against_predicted(ui, server):
+    job_id = server.found["job"]
+    client = server.client
+    body = {"enroll_token": ENROLL, "name": "bench-node", "devices": TWO_CPUS}
+    enrolled = client.post("/v1/agent/register", json=body).json()
+    agent = {"Authorization": f"Bearer {enrolled['token']}"}
+    ui.go(f"#/jobs/{job_id}")
+    ui.page.get_by_label("Run this plan on node").select_option(label="bench-node (online)")
+    ui.page.get_by_role("button", name="Execute").click()
+    expect(ui.page.locator("#status")).to_contain_text("Execution queued on bench-node")
+
+    # this test is the node's agent: it leases the task and reports what it "measured"
+    task = client.post("/v1/agent/lease", json={"wait_s": 10}, headers=agent, timeout=40).json()
+    predicted = task["payload"]["plan"]["predicted"]
+    result = {
+        "measured": {
+            "total_ms": predicted["total_ms"] * 1.25,
+            "peak_bytes": {d: p + 4096 for d, p in predicted["peak_bytes"].items()},
+        },
+        "predicted": {"total_ms": predicted["total_ms"], "peak_bytes": predicted["peak_bytes"]},
+        "gradients_match": True,
+        "max_rel_error": 1e-6,
+    }
+    report = {"lease_token": task["lease_token"], "status": "succeeded", "result": result}
+    reported = client.post(f"/v1/agent/tasks/{task['id']}/report", json=report, headers=agent)
+    assert reported.status_code == 200, reported.text
+
+    row = ui.page.locator(f'#executions-table tr[data-execution-id="{task["id"]}"]')
+    expect(row).to_have_attribute("data-status", "succeeded", timeout=10_000)
+    assert float(row.get_attribute("data-measured-ms")) == result["measured"]["total_ms"]
+    assert float(row.get_attribute("data-predicted-ms")) == predicted["total_ms"]
+    expect(row).to_contain_text("1.25×")
+    expect(row).to_contain_text("match")
+    ui.shot("job-executions")
+    server.found["node"] = enrolled["node_id"]
+
+
+def test_the_nodes_page_lists_agents_and_their_devices(ui, server):
+    node = server.client.get(f"/v1/nodes/{server.found['node']}").json()
+    ui.go("#/nodes")
+    row = ui.page.locator(f'#nodes-table tr[data-node-id="{node["id"]}"]')
+    expect(row).to_contain_text("bench-node")
+    expect(row).to_have_attribute("data-status", node["status"])
+    for device in node["devices"]:
+        expect(row).to_contain_text(f"{device['name']} ({device['kind']})")
+    expect(row).to_contain_text("ago")
+    ui.shot("nodes")
+
+
+# --- cancel and errors --------------------------------------------------------------------
+
+
+def test_cancel_a_running_job_from_its_page(ui, server):
+    client = server.client
+    model = upload(client, sample_bytes("unet"), "unet.onnx").json()
+    spec = {
+        "model_id": model["id"],
+        "batch": 4,
+        "devices": TWO_CPUS,
+        "budgets": {"cpu0": "30%", "cpu1": "30%"},
+        "strategy": "xengine",
+        "solver": {"backend": "highs", "time_limit_s": 60, "gap": 0},
+    }
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_job(client, job_id, {"running"})
+    ui.go(f"#/jobs/{job_id}")
+    expect(ui.page.locator("#job-status [data-status]")).to_have_text("running")
+    ui.page.get_by_role("button", name="Cancel job").click()
+    expect(ui.page.locator("#job-status [data-status]")).to_have_text("cancelled", timeout=WAIT_MS)
+    expect(ui.page.get_by_role("button", name="Cancel job")).to_be_hidden()
+    ui.shot("job-cancelled")
+    done = _job(server, job_id)
+    assert done["status"] == "cancelled" and done["cancel_requested"]
+
+
+def test_an_api_error_is_shown_in_plain_words(ui, server):
+    ui.allowed.append("status of 422")  # the browser logs the refused request itself
+    model = server.found["model"]
+    ui.go(f"#/models/{model['id']}")
+    jobs_before = len(server.client.get("/v1/jobs").json()["items"])
+    ui.page.get_by_label("Memory budget").fill("abc")
+    ui.page.get_by_role("button", name="Submit job").click()
+    alert = ui.page.get_by_role("alert")
+    expect(alert).to_be_visible()
+    expect(alert).to_contain_text("The job was not submitted")
+    expect(alert).to_contain_text("size 'abc': expected bytes, KiB, MiB, GiB, KB, MB, GB or %")
+    assert ui.page.url.endswith(f"#/models/{model['id']}")  # still on the form
+    assert len(server.client.get("/v1/jobs").json()["items"]) == jobs_before
+    ui.shot("error")
+
+
+def test_an_unreachable_server_and_a_missing_job_are_said_plainly(ui, server):
+    ui.allowed += ["status of 404", "net::ERR_FAILED"]
+    ui.go("#/jobs/0123456789abcdef")
+    expect(ui.page.get_by_role("alert")).to_contain_text("job '0123456789abcdef' does not exist")
+    ui.page.route("**/v1/jobs?*", lambda route: route.abort())
+    ui.go("#/jobs")
+    expect(ui.page.get_by_role("alert")).to_contain_text("The server cannot be reached")
+
+
+# --- keyboard and screens -----------------------------------------------------------------
+
+
+def test_keyboard_reaches_the_navigation_and_enter_follows_it(ui, server):
+    page = ui.page
+    ui.go("#/jobs")
+    expect(page.get_by_role("heading", name="Jobs", level=1)).to_be_visible()
+    models = page.get_by_role("link", name="Models", exact=True)
+    for _ in range(10):
+        page.keyboard.press("Tab")
+        if models.evaluate("link => link === document.activeElement"):
+            break
+    expect(models).to_be_focused()
+    outline = models.evaluate("link => getComputedStyle(link).outlineStyle")
+    assert outline != "none", "the focused link shows no focus ring"
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/#/models")
+    expect(page.get_by_role("heading", name="Models", level=1)).to_be_focused()
+    expect(models).to_have_attribute("aria-current", "page")
+    # the form's controls are labelled: each is reachable by its label
+    page.get_by_role("link", name="Plan a job for transformer.onnx").press("Enter")
+    for label in ("Device name", "Kind", "Memory budget", "Strategy", "Solver", "Time limit (s)"):
+        expect(page.get_by_label(label, exact=True).first).to_be_editable()
+
+
+@pytest.mark.parametrize("width", [1280, 400])
+def test_every_page_fits_the_screen(browser, server, width):
+    context = browser.new_context(viewport={"width": width, "height": 800})
+    ui = _watch(context.new_page(), server.url)
+    pages = {
+        "jobs": ("#/jobs", "#jobs-table"),
+        "job": (f"#/jobs/{server.found['job']}", "svg.memory-chart"),
+        "models": ("#/models", "#models-table"),
+        "model": (f"#/models/{server.found['model']['id']}", "#graph-summary"),
+        "nodes": ("#/nodes", "#nodes-table"),
+    }
+    try:
+        for name, (route, ready) in pages.items():
+            ui.go(route)
+            expect(ui.page.locator(ready).first).to_be_visible()
+            overflow = ui.page.evaluate(
+                "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+            )
+            assert overflow <= 0, f"{name} at {width} px is {overflow} px wider than the screen"
+            ui.shot(f"{name}-{width}px")
+        assert ui.unexpected_errors() == []
+    finally:
+        context.close()
+
+
+def test_an_api_key_is_asked_for_and_sent(ui, server):
+    """Last: once a key exists, every /v1 call needs it."""
+    ui.allowed.append("status of 401")
+    created = subprocess.run(
+        [str(BIN / "remat"), "api-key", "create", "dashboard"],
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    key = created.stdout.strip()
+    ui.go("#/jobs")
+    expect(ui.page.get_by_role("alert")).to_contain_text("This server needs an API key")
+    refused = len(ui.errors)
+    ui.page.get_by_label("API key").fill(key)
+    ui.page.get_by_role("button", name="Save").click()
+    expect(ui.page.locator(f'#jobs-table tr[data-job-id="{server.found["job"]}"]')).to_be_visible()
+    expect(ui.page.get_by_role("alert")).to_be_hidden()
+    ui.page.reload()  # the key is kept in the browser
+    expect(ui.page.locator(f'#jobs-table tr[data-job-id="{server.found["job"]}"]')).to_be_visible()
+    assert ui.errors[refused:] == []  # with the key, nothing is refused

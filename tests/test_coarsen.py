@@ -14,7 +14,7 @@ from remat.graph import NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.plan import Compute
 from remat.schedule import Schedule
-from remat.solvers.model import SolveOptions
+from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import BASELINES, run_strategy
 from remat.strategies.base import Problem, SolverSettings, evaluate
 from remat.strategies.coarsen import coarsen
@@ -110,7 +110,10 @@ def test_clean_drops_unread_recomputations_and_checkpoints():
 
 
 def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
-    settings = SolverSettings(options=SolveOptions(time_limit_s=20, gap=0.01, threads=2))
+    seen: list[Progress] = []
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=20, gap=0.01, threads=2), on_progress=seen.append
+    )
     problem = _problem("resnet18", 25, settings)
     heuristic = placed_greedy(problem, ["cpu0", "cuda0"])
     result = xengine(problem)
@@ -119,6 +122,11 @@ def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
     assert result.simulation.total_ms < heuristic.simulation.total_ms
     solver = result.plan.solver
     assert solver.bound <= solver.objective and solver.bound >= problem.costs.ideal_ms() - 1e-9
+    # the full and the coarse solve report on one clock, and the plan in hand only improves
+    times = [p.elapsed_s for p in seen]
+    assert len(seen) >= 2 and times == sorted(times)
+    objectives = [p.objective for p in seen]
+    assert objectives == sorted(objectives, reverse=True)
 
 
 def test_checkmate_milp_with_coarsening_still_proves_the_ideal_with_ample_memory():

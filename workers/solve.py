@@ -195,20 +195,24 @@ def _point(job_id: str, progress: Progress) -> ProgressRow:
 class ProgressWriter:
     """The solver's progress events into the job row and its history, at most once per
     ``interval_s``. Times are the attempt's (since this writer was made): a strategy's
-    several solves each count from their own start."""
+    several solves each count from their own start, and report from their own threads."""
 
     def __init__(self, db: Database, job_id: str, interval_s: float) -> None:
         self.db, self.job_id, self.interval_s = db, job_id, interval_s
         self._start = time.monotonic()
         self._last = float("-inf")
+        self._lock = threading.Lock()
 
     def elapsed(self) -> float:
         return time.monotonic() - self._start
 
     def __call__(self, progress: Progress) -> None:
-        if time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
+        with self._lock:
+            if time.monotonic() - self._last >= self.interval_s:
+                self._last = time.monotonic()
+                self._write(progress)
+
+    def _write(self, progress: Progress) -> None:
         with self.db.session() as session:
             job = session.get(JobRow, self.job_id)
             if job is None or job.status != JobStatus.RUNNING:

@@ -95,8 +95,7 @@ def _solve(
         options = replace(options, time_limit_s=seconds)
     if search is not None:
         options = replace(options, time_limit_s=search.remaining())
-        offset = search.elapsed()
-        listener = partial(search.on_full, offset=offset)
+        listener = search.on_full
         cancel = search.full_stop()
     return runner.solve(
         model, backend=settings.backend, options=options, on_progress=listener, cancel=cancel

@@ -96,15 +96,17 @@ class Search:
             self.best = result
             self._report()
 
-    def on_full(self, progress: Progress, offset: float) -> None:
-        """The full model's progress: its bound is the whole problem's."""
+    def on_full(self, progress: Progress) -> None:
+        """The full model's progress: its bound is the whole problem's. Reported at the
+        search's time: the solver's own clock starts late (model transfer) and would put
+        its events before the coarse solve's."""
         with self._lock:
             if progress.bound is not None:
                 self.bound = max(self.bound, progress.bound)
             objective = progress.objective
             if self.best_ms is not None and (objective is None or self.best_ms < objective):
                 objective = self.best_ms
-            self._report(objective, progress.elapsed_s + offset)
+            self._report(objective)
             if objective != progress.objective and self._meets_gap():
                 self.gap_met.set()  # a plan the solver does not know meets the target
 
@@ -127,14 +129,14 @@ class Search:
         with self._lock:
             self._report()
 
-    def _report(self, objective: float | None = None, elapsed: float | None = None) -> None:
+    def _report(self, objective: float | None = None) -> None:
         listener = self.problem.solver.on_progress
         objective = self.best_ms if objective is None else objective
         if listener is None or objective is None:
             return
         bound = min(self.bound, objective)
         gap = (objective - bound) / objective if objective > 0 else 0.0
-        listener(Progress(self.elapsed() if elapsed is None else elapsed, objective, bound, gap))
+        listener(Progress(self.elapsed(), objective, bound, gap))
 
 
 class CoarsePhase:

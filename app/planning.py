@@ -65,7 +65,7 @@ def build_problem(
         raise InvalidInputError(f"device names must be unique: {names}")
     graph = job_graph(spec, path)
     if table is not None:
-        costs = profiled_costs(graph, restricted(table, names))
+        costs = profiled_costs(graph, table.restricted(names))
     else:
         devices = [Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices]
         costs = analytical_costs(graph, devices)
@@ -95,27 +95,3 @@ def _check_fixed_memory_fits(
             f"the budgets ({format_bytes(total)} in all) are below the fixed memory of "
             f"{format_bytes(fixed)} (parameters, inputs and gradients): no plan can fit"
         )
-
-
-def restricted(table: CostTable, names: list[str]) -> CostTable:
-    """The table's costs for the devices ``names`` only, in that order."""
-    have = {d.name: d for d in table.devices}
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise InvalidInputError(
-            f"the profile has no device {missing[0]!r} (it has: {', '.join(have)})"
-        )
-    chosen = set(names)
-    return table.model_copy(
-        update={
-            "devices": [have[n] for n in names],
-            "nodes": {
-                key: node.model_copy(update={"compute_ms": {n: node.compute_ms[n] for n in names}})
-                for key, node in table.nodes.items()
-            },
-            "copy_ms": {
-                key: {pair: ms for pair, ms in pairs.items() if set(pair.split("->", 1)) <= chosen}
-                for key, pairs in table.copy_ms.items()
-            },
-        }
-    )

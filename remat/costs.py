@@ -172,6 +172,33 @@ class CostTable(BaseModel):
     nodes: dict[str, _TableNode]
     copy_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
 
+    def restricted(self, names: list[str]) -> CostTable:
+        """The table's costs for the devices ``names`` only, in that order (a job may use
+        some of a profiled node's devices)."""
+        have = {d.name: d for d in self.devices}
+        missing = [n for n in names if n not in have]
+        if missing:
+            raise InvalidInputError(
+                f"the profile has no device {missing[0]!r} (it has: {', '.join(have)})"
+            )
+        chosen = set(names)
+
+        def node(costs: _TableNode) -> _TableNode:
+            spread = {n: ms for n, ms in costs.compute_spread_ms.items() if n in chosen}
+            times = {n: costs.compute_ms[n] for n in names}
+            return costs.model_copy(update={"compute_ms": times, "compute_spread_ms": spread})
+
+        def copies(pairs: dict[str, float]) -> dict[str, float]:
+            return {pair: ms for pair, ms in pairs.items() if set(pair.split("->", 1)) <= chosen}
+
+        return self.model_copy(
+            update={
+                "devices": [have[n] for n in names],
+                "nodes": {key: node(costs) for key, costs in self.nodes.items()},
+                "copy_ms": {key: copies(pairs) for key, pairs in self.copy_ms.items()},
+            }
+        )
+
 
 def load_cost_table(path: str | Path) -> CostTable:
     try:

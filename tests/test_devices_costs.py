@@ -119,3 +119,22 @@ def test_cost_table_errors_name_what_is_missing(tmp_path):
         load_cost_table(path)
     with pytest.raises(InvalidInputError, match=r"missing\.json"):
         load_cost_table(tmp_path / "missing.json")
+
+
+def test_a_restricted_cost_table_keeps_only_the_named_devices_in_their_order():
+    g = training_graph(chain(3))
+    table = cost_table_of(g, analytical_costs(g, [CPU, GPU]))
+    spread = {"cpu0": 0.1, "cuda0": 0.2}
+    table.nodes["n0"] = table.nodes["n0"].model_copy(update={"compute_spread_ms": spread})
+    only_gpu = table.restricted(["cuda0"])
+    assert [d.name for d in only_gpu.devices] == ["cuda0"]
+    assert all(list(n.compute_ms) == ["cuda0"] for n in only_gpu.nodes.values())
+    assert only_gpu.nodes["n0"].compute_spread_ms == {"cuda0": 0.2}
+    assert all(pairs == {} for pairs in only_gpu.copy_ms.values())  # no copies left
+    costs = profiled_costs(g, only_gpu)
+    np.testing.assert_allclose(costs.compute_ms[:, 0], profiled_costs(g, table).compute_ms[:, 1])
+    swapped = table.restricted(["cuda0", "cpu0"])
+    assert [d.name for d in swapped.devices] == ["cuda0", "cpu0"]
+    assert swapped.copy_ms == table.copy_ms
+    with pytest.raises(InvalidInputError, match="no device 'tpu0'"):
+        table.restricted(["tpu0"])

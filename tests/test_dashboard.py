@@ -10,8 +10,10 @@ Screenshots of each page go to ``$REMAT_TEST_OUTPUT/dashboard`` (default
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,6 @@ from service import (
     free_port,
     sample_bytes,
     service_env,
-    upload,
     wait_job,
     wait_ready,
 )
@@ -138,6 +139,58 @@ def ui(browser: Browser, server: Server) -> Iterator[Ui]:
         context.close()
 
 
+# A file dropped on an element, as a browser delivers a drag from the desktop.
+DROP = """(zone, [name, data]) => {
+    const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+    const transfer = new DataTransfer();
+    transfer.items.add(new File([bytes], name));
+    const options = {dataTransfer: transfer, bubbles: true, cancelable: true};
+    zone.dispatchEvent(new DragEvent("drop", options));
+}"""
+
+# WCAG 2 contrast of every rendered text against its nearest opaque background: 4.5:1,
+# or 3:1 for large text. Charts (SVG) and disabled controls are left out.
+LOW_CONTRAST = """() => {
+    const rgba = (css) => {
+        const m = css.match(/rgba?\\(([^)]+)\\)/);
+        if (!m) return null;
+        const [r, g, b, a = 1] = m[1].split(/[\\s,/]+/).filter(Boolean).map(Number);
+        return {r, g, b, a};
+    };
+    const luminance = ({r, g, b}) => {
+        const f = (v) => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+        return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+    };
+    const background = (element) => {
+        for (let e = element; e; e = e.parentElement) {
+            const c = rgba(getComputedStyle(e).backgroundColor);
+            if (c && c.a > 0.5) return c;
+        }
+        return {r: 255, g: 255, b: 255, a: 1};
+    };
+    const failures = [];
+    const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+    while (walker.nextNode()) {
+        const text = walker.currentNode.textContent.trim();
+        const element = walker.currentNode.parentElement;
+        if (!text || element.closest("svg, noscript, option, button:disabled")) continue;
+        if (element.getClientRects().length === 0) continue;  // not rendered
+        const style = getComputedStyle(element);
+        const [high, low] = [luminance(rgba(style.color)), luminance(background(element))]
+            .sort((a, b) => b - a);
+        const ratio = (high + 0.05) / (low + 0.05);
+        const size = parseFloat(style.fontSize);
+        const large = size >= 24 || (Number(style.fontWeight) >= 700 && size >= 18.66);
+        if (ratio < (large ? 3 : 4.5)) failures.push(`${text.slice(0, 40)}: ${ratio.toFixed(2)}`);
+    }
+    return failures;
+}"""
+
+
+def b64encode(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def _job(server: Server, job_id: str) -> dict[str, Any]:
     return server.client.get(f"/v1/jobs/{job_id}").json()
 
@@ -161,8 +214,14 @@ def test_upload_a_model_with_the_file_picker_and_see_its_summary(ui, server, tmp
     row = ui.page.locator(f'#models-table tr[data-model-id="{model["id"]}"]')
     expect(row.get_by_role("link", name="transformer.onnx", exact=True)).to_be_visible()
     expect(row.locator("td[data-nodes]")).to_have_text(str(nodes))
-    ui.shot("models")
     server.found["model"] = model
+
+    # the drop zone takes a file dragged onto it, the same way
+    ui.page.locator("#dropzone").evaluate(DROP, ["chain.onnx", b64encode(sample_bytes("chain"))])
+    expect(ui.page.locator("#upload-result")).to_contain_text("Uploaded: chain.onnx")
+    expect(ui.page.locator("#upload-percent")).to_have_text("100%")
+    expect(ui.page.get_by_role("link", name="chain.onnx", exact=True)).to_be_visible()
+    ui.shot("models")
 
 
 def test_a_model_page_shows_its_graph_summary(ui, server):
@@ -183,6 +242,8 @@ def test_a_model_page_shows_its_graph_summary(ui, server):
 def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     model = server.found["model"]
     page = ui.page
+    polls: list[tuple[str, str | None]] = []
+    page.on("request", lambda r: polls.append((r.url, r.headers.get("if-none-match"))))
     ui.go("#/models")
     page.get_by_role("link", name="Plan a job for transformer.onnx").click()
     expect(page.locator("#plan-title")).to_be_focused()  # the link lands on the form
@@ -202,6 +263,9 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     assert spec["budgets"] == {"cpu0": "40%", "cpu1": "40%"}
     assert spec["solver"]["time_limit_s"] == 5 and spec["solver"]["gap"] == 0
     expect(page.locator("#job-status [data-status]")).to_have_text("running", timeout=WAIT_MS)
+    page.wait_for_timeout(1500)  # a poll or two
+    conditional = [tag for url, tag in polls if url.endswith(f"/v1/jobs/{job_id}") and tag]
+    assert conditional, "the job page polls without If-None-Match"
 
     # the list refreshes itself: the same row goes from running to succeeded
     page.get_by_role("link", name="Jobs", exact=True).click()
@@ -344,14 +408,13 @@ def test_the_nodes_page_lists_agents_and_their_devices(ui, server):
 
 def test_cancel_a_running_job_from_its_page(ui, server):
     client = server.client
-    model = upload(client, sample_bytes("unet"), "unet.onnx").json()
     spec = {
-        "model_id": model["id"],
+        "model_id": server.found["model"]["id"],
         "batch": 4,
         "devices": TWO_CPUS,
-        "budgets": {"cpu0": "30%", "cpu1": "30%"},
+        "budgets": {"cpu0": "40%", "cpu1": "40%"},
         "strategy": "xengine",
-        "solver": {"backend": "highs", "time_limit_s": 60, "gap": 0},
+        "solver": {"backend": "highs", "time_limit_s": 60, "gap": 0},  # a minute unless stopped
     }
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     wait_job(client, job_id, {"running"})
@@ -360,9 +423,12 @@ def test_cancel_a_running_job_from_its_page(ui, server):
     ui.page.get_by_role("button", name="Cancel job").click()
     expect(ui.page.locator("#job-status [data-status]")).to_have_text("cancelled", timeout=WAIT_MS)
     expect(ui.page.get_by_role("button", name="Cancel job")).to_be_hidden()
+    expect(ui.page.locator("#status")).to_have_text("The job was cancelled.")
+    expect(ui.page.locator("#schedule")).to_contain_text("without a plan")
     ui.shot("job-cancelled")
     done = _job(server, job_id)
     assert done["status"] == "cancelled" and done["cancel_requested"]
+    assert done["progress"]["elapsed_s"] < 30  # stopped, not run to its time limit
 
 
 def test_an_api_error_is_shown_in_plain_words(ui, server):
@@ -388,6 +454,34 @@ def test_an_unreachable_server_and_a_missing_job_are_said_plainly(ui, server):
     ui.page.route("**/v1/jobs?*", lambda route: route.abort())
     ui.go("#/jobs")
     expect(ui.page.get_by_role("alert")).to_contain_text("The server cannot be reached")
+
+
+def test_the_jobs_list_filters_by_status(ui, server):
+    cancelled = server.client.get("/v1/jobs", params={"status": "cancelled"}).json()["items"]
+    assert cancelled
+    ui.go("#/jobs")
+    ui.page.get_by_label("Status").select_option("cancelled")
+    expect(ui.page).to_have_url(re.compile(r"#/jobs\?status=cancelled$"))
+    rows = ui.page.locator("#jobs-table tbody tr")
+    expect(rows).to_have_count(len(cancelled))
+    assert set(rows.evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"cancelled"}
+    ui.page.reload()  # the filter is in the address
+    expect(ui.page.get_by_label("Status")).to_have_value("cancelled")
+    expect(rows).to_have_count(len(cancelled))
+
+
+def test_leaving_a_page_stops_its_polling(ui, server):
+    requests: list[str] = []
+    ui.page.on("request", lambda r: requests.append(r.url))
+    ui.go("#/jobs")
+    expect(ui.page.locator("#jobs-table tbody tr").first).to_be_visible()
+    ui.page.wait_for_timeout(2500)
+    assert sum("/v1/jobs?" in url for url in requests) >= 2, "the jobs list does not poll"
+    ui.page.get_by_role("link", name="Nodes", exact=True).click()
+    expect(ui.page.locator("#nodes-table")).to_be_visible()
+    left = len(requests)
+    ui.page.wait_for_timeout(2500)
+    assert not [url for url in requests[left:] if "/v1/jobs" in url]
 
 
 # --- keyboard and screens -----------------------------------------------------------------
@@ -434,6 +528,7 @@ def test_every_page_fits_the_screen(browser, server, width):
                 "document.documentElement.scrollWidth - document.documentElement.clientWidth"
             )
             assert overflow <= 0, f"{name} at {width} px is {overflow} px wider than the screen"
+            assert ui.page.evaluate(LOW_CONTRAST) == [], f"{name}: text below WCAG AA contrast"
             ui.shot(f"{name}-{width}px")
         assert ui.unexpected_errors() == []
     finally:

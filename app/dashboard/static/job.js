@@ -13,6 +13,13 @@ import { FINISHED, heading, jobDuration, statusBadge, timeEl } from "./widgets.j
 
 const POLL_MS = 1000;
 const EXECUTIONS_POLL_MS = 2000;
+const STATUS_NEWS = {
+  queued: "The job is queued.",
+  running: "The job is running.",
+  succeeded: "The job succeeded.",
+  failed: "The job failed.",
+  cancelled: "The job was cancelled.",
+};
 const INCUMBENT = "#0072b2";
 const BOUND = "#c0450a";
 
@@ -293,7 +300,10 @@ export async function jobPage(view, { signal }, id) {
     }
   }
 
+  let announced = null;
   function render() {
+    if (announced !== null && announced !== job.status) announce(STATUS_NEWS[job.status] || "");
+    announced = job.status;
     replace(status, statusBadge(job.status, job.cancel_requested && !FINISHED.has(job.status) ? " (cancelling)" : ""));
     message.textContent = [job.message, job.error].filter(Boolean).join(" — ");
     message.className = job.error ? "error-text" : "muted";

@@ -56,10 +56,13 @@ export async function jobsPage(view, { signal, query }) {
 
   const models = new Map();
   let shown = "";
+  let etag = null; // the list sends no ETag today; if it does, unchanged polls cost a 304
+  let data = null;
   async function refresh() {
     const params = new URLSearchParams({ limit: String(limit) });
     if (status) params.set("status", status);
-    const { data } = await request(`/v1/jobs?${params}`, { signal });
+    const answer = await request(`/v1/jobs?${params}`, { signal, etag });
+    if (answer.status !== 304) ({ data, etag } = answer);
     if (data.items.some((job) => !models.has(job.model_id))) {
       const page = await api("/v1/models?limit=200", { signal });
       for (const model of page.items) models.set(model.id, model);
@@ -73,13 +76,15 @@ export async function jobsPage(view, { signal, query }) {
     empty.hidden = data.items.length > 0;
     list.hidden = data.items.length === 0;
     more.hidden = !data.next_cursor || limit >= 200;
-    summary.textContent = `${data.items.length}${data.next_cursor ? "+" : ""} ${status || ""} job${data.items.length === 1 ? "" : "s"}`;
+    const count = `${data.items.length}${data.next_cursor ? "+" : ""} ${status || ""} job${data.items.length === 1 ? "" : "s"}`;
+    if (summary.textContent !== count) summary.textContent = count;
   }
 
   let stop = every(POLL_MS, refresh, { signal, doing: "The jobs could not be loaded", source: "jobs" });
   const restart = () => {
     stop();
     shown = "";
+    etag = null;
     stop = every(POLL_MS, refresh, { signal, doing: "The jobs could not be loaded", source: "jobs" });
   };
   filter.addEventListener("change", () => {

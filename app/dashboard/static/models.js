@@ -11,7 +11,7 @@ import { heading, timeEl } from "./widgets.js";
 // remat.solvers.runner.BACKENDS); the API has no endpoint listing them, and an unknown
 // name is refused with a 422 that names the known ones, which the page shows.
 const STRATEGIES = [
-  ["xengine", "xengine (placement + recomputation, optimal)"],
+  ["xengine", "xengine (several devices, optimal)"],
   ["checkmate_milp", "checkmate_milp (one device, optimal)"],
   ["checkmate_lp_rounding", "checkmate_lp_rounding (LP, rounded)"],
   ["auto", "auto (cheapest baseline that fits)"],

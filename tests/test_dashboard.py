@@ -389,6 +389,56 @@ def test_an_execution_shows_measured_against_predicted(ui, server):
     expect(row).to_contain_text("match")
     ui.shot("job-executions")
     server.found["node"] = enrolled["node_id"]
+    server.found["agent"] = agent
+
+
+def test_a_job_with_costs_measured_on_a_node(ui, server):
+    """The form's costs from a node: the job waits for the node's profile (this test, as the
+    agent, reports a cost table), is solved with it, and the profile is on the Nodes page."""
+    client, node_id, agent = server.client, server.found["node"], server.found["agent"]
+    [chain] = [m for m in client.get("/v1/models").json()["items"] if m["filename"] == "chain.onnx"]
+    page = ui.page
+    ui.go(f"#/models/{chain['id']}?plan")
+    page.get_by_label("Memory budget").fill("")
+    page.get_by_role("button", name="Add a device").click()
+    page.locator(".device-budget").nth(1).fill("")
+    page.get_by_label("Costs").select_option(node_id)
+    expect(page.get_by_label("Costs")).to_contain_text("measured on node bench-node")
+    page.get_by_role("button", name="Submit job").click()
+    page.wait_for_url("**/#/jobs/*")
+    job_id = page.url.rsplit("/", 1)[1]
+    expect(page.locator("#job-inputs")).to_contain_text("measured on node bench-node")
+
+    task = client.post("/v1/agent/lease", json={"wait_s": 10}, headers=agent, timeout=40).json()
+    assert task["kind"] == "profile" and task["payload"]["devices"] == ["cpu0", "cpu1"]
+    graph = client.get(f"/v1/models/{chain['id']}/graph", params={"batch": 4}).json()
+    table = _cost_table([n["name"] for n in graph["nodes"]])
+    report = {"lease_token": task["lease_token"], "status": "succeeded", "result": table}
+    reported = client.post(f"/v1/agent/tasks/{task['id']}/report", json=report, headers=agent)
+    assert reported.status_code == 200, reported.text
+    expect(page.locator("#job-status [data-status]")).to_have_text("succeeded", timeout=WAIT_MS)
+    assert _job(server, job_id)["status"] == "succeeded"
+
+    [profile] = client.get("/v1/profiles", params={"node_id": node_id}).json()["items"]
+    page.get_by_role("link", name="Nodes", exact=True).click()
+    listed = page.locator(f'#nodes-table li[data-profile-id="{profile["id"]}"]')
+    expect(listed).to_contain_text("chain.onnx")
+    expect(listed).to_contain_text("training, batch 4, on cpu0, cpu1")
+
+
+def _cost_table(names: list[str]) -> dict[str, Any]:
+    """A profiled cost table as an agent reports it: cpu1 ten times faster than cpu0."""
+    return {
+        "source": "profiled",
+        "devices": [
+            {"name": "cpu0", "kind": "cpu", "threads": 1},
+            {"name": "cpu1", "kind": "cpu", "threads": 2},
+        ],
+        "nodes": {
+            n: {"compute_ms": {"cpu0": 10.0, "cpu1": 1.0}, "output_bytes": 64} for n in names
+        },
+        "copy_ms": {n: {"cpu0->cpu1": 0.5, "cpu1->cpu0": 0.5} for n in names},
+    }
 
 
 def test_the_nodes_page_lists_agents_and_their_devices(ui, server):

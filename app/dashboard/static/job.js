@@ -39,13 +39,14 @@ function deviceText(device) {
   return `${device.name} (${device.kind}${options ? `, ${options}` : ""})`;
 }
 
-function costsText(costs) {
+function costsText(costs, nodes) {
   if (costs === "analytical") return "analytical (FLOPs / bandwidth)";
   if (costs.profile_id) return `profile ${shortId(costs.profile_id)}`;
-  return `profiled on node ${shortId(costs.node_id)}`;
+  const node = nodes.get(costs.node_id);
+  return `measured on node ${node ? node.name : shortId(costs.node_id)}`;
 }
 
-function inputsFacts(job, model) {
+function inputsFacts(job, model, nodes) {
   const { spec } = job;
   const shape = spec.inputs
     ? Object.entries(spec.inputs).map(([name, dims]) => `${name}=${dims.join("×")}`).join(", ")
@@ -60,7 +61,7 @@ function inputsFacts(job, model) {
     ["Budgets", budgets],
     ["Strategy", spec.strategy],
     ["Solver", solver],
-    ["Costs", costsText(spec.costs)],
+    ["Costs", costsText(spec.costs, nodes)],
     ["Created", timeEl(job.created_at)],
   ], { id: "job-inputs" });
 }
@@ -279,6 +280,10 @@ export async function jobPage(view, { signal }, id) {
   let historyAvailable = true;
   let scheduleData = null;
   let model = null;
+  const nodes = new Map(); // by id: names for the costs and the executions
+  const loadNodes = async () => {
+    for (const node of (await api("/v1/nodes?limit=200", { signal })).items) nodes.set(node.id, node);
+  };
 
   const progressView = responsive(progressBox, (width) => {
     const shown = points;
@@ -311,7 +316,7 @@ export async function jobPage(view, { signal }, id) {
     cancel.disabled = job.cancel_requested;
     cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel job";
     download.hidden = job.status !== "succeeded";
-    replace(inputs, inputsFacts(job, model));
+    replace(inputs, inputsFacts(job, model, nodes));
     replace(progressText, progressFacts(job));
     // The history so far, then each point polled while the page is open.
     const last = points.length ? points[points.length - 1].elapsed_s : -1;
@@ -340,7 +345,6 @@ export async function jobPage(view, { signal }, id) {
   }
 
   // executions: a form to ask a node's agent to run the plan, and what came back
-  const nodes = new Map();
   let stopExecutions = () => {};
   async function refreshExecutions() {
     const list = await api(`/v1/jobs/${id}/executions`, { signal });
@@ -353,7 +357,7 @@ export async function jobPage(view, { signal }, id) {
       { signal, doing: "The executions could not be loaded", source: "executions" });
   }
   async function setUpExecutions() {
-    for (const node of (await api("/v1/nodes?limit=200", { signal })).items) nodes.set(node.id, node);
+    await loadNodes(); // nodes that registered while the job ran
     const select = h("select", { id: "execute-node", name: "node_id", required: true },
       [...nodes.values()].map((n) => h("option", { value: n.id }, `${n.name} (${n.status})`)));
     replace(executeForm,
@@ -404,6 +408,7 @@ export async function jobPage(view, { signal }, id) {
   } catch (error) {
     if (!(error instanceof ApiError && error.status === 404)) throw error; // deleted: show its id
   }
+  await loadNodes();
   await loadHistory();
   render();
   if (FINISHED.has(job.status)) {

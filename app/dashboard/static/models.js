@@ -201,6 +201,7 @@ function jobBody(form, model) {
     if (budget) budgets[name] = budget;
   }
   const value = (id) => form.querySelector(`#${id}`).value.trim();
+  const costs = value("job-costs");
   const body = {
     model_id: model.id,
     mode: value("job-mode"),
@@ -213,12 +214,13 @@ function jobBody(form, model) {
       gap: Number(value("job-gap")) / 100,
       threads: Number(value("job-threads")),
     },
+    costs: costs === "analytical" ? "analytical" : { node_id: costs },
   };
   if (value("job-batch")) body.batch = Number(value("job-batch"));
   return body;
 }
 
-function jobForm(model) {
+function jobForm(model, nodes) {
   const list = h("div", { class: "device-list" });
   const remove = (row) => {
     if (list.children.length > 1) row.remove();
@@ -249,7 +251,11 @@ function jobForm(model) {
         field("job-backend", "Solver", select("job-backend", BACKENDS, "highs")),
         field("job-time-limit", "Time limit (s)", h("input", { id: "job-time-limit", type: "number", min: "1", step: "any", value: "30" })),
         field("job-gap", "Stop at gap (%)", h("input", { id: "job-gap", type: "number", min: "0", max: "99", step: "any", value: "0.01" })),
-        field("job-threads", "Solver threads", h("input", { id: "job-threads", type: "number", min: "1", step: "1", value: "1" })))),
+        field("job-threads", "Solver threads", h("input", { id: "job-threads", type: "number", min: "1", step: "1", value: "1" })),
+        field("job-costs", "Costs", select("job-costs", [
+          ["analytical", "analytical (FLOPs / bandwidth)"],
+          ...nodes.map((n) => [n.id, `measured on node ${n.name} (${n.status})`]),
+        ], "analytical")))),
     h("button", { type: "submit", class: "primary", id: "submit-job" }, "Submit job"));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -271,6 +277,7 @@ function jobForm(model) {
 
 export async function modelPage(view, { signal, query }, id) {
   const model = await api(`/v1/models/${id}`, { signal });
+  const nodes = (await api("/v1/nodes?limit=200", { signal })).items; // costs measured there
   document.title = `${model.filename} · Models · Remat`;
   const graphBox = h("div", {}, h("p", { class: "muted" }, "Loading the graph…"));
   const batch = h("input", { id: "graph-batch", type: "number", min: "1", step: "1", value: needsBatch(model) ? "4" : "" });
@@ -302,7 +309,7 @@ export async function modelPage(view, { signal, query }, id) {
       h("section", { class: "card", "aria-labelledby": "graph-title" },
         h("h2", { id: "graph-title" }, "Graph"), graphForm, graphBox)),
     h("section", { class: "card", id: "plan", "aria-labelledby": "plan-title" },
-      h("h2", { id: "plan-title", tabindex: "-1" }, "Plan a job"), jobForm(model)));
+      h("h2", { id: "plan-title", tabindex: "-1" }, "Plan a job"), jobForm(model, nodes)));
   if (query.has("plan")) view.querySelector("#plan-title").dataset.autofocus = "";
   await loadGraph();
 }

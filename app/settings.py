@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=_default_data_dir)
     database_url: str | None = None  # default: SQLite under the data directory
     broker_url: str | None = None  # None: the embedded dispatcher instead of Celery
+    embedded_jobs: int = Field(default=2, ge=1)  # jobs the embedded dispatcher runs at once
     max_upload_bytes: int = Field(default=512 * MiB, gt=0)
     max_attempts: int = Field(default=3, ge=1)  # a job's solve is tried at most this often
     max_time_limit_s: float = Field(default=3600.0, gt=0)

@@ -70,6 +70,29 @@ def test_the_same_job_end_to_end_in_embedded_mode(embedded):
         assert max(schedule["memory"]["cpu0"]) == plan.predicted.peak_bytes["cpu0"]
 
 
+def test_a_long_solve_does_not_hold_up_a_short_job(embedded):
+    """The embedded worker runs two jobs at once (``REMAT_EMBEDDED_JOBS``): a job queued
+    behind a long solve finishes while that solve runs."""
+    _, url, _ = embedded
+    with httpx.Client(base_url=url, timeout=60) as client:
+        model = upload(client, sample_bytes("resnet18")).json()
+        long_body = job_body(
+            model["id"],
+            strategy="checkmate_milp",
+            solver={"backend": "highs", "time_limit_s": 300, "gap": 0},
+        )
+        long = client.post("/v1/jobs", json=long_body).json()
+        wait_job(client, long["id"], {"running"})
+        quick = job_body(model["id"], strategy="checkpoint_all", budgets={"cpu0": "100%"})
+        short = client.post("/v1/jobs", json=quick)
+        try:
+            assert wait_job(client, short.json()["id"])["status"] == "succeeded"
+            assert client.get(f"/v1/jobs/{long['id']}").json()["status"] == "running"
+        finally:
+            client.post(f"/v1/jobs/{long['id']}/cancel")
+        assert wait_job(client, long["id"])["status"] == "cancelled"
+
+
 def test_submit_reports_a_server_error_in_plain_words(embedded):
     env, url, _ = embedded
     command = [

@@ -1,7 +1,9 @@
-"""The embedded dispatcher: ``remat serve``'s worker, a thread in the API process that
-runs queued jobs one at a time with the same ``solve_job`` as the Celery task. The
-database is its queue: ``enqueue`` only wakes it, and on start it picks up what an
-earlier run left queued or running (the attempt cap stops a job that kills it)."""
+"""The embedded dispatcher: ``remat serve``'s worker, threads in the API process that run
+queued jobs, ``REMAT_EMBEDDED_JOBS`` at a time (solves run in their own subprocesses;
+a job waiting for a node's profile must not hold up the others), with the same
+``solve_job`` as the Celery task. The database is its queue: ``enqueue`` only wakes it,
+and on start it picks up what an earlier run left queued or running (the attempt cap
+stops a job that kills it)."""
 
 from __future__ import annotations
 
@@ -22,46 +24,64 @@ IDLE_POLL_S = 2.0
 
 
 class EmbeddedDispatcher:
-    def __init__(self, context: WorkerContext) -> None:
+    def __init__(self, context: WorkerContext, jobs: int = 1) -> None:
         self.context = context
-        self.wake = threading.Event()
+        self.wake = threading.Condition()
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="remat-dispatcher", daemon=True)
+        self._active: set[str] = set()  # jobs a thread of this dispatcher is running
+        self.threads = [
+            threading.Thread(target=self._run, name=f"remat-dispatcher-{i}", daemon=True)
+            for i in range(jobs)
+        ]
 
     @classmethod
     def start(cls, settings: Settings, db: Database) -> EmbeddedDispatcher:
-        dispatcher = cls(WorkerContext(settings, db, ModelStore(settings.model_dir)))
-        dispatcher.thread.start()
+        context = WorkerContext(settings, db, ModelStore(settings.model_dir))
+        dispatcher = cls(context, settings.embedded_jobs)
+        for thread in dispatcher.threads:
+            thread.start()
         return dispatcher
 
     def enqueue(self, job_id: str) -> None:
-        self.wake.set()
+        with self.wake:
+            self.wake.notify()
 
     def check(self) -> None:
-        if not self.thread.is_alive():
-            raise RuntimeError("the embedded dispatcher thread has stopped")
+        if not all(thread.is_alive() for thread in self.threads):
+            raise RuntimeError("an embedded dispatcher thread has stopped")
 
     def stop(self) -> None:
         self.stopping.set()
-        self.wake.set()
-        self.thread.join(timeout=10)
+        with self.wake:
+            self.wake.notify_all()
+        for thread in self.threads:
+            thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            job_id = self._next()
+            job_id = self._take()
             if job_id is None:
-                self.wake.wait(IDLE_POLL_S)
-                self.wake.clear()
+                with self.wake:
+                    self.wake.wait(IDLE_POLL_S)
                 continue
             try:
                 solve_job(self.context, job_id)
             except Exception:
                 log.exception("job %s: the dispatcher caught an error", job_id)
+            finally:
+                with self.wake:
+                    self._active.discard(job_id)
 
-    def _next(self) -> str | None:
-        """The oldest job not finished (running ones only left over from an earlier run:
-        this thread runs one job at a time)."""
-        with self.context.db.session() as session:
-            waiting = (JobStatus.QUEUED, JobStatus.RUNNING)
-            query = select(JobRow.id).where(JobRow.status.in_(waiting))
-            return session.scalar(query.order_by(JobRow.created_at).limit(1))
+    def _take(self) -> str | None:
+        """The oldest job not finished that no thread here runs (running ones are left
+        over from an earlier run), now this thread's."""
+        with self.wake:
+            with self.context.db.session() as session:
+                waiting = (JobStatus.QUEUED, JobStatus.RUNNING)
+                query = select(JobRow.id).where(JobRow.status.in_(waiting))
+                if self._active:
+                    query = query.where(JobRow.id.not_in(self._active))
+                job_id = session.scalar(query.order_by(JobRow.created_at).limit(1))
+            if job_id is not None:
+                self._active.add(job_id)
+            return job_id

@@ -139,7 +139,8 @@ function pathOf(points, x, y, step) {
 }
 
 /**
- * A line chart. ``series``: [{name, points: [[x, y]], color, dash, step, dataset}];
+ * A line chart. ``series``: [{name, points: [[x, y]], color, dash, step, dots, extendTo,
+ * dataset}] (``extendTo``: hold the last value up to this x);
  * ``lines``: horizontal reference lines [{value, label, color, dataset}];
  * ``markers``: labelled points [{x, y, label, color, dataset}].
  */
@@ -188,11 +189,18 @@ export function lineChart({
     text(plotW, plotH + 16, xFormat(xMax), { "text-anchor": "end" }),
     text(plotW / 2, plotH + 34, xLabel, { "text-anchor": "middle" }));
   for (const one of series) {
+    const last = one.points[one.points.length - 1];
+    const drawn = one.extendTo !== undefined && last ? [...one.points, [one.extendTo, last[1]]] : one.points;
     plot.append(s("path", {
-      d: pathOf(one.points, x, y, one.step), fill: "none", stroke: one.color, "stroke-width": 2,
+      d: pathOf(drawn, x, y, one.step), fill: "none", stroke: one.color, "stroke-width": 2,
       "stroke-dasharray": one.dash || null, "stroke-linejoin": "round",
       dataset: { series: one.name, points: String(one.points.length), ...(one.dataset || {}) },
     }, s("title", {}, one.name)));
+    if (one.dots) {
+      // the reported points themselves: visible even while there is only one
+      plot.append(s("g", { fill: one.color, "aria-hidden": "true" },
+        one.points.map(([px, py]) => s("circle", { cx: x(px), cy: y(py), r: 3 }))));
+    }
   }
   for (const line of lines) {
     const ly = y(line.value);

@@ -83,6 +83,8 @@ function progressFacts(job) {
 function progressChart(points, width) {
   const series = (key) => points.filter((p) => p[key] !== null && p[key] !== undefined)
     .map((p) => [p.elapsed_s, p[key]]);
+  // A value holds until the solver reports the next one: steps, drawn on to the last report.
+  const end = Math.max(...points.map((p) => p.elapsed_s));
   return lineChart({
     width,
     label: `Incumbent and bound over time: ${points.length} points`,
@@ -92,8 +94,8 @@ function progressChart(points, width) {
     className: "line-chart progress-chart",
     zeroBased: false,
     series: [
-      { name: "incumbent", points: series("incumbent_ms"), color: INCUMBENT, step: true },
-      { name: "bound", points: series("bound_ms"), color: BOUND, dash: "5 4", step: true },
+      { name: "incumbent", points: series("incumbent_ms"), color: INCUMBENT, step: true, dots: true, extendTo: end },
+      { name: "bound", points: series("bound_ms"), color: BOUND, dash: "5 4", step: true, dots: true, extendTo: end },
     ],
   });
 }

@@ -79,6 +79,23 @@ function text(x, y, content, attrs = {}) {
   return s("text", { x, y, "font-size": FONT, fill: AXIS, ...attrs }, content);
 }
 
+// Above this many cells a heatmap draws each run of neighbouring nodes in a stage as one
+// rect: a large graph's S can hold 100,000s of cells, more than a page should carry.
+const MAX_RECTS = 20000;
+
+/** [stage, first node, last node] per rect: single cells, or runs when there are many. */
+function runs(cells) {
+  if (cells.length <= MAX_RECTS) return cells.map(([stage, node]) => [stage, node, node]);
+  const sorted = [...cells].sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+  const merged = [];
+  for (const [stage, node] of sorted) {
+    const run = merged[merged.length - 1];
+    if (run && run[0] === stage && run[2] === node - 1) run[2] = node;
+    else merged.push([stage, node, node]);
+  }
+  return merged;
+}
+
 /**
  * A stage x node grid with a mark per (stage, node) cell: R (computed in that stage) or S
  * (kept in memory entering it). ``cells`` are the API's sparse pairs.
@@ -105,12 +122,16 @@ export function heatmap({ cells, stages, names, color, matrix, device, width }) 
     class: "plot-area", width: side, height: plotH, fill: "#f7f8fa", stroke: "#c7ccd4",
   }));
   const marks = s("g", { class: "cells", fill: color, "shape-rendering": "crispEdges" });
-  for (const [stage, node] of cells) {
+  for (const [stage, node, last] of runs(cells)) {
     const name = names[node] ?? `#${node}`;
+    const span = last - node + 1;
+    const what = span === 1
+      ? `node ${node}: ${name}`
+      : `nodes ${node}–${last}: ${name} … ${names[last] ?? `#${last}`}`;
     marks.append(s("rect", {
-      x: node * cellW, y: stage * cellH, width: Math.max(cellW, 0.6), height: Math.max(cellH, 0.6),
-      dataset: { stage: String(stage), node: String(node), name },
-    }, s("title", {}, `stage ${stage}, node ${node}: ${name} (${verb} on ${device})`)));
+      x: node * cellW, y: stage * cellH, width: Math.max(cellW * span, 0.6), height: Math.max(cellH, 0.6),
+      dataset: { stage: String(stage), node: String(node), last: String(last), name },
+    }, s("title", {}, `stage ${stage}, ${what} (${verb} on ${device})`)));
   }
   plot.append(marks);
   plot.append(

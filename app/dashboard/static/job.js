@@ -129,8 +129,9 @@ function scheduleView(schedule, signal) {
     const rect = event.target.closest("rect[data-node]");
     if (!rect) return;
     const svg = rect.closest("svg");
-    readout.textContent = `${svg.dataset.matrix} on ${svg.dataset.device}: stage ${rect.dataset.stage}, ` +
-      `node ${rect.dataset.node} ${rect.dataset.name}`;
+    const { stage, node, last, name } = rect.dataset;
+    const nodes = node === last ? `node ${node} ${name}` : `nodes ${node}–${last} from ${name}`;
+    readout.textContent = `${svg.dataset.matrix} on ${svg.dataset.device}: stage ${stage}, ${nodes}`;
   });
   return view;
 }

@@ -63,6 +63,12 @@ class Server:
     client: httpx.Client
     found: dict[str, Any] = field(default_factory=dict)  # what earlier tests made
 
+    def need(self, key: str) -> Any:
+        """What an earlier test in this file made: the tests build on each other in order."""
+        if key not in self.found:
+            pytest.fail(f"{key!r} comes from an earlier test: run the whole file")
+        return self.found[key]
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -225,7 +231,7 @@ def test_upload_a_model_with_the_file_picker_and_see_its_summary(ui, server, tmp
 
 
 def test_a_model_page_shows_its_graph_summary(ui, server):
-    model = server.found["model"]
+    model = server.need("model")
     ui.go(f"#/models/{model['id']}")
     expect(ui.page.locator("#model-nodes")).to_have_text(str(model["summary"]["nodes"]))
     for op, count in model["summary"]["operators"].items():
@@ -240,7 +246,7 @@ def test_a_model_page_shows_its_graph_summary(ui, server):
 
 
 def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
-    model = server.found["model"]
+    model = server.need("model")
     page = ui.page
     polls: list[tuple[str, str | None]] = []
     page.on("request", lambda r: polls.append((r.url, r.headers.get("if-none-match"))))
@@ -287,7 +293,7 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
 
 
 def test_the_heatmaps_and_memory_charts_carry_the_plans_data(ui, server):
-    job_id = server.found["job"]
+    job_id = server.need("job")
     schedule = server.client.get(f"/v1/jobs/{job_id}/schedule").json()
     assert set(schedule["devices"]) == {"cpu0", "cpu1"}
     page = ui.page
@@ -334,7 +340,7 @@ def test_the_heatmaps_and_memory_charts_carry_the_plans_data(ui, server):
 
 
 def test_the_plan_downloads_as_the_apis_json(ui, server):
-    job_id = server.found["job"]
+    job_id = server.need("job")
     ui.go(f"#/jobs/{job_id}")
     with ui.page.expect_download() as download:
         ui.page.get_by_role("button", name="Download plan JSON").click()
@@ -344,7 +350,7 @@ def test_the_plan_downloads_as_the_apis_json(ui, server):
 
 
 def test_the_baselines_table_compares_the_same_inputs(ui, server):
-    job_id = server.found["job"]
+    job_id = server.need("job")
     baselines = server.client.get(f"/v1/jobs/{job_id}/baselines").json()
     ui.go(f"#/jobs/{job_id}")
     table = ui.page.locator("#baselines-table")
@@ -355,7 +361,7 @@ def test_the_baselines_table_compares_the_same_inputs(ui, server):
 
 
 def test_an_execution_shows_measured_against_predicted(ui, server):
-    job_id = server.found["job"]
+    job_id = server.need("job")
     client = server.client
     body = {"enroll_token": ENROLL, "name": "bench-node", "devices": TWO_CPUS}
     enrolled = client.post("/v1/agent/register", json=body).json()
@@ -395,7 +401,7 @@ def test_an_execution_shows_measured_against_predicted(ui, server):
 def test_a_job_with_costs_measured_on_a_node(ui, server):
     """The form's costs from a node: the job waits for the node's profile (this test, as the
     agent, reports a cost table), is solved with it, and the profile is on the Nodes page."""
-    client, node_id, agent = server.client, server.found["node"], server.found["agent"]
+    client, node_id, agent = server.client, server.need("node"), server.need("agent")
     [chain] = [m for m in client.get("/v1/models").json()["items"] if m["filename"] == "chain.onnx"]
     page = ui.page
     ui.go(f"#/models/{chain['id']}?plan")
@@ -442,7 +448,7 @@ def _cost_table(names: list[str]) -> dict[str, Any]:
 
 
 def test_the_nodes_page_lists_agents_and_their_devices(ui, server):
-    node = server.client.get(f"/v1/nodes/{server.found['node']}").json()
+    node = server.client.get(f"/v1/nodes/{server.need('node')}").json()
     ui.go("#/nodes")
     row = ui.page.locator(f'#nodes-table tr[data-node-id="{node["id"]}"]')
     expect(row).to_contain_text("bench-node")
@@ -459,7 +465,7 @@ def test_the_nodes_page_lists_agents_and_their_devices(ui, server):
 def test_cancel_a_running_job_from_its_page(ui, server):
     client = server.client
     spec = {
-        "model_id": server.found["model"]["id"],
+        "model_id": server.need("model")["id"],
         "batch": 4,
         "devices": TWO_CPUS,
         "budgets": {"cpu0": "40%", "cpu1": "40%"},
@@ -483,7 +489,7 @@ def test_cancel_a_running_job_from_its_page(ui, server):
 
 def test_an_api_error_is_shown_in_plain_words(ui, server):
     ui.allowed.append("status of 422")  # the browser logs the refused request itself
-    model = server.found["model"]
+    model = server.need("model")
     ui.go(f"#/models/{model['id']}")
     jobs_before = len(server.client.get("/v1/jobs").json()["items"])
     ui.page.get_by_label("Memory budget").fill("abc")
@@ -565,9 +571,9 @@ def test_every_page_fits_the_screen(browser, server, width):
     ui = _watch(context.new_page(), server.url)
     pages = {
         "jobs": ("#/jobs", "#jobs-table"),
-        "job": (f"#/jobs/{server.found['job']}", "svg.memory-chart"),
+        "job": (f"#/jobs/{server.need('job')}", "svg.memory-chart"),
         "models": ("#/models", "#models-table"),
-        "model": (f"#/models/{server.found['model']['id']}", "#graph-summary"),
+        "model": (f"#/models/{server.need('model')['id']}", "#graph-summary"),
         "nodes": ("#/nodes", "#nodes-table"),
     }
     try:
@@ -600,10 +606,11 @@ def test_an_api_key_is_asked_for_and_sent(ui, server):
     ui.go("#/jobs")
     expect(ui.page.get_by_role("alert")).to_contain_text("This server needs an API key")
     refused = len(ui.errors)
+    row = ui.page.locator(f'#jobs-table tr[data-job-id="{server.need("job")}"]')
     ui.page.get_by_label("API key").fill(key)
     ui.page.get_by_role("button", name="Save").click()
-    expect(ui.page.locator(f'#jobs-table tr[data-job-id="{server.found["job"]}"]')).to_be_visible()
+    expect(row).to_be_visible()
     expect(ui.page.get_by_role("alert")).to_be_hidden()
     ui.page.reload()  # the key is kept in the browser
-    expect(ui.page.locator(f'#jobs-table tr[data-job-id="{server.found["job"]}"]')).to_be_visible()
+    expect(row).to_be_visible()
     assert ui.errors[refused:] == []  # with the key, nothing is refused

@@ -157,3 +157,15 @@ def test_cancelling_stops_the_full_and_the_coarse_solve_and_keeps_the_plan_in_ha
     assert time.monotonic() - started < limit / 4  # stopped by the cancel, not the limit
     assert result.feasible and result.simulation.valid
     assert not any(t.name == "remat-coarse" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_cancel_during_the_warm_start_stops_the_strategy_within_seconds():
+    """The multi-device heuristic (a warm start of up to 10 s on U-Net) and the coarse
+    graph's own heuristic stop at the cancel, not at their time budgets."""
+    cancel = threading.Event()
+    settings = SolverSettings(options=SolveOptions(time_limit_s=600, threads=2), cancel=cancel)
+    problem = _problem("unet", 25, settings)
+    threading.Timer(1.0, cancel.set).start()
+    started = time.monotonic()
+    xengine(problem)
+    assert time.monotonic() - started < 1.0 + 5.0  # took 16 s before the heuristics checked

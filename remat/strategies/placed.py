@@ -64,14 +64,19 @@ def placed_greedy(
     problem: Problem, names: Sequence[str] | None = None, time_budget_s: float = TIME_BUDGET_S
 ) -> StrategyResult:
     """The cheapest multi-device schedule among the candidates that the simulator accepts
-    under every device's budget (``names``: the devices to use, default all)."""
+    under every device's budget (``names``: the devices to use, default all). Stops early
+    when the problem is cancelled."""
     names = tuple(names or (d.name for d in problem.costs.devices))
     deadline = time.monotonic() + time_budget_s
+
+    def over() -> bool:
+        return problem.cancelled or time.monotonic() > deadline
+
     policies = _policies(problem)
     context = _Context.of(problem, names)
     candidates: list[_Candidate] = []
     for place in placements(problem, names):
-        if any(c.fits for c in candidates) and time.monotonic() > deadline:
+        if problem.cancelled or (any(c.fits for c in candidates) and over()):
             break  # solving R for every candidate is most of the cost; one fit is enough
         fixed = context.fixed(place)
         if context.fixed_fits(fixed):
@@ -80,7 +85,7 @@ def placed_greedy(
     judged: list[tuple[_Candidate, Evaluation]] = []
     for candidate in candidates:
         judged.append((candidate, context.evaluate(candidate)))
-        if sum(e.fits for _, e in judged) >= KEEP or time.monotonic() > deadline:
+        if sum(e.fits for _, e in judged) >= KEEP or over():
             break
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:
@@ -97,8 +102,12 @@ def _move_layers(
     fits; repeat while moves help and time is left. A move whose compute cost alone is not
     below the incumbent's total is not simulated (copies only add to it)."""
     layer = _layer(context.problem)
+
+    def over() -> bool:
+        return context.problem.cancelled or time.monotonic() > deadline
+
     improved = True
-    while improved and time.monotonic() < deadline:
+    while improved and not over():
         improved = False
         for group in np.unique(layer).tolist():
             for d in range(len(context.names)):
@@ -115,7 +124,7 @@ def _move_layers(
                 judged = context.evaluate(trial)
                 if judged.fits and judged.cost_ms < evaluation.cost_ms:
                     candidate, evaluation, improved = trial, judged, True
-            if time.monotonic() > deadline:
+            if over():
                 break
     return candidate, evaluation
 

@@ -11,14 +11,28 @@ computes, and a gradient buffer for the fixed tensors of the backward nodes it c
 plus the values resident on it. The measured peak of a CPU device is the executor's own
 account of those bytes, taken from the tensors themselves after every step (two emulated
 CPU devices share the host's memory, so the process's memory cannot tell them apart); of a
-CUDA device it is ``torch.cuda.max_memory_allocated`` above the baseline before the run,
-which also sees the kernels' temporary buffers.
+CUDA device it is the peak of the bytes requested from PyTorch's CUDA allocator above the
+baseline before the run (``requested_bytes`` in ``torch.cuda.memory_stats``). That also
+sees what the kernels allocate for themselves while they run (cuDNN workspaces, the
+temporaries of a gradient), which the simulator does not model: on an H100 it added 1 to
+63 KiB on the tests' small models and 18 KiB to 38 MiB on batch-8 96x96 ones (the most:
+VGG-16, cuDNN's workspaces for IEEE fp32 convolutions). The report also keeps
+the executor's own account for every device (``accounted_peak_bytes``, which equals the
+simulator's peak for a correct run) and, for CUDA, the allocator's peak
+(``allocator_peak_bytes``: ``max_memory_allocated``, which adds the allocator's rounding
+of every block and the slack of cached blocks it reuses without splitting, up to 1 MiB
+each).
 
 Numerics. In training, the parameter and input gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is
 ``max|a - b| / max|b|`` (see ``max_relative_error``), and they match when the worst is at
-most 1e-4 (fp32). In inference
-the model outputs are compared with a plain forward run in the same way.
+most 1e-4 (fp32). In inference the model outputs are compared with a plain forward run in
+the same way. On the host both sides run the same kernels in the same order, so their
+rounding errors agree; CUDA kernels round differently, and on an ill-conditioned model
+(U-Net's instance norms) plain fp32 autograd on the host is itself up to 1e-2 away from the
+exact result. So when the plan uses a CUDA device, the reference is the same plain run in
+float64, and the results match when their error is at most 1e-4 or ``CUDA_ALLOWANCE`` times
+the host's fp32 error against it, whichever is larger (``ExecutionReport.tolerance``).
 """
 
 from __future__ import annotations
@@ -34,7 +48,14 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
 from agents.program import Program, Value, build_program, value_bytes
-from agents.torch_devices import Runtime, copy_runtime, gc_paused, runtime_of
+from agents.torch_devices import (
+    Runtime,
+    copy_runtime,
+    gc_paused,
+    ieee_fp32,
+    is_out_of_memory,
+    runtime_of,
+)
 from remat.costs import analytical_costs
 from remat.devices import Device
 from remat.graph import Graph, Mode, NodeKind
@@ -42,6 +63,8 @@ from remat.plan import Compute, Copy, Free, Plan, Step
 from remat.simulator import Simulation, simulate
 
 TOLERANCE = 1e-4
+# With a CUDA device: how many times the host's own fp32 error (against float64) is allowed.
+CUDA_ALLOWANCE = 10.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +80,11 @@ class ExecutionReport:
     outputs_match: bool | None = None
     outputs_rel_error: float | None = None
     runs_ms: list[float] = field(default_factory=list)  # total of every measured run
+    # The executor's own account of tensor bytes per device (= peak_bytes on CPU).
+    accounted_peak_bytes: dict[str, int] = field(default_factory=dict)
+    # CUDA devices: the allocator's peak, with its block rounding and slack.
+    allocator_peak_bytes: dict[str, int] = field(default_factory=dict)
+    tolerance: float = TOLERANCE  # what max_rel_error / outputs_rel_error were held to
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,7 +119,7 @@ def execute(
     runtimes = bind_devices(plan, devices)
     simulation = check_plan(plan, graph)
     program = build_program(model, graph, inputs, seed)
-    with gc_paused():
+    with gc_paused(), ieee_fp32():
         runs = [_Run(program, plan, runtimes).run() for _ in range(warmup + max(repeats, 1))]
     measured = runs[warmup:]
     chosen = sorted(measured, key=lambda r: r.total_ms)[(len(measured) - 1) // 2]
@@ -104,13 +132,41 @@ def execute(
         gradients_match=None,
         max_rel_error=None,
         runs_ms=[r.total_ms for r in measured],
+        accounted_peak_bytes=chosen.accounted_peak_bytes,
+        allocator_peak_bytes=chosen.allocator_peak_bytes,
     )
-    if graph.mode is Mode.TRAINING:
-        error = max_relative_error(chosen.gradients, program.reference_gradients())
-        return _with(report, gradients_match=error <= TOLERANCE, max_rel_error=error)
-    reference = program.model_output_values(program.forward_values())
-    error = max_relative_error(chosen.outputs, reference)
-    return _with(report, outputs_match=error <= TOLERANCE, outputs_rel_error=error)
+    training = graph.mode is Mode.TRAINING
+    uses_cuda = any(r.is_cuda for r in runtimes.values())
+    measured_values = chosen.gradients if training else chosen.outputs
+    error, tolerance = accuracy(measured_values, program, training, uses_cuda)
+    if training:
+        return _with(
+            report, gradients_match=error <= tolerance, max_rel_error=error, tolerance=tolerance
+        )
+    return _with(
+        report, outputs_match=error <= tolerance, outputs_rel_error=error, tolerance=tolerance
+    )
+
+
+def _reference(program: Program, training: bool) -> dict[str, torch.Tensor]:
+    if training:
+        return program.reference_gradients()
+    return program.model_output_values(program.forward_values())
+
+
+def accuracy(
+    measured: Mapping[str, torch.Tensor], program: Program, training: bool, uses_cuda: bool
+) -> tuple[float, float]:
+    """(error, tolerance) of the gradients (training) or model outputs (inference) of a run.
+    Host only: against the plain fp32 run on the host, at most ``TOLERANCE``. With a CUDA
+    device: against the plain run in float64, at most ``TOLERANCE`` or ``CUDA_ALLOWANCE``
+    times the error of the host's plain fp32 run against the same float64 run."""
+    reference = _reference(program, training)
+    if not uses_cuda:
+        return max_relative_error(measured, reference), TOLERANCE
+    exact = _reference(program.in_float64(), training)
+    host_error = max_relative_error(reference, exact)
+    return max_relative_error(measured, exact), max(TOLERANCE, CUDA_ALLOWANCE * host_error)
 
 
 def _with(report: ExecutionReport, **changes: Any) -> ExecutionReport:
@@ -191,6 +247,8 @@ class _Result:
     peak_bytes: dict[str, int]
     gradients: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
+    accounted_peak_bytes: dict[str, int]
+    allocator_peak_bytes: dict[str, int]
 
 
 class _Run:
@@ -211,7 +269,7 @@ class _Run:
         self.fixed: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
         self.fixed_bytes: dict[str, int] = {}
-        self.baseline: dict[str, int] = {}
+        self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
 
     def run(self) -> _Result:
@@ -223,31 +281,60 @@ class _Run:
                 runtime.synchronize()
             total_ms = (time.perf_counter() - start) * 1e3
             peaks = {name: self._peak(name) for name in self.runtimes}
-            return _Result(total_ms, step_ms, peaks, self._gradients(), self._outputs())
+            allocator = {
+                name: torch.cuda.max_memory_allocated(runtime.torch_device) - self.baseline[name][1]
+                for name, runtime in self.runtimes.items()
+                if runtime.is_cuda
+            }
+            return _Result(
+                total_ms,
+                step_ms,
+                peaks,
+                self._gradients(),
+                self._outputs(),
+                dict(self.peaks),
+                allocator,
+            )
         finally:
             self._release()
 
     # --- setup and teardown --------------------------------------------------------------
 
     def _place_fixed(self) -> None:
-        for name, runtime in self.runtimes.items():
-            if runtime.is_cuda:
-                runtime.synchronize()
-                torch.cuda.reset_peak_memory_stats(runtime.torch_device)
-                self.baseline[name] = torch.cuda.memory_allocated(runtime.torch_device)
-            device = runtime.torch_device
-            held = self.program.held_fixed(self.computed[name])
-            # Emulated CPU devices share the host's tensors; each is accounted per device.
-            self.fixed[name] = {t: self.program.fixed[t].to(device) for t in held}
-            buffers = self.program.gradient_buffers(self.computed[name])
-            self.buffers[name] = {
-                t: torch.zeros_like(self.program.fixed[t], device=device) for t in buffers
-            }
-            self.fixed_bytes[name] = sum(
-                value_bytes((t,))
-                for t in (*self.fixed[name].values(), *self.buffers[name].values())
+        for name in self.runtimes:
+            try:
+                self._place_fixed_on(name)
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                first = _first_line(error)
+                self._release()
+                raise DeviceOutOfMemory(
+                    f"out of memory on device {name!r} placing its parameters, inputs and "
+                    f"gradient buffers: {first}"
+                ) from error
+
+    def _place_fixed_on(self, name: str) -> None:
+        runtime = self.runtimes[name]
+        device = runtime.torch_device
+        if runtime.is_cuda:
+            runtime.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            self.baseline[name] = (
+                _requested_bytes(device, "current"),
+                torch.cuda.memory_allocated(device),
             )
-            self.peaks[name] = self.fixed_bytes[name]
+        held = self.program.held_fixed(self.computed[name])
+        # Emulated CPU devices share the host's tensors; each is accounted per device.
+        self.fixed[name] = {t: self.program.fixed[t].to(device) for t in held}
+        buffers = self.program.gradient_buffers(self.computed[name])
+        self.buffers[name] = {
+            t: torch.zeros_like(self.program.fixed[t], device=device) for t in buffers
+        }
+        self.fixed_bytes[name] = sum(
+            value_bytes((t,)) for t in (*self.fixed[name].values(), *self.buffers[name].values())
+        )
+        self.peaks[name] = self.fixed_bytes[name]
 
     def _release(self) -> None:
         self.resident = {name: {} for name in self.runtimes}
@@ -258,7 +345,7 @@ class _Run:
     def _peak(self, name: str) -> int:
         runtime = self.runtimes[name]
         if runtime.is_cuda:
-            return torch.cuda.max_memory_allocated(runtime.torch_device) - self.baseline[name]
+            return _requested_bytes(runtime.torch_device, "peak") - self.baseline[name][0]
         return self.peaks[name]
 
     # --- steps ---------------------------------------------------------------------------
@@ -273,10 +360,8 @@ class _Run:
                 ms = self._free(step)
             else:  # the simulator accepted it, so a newer step kind this agent lacks
                 raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
-        except torch.OutOfMemoryError as error:
-            raise self._oom(index, step, error) from error
-        except RuntimeError as error:
-            if "can't allocate memory" not in str(error) and "out of memory" not in str(error):
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_out_of_memory(error):
                 raise
             raise self._oom(index, step, error) from error
         return ms
@@ -291,7 +376,7 @@ class _Run:
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device
         node = self.program.graph.nodes[step.node].name
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = _first_line(error)
         self._release()
         return DeviceOutOfMemory(
             f"out of memory on device {device!r} at step {index} ({step.op} of node "
@@ -352,3 +437,18 @@ class _Run:
             for node, value in resident.items():
                 values.setdefault(node, tuple(t.to("cpu") for t in value))
         return self.program.model_output_values(values)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _requested_bytes(device: torch.device, which: str) -> int:
+    """The bytes tensors and kernels requested from the CUDA allocator (``current`` or
+    ``peak``), without the allocator's block rounding; its allocated bytes on a PyTorch
+    that does not count them; 0 before the allocator's first allocation (no statistics)."""
+    stats = torch.cuda.memory_stats(device)
+    for key in (f"requested_bytes.all.{which}", f"allocated_bytes.all.{which}"):
+        if key in stats:
+            return int(stats[key])
+    return 0

@@ -10,7 +10,8 @@ median of its ``repeats`` measurements, with their interquartile range as disper
 isolation matters: an operator repeated alone finds its inputs, weights and code hot in the
 caches and ran 30-60% faster than the same operator inside a training step (measured on
 VGG/ResNet/U-Net at batch 4 on a 2-core Xeon). CPU devices run with their thread count;
-CUDA is timed with events after synchronisation.
+CUDA is timed with events after synchronisation, in IEEE fp32 as the executor runs it
+(``ieee_fp32``).
 
 With several devices, one more pass per source device times copies: right after a node is
 computed, its value is copied to every other device into a destination allocated
@@ -36,7 +37,15 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory
 from agents.program import Program, Value, build_program, value_bytes
-from agents.torch_devices import DEFAULT_THREADS, Runtime, copy_runtime, gc_paused, runtime_of
+from agents.torch_devices import (
+    DEFAULT_THREADS,
+    Runtime,
+    copy_runtime,
+    gc_paused,
+    ieee_fp32,
+    is_out_of_memory,
+    runtime_of,
+)
 from remat.costs import CostSource, CostTable
 from remat.devices import Device
 from remat.graph import Graph, Node, NodeKind
@@ -67,7 +76,7 @@ def profile(
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     runtimes = [runtime_of(d) for d in devices]
     session = _Session(build_program(model, graph), runtimes, repeats, warmup, on_progress)
-    with gc_paused():
+    with gc_paused(), ieee_fp32():
         session.run()
     return CostTable.model_validate(
         {
@@ -82,6 +91,10 @@ def profile(
 def _table_device(runtime: Runtime) -> dict[str, Any]:
     threads = None if runtime.is_cuda else (runtime.threads or DEFAULT_THREADS)
     return {"name": runtime.name, "kind": runtime.kind, "threads": threads}
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def median_and_spread(samples: Sequence[float]) -> tuple[float, float]:
@@ -120,12 +133,20 @@ class _Session:
     def run(self) -> None:
         self._report(force=True)
         for runtime in self.runtimes:
-            fixed = {name: t.to(runtime.torch_device) for name, t in self.program.fixed.items()}
-            everything = range(len(self.program.graph))
-            grads = {
-                t: torch.zeros_like(self.program.fixed[t], device=runtime.torch_device)
-                for t in self.program.gradient_buffers(everything)
-            }
+            try:
+                fixed = {n: t.to(runtime.torch_device) for n, t in self.program.fixed.items()}
+                everything = range(len(self.program.graph))
+                grads = {
+                    t: torch.zeros_like(self.program.fixed[t], device=runtime.torch_device)
+                    for t in self.program.gradient_buffers(everything)
+                }
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                raise DeviceOutOfMemory(
+                    f"out of memory on device {runtime.name!r} placing the parameters, inputs "
+                    f"and gradient buffers to profile: {_first_line(error)}"
+                ) from error
             for index in range(self.warmup + self.repeats):
                 record = self.times[runtime.name] if index >= self.warmup else None
                 self._pass(runtime, fixed, grads, record, copies=False)
@@ -163,10 +184,12 @@ class _Session:
                         node.id, values, fixed, buffers, device
                     )
                 )
-            except torch.OutOfMemoryError as error:
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_out_of_memory(error):
+                    raise
                 raise DeviceOutOfMemory(
                     f"out of memory on device {runtime.name!r} while profiling node "
-                    f"{node.name!r}: {str(error).splitlines()[0] if str(error) else ''}"
+                    f"{node.name!r}: {_first_line(error)}"
                 ) from error
             if record is not None:
                 record[node.id].append(ms)

@@ -33,7 +33,7 @@ alike; their gradient buffers are still allocated, as the simulator accounts for
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -248,6 +248,12 @@ class Program:
                 grads[source.fixed].add_(grad)
 
     # --- plain execution (the references) ------------------------------------------------
+
+    def in_float64(self) -> Program:
+        """This program with its floating-point fixed tensors in float64: its plain forward
+        run and gradients are the exact reference fp32 results are measured against."""
+        fixed = {n: t.double() if t.is_floating_point() else t for n, t in self.fixed.items()}
+        return replace(self, fixed=fixed)
 
     def forward_values(self, device: torch.device | None = None) -> dict[int, Value]:
         """Every forward node's value, computed in node order on one device (host)."""

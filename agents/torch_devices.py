@@ -5,6 +5,10 @@ Two CPU devices of different speed on one machine are emulated by thread counts:
 device runs every operation after ``torch.set_num_threads(threads)`` (e.g. cpu0 with one
 thread, cpu1 with two). CUDA devices are timed with events after synchronisation; CPU
 devices with ``time.perf_counter``.
+
+CUDA computes float32 in full IEEE precision while the agent profiles or executes
+(``ieee_fp32``): PyTorch lets cuDNN convolutions use TF32 by default, whose 10-bit mantissa
+put the gradients of a plan on an H100 1e-2 to 1e-1 (relative) away from plain fp32 autograd.
 """
 
 from __future__ import annotations
@@ -122,6 +126,49 @@ def copy_runtime(src: Runtime, dst: Runtime) -> Runtime:
     if src.is_cuda and not dst.is_cuda:
         return src
     return dst
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A CUDA or host allocation failure (PyTorch raises a plain RuntimeError for the host)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return "can't allocate memory" in str(error) or "out of memory" in str(error)
+
+
+# (backend, operator) pairs of PyTorch's float32 precision settings that CUDA kernels read.
+_FP32_SETTINGS = (("cudnn", "conv"), ("cudnn", "rnn"), ("cuda", "matmul"))
+
+
+@contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """CUDA float32 convolutions and matrix products in IEEE precision (no TF32) inside, the
+    previous settings restored afterwards. Nothing changes on a machine without CUDA.
+
+    Inside, PyTorch 2.11 refuses to read the legacy flag ``torch.backends.cudnn.allow_tf32``
+    (it sees legacy and per-operator settings mixed); nothing the agent runs reads it."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    settings = [
+        getattr(getattr(torch.backends, backend), op, None) for backend, op in _FP32_SETTINGS
+    ]
+    if all(hasattr(s, "fp32_precision") for s in settings):
+        before = [s.fp32_precision for s in settings]
+        try:
+            for setting in settings:
+                setting.fp32_precision = "ieee"
+            yield
+        finally:
+            for setting, value in zip(settings, before, strict=True):
+                setting.fp32_precision = value
+        return
+    # PyTorch before the per-operator settings (2.9): the legacy flags.
+    cudnn, cublas = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, cublas
 
 
 @contextmanager

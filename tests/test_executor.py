@@ -16,9 +16,9 @@ pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
 import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
-from agents.executor import ExecutionReport, execute, max_relative_error
+from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
 from agents.program import Program, build_program
-from agents.torch_devices import detect_devices
+from agents.torch_devices import detect_devices, ieee_fp32
 from remat import samples
 from remat.budgets import reference
 from remat.costs import analytical_costs
@@ -47,8 +47,13 @@ def _graph(model: onnx.ModelProto, mode: Mode = Mode.TRAINING) -> Graph:
     return for_mode(forward_graph(model), mode)
 
 
-def _problem(graph: Graph, percent: float | None, devices: Sequence[str]) -> Problem:
-    costs = analytical_costs(graph, DEVICES)
+def _problem(
+    graph: Graph,
+    percent: float | None,
+    devices: Sequence[str],
+    known: Sequence[Device] = tuple(DEVICES),
+) -> Problem:
+    costs = analytical_costs(graph, known)
     budget = None
     if percent is not None:
         ref = reference(graph, costs)
@@ -56,8 +61,14 @@ def _problem(graph: Graph, percent: float | None, devices: Sequence[str]) -> Pro
     return Problem(graph, costs, dict.fromkeys(devices, budget))
 
 
-def _strategy_plan(graph: Graph, strategy: str, percent: float | None, device: str) -> Plan:
-    result = run_strategy(strategy, _problem(graph, percent, [device]), device)
+def _strategy_plan(
+    graph: Graph,
+    strategy: str,
+    percent: float | None,
+    device: str,
+    known: Sequence[Device] = tuple(DEVICES),
+) -> Plan:
+    result = run_strategy(strategy, _problem(graph, percent, [device], known), device)
     assert result.plan is not None, result.message
     return result.plan
 
@@ -67,6 +78,8 @@ def _assert_matches(report: ExecutionReport, plan: Plan) -> None:
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-4
     # CPU accounting is exact: the same bytes as the simulator, step for step.
     assert report.peak_bytes == report.predicted_peak_bytes
+    assert report.accounted_peak_bytes == report.peak_bytes
+    assert report.allocator_peak_bytes == {} and report.tolerance == TOLERANCE
     assert set(report.peak_bytes) == {d.name for d in plan.devices}
     assert len(report.step_ms) == len(plan.steps)
     assert report.total_ms > 0 and all(ms >= 0 for ms in report.step_ms)
@@ -261,24 +274,112 @@ def test_out_of_memory_names_the_device_and_step(monkeypatch: pytest.MonkeyPatch
 # --- CUDA -----------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA0 = Device("cuda0", DeviceKind.CUDA)
+
+
+def _assert_cuda_peak(report: ExecutionReport, device: str) -> None:
+    """The executor's own account equals the simulator's peak; the bytes requested from
+    the CUDA allocator add the kernels' temporaries (workspaces, gradient temporaries: tens
+    to hundreds of KiB on these small models), never less; the allocator's peak adds its
+    rounding and slack on top."""
+    predicted = report.predicted_peak_bytes[device]
+    assert report.accounted_peak_bytes[device] == predicted
+    measured = report.peak_bytes[device]
+    assert predicted <= measured <= predicted + max(0.01 * predicted, 2**20)
+    assert report.allocator_peak_bytes[device] >= measured
+
+
+@needs_cuda
 def test_a_plan_over_cpu_and_cuda_matches() -> None:  # pragma: no cover - GPU only
     model = MODELS["resnet18"]()
     graph = _graph(model)
     cut = len(graph.forward_nodes()) // 2
-    cuda = Device("cuda0", DeviceKind.CUDA)
 
     def home(node: Node) -> str:
         forward = node.forward if node.kind is NodeKind.BACKWARD else node.id
         return "cpu0" if node.kind is not NodeKind.LOSS and forward < cut else "cuda0"  # type: ignore[operator]
 
-    plan = _split_plan(graph, home, [CPU0, cuda])
-    report = execute(model, graph, plan, [CPU0, cuda])
+    plan = _split_plan(graph, home, [CPU0, CUDA0])
+    report = execute(model, graph, plan, [CPU0, CUDA0])
     assert report.gradients_match is True
+    assert report.max_rel_error is not None and report.max_rel_error <= report.tolerance
     assert report.peak_bytes["cpu0"] == report.predicted_peak_bytes["cpu0"]
-    measured, predicted = report.peak_bytes["cuda0"], report.predicted_peak_bytes["cuda0"]
-    # Kernels' temporary buffers (cuDNN workspaces) count on CUDA: allow 1 MiB.
-    assert abs(measured - predicted) <= max(0.01 * predicted, 2**20)
+    assert report.accounted_peak_bytes["cpu0"] == report.predicted_peak_bytes["cpu0"]
+    assert set(report.allocator_peak_bytes) == {"cuda0"}
+    _assert_cuda_peak(report, "cuda0")
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    ("family", "strategy", "percent"),
+    [
+        ("vgg16", "checkpoint_all", 100),
+        ("resnet18", "ap_sqrt", None),
+        ("unet", "linearized_greedy", 70),
+        ("transformer", "checkpoint_all", 100),
+        ("mobilenet_v1", "ap_sqrt", None),
+    ],
+)
+def test_single_cuda_device_plans_match(
+    family: str, strategy: str, percent: float | None
+) -> None:  # pragma: no cover - GPU only
+    model = MODELS[family]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, strategy, percent, "cuda0", [CUDA0])
+    report = execute(model, graph, plan, [CUDA0], repeats=2)
+    assert report.gradients_match is True, (report.max_rel_error, report.tolerance)
+    assert report.tolerance >= TOLERANCE
+    assert len(report.step_ms) == len(plan.steps) and len(report.runs_ms) == 2
+    assert report.total_ms > 0 and all(ms >= 0 for ms in report.step_ms)
+    _assert_cuda_peak(report, "cuda0")
+
+
+@needs_cuda
+def test_a_cuda_inference_plan_reproduces_the_outputs() -> None:  # pragma: no cover
+    model = MODELS["resnet18"]()
+    graph = _graph(model, Mode.INFERENCE)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cuda0", [CUDA0])
+    report = execute(model, graph, plan, [CUDA0])
+    assert report.outputs_match is True, (report.outputs_rel_error, report.tolerance)
+    _assert_cuda_peak(report, "cuda0")
+
+
+@needs_cuda
+def test_cuda_runs_in_ieee_fp32_and_restores_the_settings() -> None:  # pragma: no cover
+    """TF32 (PyTorch's default for cuDNN convolutions) is off while the agent computes."""
+    settings = (torch.backends.cudnn.conv, torch.backends.cuda.matmul)
+    before = [s.fp32_precision for s in settings]
+    x = torch.randn(8, 64, 16, 16, device="cuda")
+    w = torch.randn(64, 64, 3, 3, device="cuda")
+    exact = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
+    with ieee_fp32():
+        assert [s.fp32_precision for s in settings] == ["ieee", "ieee"]
+        y = torch.nn.functional.conv2d(x, w, padding=1)
+    assert [s.fp32_precision for s in settings] == before
+    assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5
+
+
+@needs_cuda
+def test_cuda_out_of_memory_is_a_clear_error() -> None:  # pragma: no cover - GPU only
+    """A CUDA device too small for the fixed tensors, or for a step, is DeviceOutOfMemory
+    naming the device (and the step), and the device is usable again afterwards."""
+    model = samples.chain(2, batch=2**22, features=4)  # input and every value: 64 MiB
+    graph = _graph(model, Mode.INFERENCE)
+    plan = _strategy_plan(graph, "checkpoint_all", None, "cuda0", [CUDA0])
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    try:
+        torch.cuda.set_per_process_memory_fraction(2**20 / total)  # 1 MiB
+        with pytest.raises(DeviceOutOfMemory, match="device 'cuda0' placing its parameters"):
+            execute(model, graph, plan, [CUDA0], warmup=0)
+        torch.cuda.set_per_process_memory_fraction(100 * 2**20 / total)  # the input only
+        with pytest.raises(DeviceOutOfMemory, match=r"device 'cuda0' at step 0 \(compute"):
+            execute(model, graph, plan, [CUDA0], warmup=0)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert execute(model, graph, plan, [CUDA0], warmup=0).outputs_match is True
 
 
 def test_detect_devices_lists_the_host_and_each_gpu() -> None:

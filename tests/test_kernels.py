@@ -5,7 +5,7 @@ byte counts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +21,10 @@ import torch
 
 from agents import kernels
 from agents.errors import UnsupportedOpError
+from agents.executor import CUDA_ALLOWANCE, max_relative_error
 from agents.kernels import OpSpec, VjpCall
 from agents.program import Program, build_program, value_bytes
+from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
 from remat.onnx_ingest import forward_graph
@@ -68,15 +70,20 @@ def _onnxruntime_values(model: onnx.ModelProto, program: Program) -> dict[str, n
     return dict(zip(names, session.run(None, feeds), strict=True))
 
 
-def _assert_forward_matches(model: onnx.ModelProto, **graph_args: Any) -> Program:
+def _assert_forward_matches(
+    model: onnx.ModelProto, device: torch.device | None = None, **graph_args: Any
+) -> Program:
+    """Our forward kernels (on ``device``; None: the host) against onnxruntime on the host,
+    every intermediate tensor."""
     program = build_program(model, forward_graph(model, **graph_args))
-    ours = program.forward_values()
+    ours = program.forward_values(device)
     theirs = _onnxruntime_values(model, program)
     checked = 0
     for node in program.graph.forward_nodes():
         for name, tensor in zip(node.attrs["onnx_outputs"], ours[node.id], strict=True):
             expected = theirs[name]
-            got = tensor.numpy()
+            assert device is None or tensor.device.type == device.type, (node.name, name)
+            got = tensor.cpu().numpy()
             assert got.shape == expected.shape, (node.name, name)
             assert got.dtype == expected.dtype, (node.name, name)
             scale = max(float(np.abs(expected).max(initial=0)), 1e-6)
@@ -415,24 +422,34 @@ def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:
 # --- program layout -------------------------------------------------------------------------
 
 
+def _training_values(
+    program: Program, device: torch.device
+) -> tuple[dict[int, tuple[torch.Tensor, ...]], dict[str, torch.Tensor]]:
+    """Every node's value of a training graph computed in node order on ``device``, each
+    checked for the graph's bytes and for owning its storage; and the gradient buffers."""
+    fixed = {name: t.to(device) for name, t in program.fixed.items()}
+    grads = {n: torch.zeros_like(program.fixed[n], device=device) for n in program.trainable}
+    values: dict[int, tuple[torch.Tensor, ...]] = {}
+    storages: set[int] = set()
+    for node in program.graph.nodes:
+        value = program.compute(node.id, values, fixed, grads, device)
+        assert value_bytes(value) == node.output_bytes, node.name
+        for t in value:
+            assert t.device.type == device.type, node.name
+            if t.numel():
+                assert t.untyped_storage().data_ptr() not in storages, node.name
+                storages.add(t.untyped_storage().data_ptr())
+        values[node.id] = value
+    return values, grads
+
+
 @pytest.mark.parametrize("family", ["resnet18", "unet", "transformer", "old_style"])
 def test_training_values_have_the_graphs_bytes(family: str) -> None:
     """Every node's value (forward, loss, backward) in node order is exactly as large as
     the graph says, and owns its storage."""
     model = FAMILIES[family]()
     graph = training_graph(forward_graph(model))
-    program = build_program(model, graph)
-    values: dict[int, tuple[torch.Tensor, ...]] = {}
-    grads = {n: torch.zeros_like(program.fixed[n]) for n in program.trainable}
-    storages: set[int] = set()
-    for node in graph.nodes:
-        value = program.compute(node.id, values, program.fixed, grads, torch.device("cpu"))
-        assert value_bytes(value) == node.output_bytes, node.name
-        for t in value:
-            if t.numel():
-                assert t.untyped_storage().data_ptr() not in storages, node.name
-                storages.add(t.untyped_storage().data_ptr())
-        values[node.id] = value
+    _, grads = _training_values(build_program(model, graph), torch.device("cpu"))
     kinds = {n.kind for n in graph.nodes}
     assert kinds == {NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD}
     assert any(float(g.abs().max()) > 0 for g in grads.values())
@@ -455,3 +472,106 @@ def test_inputs_are_seeded_or_given() -> None:
     given = np.ones((2, 4), np.float32)
     program = build_program(model, graph, inputs={"input": given})
     assert program.fixed["input"].tolist() == given.tolist()
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def ieee() -> Iterator[None]:
+    """CUDA in IEEE fp32, as the executor and the profiler run it (PyTorch's default TF32
+    convolutions are 3e-4 off onnxruntime on the small ResNet and MobileNet)."""
+    with ieee_fp32():
+        yield
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor, floor: float = 1e-6) -> float:
+    """``max|a - b| / max|b|``, ``max|b|`` floored at ``floor`` (a value that is zero in exact
+    arithmetic holds rounding noise, not a scale)."""
+    a, b = got.detach().double().cpu(), expected.detach().double().cpu()
+    if not b.numel():
+        return 0.0
+    scale = max(float(b.abs().max()), floor)
+    return float((a - b).abs().max()) / scale
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sample_families_on_cuda_match_onnxruntime(
+    family: str, ieee: None
+) -> None:  # pragma: no cover
+    _assert_forward_matches(FAMILIES[family](), CUDA)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_single_operator_on_cuda_matches_onnxruntime(
+    name: str, ieee: None
+) -> None:  # pragma: no cover
+    _assert_forward_matches(_single_op_model(CASES[name]), CUDA)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_closed_form_gradients_on_cuda_match_the_host(name: str) -> None:  # pragma: no cover
+    """float64: the closed forms on CUDA equal autograd on CUDA and the host's closed forms."""
+    case = GRAD_CASES[name]
+    generator = torch.Generator().manual_seed(3)
+    args = [torch.randn(s, generator=generator, dtype=torch.float64) for s in case.shapes]
+    spec = OpSpec(
+        case.op,
+        "node",
+        opset=case.opset,
+        attrs=case.attrs,
+        inputs=tuple(f"in{i}" for i in range(len(args))),
+        outputs=("out",),
+    )
+    output = kernels.run_forward(spec, args)
+    grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
+    host = kernels.vjp(VjpCall(spec, args, output, grads, [True] * len(args)))
+    moved = VjpCall(
+        spec,
+        [a.to(CUDA) for a in args],
+        [o.to(CUDA) for o in output],
+        [g.to(CUDA) for g in grads],
+        [True] * len(args),
+    )
+    ours, reference = kernels.vjp(moved), kernels.autograd_vjp(moved)
+    for position, (a, b, h) in enumerate(zip(ours, reference, host, strict=True)):
+        assert a is not None and b is not None and h is not None, position
+        assert a.device.type == "cuda", position
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a.cpu(), h, rtol=1e-9, atol=1e-9)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_on_cuda_matches_the_host(family: str, ieee: None) -> None:  # pragma: no cover
+    """Every node's value of a training graph on CUDA has the graph's bytes and owns its
+    storage; the forward values and the loss equal the host's (fp32: relative error at most
+    1e-4); the gradients accumulated into the buffers are as close to exact (float64) as the
+    executor requires (see ``agents.executor.accuracy``). Backward values are not compared
+    one by one: where a gradient is zero in exact arithmetic (all of them below the
+    transformer's final LayerNorm, whose loss is scale-invariant) both sides hold rounding
+    noise."""
+    model = FAMILIES[family]()
+    program = build_program(model, training_graph(forward_graph(model)))
+    host, host_grads = _training_values(program, torch.device("cpu"))
+    cuda, cuda_grads = _training_values(program, CUDA)
+    for node in program.graph.nodes:
+        if node.kind is NodeKind.BACKWARD:
+            continue
+        for k, (a, b) in enumerate(zip(cuda[node.id], host[node.id], strict=True)):
+            if not b.is_floating_point():
+                assert torch.equal(a.cpu(), b), (node.name, k)
+                continue
+            error = _relative_error(a, b)
+            assert error <= RTOL, f"{node.name} ({node.op}) value {k}: rel error {error:.2e}"
+    exact = program.in_float64().reference_gradients()
+    assert set(cuda_grads) == set(host_grads) == set(exact)
+    allowed = max(RTOL, CUDA_ALLOWANCE * max_relative_error(host_grads, exact))
+    error = max_relative_error(cuda_grads, exact)
+    assert error <= allowed, f"gradients: rel error {error:.2e} (allowed {allowed:.2e})"

@@ -153,6 +153,22 @@ def test_a_jobs_etag_changes_when_the_job_does(stack, unet_id):
     assert after.headers["etag"] != before
 
 
+def test_the_job_list_has_an_etag_that_changes_with_its_jobs(stack, unet_id):
+    with httpx.Client(base_url=stack["idle_url"], timeout=60) as idle:  # no worker: queued
+        queued = {"status": "queued"}
+        first = idle.get("/v1/jobs", params=queued)
+        etag = first.headers["etag"]
+        unchanged = idle.get("/v1/jobs", params=queued, headers={"If-None-Match": etag})
+        assert unchanged.status_code == 304 and unchanged.content == b""
+        job = idle.post("/v1/jobs", json=job_body(unet_id)).json()
+        added = idle.get("/v1/jobs", params=queued, headers={"If-None-Match": etag})
+        assert added.status_code == 200 and added.json()["items"][0]["id"] == job["id"]
+        idle.post(f"/v1/jobs/{job['id']}/cancel")
+        gone = idle.get("/v1/jobs", params=queued, headers={"If-None-Match": added.headers["etag"]})
+        assert gone.status_code == 200
+        assert job["id"] not in {j["id"] for j in gone.json()["items"]}
+
+
 def test_server_sent_events_end_with_the_final_status(client, unet_id):
     job = client.post("/v1/jobs", json=job_body(unet_id, strategy="auto")).json()
     events = []

@@ -152,21 +152,28 @@ def _accepted(response: Response, row: JobRow) -> JobOut:
     return to_out(row)
 
 
-@router.get("", response_model=Page[JobOut])
+@router.get("", response_model=Page[JobOut], responses={304: {"description": "unchanged"}})
 def list_jobs(
     ctx: Annotated[Services, Depends(services)],
     status: JobStatus | None = None,
     model_id: str | None = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
-) -> Page[JobOut]:
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """A page of jobs, newest first; ``ETag`` on the page's rows' versions (the dashboard
+    polls it with ``If-None-Match``)."""
     query = select(JobRow)
     if status is not None:
         query = query.where(JobRow.status == status)
     if model_id is not None:
         query = query.where(JobRow.model_id == model_id)
     rows, after = fetch(ctx.db, query, JobRow, cursor, limit)
-    return Page[JobOut](items=[to_out(r) for r in rows], next_cursor=after)
+    etag = _digest([_version(r) for r in rows] + [after or ""])
+    if if_none_match is not None and _matches(if_none_match, etag):
+        return Response(status_code=304, headers={"ETag": etag})
+    page = Page[JobOut](items=[to_out(r) for r in rows], next_cursor=after)
+    return Response(page.model_dump_json(), media_type="application/json", headers={"ETag": etag})
 
 
 def load_job(ctx: Services, job_id: str) -> JobRow:
@@ -190,11 +197,19 @@ def get_job(
 
 
 def _etag(row: JobRow) -> str:
+    return _digest([_version(row)])
+
+
+def _version(row: JobRow) -> str:
     """The row's version: every change to a job goes through the ORM, which moves
     ``updated_at`` (``onupdate``); the status is in it too, for changes within one clock
     tick."""
-    version = f"{row.id}|{utc(row.updated_at).isoformat()}|{row.status}|{row.cancel_requested}"
-    return f'"{hashlib.sha1(version.encode(), usedforsecurity=False).hexdigest()}"'
+    return f"{row.id}|{utc(row.updated_at).isoformat()}|{row.status}|{row.cancel_requested}"
+
+
+def _digest(versions: list[str]) -> str:
+    joined = "\n".join(versions).encode()
+    return f'"{hashlib.sha1(joined, usedforsecurity=False).hexdigest()}"'
 
 
 def _matches(if_none_match: str, etag: str) -> bool:

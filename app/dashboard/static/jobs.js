@@ -56,7 +56,7 @@ export async function jobsPage(view, { signal, query }) {
 
   const models = new Map();
   let shown = "";
-  let etag = null; // the list sends no ETag today; if it does, unchanged polls cost a 304
+  let etag = null; // unchanged polls cost a 304 and no body
   let data = null;
   async function refresh() {
     const params = new URLSearchParams({ limit: String(limit) });

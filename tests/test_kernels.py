@@ -376,10 +376,8 @@ GRAD_CASES: dict[str, GradCase] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(GRAD_CASES))
-def test_closed_form_gradients_match_autograd(name: str) -> None:
-    case = GRAD_CASES[name]
-    assert case.op in kernels.VJP_RULES
+def _grad_call(case: GradCase) -> VjpCall:
+    """``case``'s op on seeded float64 inputs with seeded output gradients, on the host."""
     generator = torch.Generator().manual_seed(3)
     args = [torch.randn(s, generator=generator, dtype=torch.float64) for s in case.shapes]
     spec = OpSpec(
@@ -392,7 +390,14 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
     )
     output = kernels.run_forward(spec, args)
     grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
-    call = VjpCall(spec, args, output, grads, [True] * len(args))
+    return VjpCall(spec, args, output, grads, [True] * len(args))
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_closed_form_gradients_match_autograd(name: str) -> None:
+    case = GRAD_CASES[name]
+    assert case.op in kernels.VJP_RULES
+    call = _grad_call(case)
     ours, reference = kernels.vjp(call), kernels.autograd_vjp(call)
     for position, (a, b) in enumerate(zip(ours, reference, strict=True)):
         assert a is not None and b is not None, position
@@ -518,26 +523,14 @@ def test_single_operator_on_cuda_matches_onnxruntime(
 @pytest.mark.parametrize("name", sorted(GRAD_CASES))
 def test_closed_form_gradients_on_cuda_match_the_host(name: str) -> None:  # pragma: no cover
     """float64: the closed forms on CUDA equal autograd on CUDA and the host's closed forms."""
-    case = GRAD_CASES[name]
-    generator = torch.Generator().manual_seed(3)
-    args = [torch.randn(s, generator=generator, dtype=torch.float64) for s in case.shapes]
-    spec = OpSpec(
-        case.op,
-        "node",
-        opset=case.opset,
-        attrs=case.attrs,
-        inputs=tuple(f"in{i}" for i in range(len(args))),
-        outputs=("out",),
-    )
-    output = kernels.run_forward(spec, args)
-    grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
-    host = kernels.vjp(VjpCall(spec, args, output, grads, [True] * len(args)))
+    call = _grad_call(GRAD_CASES[name])
+    host = kernels.vjp(call)
     moved = VjpCall(
-        spec,
-        [a.to(CUDA) for a in args],
-        [o.to(CUDA) for o in output],
-        [g.to(CUDA) for g in grads],
-        [True] * len(args),
+        call.spec,
+        [a.to(CUDA) for a in call.args],
+        [o.to(CUDA) for o in call.output],
+        [g.to(CUDA) for g in call.grads],
+        call.wanted,
     )
     ours, reference = kernels.vjp(moved), kernels.autograd_vjp(moved)
     for position, (a, b, h) in enumerate(zip(ours, reference, host, strict=True)):

@@ -178,6 +178,22 @@ def job_body(model_id: str, **overrides: Any) -> dict[str, Any]:
     return body
 
 
+def profiled_table(names: list[str]) -> dict[str, Any]:
+    """A profiled cost table for nodes ``names`` as an agent reports it: cpu0 (1 thread)
+    and cpu1 (2 threads), cpu1 ten times faster."""
+    return {
+        "source": "profiled",
+        "devices": [
+            {"name": "cpu0", "kind": "cpu", "threads": 1},
+            {"name": "cpu1", "kind": "cpu", "threads": 2},
+        ],
+        "nodes": {
+            n: {"compute_ms": {"cpu0": 10.0, "cpu1": 1.0}, "output_bytes": 64} for n in names
+        },
+        "copy_ms": {n: {"cpu0->cpu1": 0.5, "cpu1->cpu0": 0.5} for n in names},
+    }
+
+
 def wait_job(client: httpx.Client, job_id: str, statuses: set[str] = FINISHED) -> dict[str, Any]:
     found: dict[str, Any] = {}
 

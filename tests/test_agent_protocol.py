@@ -17,6 +17,7 @@ from service import (
     api_server,
     job_body,
     postgres_database,
+    profiled_table,
     service_env,
     upload,
     wait,
@@ -262,7 +263,7 @@ def test_a_profile_report_is_checked_against_the_graph(client):
     graph = client.get(f"/v1/models/{model}/graph", params={"batch": 2}).json()
     names = [n["name"] for n in graph["nodes"]]
     path = f"/v1/agent/tasks/{task['id']}/report"
-    partial = _table(names[:-1])
+    partial = profiled_table(names[:-1])
     refused = client.post(
         path,
         json={"lease_token": task["lease_token"], "status": "succeeded", "result": partial},
@@ -271,7 +272,11 @@ def test_a_profile_report_is_checked_against_the_graph(client):
     assert "no entry for node" in _problem(refused, 422)
     accepted = client.post(
         path,
-        json={"lease_token": task["lease_token"], "status": "succeeded", "result": _table(names)},
+        json={
+            "lease_token": task["lease_token"],
+            "status": "succeeded",
+            "result": profiled_table(names),
+        },
         headers=bearer(enrolled),
     )
     assert accepted.status_code == 200, accepted.text
@@ -307,17 +312,3 @@ def _lease(client: httpx.Client, enrolled: dict, wait_s: float = 5) -> dict | No
     )
     assert response.status_code in (200, 204), response.text
     return response.json() if response.status_code == 200 else None
-
-
-def _table(names: list[str]) -> dict:
-    return {
-        "source": "profiled",
-        "devices": [
-            {"name": "cpu0", "kind": "cpu", "threads": 1},
-            {"name": "cpu1", "kind": "cpu", "threads": 2},
-        ],
-        "nodes": {
-            n: {"compute_ms": {"cpu0": 10.0, "cpu1": 1.0}, "output_bytes": 64} for n in names
-        },
-        "copy_ms": {n: {"cpu0->cpu1": 0.5, "cpu1->cpu0": 0.5} for n in names},
-    }

@@ -29,6 +29,7 @@ from service import (
     ROOT,
     Process,
     free_port,
+    profiled_table,
     sample_bytes,
     service_env,
     wait_job,
@@ -421,7 +422,7 @@ def test_a_job_with_costs_measured_on_a_node(ui, server):
     task = client.post("/v1/agent/lease", json={"wait_s": 10}, headers=agent, timeout=40).json()
     assert task["kind"] == "profile" and task["payload"]["devices"] == ["cpu0", "cpu1"]
     graph = client.get(f"/v1/models/{chain['id']}/graph", params={"batch": 4}).json()
-    table = _cost_table([n["name"] for n in graph["nodes"]])
+    table = profiled_table([n["name"] for n in graph["nodes"]])
     report = {"lease_token": task["lease_token"], "status": "succeeded", "result": table}
     reported = client.post(f"/v1/agent/tasks/{task['id']}/report", json=report, headers=agent)
     assert reported.status_code == 200, reported.text
@@ -433,21 +434,6 @@ def test_a_job_with_costs_measured_on_a_node(ui, server):
     listed = page.locator(f'#nodes-table li[data-profile-id="{profile["id"]}"]')
     expect(listed).to_contain_text("chain.onnx")
     expect(listed).to_contain_text("training, batch 4, on cpu0, cpu1")
-
-
-def _cost_table(names: list[str]) -> dict[str, Any]:
-    """A profiled cost table as an agent reports it: cpu1 ten times faster than cpu0."""
-    return {
-        "source": "profiled",
-        "devices": [
-            {"name": "cpu0", "kind": "cpu", "threads": 1},
-            {"name": "cpu1", "kind": "cpu", "threads": 2},
-        ],
-        "nodes": {
-            n: {"compute_ms": {"cpu0": 10.0, "cpu1": 1.0}, "output_bytes": 64} for n in names
-        },
-        "copy_ms": {n: {"cpu0->cpu1": 0.5, "cpu1->cpu0": 0.5} for n in names},
-    }
 
 
 def test_the_nodes_page_lists_agents_and_their_devices(ui, server):

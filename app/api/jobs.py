@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -169,11 +170,12 @@ def list_jobs(
     if model_id is not None:
         query = query.where(JobRow.model_id == model_id)
     rows, after = fetch(ctx.db, query, JobRow, cursor, limit)
-    etag = _digest([_version(r) for r in rows] + [after or ""])
-    if if_none_match is not None and _matches(if_none_match, etag):
-        return Response(status_code=304, headers={"ETag": etag})
-    page = Page[JobOut](items=[to_out(r) for r in rows], next_cursor=after)
-    return Response(page.model_dump_json(), media_type="application/json", headers={"ETag": etag})
+    versions = [_version(r) for r in rows] + [after or ""]
+    return _conditional(
+        versions,
+        if_none_match,
+        lambda: Page[JobOut](items=[to_out(r) for r in rows], next_cursor=after),
+    )
 
 
 def load_job(ctx: Services, job_id: str) -> JobRow:
@@ -189,15 +191,19 @@ def get_job(
     """The job; ``ETag`` on its version, ``If-None-Match`` with it (or ``*``) gives 304
     without building the body."""
     row = load_job(ctx, job_id)
-    etag = _etag(row)
+    return _conditional([_version(row)], if_none_match, lambda: to_out(row))
+
+
+def _conditional(
+    versions: list[str], if_none_match: str | None, body: Callable[[], BaseModel]
+) -> Response:
+    """``body()`` as JSON with an ``ETag`` on ``versions``, or a 304 without building it
+    when ``If-None-Match`` names that tag (or ``*``)."""
+    joined = "\n".join(versions).encode()
+    etag = f'"{hashlib.sha1(joined, usedforsecurity=False).hexdigest()}"'
     if if_none_match is not None and _matches(if_none_match, etag):
         return Response(status_code=304, headers={"ETag": etag})
-    body = to_out(row).model_dump_json().encode()
-    return Response(body, media_type="application/json", headers={"ETag": etag})
-
-
-def _etag(row: JobRow) -> str:
-    return _digest([_version(row)])
+    return Response(body().model_dump_json(), media_type="application/json", headers={"ETag": etag})
 
 
 def _version(row: JobRow) -> str:
@@ -205,11 +211,6 @@ def _version(row: JobRow) -> str:
     ``updated_at`` (``onupdate``); the status is in it too, for changes within one clock
     tick."""
     return f"{row.id}|{utc(row.updated_at).isoformat()}|{row.status}|{row.cancel_requested}"
-
-
-def _digest(versions: list[str]) -> str:
-    joined = "\n".join(versions).encode()
-    return f'"{hashlib.sha1(joined, usedforsecurity=False).hexdigest()}"'
 
 
 def _matches(if_none_match: str, etag: str) -> bool:

@@ -89,11 +89,17 @@ class Baseline:
     need_bytes: int | None = None  # when infeasible: the budget the strategy needs
 
 
-def baselines(problem: Problem, strategies: Iterable[str] = BASELINES) -> list[Baseline]:
+@dataclass(frozen=True)
+class Baselines:
+    ideal_ms: float  # every node once on its fastest device, no copies
+    items: list[Baseline]
+
+
+def baselines(problem: Problem, strategies: Iterable[str] = BASELINES) -> Baselines:
     """Each baseline on the problem's own inputs: what a job's plan is compared with. A
     single-device baseline runs on each device and its best plan counts."""
     ideal = problem.costs.ideal_ms()
-    return [_judge(problem, strategy, ideal) for strategy in strategies]
+    return Baselines(ideal, [_judge(problem, strategy, ideal) for strategy in strategies])
 
 
 def _judge(problem: Problem, strategy: str, ideal: float, device: str | None = None) -> Baseline:

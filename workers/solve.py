@@ -19,7 +19,7 @@ from sqlalchemy import delete
 
 from app.database import Database
 from app.planning import build_problem, solver_settings
-from app.schemas import BaselineOut, BaselinesOut, JobSpec, ScheduleOut
+from app.schemas import BaselinesOut, JobSpec, ScheduleOut
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now
 from remat.comparison import baselines
 from remat.errors import RematError
@@ -69,7 +69,8 @@ def solve_job(ctx: WorkerContext, job_id: str) -> None:
     elif result.plan is None or result.simulation is None or not result.simulation.valid:
         _finish(ctx, job_id, JobStatus.FAILED, error=result.message or "no plan found")
     else:
-        _store_plan(ctx, job_id, problem, result, _baselines(problem), progress.elapsed())
+        compared = BaselinesOut.model_validate(baselines(problem), from_attributes=True)
+        _store_plan(ctx, job_id, problem, result, compared, progress.elapsed())
 
 
 def _claim(ctx: WorkerContext, job_id: str) -> _Claim | None:
@@ -106,12 +107,6 @@ def _finish(
         if job is None or JobStatus(job.status).finished:
             return
         job.status, job.error, job.message, job.finished_at = status, error, message, now()
-
-
-def _baselines(problem: Problem) -> BaselinesOut:
-    """The baselines on the job's own inputs, for comparison (well under a second each)."""
-    items = [BaselineOut.model_validate(b, from_attributes=True) for b in baselines(problem)]
-    return BaselinesOut(ideal_ms=problem.costs.ideal_ms(), items=items)
 
 
 def _store_plan(
@@ -194,8 +189,9 @@ def _point(job_id: str, progress: Progress) -> ProgressRow:
 
 class ProgressWriter:
     """The solver's progress events into the job row and its history, at most once per
-    ``interval_s``. Times are the attempt's (since this writer was made): a strategy's
-    several solves each count from their own start, and report from their own threads."""
+    ``interval_s``. Times are the attempt's (since this writer was made), which also
+    counts the wait for a profile and building the problem; the full and the coarse solve
+    report from their own threads."""
 
     def __init__(self, db: Database, job_id: str, interval_s: float) -> None:
         self.db, self.job_id, self.interval_s = db, job_id, interval_s

@@ -68,15 +68,11 @@ def placed_greedy(
     when the problem is cancelled."""
     names = tuple(names or (d.name for d in problem.costs.devices))
     deadline = time.monotonic() + time_budget_s
-
-    def over() -> bool:
-        return problem.cancelled or time.monotonic() > deadline
-
     policies = _policies(problem)
     context = _Context.of(problem, names)
     candidates: list[_Candidate] = []
     for place in placements(problem, names):
-        if problem.cancelled or (any(c.fits for c in candidates) and over()):
+        if problem.cancelled or (any(c.fits for c in candidates) and _over(problem, deadline)):
             break  # solving R for every candidate is most of the cost; one fit is enough
         fixed = context.fixed(place)
         if context.fixed_fits(fixed):
@@ -85,7 +81,7 @@ def placed_greedy(
     judged: list[tuple[_Candidate, Evaluation]] = []
     for candidate in candidates:
         judged.append((candidate, context.evaluate(candidate)))
-        if sum(e.fits for _, e in judged) >= KEEP or over():
+        if sum(e.fits for _, e in judged) >= KEEP or _over(problem, deadline):
             break
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:
@@ -102,12 +98,8 @@ def _move_layers(
     fits; repeat while moves help and time is left. A move whose compute cost alone is not
     below the incumbent's total is not simulated (copies only add to it)."""
     layer = _layer(context.problem)
-
-    def over() -> bool:
-        return context.problem.cancelled or time.monotonic() > deadline
-
     improved = True
-    while improved and not over():
+    while improved and not _over(context.problem, deadline):
         improved = False
         for group in np.unique(layer).tolist():
             for d in range(len(context.names)):
@@ -124,9 +116,14 @@ def _move_layers(
                 judged = context.evaluate(trial)
                 if judged.fits and judged.cost_ms < evaluation.cost_ms:
                     candidate, evaluation, improved = trial, judged, True
-            if over():
+            if _over(context.problem, deadline):
                 break
     return candidate, evaluation
+
+
+def _over(problem: Problem, deadline: float) -> bool:
+    """Time is up, or the user cancelled."""
+    return problem.cancelled or time.monotonic() > deadline
 
 
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:

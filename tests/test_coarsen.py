@@ -129,6 +129,39 @@ def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
     assert objectives == sorted(objectives, reverse=True)
 
 
+def test_coarse_plans_reach_the_search_while_the_solves_run():
+    """ResNet18's coarse graph has a warm start better than the fine heuristic: it is
+    expanded and in hand seconds into the solve (before, only when the coarse solve ended,
+    at the time limit). A cancel as soon as it is reported keeps it."""
+    cancel = threading.Event()
+    plans = []
+    heuristic_ms = []
+
+    def on_progress(progress):
+        if heuristic_ms and progress.objective < heuristic_ms[0] - 1e-9:
+            cancel.set()
+
+    limit = 120.0
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=limit, threads=2),
+        on_progress=on_progress,
+        cancel=cancel,
+        on_plan=plans.append,
+    )
+    problem = _problem("resnet18", 25, settings)
+    heuristic_ms.append(placed_greedy(problem, ["cpu0", "cuda0"]).simulation.total_ms)
+    started = time.monotonic()
+    result = xengine(problem)
+    assert time.monotonic() - started < limit / 2  # the cancel came, mid-solve
+    assert result.feasible and result.simulation.valid
+    assert result.simulation.total_ms < heuristic_ms[0]
+    # on_plan saw each better plan of the search in hand, all accepted by the simulator
+    costs = [plan.simulation.total_ms for plan in plans]
+    assert costs and costs == sorted(costs, reverse=True) and len(set(costs)) == len(costs)
+    assert all(plan.simulation.valid for plan in plans)
+    assert costs[-1] == pytest.approx(result.simulation.total_ms)
+
+
 def test_checkmate_milp_with_coarsening_still_proves_the_ideal_with_ample_memory():
     settings = SolverSettings(options=SolveOptions(time_limit_s=20, gap=1e-6))
     problem = _problem("vgg16", 100, settings)

@@ -160,11 +160,25 @@ def test_infeasible_is_proven(backend: str) -> None:
 def test_time_limit_returns_incumbent_bound_and_progress(backend: str) -> None:
     model = market_split()
     events: list[Progress] = []
-    result = runner.solve(model, backend, SolveOptions(time_limit_s=1.0), events.append, None)
+    incumbents: list[tuple[np.ndarray, float]] = []
+    result = runner.solve(
+        model,
+        backend,
+        SolveOptions(time_limit_s=1.0),
+        events.append,
+        None,
+        on_incumbent=lambda x, objective: incumbents.append((x, objective)),
+    )
     assert result.status in (SolveStatus.FEASIBLE, SolveStatus.OPTIMAL), result.message
     assert result.bound is not None and result.gap is not None
     assert_consistent(model, result)
     assert events, "no progress reported"
+    # improving solutions stream while the solve runs, each a feasible point of its value
+    assert incumbents, "no incumbent streamed"
+    for x, objective in incumbents:
+        assert_feasible(model, x)
+        assert model.objective(x) == pytest.approx(objective, abs=1e-6)
+    assert incumbents[-1][1] >= result.objective - 1e-6
     assert all(b.elapsed_s > a.elapsed_s for a, b in itertools.pairwise(events))
     for event in events:
         if event.objective is not None and event.bound is not None:

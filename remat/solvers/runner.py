@@ -215,39 +215,57 @@ def solve(
     *,
     grace_s: float = DEFAULT_GRACE_S,
     backend_options: Mapping[str, Any] | None = None,
+    on_incumbent: Incumbent | None = None,
 ) -> SolveResult:
     """Solve ``model`` with ``backend`` in a subprocess; see the module docstring.
 
     ``backend_options`` are passed to the backend's ``solve`` as keywords (e.g. cpsat's
     ``resolution``). Only ``ValueError`` for an unknown backend is raised; solver failures,
-    crashes and kills come back as results. ``on_progress`` runs in the calling thread; an
-    exception it raises propagates, after the child has been stopped.
+    crashes and kills come back as results. ``on_progress`` and ``on_incumbent`` (each
+    improving solution the child streams, at most one per progress interval) run in the
+    calling thread; an exception they raise propagates, after the child has been stopped.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; choose one of {BACKENDS}")
     if fallback is not None and fallback not in BACKENDS:
         raise ValueError(f"unknown fallback backend {fallback!r}")
-    outcome = _run_child(
-        model, backend, options, on_progress, cancel, grace_s, dict(backend_options or {})
-    )
+    listeners = _Listeners(on_progress, on_incumbent)
+    outcome = _run_child(model, backend, options, listeners, cancel, grace_s, backend_options)
     if outcome.result is not None:
         return outcome.result
     reason = outcome.unavailable or "unavailable"
     if fallback is None or fallback == backend:
         return _empty(SolveStatus.ERROR, backend, 0.0, f"{backend}: {reason}")
-    result = solve(model, fallback, options, on_progress, cancel, None, grace_s=grace_s)
+    result = solve(
+        model,
+        fallback,
+        options,
+        on_progress,
+        cancel,
+        None,
+        grace_s=grace_s,
+        on_incumbent=on_incumbent,
+    )
     note = f"{backend}: {reason}; solved with {fallback}"
     return replace(result, message=_join(note, result.message))
+
+
+@dataclass(frozen=True)
+class _Listeners:
+    """The caller's hooks for what the child streams."""
+
+    progress: Callable[[Progress], None] | None
+    incumbent: Incumbent | None
 
 
 def _run_child(
     model: MILPModel,
     backend: str,
     options: SolveOptions,
-    on_progress: Callable[[Progress], None] | None,
+    listeners: _Listeners,
     cancel: StopFlag | None,
     grace_s: float,
-    backend_options: dict[str, Any],
+    backend_options: Mapping[str, Any] | None,
 ) -> _Outcome:
     if cancel is not None and cancel.is_set():
         return _Outcome(_empty(SolveStatus.UNKNOWN, backend, 0.0, "cancelled before start"))
@@ -269,12 +287,12 @@ def _run_child(
     sender.close()  # the child holds the only writer: its exit shows as EOF here
     inbox.close()
     feeder = threading.Thread(
-        target=_feed, args=(outbox, (model, options, backend_options)), daemon=True
+        target=_feed, args=(outbox, (model, options, dict(backend_options or {}))), daemon=True
     )
     feeder.start()  # a thread: a child that never reads must not block the caller
     try:
         return _supervise(
-            process, receiver, stop, backend, options, on_progress, cancel, grace_s, seen
+            process, receiver, stop, backend, options, listeners, cancel, grace_s, seen
         )
     finally:
         _ensure_dead(process)
@@ -297,7 +315,7 @@ def _supervise(
     stop: Any,
     backend: str,
     options: SolveOptions,
-    on_progress: Callable[[Progress], None] | None,
+    listeners: _Listeners,
     cancel: StopFlag | None,
     grace_s: float,
     seen: _Seen,
@@ -311,7 +329,7 @@ def _supervise(
                 message = receiver.recv()
             except (EOFError, OSError):
                 return _Outcome(_crashed(process, backend, seen))
-            outcome = _handle(message, backend, on_progress, seen)
+            outcome = _handle(message, backend, listeners, seen)
             if outcome is not None:
                 return _annotate(outcome, why)
         now = time.monotonic()  # checked after every message too: a chatty child is stoppable
@@ -336,18 +354,20 @@ def _stop_reason(cancel: StopFlag | None, now: float, deadline: float) -> str:
 def _handle(
     message: tuple[Any, ...],
     backend: str,
-    on_progress: Callable[[Progress], None] | None,
+    listeners: _Listeners,
     seen: _Seen,
 ) -> _Outcome | None:
     kind = message[0]
     if kind == "progress":
         progress: Progress = message[1]
         seen.bound = progress.bound if progress.bound is not None else seen.bound
-        if on_progress is not None:
-            on_progress(progress)
+        if listeners.progress is not None:
+            listeners.progress(progress)
         return None
     if kind == "incumbent":
         seen.x, seen.objective = message[1], message[2]
+        if listeners.incumbent is not None:
+            listeners.incumbent(seen.x, seen.objective)
         return None
     if kind == "result":
         return _Outcome(result=message[1])

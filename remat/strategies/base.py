@@ -19,12 +19,18 @@ from remat.solvers.model import Progress, SolveOptions, StopFlag
 @dataclass(frozen=True)
 class SolverSettings:
     """How the optimal strategies solve: backend, limits, progress and cancellation.
-    Heuristics ignore it."""
+    Heuristics ignore it.
+
+    ``on_plan`` gets each better plan an optimal strategy finds while it runs (its warm
+    start, then the solver's incumbents the simulator accepts): a caller that runs the
+    strategy on a derived problem (the coarse graph) uses them before the strategy returns.
+    """
 
     backend: str = "highs"
     options: SolveOptions = field(default_factory=SolveOptions)
     on_progress: Callable[[Progress], None] | None = None
     cancel: StopFlag | None = None
+    on_plan: Callable[[StrategyResult], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ def _solve(
     model: MILPModel,
     search: Search | None = None,
     seconds: float | None = None,
+    on_incumbent: runner.Incumbent | None = None,
 ) -> SolveResult:
     """A solve in a subprocess, for ``seconds`` (default: the time limit); within a search,
     for the time it has left, reporting through it."""
@@ -98,7 +99,12 @@ def _solve(
         listener = search.on_full
         cancel = search.full_stop()
     return runner.solve(
-        model, backend=settings.backend, options=options, on_progress=listener, cancel=cancel
+        model,
+        backend=settings.backend,
+        options=options,
+        on_progress=listener,
+        cancel=cancel,
+        on_incumbent=on_incumbent,
     )
 
 
@@ -273,8 +279,9 @@ def _optimize(
     if warm is not None and warm.schedule is not None:
         start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
         model = replace(model, start=start)
+    offer = partial(_offer_incumbent, search, formulation, strategy)
     try:
-        solved = _solve(problem, model, search)
+        solved = _solve(problem, model, search, on_incumbent=offer)
     finally:
         search.coarse_done.set()
         if coarse is not None:
@@ -285,6 +292,19 @@ def _optimize(
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
     return _finish(problem, strategy, solved, evaluation, search.best, ideal)
+
+
+def _offer_incumbent(
+    search: Search, formulation: Formulation, strategy: str, x: np.ndarray, _objective: float
+) -> None:
+    """A solver incumbent, while the solve runs: judged by the simulator and offered to
+    the search, so that the plan in hand (progress, ``on_plan``, a cancelled solve) is the
+    best found so far."""
+    try:
+        schedule = formulation.decode(x)
+    except ScheduleError:
+        return  # within tolerances but not a schedule; the solve's result is judged again
+    search.offer(select_best(strategy, [evaluate(search.problem, schedule, strategy)]))
 
 
 def _decomposed(

@@ -13,7 +13,11 @@ no longer arrived in 120 s, so they share the time.
 
 Progress events carry the best plan in hand (the simulator accepted it) and the full
 model's bound (or the ideal): the coarse solve's own objective and bound belong to another
-problem, so they are never reported.
+problem, so they are never reported. Plans reach the search as they are found, not when a
+solve ends: each solver incumbent is judged by the simulator and offered at once, and each
+better coarse plan (the coarse strategy's ``on_plan``) is expanded and offered. On ResNet18
+at 25% on cpu+cuda the coarse warm start alone (8.7% gap) is in hand at 5 s; it used to come
+at the time limit, with the coarse solve's result.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Search:
         self.start = start
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
+        self._passed: StrategyResult | None = None  # the last plan given to on_plan
         self._lock = threading.Lock()
 
     @property
@@ -87,7 +92,8 @@ class Search:
         return AnyOf((self.problem.solver.cancel, self.coarse_done))
 
     def offer(self, result: StrategyResult | None) -> None:
-        """A plan the simulator accepted: kept and reported if it beats the one in hand."""
+        """A plan the simulator accepted: kept, reported and passed to the settings'
+        ``on_plan`` if it beats the one in hand."""
         if result is None or result.simulation is None or not result.feasible:
             return
         with self._lock:
@@ -95,6 +101,16 @@ class Search:
                 return
             self.best = result
             self._report()
+        self._pass_on(result)
+
+    def _pass_on(self, result: StrategyResult | None) -> None:
+        """Outside the lock: the listener may take its own search's lock (the coarse
+        solve's plans go to the full search)."""
+        listener = self.problem.solver.on_plan
+        if listener is None or result is None or result is self._passed:
+            return  # announce() runs again as a heartbeat (solve_parts)
+        self._passed = result
+        listener(result)
 
     def on_full(self, progress: Progress) -> None:
         """The full model's progress: its bound is the whole problem's. Reported at the
@@ -126,8 +142,11 @@ class Search:
             self._report()
 
     def announce(self) -> None:
+        """The plan in hand before any solve (the warm start)."""
         with self._lock:
             self._report()
+            best = self.best
+        self._pass_on(best)
 
     def _report(self, objective: float | None = None) -> None:
         listener = self.problem.solver.on_progress
@@ -160,21 +179,25 @@ class CoarsePhase:
         coarse = coarsen(problem.graph, problem.costs)
         if coarse.ratio > COARSE_MAX_RATIO:
             return None
+
+        def offer_expanded(result: StrategyResult) -> None:
+            if result.schedule is not None:
+                fine = coarse.expand(result.schedule)
+                search.offer(select_best(strategy, [evaluate(problem, fine, strategy)]))
+
         settings = problem.solver
         solver = replace(
             settings,
             options=replace(settings.options, time_limit_s=search.remaining()),
             on_progress=search.on_coarse,
             cancel=search.coarse_stop(),
+            on_plan=offer_expanded,  # each better coarse plan, as soon as it is found
         )
         coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets, solver)
 
         def work() -> None:
             try:
-                result = again(coarse_problem)
-                if result.schedule is not None:
-                    fine = coarse.expand(result.schedule)
-                    search.offer(select_best(strategy, [evaluate(problem, fine, strategy)]))
+                offer_expanded(again(coarse_problem))
             except BaseException as exc:  # re-raised in the caller's thread by finish()
                 phase.error = exc
 

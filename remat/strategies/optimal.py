@@ -304,7 +304,7 @@ def _offer_incumbent(
         schedule = formulation.decode(x)
     except ScheduleError:
         return  # within tolerances but not a schedule; the solve's result is judged again
-    search.offer(select_best(strategy, [evaluate(search.problem, schedule, strategy)]))
+    search.judge(schedule, strategy)
 
 
 def _decomposed(
@@ -320,7 +320,7 @@ def _decomposed(
 
     solvers = PartSolvers(ways.on_part, quick)
     seconds = search.time_left()
-    stitched = solve_parts(problem, strategy, names, solvers, search.announce, seconds)
+    stitched = solve_parts(problem, strategy, names, solvers, search.heartbeat, seconds)
     search.offer(stitched)
     if stitched.plan is not None and stitched.simulation is not None:
         message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from remat.schedule import Schedule
 from remat.solvers.model import Progress, StopFlag
 from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
 from remat.strategies.coarsen import coarsen
@@ -61,7 +62,6 @@ class Search:
         self.start = start
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
-        self._passed: StrategyResult | None = None  # the last plan given to on_plan
         self._lock = threading.Lock()
 
     @property
@@ -91,6 +91,11 @@ class Search:
     def coarse_stop(self) -> AnyOf:
         return AnyOf((self.problem.solver.cancel, self.coarse_done))
 
+    def judge(self, schedule: Schedule, strategy: str) -> None:
+        """A schedule of the search's problem (a solver incumbent, an expanded coarse plan):
+        simulated, and offered if the simulator accepts it."""
+        self.offer(select_best(strategy, [evaluate(self.problem, schedule, strategy)]))
+
     def offer(self, result: StrategyResult | None) -> None:
         """A plan the simulator accepted: kept, reported and passed to the settings'
         ``on_plan`` if it beats the one in hand."""
@@ -107,10 +112,8 @@ class Search:
         """Outside the lock: the listener may take its own search's lock (the coarse
         solve's plans go to the full search)."""
         listener = self.problem.solver.on_plan
-        if listener is None or result is None or result is self._passed:
-            return  # announce() runs again as a heartbeat (solve_parts)
-        self._passed = result
-        listener(result)
+        if listener is not None and result is not None:
+            listener(result)
 
     def on_full(self, progress: Progress) -> None:
         """The full model's progress: its bound is the whole problem's. Reported at the
@@ -142,11 +145,16 @@ class Search:
             self._report()
 
     def announce(self) -> None:
-        """The plan in hand before any solve (the warm start)."""
+        """The plan in hand before any solve (the warm start), once."""
         with self._lock:
             self._report()
             best = self.best
         self._pass_on(best)
+
+    def heartbeat(self) -> None:
+        """The plan in hand again (while parts of a large graph are solved)."""
+        with self._lock:
+            self._report()
 
     def _report(self, objective: float | None = None) -> None:
         listener = self.problem.solver.on_progress
@@ -182,8 +190,7 @@ class CoarsePhase:
 
         def offer_expanded(result: StrategyResult) -> None:
             if result.schedule is not None:
-                fine = coarse.expand(result.schedule)
-                search.offer(select_best(strategy, [evaluate(problem, fine, strategy)]))
+                search.judge(coarse.expand(result.schedule), strategy)
 
         settings = problem.solver
         solver = replace(

@@ -242,6 +242,58 @@ def test_xengine_optimum_equals_brute_force_on_two_devices(name: str) -> None:
         assert formulation.check(formulation.encode(schedule, repair=False)) == []
 
 
+def keeps_all(graph: Graph, R: np.ndarray, S: np.ndarray) -> bool:
+    """No recomputation, and each value kept on its device until its last user's stage
+    (outputs for good): the schedules of ``XEngineModel.keep_all``."""
+    _, T, n = R.shape
+    users = graph.users()
+    home = R[:, np.arange(n), np.arange(n)]  # [D, n]
+    for t in range(T):
+        for i in range(t):
+            kept = (bool(users[i]) and t <= max(users[i])) or i in graph.outputs
+            if R[:, t, i].any() or (S[:, t, i] != (home[:, i] & kept)).any():
+                return False
+    return True
+
+
+@pytest.mark.parametrize("name", TWO_DEVICES)
+def test_keep_all_is_the_best_schedule_without_recomputation(name: str) -> None:
+    graph = TWO_DEVICES[name]()
+    costs = hand_costs(graph, 2, seed=len(name))
+    names = tuple(d.name for d in costs.devices)
+    table: Table = []
+    for R, S in valid_schedules(graph, 2):
+        if keeps_all(graph, R, S):
+            result = run(graph, costs, Schedule(names, R, S))
+            table.append((tuple(result.peak_bytes[d] for d in names), result.total_ms))
+    assert table
+    for budgets in budget_grid(table):
+        formulation = build_xengine(graph, costs, dict(zip(names, budgets, strict=True)))
+        objective, x = solve(formulation.keep_all())
+        assert objective == pytest.approx(optimum(table, budgets)), budgets
+        if x is not None:
+            schedule = formulation.decode(x)
+            assert keeps_all(graph, schedule.R, schedule.S)
+            full, _ = solve(formulation.model)  # a restriction: never below the optimum
+            assert full is not None and full <= objective + 1e-9
+
+
+def test_copy_cover_rows_close_the_lp_gap_of_the_copy_term() -> None:
+    """With ample memory on two devices, the linearization's LP splits values over both
+    devices and copies them for free; with the cover rows on W's products it reaches the
+    integer optimum here. The brute-force tests above show the rows cut off no optimum."""
+    graph = training_graph(residual())
+    for seed in range(4):
+        formulation = build_xengine(graph, hand_costs(graph, 2, seed), {"dev0": None, "dev1": None})
+        best, _ = solve(formulation.model)
+        lp = formulation.lp_relaxation()
+        covered, _ = solve(lp)
+        loose, _ = solve(replace(lp, product_rows=None))
+        assert best is not None and covered is not None and loose is not None
+        assert covered == pytest.approx(best)
+        assert loose < 0.95 * best
+
+
 # --- larger graphs ------------------------------------------------------------------------------
 
 

@@ -54,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import scipy.sparse as sp
 
 from remat.costs import CostModel
 from remat.errors import InvalidInputError, ScheduleError
@@ -68,7 +69,7 @@ from remat.formulations.common import (
 )
 from remat.graph import Graph, Mode, NodeKind
 from remat.schedule import Schedule
-from remat.solvers.model import MILPModel
+from remat.solvers.model import MILPModel, ProductRows
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,39 @@ class XEngineModel:
 
     def lp_relaxation(self) -> MILPModel:
         return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
+
+    def keep_all(self) -> MILPModel:
+        """The model restricted to placement: no recomputation (R[d,t,i] = 0 for i < t), and
+        each value kept on the device that computed it until its last user's stage
+        (S[d,t,i] = R[d,i,i]; outputs for good). A restriction, so its optimum is a plan of
+        the whole problem, never a bound. It is small after presolve: where keeping
+        everything fits on some split of the devices it finds that split's optimum in
+        seconds (ResNet18 and VGG16 at 25% on cpu+cuda: the whole problem's optimum)."""
+        st, m = self.structure, self.model
+        D, T, n = self.R.shape
+        last_use = np.full(n, -1)
+        np.maximum.at(last_use, st.edge_u, st.edge_v)
+        t, i = np.arange(T)[:, None], np.arange(n)[None, :]
+        later = np.broadcast_to(t > i, (D, T, n))
+        kept = later & ((t <= last_use) | st.is_output)[None, :, :]
+        ub = m.ub.copy()
+        ub[self.R[later & (self.R >= 0)]] = 0.0
+        S = self.S[:, :-1]
+        ub[S[later & ~kept & (S >= 0)]] = 0.0
+        dd, tt, ii = np.nonzero(kept & (S >= 0))
+        k = dd.shape[0]
+        cols = np.stack([S[dd, tt, ii], self.R[dd, ii, ii]], axis=1).ravel()
+        same = sp.csr_array(
+            (np.tile([1.0, -1.0], k), (np.repeat(np.arange(k), 2), cols)), shape=(k, m.n_vars)
+        )  # S[d,t,i] - R[d,i,i] = 0
+        return replace(
+            m,
+            A=sp.csr_array(sp.vstack([m.A, same])),
+            row_lb=np.concatenate([m.row_lb, np.zeros(k)]),
+            row_ub=np.concatenate([m.row_ub, np.zeros(k)]),
+            ub=ub,
+            start=None,
+        )
 
     def decode(self, x: np.ndarray) -> Schedule:
         """R and S of a solution (rounded at 0.5) as a schedule over the model's devices."""
@@ -315,8 +349,9 @@ def build_xengine(
     cost = np.zeros(b.n_vars)
     dd, tt, ii = np.nonzero(v.R >= 0)
     cost[v.R[dd, tt, ii]] = compute[dd, ii] + (alpha * q[dd, ii] if q is not None else 0.0)
-    quadratic = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])
-    model = b.model(cost, quadratic)
+    quadratic, keys = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])
+    cover = _copy_cover(st, v, keys, b.n_vars)
+    model = replace(b.model(cost, quadratic), product_rows=cover)
     D, n = len(names), st.n
     S = np.concatenate([v.S, np.full((D, 1, n), -1)], axis=1)
     return XEngineModel(
@@ -566,10 +601,14 @@ def _stage_energy(b: Builder, v: _Variables, q: np.ndarray, caps: PowerCaps) -> 
     b.entries(rows[tt], v.R[dd, tt, ii], q[dd, ii])
 
 
-def _copy_cost(st: Structure, v: _Variables, w: np.ndarray) -> tuple[tuple[int, int, float], ...]:
-    """W of eq. (1): w[u,d,d'] R[d',t,v] Z[d,t,u] for d != d', every edge (u,v)."""
+def _copy_cost(
+    st: Structure, v: _Variables, w: np.ndarray
+) -> tuple[tuple[tuple[int, int, float], ...], np.ndarray]:
+    """W of eq. (1): w[u,d,d'] R[d',t,v] Z[d,t,u] for d != d', every edge (u,v); with each
+    term's (d, d', t, edge) as a [terms, 4] array."""
     D = v.R.shape[0]
     terms: list[tuple[int, int, float]] = []
+    keys: list[np.ndarray] = [np.zeros((0, 4), dtype=np.int64)]
     for dst in range(D):
         for src in range(D):
             if src == dst:
@@ -577,7 +616,42 @@ def _copy_cost(st: Structure, v: _Variables, w: np.ndarray) -> tuple[tuple[int, 
             tt, ee = np.nonzero((v.R[dst][:, st.edge_v] >= 0) & (v.Z[src][:, st.edge_u] >= 0))
             coef = w[st.edge_u[ee], src, dst]
             keep = coef > 0
-            r = v.R[dst, tt, st.edge_v[ee]][keep].tolist()
-            z = v.Z[src, tt, st.edge_u[ee]][keep].tolist()
+            tt, ee = tt[keep], ee[keep]
+            r = v.R[dst, tt, st.edge_v[ee]].tolist()
+            z = v.Z[src, tt, st.edge_u[ee]].tolist()
             terms.extend(zip(r, z, coef[keep].tolist(), strict=True))
-    return tuple(terms)
+            keys.append(np.stack([np.full_like(tt, src), np.full_like(tt, dst), tt, ee], axis=1))
+    return tuple(terms), np.concatenate(keys)
+
+
+def _copy_cover(st: Structure, v: _Variables, keys: np.ndarray, n_vars: int) -> ProductRows:
+    """Valid inequalities on W's products y[d,d',t,(u,v)] = R[d',t,v] Z[d,t,u]:
+
+        sum_{d != d'} y[d,d',t,(u,v)] >= R[d',t,v] - Z[d',t,u]
+
+    If v runs on d' without u there, (12) puts u on some other device d, so that d's term
+    is 1. Only where every such d has a term (a nonzero copy cost). The linearization
+    alone (y >= R + Z - 1) lets a fractional placement split u and v over the devices and
+    copy for free: these rows raised ResNet18's LP bound at 25% on cpu+cuda from 1.132 to
+    1.169 ms, within 0.1% of the optimum that they let HiGHS prove."""
+    _, dst, t, e = keys.T
+    groups, row, size = np.unique(
+        np.stack([dst, t, e], axis=1), axis=0, return_inverse=True, return_counts=True
+    )
+    g_dst, g_t, g_e = groups.T
+    g_u, g_v = st.edge_u[g_e], st.edge_v[g_e]
+    holders = (v.Z[:, g_t, g_u] >= 0).sum(axis=0) - (v.Z[g_dst, g_t, g_u] >= 0)
+    complete = np.flatnonzero(holders == size)  # every other device holding u has a term
+    index = np.full(groups.shape[0], -1)
+    index[complete] = np.arange(complete.shape[0])
+    k = complete.shape[0]
+    q = np.flatnonzero(index[row.ravel()] >= 0)
+    P = sp.csr_array((np.ones(q.shape[0]), (index[row.ravel()[q]], q)), shape=(k, keys.shape[0]))
+    r = v.R[g_dst, g_t, g_v][complete]
+    z = v.Z[g_dst, g_t, g_u][complete]
+    has = z >= 0
+    rows = np.concatenate([np.arange(k), np.flatnonzero(has)])
+    cols = np.concatenate([r, z[has]])
+    vals = np.concatenate([-np.ones(k), np.ones(int(has.sum()))])
+    A = sp.csr_array((vals, (rows, cols)), shape=(k, n_vars))
+    return ProductRows(A, P, np.zeros(k))

@@ -18,6 +18,18 @@ import scipy.sparse as sp
 
 
 @dataclass(frozen=True)
+class ProductRows:
+    """Rows ``lb <= A x + P y`` over a model's variables x and the products y of its
+    bilinear terms (y[q] = x_i x_j of ``quadratic[q]``): valid inequalities that only the
+    linearization can state, so ``linearized()`` adds them and MIQP backends, which
+    take the products as written, do not see them."""
+
+    A: sp.csr_array  # [rows, n_vars]
+    P: sp.csr_array  # [rows, len(quadratic)]
+    lb: np.ndarray
+
+
+@dataclass(frozen=True)
 class MILPModel:
     c: np.ndarray  # objective coefficients, [n_vars]
     A: sp.csr_array  # constraint matrix, [n_rows, n_vars]
@@ -30,6 +42,7 @@ class MILPModel:
     offset: float = 0.0
     start: np.ndarray | None = None  # a feasible warm start, if known
     names: tuple[str, ...] = field(default=(), compare=False)
+    product_rows: ProductRows | None = None
 
     @property
     def n_vars(self) -> int:
@@ -46,7 +59,7 @@ class MILPModel:
     def linearized(self) -> MILPModel:
         """Each bilinear term coef * x_i * x_j (coef > 0, binaries) becomes coef * y with
         y >= x_i + x_j - 1, y >= 0: with a positive cost, y takes the product's value at
-        any optimum (DESIGN.md)."""
+        any optimum (DESIGN.md). ``product_rows`` are added over x and y."""
         if not self.quadratic:
             return self
         if any(coef < 0 for _, _, coef in self.quadratic):
@@ -56,8 +69,16 @@ class MILPModel:
         rows = np.repeat(np.arange(k), 3)
         cols = np.array([[n + q, i, j] for q, (i, j, _) in enumerate(self.quadratic)]).ravel()
         vals = np.tile([1.0, -1.0, -1.0], k)
-        extra = sp.csr_array((vals, (rows, cols)), shape=(k, n + k))
-        A = sp.vstack([sp.hstack([self.A, sp.csr_array((self.n_rows, k))]), extra]).tocsr()
+        blocks = [
+            sp.hstack([self.A, sp.csr_array((self.n_rows, k))]),
+            sp.csr_array((vals, (rows, cols)), shape=(k, n + k)),
+        ]
+        row_lb = [self.row_lb, np.full(k, -1.0)]
+        extra = self.product_rows
+        if extra is not None:
+            blocks.append(sp.hstack([extra.A, extra.P]))
+            row_lb.append(extra.lb)
+        A = sp.vstack(blocks).tocsr()
         start = None
         if self.start is not None:
             products = [self.start[i] * self.start[j] for i, j, _ in self.quadratic]
@@ -65,8 +86,8 @@ class MILPModel:
         return MILPModel(
             c=np.concatenate([self.c, [coef for _, _, coef in self.quadratic]]),
             A=sp.csr_array(A),
-            row_lb=np.concatenate([self.row_lb, np.full(k, -1.0)]),
-            row_ub=np.concatenate([self.row_ub, np.full(k, np.inf)]),
+            row_lb=np.concatenate(row_lb),
+            row_ub=np.concatenate([self.row_ub, np.full(A.shape[0] - self.n_rows, np.inf)]),
             lb=np.concatenate([self.lb, np.zeros(k)]),
             ub=np.concatenate([self.ub, np.ones(k)]),
             integer=np.concatenate([self.integer, np.zeros(k, dtype=bool)]),

@@ -21,7 +21,7 @@ import numpy as np
 
 from remat.errors import RematError, ScheduleError
 from remat.formulations.checkmate import build_checkmate
-from remat.formulations.xengine import build_xengine
+from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
 from remat.schedule import Schedule
 from remat.solvers import runner
@@ -36,6 +36,7 @@ from remat.strategies.search import CoarsePhase, Search
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
+RESTRICTED_SHARE = 0.25  # of the time limit, at most, for a restricted model before the full
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
@@ -215,18 +216,25 @@ def xengine(
     *,
     coarse: bool = True,
     decompose: bool = True,
+    restrict: bool = True,
 ) -> StrategyResult:
     """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
-    best single-device baseline, the multi-device heuristic and, on graphs of 40+ nodes,
-    the coarse graph's plan; large graphs are decomposed. ``device`` is ignored: the
-    strategy places operators."""
+    best single-device baseline, the multi-device heuristic, the placement-only restriction
+    (``XEngineModel.keep_all``, on two or more devices) and, on graphs of 40+ nodes, the
+    coarse graph's plan; large graphs are decomposed (their parts, like the coarse graph,
+    without the restriction). ``device`` is ignored: the strategy places operators."""
     start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
 
     def build(p: Problem) -> Formulation:
         return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
 
-    ways = _Ways(partial(xengine), coarse, decompose)
+    def keep_all(formulation: Formulation) -> MILPModel | None:
+        assert isinstance(formulation, XEngineModel)
+        useful = restrict and len(names) > 1  # on one device it is checkpoint-all
+        return formulation.keep_all() if useful else None
+
+    ways = _Ways(partial(xengine, restrict=False), coarse, decompose, keep_all)
     warm = best_baseline(problem, names)
     if not ways.decomposes(problem):  # the heuristic is slow on large graphs; parts use it
         limit = problem.solver.options.time_limit_s
@@ -245,6 +253,7 @@ class _Ways:
     variant: Callable[..., StrategyResult]
     coarse: bool
     decompose: bool
+    restricted: Callable[[Formulation], MILPModel | None] = lambda _: None
 
     def decomposes(self, problem: Problem) -> bool:
         return self.decompose and is_large(problem.graph)
@@ -265,8 +274,9 @@ def _optimize(
 ) -> StrategyResult:
     """What the exact strategies share: announce the warm start (``search.best``, a plan
     before any solve), stop if it costs the ideal; on a large graph solve its parts
-    (``solve_parts``), else solve the full model from the warm start while the coarse
-    graph's solve runs beside it; the best plan found, with the whole problem's bound."""
+    (``solve_parts``), else solve a restriction of the full model if the strategy has one,
+    then the full model from the best plan so far, while the coarse graph's solve runs
+    beside them; the best plan found, with the whole problem's bound."""
     problem, warm, ideal = search.problem, search.best, search.ideal
     search.announce()
     if _reaches(warm, ideal):
@@ -275,12 +285,16 @@ def _optimize(
         return _decomposed(problem, strategy, names, ways, search)
     coarse = CoarsePhase.start(problem, strategy, ways.on_coarse, search) if ways.coarse else None
     formulation = build(problem)
-    model = formulation.model
-    if warm is not None and warm.schedule is not None:
-        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
-        model = replace(model, start=start)
     offer = partial(_offer_incumbent, search, formulation, strategy)
     try:
+        restricted = ways.restricted(formulation)
+        if restricted is not None:
+            _solve_restricted(search, restricted, offer)
+        model = formulation.model
+        warm = search.best
+        if warm is not None and warm.schedule is not None:
+            start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+            model = replace(model, start=start)
         solved = _solve(problem, model, search, on_incumbent=offer)
     finally:
         search.coarse_done.set()
@@ -292,6 +306,27 @@ def _optimize(
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
     return _finish(problem, strategy, solved, evaluation, search.best, ideal)
+
+
+def _solve_restricted(
+    search: Search, model: MILPModel, offer: Callable[[np.ndarray, float], None]
+) -> None:
+    """A restriction of the full model (e.g. XEngine's ``keep_all``), solved before it for
+    a share of the time limit: each plan it finds is offered, and the best becomes the full
+    solve's warm start. Its bound belongs to the restriction, so it is never reported."""
+    settings = search.problem.solver
+    seconds = min(search.remaining(), settings.options.time_limit_s * RESTRICTED_SHARE)
+    options = replace(settings.options, time_limit_s=seconds)
+    solved = runner.solve(
+        model,
+        backend=settings.backend,
+        options=options,
+        on_progress=lambda _: search.heartbeat(),
+        cancel=search.full_stop(),
+        on_incumbent=offer,
+    )
+    if solved.x is not None and solved.objective is not None:
+        offer(solved.x, solved.objective)
 
 
 def _offer_incumbent(

@@ -32,11 +32,11 @@ from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.rsolve import solve_r
-from remat.strategies.search import CoarsePhase, Search
+from remat.strategies.search import Beside, Search, start_coarse
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
-RESTRICTED_SHARE = 0.25  # of the time limit, at most, for a restricted model before the full
+RESTRICTED_SHARE = 0.25  # of the time limit, at most, for a restricted model (beside the full)
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
@@ -274,32 +274,33 @@ def _optimize(
 ) -> StrategyResult:
     """What the exact strategies share: announce the warm start (``search.best``, a plan
     before any solve), stop if it costs the ideal; on a large graph solve its parts
-    (``solve_parts``), else solve a restriction of the full model if the strategy has one,
-    then the full model from the best plan so far, while the coarse graph's solve runs
-    beside them; the best plan found, with the whole problem's bound."""
+    (``solve_parts``), else solve the full model from the warm start while the coarse
+    graph's solve and the strategy's restricted model (if it has one) run beside it; the
+    best plan found, with the whole problem's bound."""
     problem, warm, ideal = search.problem, search.best, search.ideal
     search.announce()
     if _reaches(warm, ideal):
         return _finish(problem, strategy, _no_solve(), None, warm, ideal)
     if ways.decomposes(problem):
         return _decomposed(problem, strategy, names, ways, search)
-    coarse = CoarsePhase.start(problem, strategy, ways.on_coarse, search) if ways.coarse else None
+    beside = [start_coarse(problem, strategy, ways.on_coarse, search) if ways.coarse else None]
     formulation = build(problem)
     offer = partial(_offer_incumbent, search, formulation, strategy)
+    restricted = ways.restricted(formulation)
+    if restricted is not None:
+        work = partial(_solve_restricted, search, restricted, offer)
+        beside.append(Beside(work, "remat-restricted"))
+    model = formulation.model
+    if warm is not None and warm.schedule is not None:
+        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+        model = replace(model, start=start)
     try:
-        restricted = ways.restricted(formulation)
-        if restricted is not None:
-            _solve_restricted(search, restricted, offer)
-        model = formulation.model
-        warm = search.best
-        if warm is not None and warm.schedule is not None:
-            start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
-            model = replace(model, start=start)
         solved = _solve(problem, model, search, on_incumbent=offer)
     finally:
-        search.coarse_done.set()
-        if coarse is not None:
-            coarse.finish()
+        search.full_done.set()
+        for phase in beside:
+            if phase is not None:
+                phase.finish()
     if search.gap_met.is_set() and not problem.cancelled:
         solved = replace(solved, message="the gap target is met (with the coarse graph's plan)")
     evaluation = None
@@ -311,9 +312,9 @@ def _optimize(
 def _solve_restricted(
     search: Search, model: MILPModel, offer: Callable[[np.ndarray, float], None]
 ) -> None:
-    """A restriction of the full model (e.g. XEngine's ``keep_all``), solved before it for
-    a share of the time limit: each plan it finds is offered, and the best becomes the full
-    solve's warm start. Its bound belongs to the restriction, so it is never reported."""
+    """A restriction of the full model (e.g. XEngine's ``keep_all``), solved beside it for
+    a share of the time limit: each plan it finds is offered to the search. Its bound
+    belongs to the restriction, so it is never reported."""
     settings = search.problem.solver
     seconds = min(search.remaining(), settings.options.time_limit_s * RESTRICTED_SHARE)
     options = replace(settings.options, time_limit_s=seconds)
@@ -322,7 +323,7 @@ def _solve_restricted(
         backend=settings.backend,
         options=options,
         on_progress=lambda _: search.heartbeat(),
-        cancel=search.full_stop(),
+        cancel=search.beside_stop(),
         on_incumbent=offer,
     )
     if solved.x is not None and solved.objective is not None:

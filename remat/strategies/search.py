@@ -1,5 +1,7 @@
 """The search of an exact strategy: the full model's solve and, beside it, the same
-strategy on the coarse graph (``remat.strategies.coarsen``), sharing the best plan in hand.
+strategy on the coarse graph (``remat.strategies.coarsen``) and a restriction of the full
+model where the strategy has one (XEngine's placement-only ``keep_all``), sharing the best
+plan in hand.
 
 The two run at once (the coarse solve in a thread, each solver in its own subprocess): the
 full model's solve gives the bound of the whole problem and, on small graphs, the optimum;
@@ -62,6 +64,7 @@ class Search:
         self.start = start
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
+        self.full_done = threading.Event()  # the full solve ended: stops the solves beside it
         self._lock = threading.Lock()
 
     @property
@@ -89,7 +92,10 @@ class Search:
         return AnyOf((self.problem.solver.cancel, self.gap_met))
 
     def coarse_stop(self) -> AnyOf:
-        return AnyOf((self.problem.solver.cancel, self.coarse_done))
+        return AnyOf((self.problem.solver.cancel, self.coarse_done, self.full_done))
+
+    def beside_stop(self) -> AnyOf:
+        return AnyOf((self.problem.solver.cancel, self.full_done))
 
     def judge(self, schedule: Schedule, strategy: str) -> None:
         """A schedule of the search's problem (a solver incumbent, an expanded coarse plan):
@@ -166,54 +172,55 @@ class Search:
         listener(Progress(self.elapsed(), objective, bound, gap))
 
 
-class CoarsePhase:
-    """The strategy on the coarse graph, in a thread; its expanded plan offered to the
-    search. ``start`` returns None when the graph is too small or does not coarsen."""
+class Beside:
+    """Work of the search in a thread beside the full model's solve (the coarse graph's
+    solve, a restricted model's); it offers its plans to the search itself."""
 
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
+    def __init__(self, work: Callable[[], None], name: str) -> None:
         self.error: BaseException | None = None
 
-    @classmethod
-    def start(
-        cls,
-        problem: Problem,
-        strategy: str,
-        again: Callable[[Problem], StrategyResult],
-        search: Search,
-    ) -> CoarsePhase | None:
-        if len(problem.graph) < COARSE_MIN_NODES:
-            return None
-        coarse = coarsen(problem.graph, problem.costs)
-        if coarse.ratio > COARSE_MAX_RATIO:
-            return None
-
-        def offer_expanded(result: StrategyResult) -> None:
-            if result.schedule is not None:
-                search.judge(coarse.expand(result.schedule), strategy)
-
-        settings = problem.solver
-        solver = replace(
-            settings,
-            options=replace(settings.options, time_limit_s=search.remaining()),
-            on_progress=search.on_coarse,
-            cancel=search.coarse_stop(),
-            on_plan=offer_expanded,  # each better coarse plan, as soon as it is found
-        )
-        coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets, solver)
-
-        def work() -> None:
+        def run() -> None:
             try:
-                offer_expanded(again(coarse_problem))
+                work()
             except BaseException as exc:  # re-raised in the caller's thread by finish()
-                phase.error = exc
+                self.error = exc
 
-        phase = cls(threading.Thread(target=work, name="remat-coarse", daemon=True))
-        phase.thread.start()
-        return phase
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
 
     def finish(self) -> None:
-        """Stop the coarse solve (the caller sets the search's flag) and wait for it."""
+        """Wait for the work (the caller has set the flag that stops it)."""
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+
+def start_coarse(
+    problem: Problem,
+    strategy: str,
+    again: Callable[[Problem], StrategyResult],
+    search: Search,
+) -> Beside | None:
+    """The strategy on the coarse graph, beside the full solve; each better coarse plan is
+    expanded and offered to the search. None when the graph is too small or does not
+    coarsen."""
+    if len(problem.graph) < COARSE_MIN_NODES:
+        return None
+    coarse = coarsen(problem.graph, problem.costs)
+    if coarse.ratio > COARSE_MAX_RATIO:
+        return None
+
+    def offer_expanded(result: StrategyResult) -> None:
+        if result.schedule is not None:
+            search.judge(coarse.expand(result.schedule), strategy)
+
+    settings = problem.solver
+    solver = replace(
+        settings,
+        options=replace(settings.options, time_limit_s=search.remaining()),
+        on_progress=search.on_coarse,
+        cancel=search.coarse_stop(),
+        on_plan=offer_expanded,  # each better coarse plan, as soon as it is found
+    )
+    coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets, solver)
+    return Beside(lambda: offer_expanded(again(coarse_problem)), "remat-coarse")

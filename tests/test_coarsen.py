@@ -21,6 +21,7 @@ from remat.strategies.coarsen import coarsen
 from remat.strategies.optimal import checkmate_milp, xengine
 from remat.strategies.placed import placed_greedy
 from remat.strategies.rsolve import clean_placed
+from remat.strategies.search import Search
 from remat.training import training_graph
 
 from graphs import chain
@@ -202,3 +203,16 @@ def test_a_cancel_during_the_warm_start_stops_the_strategy_within_seconds():
     started = time.monotonic()
     xengine(problem)
     assert time.monotonic() - started < 1.0 + 5.0  # took 16 s before the heuristics checked
+
+
+def test_the_coarse_solve_stops_when_a_plan_from_elsewhere_passes_its_bound():
+    """The coarse bound can stay put for a long time: a better plan from elsewhere (the
+    restricted model, the full solve) that it cannot beat stops it at once."""
+    problem = budgeted(training_graph(chain(4)), 100, devices=("cpu0",))
+    plan = run_strategy("checkpoint_all", problem, "cpu0")
+    search = Search(problem, ideal=0.0, best=None, start=time.monotonic())
+    cost = plan.simulation.total_ms
+    search.on_coarse(Progress(1.0, cost * 2, cost * 1.01, 0.5))
+    assert not search.coarse_done.is_set()  # no plan in hand yet
+    search.offer(plan)
+    assert search.coarse_done.is_set()

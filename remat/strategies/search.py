@@ -24,6 +24,7 @@ at the time limit, with the coarse solve's result.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class Search:
         self.ideal = ideal
         self.best = best
         self.bound = ideal  # the whole problem's best proven bound so far
+        self.coarse_bound = -math.inf  # the coarse problem's (no coarse plan costs less)
         self.start = start
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
@@ -111,6 +113,7 @@ class Search:
             if self.best_ms is not None and result.simulation.total_ms >= self.best_ms:
                 return
             self.best = result
+            self._stop_coarse_if_useless()
             self._report()
         self._pass_on(result)
 
@@ -145,10 +148,17 @@ class Search:
         """The coarse solve's progress: a heartbeat with the plan in hand (its objective and
         bound are the coarse problem's), and the sign to stop it once it cannot help."""
         with self._lock:
-            best = self.best_ms
-            if progress.bound is not None and best is not None and progress.bound >= best:
-                self.coarse_done.set()
+            if progress.bound is not None:
+                self.coarse_bound = max(self.coarse_bound, progress.bound)
+            self._stop_coarse_if_useless()
             self._report()
+
+    def _stop_coarse_if_useless(self) -> None:
+        """Checked on each coarse bound and each better plan (a plan from elsewhere may
+        pass the coarse bound while that bound stays put for a long time)."""
+        best = self.best_ms
+        if best is not None and self.coarse_bound >= best:
+            self.coarse_done.set()
 
     def announce(self) -> None:
         """The plan in hand before any solve (the warm start), once."""

@@ -39,7 +39,12 @@ Memory is made conservative w.r.t. the simulator (XEngine's U is not):
   latches it, counts M_o in U[d,t,0], and lets users on d read it without a new copy.
 
 Valid inequalities (``_free_cuts``): (16) term by term, F <= R[d,t,v], F + S[d,t+1,u] <= 1,
-F + R[d',t,j] <= 1; they hold at every integer point and tighten the LP relaxation.
+F + R[d',t,j] <= 1; they hold at every integer point and tighten the LP relaxation. On W's
+products y = R[d',t,v] Z[d,t,u] (``_copy_cover``, rows only the linearization states):
+sum_{d != d'} y >= R[d',t,v] - Z[d',t,u], from (12).
+
+``keep_all`` restricts the model to placement (no recomputation, every value kept on its
+device until its last use): a small model whose optimum is a plan, never a bound.
 
 Pruning (exact, see ``common.Structure.useful``) as in ``checkmate``. Memory is in units of
 the GCD of the value sizes; fixed-tensor bytes divided by it may be fractional (they only

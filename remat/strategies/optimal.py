@@ -284,17 +284,17 @@ def _optimize(
     if ways.decomposes(problem):
         return _decomposed(problem, strategy, names, ways, search)
     beside = [start_coarse(problem, strategy, ways.on_coarse, search) if ways.coarse else None]
-    formulation = build(problem)
-    offer = partial(_offer_incumbent, search, formulation, strategy)
-    restricted = ways.restricted(formulation)
-    if restricted is not None:
-        work = partial(_solve_restricted, search, restricted, offer)
-        beside.append(Beside(work, "remat-restricted"))
-    model = formulation.model
-    if warm is not None and warm.schedule is not None:
-        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
-        model = replace(model, start=start)
     try:
+        formulation = build(problem)
+        offer = partial(_offer_incumbent, search, formulation, strategy)
+        restricted = ways.restricted(formulation)
+        if restricted is not None:
+            work = partial(_solve_restricted, search, restricted, offer)
+            beside.append(Beside(work, "remat-restricted"))
+        model = formulation.model
+        if warm is not None and warm.schedule is not None:
+            start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+            model = replace(model, start=start)
         solved = _solve(problem, model, search, on_incumbent=offer)
     finally:
         search.full_done.set()
@@ -302,7 +302,8 @@ def _optimize(
             if phase is not None:
                 phase.finish()
     if search.gap_met.is_set() and not problem.cancelled:
-        solved = replace(solved, message="the gap target is met (with the coarse graph's plan)")
+        message = "the gap target is met (with a plan found beside the solve)"
+        solved = replace(solved, message=message)
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)

@@ -190,8 +190,8 @@ def _point(job_id: str, progress: Progress) -> ProgressRow:
 class ProgressWriter:
     """The solver's progress events into the job row and its history, at most once per
     ``interval_s``. Times are the attempt's (since this writer was made), which also
-    counts the wait for a profile and building the problem; the full and the coarse solve
-    report from their own threads."""
+    counts the wait for a profile and building the problem; the full solve and the solves
+    beside it report from their own threads."""
 
     def __init__(self, db: Database, job_id: str, interval_s: float) -> None:
         self.db, self.job_id, self.interval_s = db, job_id, interval_s

@@ -265,9 +265,7 @@ def violations(model: MILPModel, builder: Builder, x: np.ndarray, tol: float = 1
         )
     extra = model.product_rows
     if extra is not None:  # valid inequalities over the products: they hold at integer x
-        pairs = np.array([(i, j) for i, j, _ in model.quadratic], dtype=np.int64).reshape(-1, 2)
-        y = x[pairs[:, 0]] * x[pairs[:, 1]]
-        activity = extra.A @ x + extra.P @ y
+        activity = extra.A @ x + extra.P @ model.products(x)
         for r in np.flatnonzero(activity < extra.lb - tol):
             out.append(f"product row {r}: {activity[r]:g} < {extra.lb[r]:g}")
     for j in np.flatnonzero((x < model.lb - tol) | (x > model.ub + tol)):

@@ -53,8 +53,18 @@ class MILPModel:
         return int(self.A.shape[0])
 
     def objective(self, x: np.ndarray) -> float:
-        value = float(self.c @ x) + self.offset
-        return value + sum(coef * x[i] * x[j] for i, j, coef in self.quadratic)
+        return float(self.c @ x) + self.offset + self.quadratic_value(x)
+
+    def products(self, x: np.ndarray) -> np.ndarray:
+        """x_i x_j of each bilinear term, in ``quadratic`` order (the linearization's y)."""
+        pairs = np.array([(i, j) for i, j, _ in self.quadratic], dtype=np.int64).reshape(-1, 2)
+        x = np.asarray(x, dtype=float)
+        return x[pairs[:, 0]] * x[pairs[:, 1]]
+
+    def quadratic_value(self, x: np.ndarray) -> float:
+        """The bilinear part of the objective at x."""
+        coefs = np.array([coef for _, _, coef in self.quadratic], dtype=float)
+        return float(coefs @ self.products(x))
 
     def linearized(self) -> MILPModel:
         """Each bilinear term coef * x_i * x_j (coef > 0, binaries) becomes coef * y with
@@ -81,8 +91,7 @@ class MILPModel:
         A = sp.vstack(blocks).tocsr()
         start = None
         if self.start is not None:
-            products = [self.start[i] * self.start[j] for i, j, _ in self.quadratic]
-            start = np.concatenate([self.start, products])
+            start = np.concatenate([self.start, self.products(self.start)])
         return MILPModel(
             c=np.concatenate([self.c, [coef for _, _, coef in self.quadratic]]),
             A=sp.csr_array(A),

@@ -116,8 +116,7 @@ def _warm_start(scip: Any, model: MILPModel, x: list[Any], t: Any) -> None:
     for var, value in zip(x, start, strict=True):
         scip.setSolVal(sol, var, float(value))
     if t is not None:
-        quad = sum(coef * start[i] * start[j] for i, j, coef in model.quadratic)
-        scip.setSolVal(sol, t, float(quad))
+        scip.setSolVal(sol, t, model.quadratic_value(start))
     # Before solving, SCIP stores the start and checks it when the problem is transformed.
     scip.addSol(sol, free=True)
 

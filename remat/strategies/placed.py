@@ -9,7 +9,10 @@ returns a plan. Candidates are (placement, policy) pairs:
 * placements: every node on its fastest device; every node on one device; and cuts: for an
   ordered device pair (a, b), forward layers before the cut (and their backward nodes) on
   a, the rest on b (XEngine 4.2: "the minimal cut is found where data copies are cheapest
-  and one half is computed on the first device and the other on the second");
+  and one half is computed on the first device and the other on the second"); and bands:
+  the layers between two cuts on b, the rest on a (a U-Net's deep middle holds most of the
+  weights but small activations: on the other device it frees memory for the shallow
+  layers' large activations; U-Net at 25% on cpu+cuda: 4.37 ms instead of 5.41);
 * policies: the S policies of ``linearized_greedy`` and ``ap_greedy`` (Chen's greedy swept
   over its segment budget) and "keep everything"; each kept value stays on its home.
 
@@ -97,7 +100,7 @@ def _move_layers(
     node) to another device, keep the move if the simulator says the plan is cheaper and
     fits; repeat while moves help and time is left. A move whose compute cost alone is not
     below the incumbent's total is not simulated (copies only add to it)."""
-    layer = _layer(context.problem)
+    layer = forward_layer(context.problem)
     improved = True
     while improved and not _over(context.problem, deadline):
         improved = False
@@ -127,25 +130,28 @@ def _over(problem: Problem, deadline: float) -> bool:
 
 
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
-    """Home device per node (indices into ``names``): fastest, each single device, cuts."""
+    """Home device per node (indices into ``names``): fastest, each single device, cuts,
+    bands."""
     graph, costs = problem.graph, problem.costs
     n, D = len(graph), len(names)
     compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
     found = [np.argmin(compute, axis=1)] + [np.full(n, d) for d in range(D)]
-    layer = _layer(problem)
+    layer = forward_layer(problem)
     F = max(int(layer.max()), 1)
     cuts = sorted({int(k) for k in np.linspace(1, F, CUTS + 2)[1:-1]})
-    for a in range(D):
-        for b in range(D):
-            if a != b:
-                found.extend(np.where(layer < k, a, b) for k in cuts)
+    pairs = [(a, b) for a in range(D) for b in range(D) if a != b]
+    for a, b in pairs:
+        found.extend(np.where(layer < k, a, b) for k in cuts)
+    for a, b in pairs:
+        for first, k in enumerate(cuts):
+            found.extend(np.where((layer >= k) & (layer < end), b, a) for end in cuts[first + 1 :])
     unique: dict[bytes, np.ndarray] = {}
     for place in found:
         unique.setdefault(place.astype(np.int64).tobytes(), place.astype(np.int64))
     return list(unique.values())
 
 
-def _layer(problem: Problem) -> np.ndarray:
+def forward_layer(problem: Problem) -> np.ndarray:
     """The forward position a node belongs to: itself (forward), its forward node
     (backward), the end of the forward pass (loss)."""
     layout = Layout.of(problem.graph)

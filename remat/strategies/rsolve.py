@@ -61,20 +61,30 @@ def solve_r_placed(graph: Graph, S: np.ndarray, place: np.ndarray) -> np.ndarray
     R[:, :-1] |= S[:, 1:] & ~S[:, :-1]
     deps = [node.deps for node in graph.nodes]
     home = [int(d) for d in place]
+    # Stage t's closure changes only stage t: what is available and computed before each
+    # closure is read for all stages at once (numpy per stage dominated the R solve).
+    available = (R | S).any(axis=0)
+    stages, nodes = np.nonzero(R.any(axis=0))
+    starts = np.searchsorted(stages, np.arange(T + 1))
     for t in range(T):
-        _close_stage(R, S, t, deps, home)
+        computed = nodes[starts[t] : starts[t + 1]].tolist()
+        _close_stage(R, t, bytearray(available[t].tobytes()), computed, deps, home)
     return R
 
 
 def _close_stage(
-    R: np.ndarray, S: np.ndarray, t: int, deps: Sequence[tuple[int, ...]], home: list[int]
+    R: np.ndarray,
+    t: int,
+    available: bytearray,
+    stack: list[int],
+    deps: Sequence[tuple[int, ...]],
+    home: list[int],
 ) -> None:
-    """(1b) within stage t: compute every missing dependency of a computed node, and theirs.
+    """(1b) within stage t: compute every missing dependency of a computed node (``stack``),
+    and theirs; ``available`` (one byte per node, updated) is what stage t already holds.
 
     Checkmate scans the stage right to left (reverse topological order); a depth-first walk
     from the computed nodes visits the same closure, touching only nonzeros."""
-    available = bytearray((R[:, t] | S[:, t]).any(axis=0).tobytes())  # fast scalar access
-    stack = np.flatnonzero(R[:, t].any(axis=0)).tolist()
     while stack:
         j = stack.pop()
         for i in deps[j]:
@@ -119,14 +129,22 @@ def prune_placed(graph: Graph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     """``prune_checkpoints`` over devices [D, T, n]: a checkpoint on d is needed if it is
     not recomputed on d in that stage and a user on any device reads it then (it may be
     copied from d) or it is needed on d at the start of the next stage."""
-    used = users_computed(graph, R.any(axis=0))
-    needed = np.zeros(S.shape[::2], dtype=bool)  # [D, n]
-    needed[:, list(graph.outputs)] = True
-    pruned = np.zeros_like(S)
-    for t in range(S.shape[1] - 1, -1, -1):
-        needed = S[:, t] & ~R[:, t] & (used[t][None, :] | needed)
-        pruned[:, t] = needed
-    return pruned
+    T = S.shape[1]
+    kept = S & ~R  # A: held into t, not recomputed there
+    read = kept & users_computed(graph, R.any(axis=0))[None]  # needed in t itself
+    read[:, T - 1, list(graph.outputs)] |= kept[:, T - 1, list(graph.outputs)]
+    # The recurrence needed[t] = A[t] & (read[t] | needed[t+1]), solved for all t at once:
+    # needed[t] iff A holds from t up to some stage that reads the value.
+    later = np.arange(T)[None, :, None]
+    next_read = _next_true(read, later, T)
+    next_gap = _next_true(~kept, later, T)
+    return kept & (next_read < next_gap)
+
+
+def _next_true(flags: np.ndarray, stage: np.ndarray, T: int) -> np.ndarray:
+    """For each [d, t, i]: the first stage t' >= t where ``flags`` holds (T if none)."""
+    at = np.where(flags, stage, T).astype(np.int32)
+    return np.minimum.accumulate(at[:, ::-1], axis=1)[:, ::-1]
 
 
 def solve_and_prune(graph: Graph, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -130,19 +130,20 @@ def _is_band(place, problem):
     return changes.size == 2 and np.array_equal(place, forward[layer])
 
 
-def test_placed_greedy_moves_a_u_nets_deep_middle_to_the_other_device():
+def test_placed_greedy_moves_a_u_nets_deep_middle_to_the_other_device_and_tunes_checkpoints():
     """U-Net at 25% on cpu+cuda: no single device fits, and neither a cut nor the fastest
-    placement gives a plan below 5 ms; the band placement (the deep, weight-heavy middle on
-    the CPU) does (4.37 ms when measured)."""
+    placement gives a plan below 5 ms (5.41 when measured); the band placement (the deep,
+    weight-heavy middle on the CPU) does (4.37), and the local search's checkpoint toggles
+    bring it below 4.2 (4.08). A generous time budget lets the search run to its end."""
     problem = _split_problem("unet", 25)
-    result = placed_greedy(problem)
+    _no_single_device_fits(problem)
+    result = placed_greedy(problem, time_budget_s=60)
     assert result.feasible, result.message
-    assert result.simulation.total_ms < 5.0
-    place = np.argmax(
-        result.schedule.R[:, np.arange(len(problem.graph)), np.arange(len(problem.graph))], axis=0
-    )
+    assert result.simulation.total_ms < 4.2
+    n = len(problem.graph)
+    place = np.argmax(result.schedule.R[:, np.arange(n), np.arange(n)], axis=0)
     layer = forward_layer(problem)
-    deepest = int(np.argmin(problem.costs.output_bytes[: layer.max()]))  # the bottleneck
+    deepest = int(np.argmin(problem.costs.output_bytes[: layer.max()]))  # the last pool
     assert place[deepest] == 0 and place[0] == 1  # middle on cpu0, the shallow end on cuda0
 
 

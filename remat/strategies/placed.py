@@ -19,8 +19,10 @@ returns a plan. Candidates are (placement, policy) pairs:
 Each candidate's R is solved and pruned, its compute cost and a per-device memory estimate
 (every value resident in a stage, plus the copies its users on another device need) are
 computed in numpy; the simulator then judges them in order, those estimated to fit first,
-cheapest first, until ``KEEP`` fit or the time budget is spent. The best is then improved by
-moving single layers between devices (``_move_layers``) for up to another time budget.
+cheapest first, until ``KEEP`` fit or the time budget is spent. The best is then improved,
+for up to another time budget, by a local search that alternates two sweeps: move one layer
+to another device (``_move_layers``), and add or drop one checkpoint of a Chen policy
+(``_toggle_checkpoints``; U-Net at 25% on cpu+cuda: 4.37 -> 4.08 ms in under 2 s).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.graph import Graph
 from remat.schedule import Schedule
 from remat.simulator import held_fixed_bytes
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
@@ -60,7 +63,19 @@ class _Candidate:
     R: np.ndarray
     S: np.ndarray
     place: np.ndarray
-    policy: np.ndarray
+    policy: _Policy
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """A dense S policy [T, n] and the checkpoints of the Chen policy it comes from (None:
+    keep everything)."""
+
+    S: np.ndarray
+    checkpoints: frozenset[int] | None
+
+
+_Judged = tuple[_Candidate, Evaluation]
 
 
 def placed_greedy(
@@ -74,12 +89,16 @@ def placed_greedy(
     policies = _policies(problem)
     context = _Context.of(problem, names)
     candidates: list[_Candidate] = []
+    cheapest_fit = np.inf  # by the estimates
     for place in placements(problem, names):
-        if problem.cancelled or (any(c.fits for c in candidates) and _over(problem, deadline)):
+        if problem.cancelled or (cheapest_fit < np.inf and _over(problem, deadline)):
             break  # solving R for every candidate is most of the cost; one fit is enough
         fixed = context.fixed(place)
-        if context.fixed_fits(fixed):
-            candidates.extend(context.candidate(place, fixed, S) for S in policies)
+        if context.compute_floor(place) >= cheapest_fit or not context.fixed_fits(fixed):
+            continue  # no policy makes this placement cheaper than a fit in hand
+        found = [context.candidate(place, fixed, policy) for policy in policies]
+        cheapest_fit = min([cheapest_fit, *(c.cost_ms for c in found if c.fits)])
+        candidates.extend(found)
     candidates.sort(key=lambda c: (not c.fits, c.cost_ms))
     judged: list[tuple[_Candidate, Evaluation]] = []
     for candidate in candidates:
@@ -89,39 +108,73 @@ def placed_greedy(
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:
         best = min(fitting, key=lambda pair: pair[1].cost_ms)
-        judged.append(_move_layers(context, *best, deadline + time_budget_s))
+        judged.append(_local_search(context, best, deadline + time_budget_s))
     return select_best("placed_greedy", [e for _, e in judged])
 
 
-def _move_layers(
-    context: _Context, candidate: _Candidate, evaluation: Evaluation, deadline: float
-) -> tuple[_Candidate, Evaluation]:
-    """Local search on the placement: move one layer (a forward node and its backward
-    node) to another device, keep the move if the simulator says the plan is cheaper and
-    fits; repeat while moves help and time is left. A move whose compute cost alone is not
-    below the incumbent's total is not simulated (copies only add to it)."""
-    layer = forward_layer(context.problem)
+def _local_search(context: _Context, best: _Judged, deadline: float) -> _Judged:
+    """Both sweeps in turn, while either finds a cheaper plan that fits and time is left.
+    Each keeps a neighbour if the simulator says it is cheaper and fits; a neighbour whose
+    compute cost alone is not below the incumbent's total is not simulated (copies only
+    add to it)."""
     improved = True
     while improved and not _over(context.problem, deadline):
         improved = False
-        for group in np.unique(layer).tolist():
-            for d in range(len(context.names)):
-                place = candidate.place.copy()
-                place[layer == group] = d
-                if np.array_equal(place, candidate.place):
-                    continue
-                fixed = context.fixed(place)
-                if not context.fixed_fits(fixed):
-                    continue
-                trial = context.candidate(place, fixed, candidate.policy)
-                if trial.cost_ms >= evaluation.cost_ms:
-                    continue
-                judged = context.evaluate(trial)
-                if judged.fits and judged.cost_ms < evaluation.cost_ms:
-                    candidate, evaluation, improved = trial, judged, True
-            if _over(context.problem, deadline):
-                break
-    return candidate, evaluation
+        for sweep in (_move_layers, _toggle_checkpoints):
+            best, moved = sweep(context, best, deadline)
+            improved |= moved
+    return best
+
+
+def _move_layers(context: _Context, best: _Judged, deadline: float) -> tuple[_Judged, bool]:
+    """One sweep on the placement: move one layer (a forward node and its backward node)
+    to another device."""
+    layer = forward_layer(context.problem)
+    improved = False
+    for group in np.unique(layer).tolist():
+        for d in range(len(context.names)):
+            candidate = best[0]
+            place = candidate.place.copy()
+            place[layer == group] = d
+            if np.array_equal(place, candidate.place):
+                continue
+            fixed = context.fixed(place)
+            if context.fixed_fits(fixed):
+                best, moved = _keep_if_better(context, best, place, fixed, candidate.policy)
+                improved |= moved
+        if _over(context.problem, deadline):
+            break
+    return best, improved
+
+
+def _toggle_checkpoints(context: _Context, best: _Judged, deadline: float) -> tuple[_Judged, bool]:
+    """One sweep on the policy: add or drop one forward node as a checkpoint (Chen's
+    segments follow), on the same placement."""
+    graph = context.problem.graph
+    improved = False
+    for node in range(Layout.of(graph).F - 1):
+        candidate = best[0]
+        if candidate.policy.checkpoints is None:
+            break  # keep everything: nothing to toggle
+        policy = _chen_policy(graph, candidate.policy.checkpoints ^ {node})
+        fixed = context.fixed(candidate.place)
+        best, moved = _keep_if_better(context, best, candidate.place, fixed, policy)
+        improved |= moved
+        if _over(context.problem, deadline):
+            break
+    return best, improved
+
+
+def _keep_if_better(
+    context: _Context, best: _Judged, place: np.ndarray, fixed: list[int], policy: _Policy
+) -> tuple[_Judged, bool]:
+    trial = context.candidate(place, fixed, policy)
+    if trial.cost_ms >= best[1].cost_ms:
+        return best, False
+    judged = context.evaluate(trial)
+    if judged.fits and judged.cost_ms < best[1].cost_ms:
+        return (trial, judged), True
+    return best, False
 
 
 def _over(problem: Problem, deadline: float) -> bool:
@@ -162,22 +215,26 @@ def forward_layer(problem: Problem) -> np.ndarray:
     return layer
 
 
-def _policies(problem: Problem) -> list[np.ndarray]:
-    """Dense S [T, n] of Chen's greedy on linearized and articulation candidates, swept
-    over the segment budget, plus "keep everything" (pruned to free-after-last-use)."""
+def _policies(problem: Problem) -> list[_Policy]:
+    """Chen's greedy on linearized and articulation candidates, swept over the segment
+    budget, plus "keep everything" (pruned to free-after-last-use)."""
     graph = problem.graph
     F, T = Layout.of(graph).F, len(graph)
     sizes = np.asarray(problem.costs.output_bytes[:F], dtype=float)
-    choices: set[tuple[int, ...]] = set()
+    choices: set[frozenset[int]] = set()
     for candidates in (linearized_candidates(graph), articulation_candidates(graph)):
         for b in greedy_budgets(sizes):
             chosen = greedy_checkpoints(sizes, candidates, b)
-            choices.add(tuple(sorted(c for c in chosen if c < F - 1)))
-    policies = [
-        holds_to_dense(checkpoint_holds(graph, key, segments_from_checkpoints(F, key)), T)
-        for key in sorted(choices)
-    ]
-    return [np.tril(np.ones((T, T), dtype=bool), -1), *policies]
+            choices.add(frozenset(c for c in chosen if c < F - 1))
+    keep_all = _Policy(np.tril(np.ones((T, T), dtype=bool), -1), None)
+    return [keep_all, *(_chen_policy(graph, key) for key in sorted(choices, key=sorted))]
+
+
+def _chen_policy(graph: Graph, checkpoints: frozenset[int]) -> _Policy:
+    F, T = Layout.of(graph).F, len(graph)
+    key = sorted(c for c in checkpoints if c < F - 1)
+    S = holds_to_dense(checkpoint_holds(graph, key, segments_from_checkpoints(F, key)), T)
+    return _Policy(S, frozenset(key))
 
 
 @dataclass(frozen=True)
@@ -208,13 +265,17 @@ class _Context:
             for d in range(len(self.names))
         ]
 
+    def compute_floor(self, place: np.ndarray) -> float:
+        """Every node once on its home: no candidate of ``place`` costs less."""
+        return float(self.compute[place, np.arange(place.shape[0])].sum())
+
     def fixed_fits(self, fixed: list[int]) -> bool:
         budgets = [self.problem.budgets.get(name) for name in self.names]
         return all(b is None or f <= b for f, b in zip(fixed, budgets, strict=True))
 
-    def candidate(self, place: np.ndarray, fixed: list[int], policy: np.ndarray) -> _Candidate:
+    def candidate(self, place: np.ndarray, fixed: list[int], policy: _Policy) -> _Candidate:
         D = len(self.names)
-        S = policy[None] & (place[None, None, :] == np.arange(D)[:, None, None])
+        S = policy.S[None] & (place[None, None, :] == np.arange(D)[:, None, None])
         R, S = solve_and_prune_placed(self.problem.graph, S, place)
         cost = float((R * self.compute[:, None, :]).sum())
         return _Candidate(cost, self._estimate_fits(fixed, R, S), R, S, place, policy)

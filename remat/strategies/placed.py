@@ -16,6 +16,8 @@ returns a plan. Candidates are (placement, policy) pairs:
 * policies: the S policies of ``linearized_greedy`` and ``ap_greedy`` (Chen's greedy swept
   over its segment budget) and "keep everything"; each kept value stays on its home.
 
+A placement is skipped when its compute floor (every node once on its home) is not below a
+candidate already estimated to fit (ResNet18 at 25% on cpu+cuda: 1.5 s instead of 6.1 s).
 Each candidate's R is solved and pruned, its compute cost and a per-device memory estimate
 (every value resident in a stage, plus the copies its users on another device need) are
 computed in numpy; the simulator then judges them in order, those estimated to fit first,
@@ -100,7 +102,7 @@ def placed_greedy(
         cheapest_fit = min([cheapest_fit, *(c.cost_ms for c in found if c.fits)])
         candidates.extend(found)
     candidates.sort(key=lambda c: (not c.fits, c.cost_ms))
-    judged: list[tuple[_Candidate, Evaluation]] = []
+    judged: list[_Judged] = []
     for candidate in candidates:
         judged.append((candidate, context.evaluate(candidate)))
         if sum(e.fits for _, e in judged) >= KEEP or _over(problem, deadline):

@@ -130,6 +130,8 @@ def prune_placed(graph: Graph, R: np.ndarray, S: np.ndarray) -> np.ndarray:
     not recomputed on d in that stage and a user on any device reads it then (it may be
     copied from d) or it is needed on d at the start of the next stage."""
     T = S.shape[1]
+    if T == 0:
+        return S.copy()
     kept = S & ~R  # A: held into t, not recomputed there
     read = kept & users_computed(graph, R.any(axis=0))[None]  # needed in t itself
     read[:, T - 1, list(graph.outputs)] |= kept[:, T - 1, list(graph.outputs)]

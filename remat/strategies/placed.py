@@ -21,10 +21,11 @@ candidate already estimated to fit (ResNet18 at 25% on cpu+cuda: 1.5 s instead o
 Each candidate's R is solved and pruned, its compute cost and a per-device memory estimate
 (every value resident in a stage, plus the copies its users on another device need) are
 computed in numpy; the simulator then judges them in order, those estimated to fit first,
-cheapest first, until ``KEEP`` fit or the time budget is spent. The best is then improved,
-for up to another time budget, by a local search that alternates two sweeps: move one layer
-to another device (``_move_layers``), and add or drop one checkpoint of a Chen policy
-(``_toggle_checkpoints``; U-Net at 25% on cpu+cuda: 4.37 -> 4.08 ms in under 2 s).
+cheapest first, until ``KEEP`` fit or the time budget is spent. The best (and the best on
+one device, ``_starts``) is then improved, for up to another time budget, by a local search
+that alternates two sweeps: move one layer to another device (``_move_layers``), and add or
+drop one checkpoint of a Chen policy (``_toggle_checkpoints``; U-Net at 25% on cpu+cuda:
+4.37 -> 4.08 ms in under 2 s).
 """
 
 from __future__ import annotations
@@ -109,9 +110,30 @@ def placed_greedy(
             break
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:
-        best = min(fitting, key=lambda pair: pair[1].cost_ms)
-        judged.append(_local_search(context, best, deadline + time_budget_s))
+        end = deadline + time_budget_s
+        starts = _starts(context, fitting, candidates)
+        judged.extend(_local_search(context, start, end) for start in starts)
     return select_best("placed_greedy", [e for _, e in judged])
+
+
+def _starts(
+    context: _Context, fitting: list[_Judged], candidates: list[_Candidate]
+) -> list[_Judged]:
+    """Where the local search starts: the cheapest plan judged and, on each device whose
+    compute floor is below it, the cheapest one-device candidate the simulator accepts.
+    Layer moves from a mixed plan rarely reach a one-device plan that recomputes more
+    (U-Net at 50% on cpu+cuda: 4.08 ms from the mixed start, 3.82 from cuda0 alone)."""
+    best = min(fitting, key=lambda pair: pair[1].cost_ms)
+    starts = [best]
+    for d in range(len(context.names)):
+        alone = [c for c in candidates if c.fits and (c.place == d).all()][:KEEP]
+        if not alone or np.array_equal(alone[0].place, best[0].place):
+            continue
+        if context.compute_floor(alone[0].place) >= best[1].cost_ms:
+            continue  # no plan on d alone beats the best start
+        judged = [(c, context.evaluate(c)) for c in alone]
+        starts.extend([pair for pair in judged if pair[1].fits][:1])
+    return starts
 
 
 def _local_search(context: _Context, best: _Judged, deadline: float) -> _Judged:

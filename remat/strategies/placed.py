@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -131,8 +132,8 @@ def _starts(
             continue
         if context.compute_floor(alone[0].place) >= best[1].cost_ms:
             continue  # no plan on d alone beats the best start
-        judged = [(c, context.evaluate(c)) for c in alone]
-        starts.extend([pair for pair in judged if pair[1].fits][:1])
+        judged = ((c, context.evaluate(c)) for c in alone)  # lazily: stop at the first fit
+        starts.extend(islice((pair for pair in judged if pair[1].fits), 1))
     return starts
 
 
@@ -175,14 +176,16 @@ def _toggle_checkpoints(context: _Context, best: _Judged, deadline: float) -> tu
     """One sweep on the policy: add or drop one forward node as a checkpoint (Chen's
     segments follow), on the same placement."""
     graph = context.problem.graph
+    if best[0].policy.checkpoints is None:
+        return best, False  # keep everything: nothing to toggle
+    place = best[0].place  # the sweep keeps it, and so its fixed memory
+    fixed = context.fixed(place)
     improved = False
     for node in range(Layout.of(graph).F - 1):
-        candidate = best[0]
-        if candidate.policy.checkpoints is None:
-            break  # keep everything: nothing to toggle
-        policy = _chen_policy(graph, candidate.policy.checkpoints ^ {node})
-        fixed = context.fixed(candidate.place)
-        best, moved = _keep_if_better(context, best, candidate.place, fixed, policy)
+        checkpoints = best[0].policy.checkpoints
+        assert checkpoints is not None  # toggles keep a Chen policy
+        policy = _chen_policy(graph, checkpoints ^ {node})
+        best, moved = _keep_if_better(context, best, place, fixed, policy)
         improved |= moved
         if _over(context.problem, deadline):
             break

@@ -52,6 +52,16 @@ def test_resnet_fuses_conv_norm_relu_and_mirrors_it_backwards():
         assert coarse.costs.output_bytes[c] >= problem.costs.output_bytes[group[-1]]
 
 
+def test_a_coarse_placement_puts_each_fine_node_on_its_groups_device():
+    problem = _problem("unet", 100)
+    coarse = coarsen(problem.graph, problem.costs)
+    home = np.arange(len(coarse.graph)) % 2
+    fine = coarse.expand_home(home)
+    assert fine.shape == (len(problem.graph),)
+    for c, group in enumerate(coarse.groups):
+        assert (fine[list(group)] == home[c]).all()
+
+
 def test_groups_stop_at_max_group():
     graph = training_graph(chain(6))  # Relu after Relu: each fuses into its producer
     costs = analytical_costs(graph, [CPU])

@@ -278,6 +278,33 @@ def test_keep_all_is_the_best_schedule_without_recomputation(name: str) -> None:
             assert full is not None and full <= objective + 1e-9
 
 
+@pytest.mark.parametrize("name", TWO_DEVICES)
+def test_placed_is_the_best_schedule_with_each_node_on_its_home(name: str) -> None:
+    """``XEngineModel.placed(home)``: the optimum over the schedules that compute node i
+    (recomputations included) only on device home[i]; ``home`` reads that placement back."""
+    graph = TWO_DEVICES[name]()
+    costs = hand_costs(graph, 2, seed=len(name))
+    names = tuple(d.name for d in costs.devices)
+    n = len(graph)
+    home = np.arange(n) % 2  # alternate: every edge crosses devices
+    elsewhere = np.arange(2)[:, None, None] != home[None, None, :]
+    table: Table = []
+    for R, S in valid_schedules(graph, 2):
+        if not (R & elsewhere).any():
+            result = run(graph, costs, Schedule(names, R, S))
+            table.append((tuple(result.peak_bytes[d] for d in names), result.total_ms))
+    assert table
+    for budgets in budget_grid(table):
+        formulation = build_xengine(graph, costs, dict(zip(names, budgets, strict=True)))
+        objective, x = solve(formulation.placed(home))
+        assert objective == pytest.approx(optimum(table, budgets)), budgets
+        if x is not None:
+            assert not (formulation.decode(x).R & elsewhere).any()
+            assert np.array_equal(formulation.home(x), home)
+            full, _ = solve(formulation.model)  # a restriction: never below the optimum
+            assert full is not None and full <= objective + 1e-9
+
+
 def test_copy_cover_rows_close_the_lp_gap_of_the_copy_term() -> None:
     """With ample memory on two devices, the linearization's LP splits values over both
     devices and copies them for free; with the cover rows on W's products it reaches the

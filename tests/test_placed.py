@@ -14,7 +14,7 @@ from remat.solvers.model import SolveOptions
 from remat.strategies import BASELINES, run_strategy
 from remat.strategies.base import Problem, SolverSettings
 from remat.strategies.optimal import xengine
-from remat.strategies.placed import forward_layer, placed_greedy, placements
+from remat.strategies.placed import forward_layer, placed_greedy, placed_on, placements
 from remat.strategies.rsolve import (
     prune_placed,
     solve_and_prune,
@@ -178,3 +178,23 @@ def test_placed_greedy_also_searches_from_the_best_plan_on_one_device():
     result = placed_greedy(problem, time_budget_s=60)
     assert result.feasible, result.message
     assert result.simulation.total_ms < 3.9
+
+
+def test_placed_on_keeps_every_node_on_its_home_and_tunes_checkpoints():
+    """U-Net at 25% on cpu+cuda with the bottleneck and its gradients on cpu0 (the LP
+    relaxation's placement): a plan that fits and computes each node only on its home;
+    all on cuda0 (where nothing fits) gives none, with the reason."""
+    problem = _split_problem("unet", 25)
+    layer = forward_layer(problem)
+    names = ("cpu0", "cuda0")
+    bottleneck = [i for i, node in enumerate(problem.graph.nodes) if "bottleneck" in node.name]
+    home = np.where(np.isin(layer, layer[bottleneck]), 0, 1)
+    result = placed_on(problem, names, home, time_budget_s=60)
+    assert result.feasible, result.message
+    n = len(problem.graph)
+    elsewhere = np.arange(2)[:, None, None] != home[None, None, :]
+    assert not (result.schedule.R & elsewhere).any()
+    assert result.schedule.R[0].any() and result.schedule.R[1].any()
+    assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
+    nowhere = placed_on(problem, names, np.ones(n, dtype=np.int64))
+    assert not nowhere.feasible and "fits" in nowhere.message

@@ -44,7 +44,8 @@ products y = R[d',t,v] Z[d,t,u] (``_copy_cover``, rows only the linearization st
 sum_{d != d'} y >= R[d',t,v] - Z[d',t,u], from (12).
 
 ``keep_all`` restricts the model to placement (no recomputation, every value kept on its
-device until its last use): a small model whose optimum is a plan, never a bound.
+device until its last use), ``placed`` to a given placement: models whose optima are plans,
+never bounds.
 
 Pruning (exact, see ``common.Structure.useful``) as in ``checkmate``. Memory is in units of
 the GCD of the value sizes; fixed-tensor bytes divided by it may be fractional (they only
@@ -173,6 +174,25 @@ class XEngineModel:
             ub=ub,
             start=None,
         )
+
+    def home(self, x: np.ndarray) -> np.ndarray:
+        """The device computing each node in its own stage (eq. 8-9): the one with the
+        largest R[d,i,i] in ``x``, e.g. a relaxed solution's placement, rounded."""
+        nodes = np.arange(self.R.shape[2])
+        return np.argmax(x[self.R[:, nodes, nodes]], axis=0)
+
+    def placed(self, home: np.ndarray) -> MILPModel:
+        """The model restricted to a placement: node i is computed, recomputations
+        included, only on device ``home[i]`` (R[d,t,i] = 0 elsewhere); keeping, freeing,
+        recomputing and copying are still the model's to choose. A restriction: its optimum
+        is a plan, never a bound. About half the size after presolve, it finds plans the
+        full model does not: U-Net at 25% on cpu+cuda with its bottleneck on the CPU, solved
+        alone, 3.78 ms in 76 s from the heuristic's 4.27 (the full model: 3.94 in 120 s)."""
+        D = self.R.shape[0]
+        elsewhere = np.arange(D)[:, None, None] != np.asarray(home)[None, None, :]
+        ub = self.model.ub.copy()
+        ub[self.R[elsewhere & (self.R >= 0)]] = 0.0
+        return replace(self.model, ub=ub, start=None)
 
     def decode(self, x: np.ndarray) -> Schedule:
         """R and S of a solution (rounded at 0.5) as a schedule over the model's devices."""

@@ -75,6 +75,13 @@ class Coarse:
     def ratio(self) -> float:
         return len(self.graph) / max(len(self.fine), 1)
 
+    def expand_home(self, home: np.ndarray) -> np.ndarray:
+        """A placement of the coarse nodes as one of the fine nodes: each on its group's."""
+        fine = np.zeros(len(self.fine), dtype=np.asarray(home).dtype)
+        for c, group in enumerate(self.groups):
+            fine[list(group)] = home[c]
+        return fine
+
     def expand(self, coarse: Schedule) -> Schedule:
         """The fine schedule of a coarse one (module docstring); same devices."""
         Rc, Sc = coarse.R, coarse.S

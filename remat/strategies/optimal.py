@@ -31,12 +31,12 @@ from remat.strategies.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
+from remat.strategies.restrict import Offer, solve_restrictions
 from remat.strategies.rsolve import solve_r
 from remat.strategies.search import Beside, Search, start_coarse
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
-RESTRICTED_SHARE = 0.25  # of the time limit, at most, for a restricted model (beside the full)
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 
 
@@ -220,22 +220,23 @@ def xengine(
     restrict: bool = True,
 ) -> StrategyResult:
     """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
-    best baseline on any device, the multi-device heuristic, the placement-only restriction
-    (``XEngineModel.keep_all``, on two or more devices) and, on graphs of 40+ nodes, the
-    coarse graph's plan; large graphs are decomposed (their parts, like the coarse graph,
-    without the restriction). ``device`` is ignored: the strategy places operators."""
+    best baseline on any device, the multi-device heuristic, restrictions of the model
+    (``remat.strategies.restrict``, on two or more devices: placement only, then the LP
+    relaxation's placement) and, on graphs of 40+ nodes, the coarse graph's plan; large
+    graphs are decomposed (their parts, like the coarse graph, without the restrictions).
+    ``device`` is ignored: the strategy places operators."""
     start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
 
     def build(p: Problem) -> Formulation:
         return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
 
-    def keep_all(formulation: Formulation) -> MILPModel | None:
+    def restricted(search: Search, formulation: Formulation, offer: Offer) -> None:
         assert isinstance(formulation, XEngineModel)
-        useful = restrict and len(names) > 1  # on one device it is checkpoint-all
-        return formulation.keep_all() if useful else None
+        if restrict and len(names) > 1:  # on one device keep_all is checkpoint-all
+            solve_restrictions(search, formulation, offer)
 
-    ways = _Ways(partial(xengine, restrict=False), coarse, decompose, keep_all)
+    ways = _Ways(partial(xengine, restrict=False), coarse, decompose, restricted)
     warm = _warm_start(problem, names, ways)
     search = Search(problem, problem.costs.ideal_ms(), warm, start)
     return _optimize(search, "xengine", names, build, ways)
@@ -262,7 +263,7 @@ class _Ways:
     variant: Callable[..., StrategyResult]
     coarse: bool
     decompose: bool
-    restricted: Callable[[Formulation], MILPModel | None] = lambda _: None
+    restricted: Callable[[Search, Formulation, Offer], None] | None = None
 
     def decomposes(self, problem: Problem) -> bool:
         return self.decompose and is_large(problem.graph)
@@ -296,9 +297,8 @@ def _optimize(
     try:
         formulation = build(problem)
         offer = partial(_offer_incumbent, search, formulation, strategy)
-        restricted = ways.restricted(formulation)
-        if restricted is not None:
-            work = partial(_solve_restricted, search, restricted, offer)
+        if ways.restricted is not None:
+            work = partial(ways.restricted, search, formulation, offer)
             beside.append(Beside(work, "remat-restricted"))
         model = formulation.model
         if warm is not None and warm.schedule is not None:
@@ -317,27 +317,6 @@ def _optimize(
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
     return _finish(problem, strategy, solved, evaluation, search.best, ideal)
-
-
-def _solve_restricted(
-    search: Search, model: MILPModel, offer: Callable[[np.ndarray, float], None]
-) -> None:
-    """A restriction of the full model (e.g. XEngine's ``keep_all``), solved beside it for
-    a share of the time limit: each plan it finds is offered to the search. Its bound
-    belongs to the restriction, so it is never reported."""
-    settings = search.problem.solver
-    seconds = min(search.remaining(), settings.options.time_limit_s * RESTRICTED_SHARE)
-    options = replace(settings.options, time_limit_s=seconds)
-    solved = runner.solve(
-        model,
-        backend=settings.backend,
-        options=options,
-        on_progress=lambda _: search.heartbeat(),
-        cancel=search.beside_stop(),
-        on_incumbent=offer,
-    )
-    if solved.x is not None and solved.objective is not None:
-        offer(solved.x, solved.objective)
 
 
 def _offer_incumbent(

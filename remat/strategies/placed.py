@@ -31,7 +31,7 @@ drop one checkpoint of a Chen policy (``_toggle_checkpoints``; U-Net at 25% on c
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -80,6 +80,7 @@ class _Policy:
 
 
 _Judged = tuple[_Candidate, Evaluation]
+_Sweep = Callable[["_Context", _Judged, float], tuple[_Judged, bool]]
 
 
 def placed_greedy(
@@ -117,6 +118,31 @@ def placed_greedy(
     return select_best("placed_greedy", [e for _, e in judged])
 
 
+def placed_on(
+    problem: Problem,
+    names: Sequence[str],
+    home: np.ndarray,
+    time_budget_s: float = TIME_BUDGET_S,
+) -> StrategyResult:
+    """The cheapest plan the heuristic finds with node i computed on ``names[home[i]]``
+    only: the cheapest of Chen's policies the simulator accepts, improved by the checkpoint
+    sweep (a warm start for a model restricted to that placement)."""
+    names = tuple(names)
+    deadline = time.monotonic() + time_budget_s
+    context = _Context.of(problem, names)
+    fixed = context.fixed(home)
+    if not context.fixed_fits(fixed):
+        return StrategyResult("placed_greedy", None, None, "its fixed memory exceeds a budget")
+    found = [context.candidate(home, fixed, policy) for policy in _policies(problem)]
+    found.sort(key=lambda c: (not c.fits, c.cost_ms))
+    judged = ((c, context.evaluate(c)) for c in found)  # lazily: stop at the first fit
+    first = next((pair for pair in judged if pair[1].fits), None)
+    if first is None:
+        return StrategyResult("placed_greedy", None, None, "no policy fits on this placement")
+    best = _local_search(context, first, deadline, (_toggle_checkpoints,))
+    return select_best("placed_greedy", [best[1]])
+
+
 def _starts(
     context: _Context, fitting: list[_Judged], candidates: list[_Candidate]
 ) -> list[_Judged]:
@@ -137,15 +163,18 @@ def _starts(
     return starts
 
 
-def _local_search(context: _Context, best: _Judged, deadline: float) -> _Judged:
-    """Both sweeps in turn, while either finds a cheaper plan that fits and time is left.
+def _local_search(
+    context: _Context, best: _Judged, deadline: float, sweeps: tuple[_Sweep, ...] = ()
+) -> _Judged:
+    """The sweeps (default: both) in turn, while one finds a cheaper plan that fits and
+    time is left.
     Each keeps a neighbour if the simulator says it is cheaper and fits; a neighbour whose
     compute cost alone is not below the incumbent's total is not simulated (copies only
     add to it)."""
     improved = True
     while improved and not _over(context.problem, deadline):
         improved = False
-        for sweep in (_move_layers, _toggle_checkpoints):
+        for sweep in sweeps or (_move_layers, _toggle_checkpoints):
             best, moved = sweep(context, best, deadline)
             improved |= moved
     return best

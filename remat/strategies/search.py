@@ -1,7 +1,7 @@
 """The search of an exact strategy: the full model's solve and, beside it, the same
-strategy on the coarse graph (``remat.strategies.coarsen``) and a restriction of the full
-model where the strategy has one (XEngine's placement-only ``keep_all``), sharing the best
-plan in hand.
+strategy on the coarse graph (``remat.strategies.coarsen``) and restrictions of the full
+model where the strategy has them (XEngine's, ``remat.strategies.restrict``), sharing the
+best plan in hand.
 
 They run at once (the solves beside the full one in threads, each solver in its own
 subprocess): the
@@ -35,11 +35,12 @@ from dataclasses import dataclass, replace
 from remat.schedule import Schedule
 from remat.solvers.model import Progress, StopFlag
 from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
-from remat.strategies.coarsen import coarsen
+from remat.strategies.coarsen import Coarse, coarsen
 
 COARSE_MIN_NODES = 40  # smaller graphs solve well as they are
 COARSE_MAX_RATIO = 0.8  # coarsen only when it removes a fifth of the nodes or more
 MIN_SOLVE_S = 1.0  # the full model's solve gets at least this long (see Search.remaining)
+BOUND_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,18 @@ class Search:
 
     def beside_stop(self) -> AnyOf:
         return AnyOf((self.problem.solver.cancel, self.full_done))
+
+    def wait_for_bound(self) -> bool:
+        """Wait until the full solve has proven a bound above the ideal (its root LP, the
+        whole problem's bound: work beside the solve would delay it); False if the work
+        beside it is to stop first."""
+        stop = self.beside_stop()
+        while not stop.is_set():
+            with self._lock:
+                if self.bound > self.ideal:
+                    return True
+            time.sleep(BOUND_POLL_S)
+        return False
 
     def judge(self, schedule: Schedule, strategy: str) -> None:
         """A schedule of the search's problem (a solver incumbent, an expanded coarse plan):
@@ -207,6 +220,14 @@ class Beside:
             raise self.error
 
 
+def coarse_of(problem: Problem) -> Coarse | None:
+    """The coarse graph, where it is worth solving: 40+ nodes, a fifth of them fused."""
+    if len(problem.graph) < COARSE_MIN_NODES:
+        return None
+    coarse = coarsen(problem.graph, problem.costs)
+    return None if coarse.ratio > COARSE_MAX_RATIO else coarse
+
+
 def start_coarse(
     problem: Problem,
     strategy: str,
@@ -216,10 +237,8 @@ def start_coarse(
     """The strategy on the coarse graph, beside the full solve; each better coarse plan is
     expanded and offered to the search. None when the graph is too small or does not
     coarsen."""
-    if len(problem.graph) < COARSE_MIN_NODES:
-        return None
-    coarse = coarsen(problem.graph, problem.costs)
-    if coarse.ratio > COARSE_MAX_RATIO:
+    coarse = coarse_of(problem)
+    if coarse is None:
         return None
 
     def offer_expanded(result: StrategyResult) -> None:

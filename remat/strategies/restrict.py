@@ -1,0 +1,109 @@
+"""Restrictions of XEngine's model, solved one after the other beside the full model (in
+the search's ``remat-restricted`` thread): each finds plans of the whole problem, never a
+bound, so only their plans are offered to the search.
+
+1. Placement only (``XEngineModel.keep_all``: no recomputation, every value kept on its
+   device until its last use), for a share of the time limit. Where keeping everything
+   fits on some split of the devices it finds that split's optimum in seconds (ResNet18
+   and VGG16 at 25% on cpu+cuda: the whole problem's optimum).
+2. Where it finds none (U-Net at 25% on cpu+cuda: proven infeasible in 5 s), the placement
+   of an LP relaxation: each node on the device with the largest R[d,i,i],
+   the model restricted to it (``XEngineModel.placed``) and solved from the heuristic's
+   plan for that placement (``placed_on``) until the full solve ends. It starts once the
+   full solve has its bound and only on long solves (``PLACEMENT_MIN_S``): on 2 cores
+   each solve beside the full one slows it. The LP puts the U-Net's bottleneck and its
+   gradients on the CPU; the heuristic prefers the whole deep half there, and neither
+   the full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in
+   300 s: 3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from remat.errors import ScheduleError
+from remat.formulations.xengine import XEngineModel, build_xengine
+from remat.solvers import runner
+from remat.solvers.model import MILPModel, SolveResult
+from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
+from remat.strategies.placed import placed_on
+from remat.strategies.search import Search, coarse_of
+
+RESTRICTED_SHARE = 0.25  # of the time limit, at most, for keep_all
+# Left of the limit to start on the LP's placement: on U-Net at 25% on cpu+cuda its first
+# better plan came 196 s after the start, and with 70 s left (a 120 s solve) it only took
+# CPU from the coarse solve (4.08 ms at the end instead of 3.94).
+PLACEMENT_MIN_S = 180.0
+LP = "highs"  # an LP, whatever the backend of the MILPs
+
+Offer = Callable[[np.ndarray, float], None]  # a solver incumbent of the full model's variables
+
+
+def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
+    """keep_all, then, if it found no plan, the LP relaxation's placement: once the full
+    solve has its bound (on 2 cores it took the full model's LP past 60 s on U-Net at 25%,
+    so that a 60 s solve reported only the ideal) and if enough time is left."""
+    limit = search.problem.solver.options.time_limit_s
+    kept = _solve(search, formulation.keep_all(), offer, limit * RESTRICTED_SHARE)
+    if kept.x is not None or not search.wait_for_bound():
+        return
+    if search.time_left() < PLACEMENT_MIN_S:
+        return
+    home = _lp_home(search, formulation)
+    if home is None or search.beside_stop().is_set():
+        return
+    _solve(search, _placed(search, formulation, home), offer, search.time_left())
+
+
+def _lp_home(search: Search, formulation: XEngineModel) -> np.ndarray | None:
+    """Each node's device in the LP relaxation (``XEngineModel.home``) of the coarse graph
+    where there is one, else of the full model. U-Net at 25% on cpu+cuda: the coarse LP
+    takes 2 s, the full model's 14 s (32 s beside the full solve), and they place the
+    same nodes on the CPU but for two."""
+    problem = search.problem
+    coarse = coarse_of(problem)
+    if coarse is None:
+        relaxed = _solve(search, formulation.lp_relaxation(), None, search.time_left(), LP)
+        return None if relaxed.x is None else formulation.home(relaxed.x)
+    budgets = {name: problem.budgets.get(name) for name in formulation.devices}
+    small = build_xengine(coarse.graph, coarse.costs, budgets)
+    relaxed = _solve(search, small.lp_relaxation(), None, search.time_left(), LP)
+    return None if relaxed.x is None else coarse.expand_home(small.home(relaxed.x))
+
+
+def _placed(search: Search, formulation: XEngineModel, home: np.ndarray) -> MILPModel:
+    """The model restricted to ``home``, started from the heuristic's plan for it (offered
+    to the search too) when it has one the model accepts."""
+    problem = search.problem
+    warm = placed_on(problem, formulation.devices, home, PLACED_TIME_BUDGET_S)
+    model = formulation.placed(home)
+    if warm.schedule is None:
+        return model
+    search.offer(warm)
+    try:
+        return replace(model, start=formulation.encode(warm.schedule))
+    except ScheduleError:
+        return model  # the heuristic's plan breaks one of the model's rules: start cold
+
+
+def _solve(
+    search: Search, model: MILPModel, offer: Offer | None, seconds: float, backend: str = ""
+) -> SolveResult:
+    """A restriction's solve (``backend``: default the problem's) for at most ``seconds``,
+    stopped when the full solve ends; each incumbent, and the final solution, offered."""
+    settings = search.problem.solver
+    options = replace(settings.options, time_limit_s=min(seconds, search.remaining()))
+    solved = runner.solve(
+        model,
+        backend=backend or settings.backend,
+        options=options,
+        on_progress=lambda _: search.heartbeat(),
+        cancel=search.beside_stop(),
+        on_incumbent=offer,
+    )
+    if offer is not None and solved.x is not None and solved.objective is not None:
+        offer(solved.x, solved.objective)
+    return solved

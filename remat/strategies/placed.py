@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 
 import numpy as np
 
@@ -135,8 +134,7 @@ def placed_on(
         return StrategyResult("placed_greedy", None, None, "its fixed memory exceeds a budget")
     found = [context.candidate(home, fixed, policy) for policy in _policies(problem)]
     found.sort(key=lambda c: (not c.fits, c.cost_ms))
-    judged = ((c, context.evaluate(c)) for c in found)  # lazily: stop at the first fit
-    first = next((pair for pair in judged if pair[1].fits), None)
+    first = _first_fit(context, found)
     if first is None:
         return StrategyResult("placed_greedy", None, None, "no policy fits on this placement")
     best = _local_search(context, first, deadline, (_toggle_checkpoints,))
@@ -158,9 +156,16 @@ def _starts(
             continue
         if context.compute_floor(alone[0].place) >= best[1].cost_ms:
             continue  # no plan on d alone beats the best start
-        judged = ((c, context.evaluate(c)) for c in alone)  # lazily: stop at the first fit
-        starts.extend(islice((pair for pair in judged if pair[1].fits), 1))
+        first = _first_fit(context, alone)
+        if first is not None:
+            starts.append(first)
     return starts
+
+
+def _first_fit(context: _Context, candidates: list[_Candidate]) -> _Judged | None:
+    """The first of ``candidates`` the simulator accepts; none simulated after it."""
+    judged = ((c, context.evaluate(c)) for c in candidates)
+    return next((pair for pair in judged if pair[1].fits), None)
 
 
 def _local_search(

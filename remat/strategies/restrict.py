@@ -65,13 +65,13 @@ def _lp_home(search: Search, formulation: XEngineModel) -> np.ndarray | None:
     same nodes on the CPU but for two."""
     problem = search.problem
     coarse = coarse_of(problem)
-    if coarse is None:
-        relaxed = _solve(search, formulation.lp_relaxation(), None, search.time_left(), LP)
-        return None if relaxed.x is None else formulation.home(relaxed.x)
-    budgets = {name: problem.budgets.get(name) for name in formulation.devices}
-    small = build_xengine(coarse.graph, coarse.costs, budgets)
-    relaxed = _solve(search, small.lp_relaxation(), None, search.time_left(), LP)
-    return None if relaxed.x is None else coarse.expand_home(small.home(relaxed.x))
+    relaxed_model, expand = formulation, lambda home: home
+    if coarse is not None:
+        budgets = {name: problem.budgets.get(name) for name in formulation.devices}
+        relaxed_model = build_xengine(coarse.graph, coarse.costs, budgets)
+        expand = coarse.expand_home
+    relaxed = _solve(search, relaxed_model.lp_relaxation(), None, search.time_left(), LP)
+    return None if relaxed.x is None else expand(relaxed_model.home(relaxed.x))
 
 
 def _placed(search: Search, formulation: XEngineModel, home: np.ndarray) -> MILPModel:

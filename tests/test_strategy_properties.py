@@ -14,6 +14,7 @@ from remat.graph import Graph
 from remat.simulator import simulate
 from remat.strategies import BASELINES, run_strategy
 from remat.strategies.base import Problem, evaluate
+from remat.strategies.floor import shortfall
 from remat.strategies.policy import device_fixed_bytes, predict
 from remat.strategies.rsolve import (
     holds_from_dense,
@@ -120,3 +121,17 @@ def test_the_stated_need_is_enough(forward_graph):
         need = result.min_budget_bytes["cpu0"]
         again = run(name, problem(graph, need))
         assert again.feasible, (name, again.message)
+
+
+@SETTINGS
+@given(forward_graphs())
+def test_no_plan_needs_less_than_the_memory_floor(forward_graph):
+    """The floor is a proof: every plan the simulator accepts (the baselines' plans at the
+    budget they need) peaks at or above the smallest budget the floor lets through."""
+    graph = training_graph(forward_graph)
+    for name in BASELINES:
+        result = run(name, problem(graph, 0))
+        if result is None:
+            continue
+        need = result.min_budget_bytes["cpu0"]
+        assert shortfall(problem(graph, need), ("cpu0",)) is None, name

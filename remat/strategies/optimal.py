@@ -28,6 +28,7 @@ from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
 from remat.strategies.decompose import PartSolvers, is_large, solve_parts
+from remat.strategies.floor import shortfall
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
@@ -159,6 +160,8 @@ def checkmate_milp(
     heuristic's local search on Chen's checkpoints (``placed_greedy`` on this device) and,
     on graphs of 40+ nodes, the coarse graph's plan; large graphs are decomposed."""
     start = time.monotonic()
+    if (unfit := _unfit(problem, "checkmate_milp", (device,))) is not None:
+        return unfit
     fixed = device_fixed_bytes(problem, device)
 
     def build(p: Problem) -> Formulation:
@@ -178,6 +181,8 @@ def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
     epsilon, the cheapest plan within the budget wins. The bound is the LP at epsilon 0.
     The sweep shares the time limit and stops when it is spent (epsilon 0 always runs)."""
     deadline = time.monotonic() + problem.solver.options.time_limit_s
+    if (unfit := _unfit(problem, "checkmate_lp_rounding", (device,))) is not None:
+        return unfit
     budget = problem.budgets.get(device)
     fixed = device_fixed_bytes(problem, device)
     evaluations: list[Evaluation] = []
@@ -227,6 +232,8 @@ def xengine(
     ``device`` is ignored: the strategy places operators."""
     start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
+    if (unfit := _unfit(problem, "xengine", names)) is not None:
+        return unfit
 
     def build(p: Problem) -> Formulation:
         return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
@@ -240,6 +247,13 @@ def xengine(
     warm = _warm_start(problem, names, ways)
     search = Search(problem, problem.costs.ideal_ms(), warm, start)
     return _optimize(search, "xengine", names, build, ways)
+
+
+def _unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyResult | None:
+    """Infeasible without a solve: some node needs more than every budget
+    (``floor.shortfall``)."""
+    short = shortfall(problem, names)
+    return None if short is None else StrategyResult(strategy, None, None, short.message(strategy))
 
 
 def _warm_start(problem: Problem, names: Sequence[str], ways: _Ways) -> StrategyResult | None:

@@ -63,8 +63,8 @@ class Shortfall:
 
 
 def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
-    """The node with the largest floor among those that fit on none of ``devices`` (with
-    a budget each), or None when every node fits somewhere."""
+    """Among the nodes that fit on none of ``devices`` (each with a budget), the one that
+    needs the most on the first of them; None when every node fits somewhere."""
     budgets: dict[str, int] = {}
     for name in devices:
         budget = problem.budgets.get(name)

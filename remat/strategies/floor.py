@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from remat.devices import format_bytes
 from remat.simulator import held_fixed_bytes
 from remat.strategies.base import Problem
+from remat.strategies.policy import device_fixed_bytes
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
             return None  # an unlimited device: every node fits there
         budgets[name] = budget
     graph, sizes = problem.graph, problem.costs.output_bytes
-    everything = held_fixed_bytes(graph, range(len(graph))) if len(devices) == 1 else None
+    everything = device_fixed_bytes(problem, devices[0]) if len(devices) == 1 else None
     worst: Shortfall | None = None
     for node in graph.nodes:
         values = int(sizes[node.id]) + sum(int(sizes[u]) for u in set(node.deps))

@@ -68,6 +68,10 @@ class _Candidate:
     place: np.ndarray
     policy: _Policy
 
+    def order(self) -> tuple[bool, float]:
+        """Those estimated to fit first, cheapest first."""
+        return (not self.fits, self.cost_ms)
+
 
 @dataclass(frozen=True)
 class _Policy:
@@ -103,7 +107,7 @@ def placed_greedy(
         found = [context.candidate(place, fixed, policy) for policy in policies]
         cheapest_fit = min([cheapest_fit, *(c.cost_ms for c in found if c.fits)])
         candidates.extend(found)
-    candidates.sort(key=lambda c: (not c.fits, c.cost_ms))
+    candidates.sort(key=_Candidate.order)
     judged: list[_Judged] = []
     for candidate in candidates:
         judged.append((candidate, context.evaluate(candidate)))
@@ -133,7 +137,7 @@ def placed_on(
     if not context.fixed_fits(fixed):
         return StrategyResult("placed_greedy", None, None, "its fixed memory exceeds a budget")
     found = [context.candidate(home, fixed, policy) for policy in _policies(problem)]
-    found.sort(key=lambda c: (not c.fits, c.cost_ms))
+    found.sort(key=_Candidate.order)
     first = _first_fit(context, found)
     if first is None:
         return StrategyResult("placed_greedy", None, None, "no policy fits on this placement")

@@ -1,4 +1,5 @@
-"""Properties of the baselines on random forward DAGs turned into training graphs."""
+"""Properties of the baselines (and greedy eviction) on random forward DAGs turned into
+training graphs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from graphs import forward
 
 CPU = Device("cpu0", DeviceKind.CPU)
 OPS = ["Relu", "Conv", "Add", "MaxPool", "Mul", "Sigmoid"]
+HEURISTICS = (*BASELINES, "greedy_evict")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -60,14 +62,14 @@ def run(name: str, p: Problem):
 
 @SETTINGS
 @given(forward_graphs(), st.floats(0.0, 1.1))
-def test_every_baseline_fits_or_names_a_larger_budget(forward_graph, fraction):
+def test_every_heuristic_fits_or_names_a_larger_budget(forward_graph, fraction):
     graph = training_graph(forward_graph)
     full = run_strategy("checkpoint_all", problem(graph, None))
     fixed = full.simulation.fixed_bytes["cpu0"]
     peak = full.simulation.peak_bytes["cpu0"]
     budget = fixed + int((peak - fixed) * fraction)
     p = problem(graph, budget)
-    for name in BASELINES:
+    for name in HEURISTICS:
         result = run(name, p)
         if result is None:
             continue
@@ -129,7 +131,7 @@ def test_no_plan_needs_less_than_the_memory_floor(forward_graph):
     """The floor is a proof: every plan the simulator accepts (the baselines' plans at the
     budget they need) peaks at or above the smallest budget the floor lets through."""
     graph = training_graph(forward_graph)
-    for name in BASELINES:
+    for name in HEURISTICS:
         result = run(name, problem(graph, 0))
         if result is None:
             continue

@@ -20,6 +20,7 @@ from remat.strategies.chen import (
     linearized_greedy,
     linearized_sqrt,
 )
+from remat.strategies.evict import greedy_evict
 from remat.strategies.griewank import griewank
 from remat.strategies.optimal import checkmate_lp_rounding, checkmate_milp, xengine
 
@@ -39,6 +40,7 @@ STRATEGIES: dict[str, Strategy] = {
 BASELINES: tuple[str, ...] = tuple(STRATEGIES)
 
 STRATEGIES |= {
+    "greedy_evict": greedy_evict,  # not Checkmate's: for budgets the baselines miss
     "checkmate_milp": checkmate_milp,
     "checkmate_lp_rounding": checkmate_lp_rounding,
     "xengine": xengine,  # type: ignore[dict-item]

@@ -24,7 +24,11 @@ MAX_JUDGED = 4  # predicted-feasible candidates the simulator may reject before 
 @dataclass(frozen=True)
 class Prediction:
     cost_ms: float
-    peak_bytes: int  # including fixed memory
+    stage_peaks: tuple[int, ...]  # the most each stage holds at once, fixed memory included
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.stage_peaks, default=0)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ def device_fixed_bytes(problem: Problem, device: str) -> int:
 
 
 def predict(problem: Problem, device: str, sparse: Sparse, fixed: int) -> Prediction:
-    """Cost and peak of the plan ``compile_plan`` makes from ``sparse``.
+    """Cost and per-stage peak memory of the plan ``compile_plan`` makes from ``sparse``.
 
     Per stage: checkpoints nobody reads or keeps are freed first; each computed node is
     allocated (unless already resident), then each of its dependencies and itself is freed
@@ -57,8 +61,9 @@ def predict(problem: Problem, device: str, sparse: Sparse, fixed: int) -> Predic
     for i in starts.get(0, ()):
         held_next[i] = 1
     resident = bytearray(n)
-    memory = peak = 0
+    memory = 0
     cost = 0.0
+    peaks: list[int] = []
     for t, nodes in enumerate(sparse.computed):
         ending = stops.get(t + 1, ())
         for i in ending:
@@ -74,6 +79,7 @@ def predict(problem: Problem, device: str, sparse: Sparse, fixed: int) -> Predic
             if resident[i] and i not in last_reader and i not in outputs and i not in computing:
                 resident[i] = 0
                 memory -= size[i]
+        peak = memory
         for k in nodes:
             if not resident[k]:
                 resident[k] = 1
@@ -89,7 +95,8 @@ def predict(problem: Problem, device: str, sparse: Sparse, fixed: int) -> Predic
                 ):
                     resident[i] = 0
                     memory -= size[i]
-    return Prediction(cost, fixed + peak)
+        peaks.append(fixed + peak)
+    return Prediction(cost, tuple(peaks) or (fixed,))
 
 
 def candidates(problem: Problem, device: str, policies: Iterable[Holds]) -> list[Candidate]:

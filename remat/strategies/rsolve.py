@@ -307,12 +307,7 @@ def prune_sparse(graph: Graph, computed: list[list[int]], holds: Holds) -> Holds
     hold, so a hold is cut back to its last read (or dropped if nothing reads it), except
     that a model output held to the end stays."""
     T = len(computed)
-    deps = [node.deps for node in graph.nodes]
-    reads: list[list[int]] = [[] for _ in graph.nodes]  # stages reading i, ascending
-    for t, nodes in enumerate(computed):
-        for j in nodes:
-            for i in deps[j]:
-                reads[i].append(t)
+    reads = stage_reads(graph, computed)
     outputs = set(graph.outputs)
     pruned: Holds = []
     for i, spans in enumerate(holds):
@@ -326,6 +321,18 @@ def prune_sparse(graph: Graph, computed: list[list[int]], holds: Holds) -> Holds
                 kept.append((a, reads[i][k]))
         pruned.append(kept)
     return pruned
+
+
+def stage_reads(graph: Graph, computed: list[list[int]]) -> list[list[int]]:
+    """reads[i]: the stages in which some computed node reads value i (ascending, once)."""
+    deps = [node.deps for node in graph.nodes]
+    reads: list[list[int]] = [[] for _ in graph.nodes]
+    for t, nodes in enumerate(computed):
+        for j in nodes:
+            for i in deps[j]:
+                if not reads[i] or reads[i][-1] != t:
+                    reads[i].append(t)
+    return reads
 
 
 def solve_and_prune_sparse(graph: Graph, holds: Holds) -> Sparse:

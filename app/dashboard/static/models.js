@@ -15,6 +15,7 @@ const STRATEGIES = [
   ["checkmate_milp", "checkmate_milp (one device, optimal)"],
   ["checkmate_lp_rounding", "checkmate_lp_rounding (LP, rounded)"],
   ["auto", "auto (cheapest baseline that fits)"],
+  ["greedy_evict", "greedy_evict (tight budgets, no solver)"],
   ["checkpoint_all", "checkpoint_all (keep everything)"],
   ["chen_sqrt", "chen_sqrt"],
   ["chen_greedy", "chen_greedy"],

@@ -1,0 +1,88 @@
+"""Greedy eviction (``remat.strategies.evict``): plans where the checkpoint baselines fit
+nowhere, and the exact strategies' warm start from them."""
+
+from __future__ import annotations
+
+from remat import samples
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind, Size
+from remat.onnx_ingest import forward_graph
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import run_strategy
+from remat.strategies.base import Problem, SolverSettings
+from remat.strategies.evict import _evicted, _refills, greedy_evict
+from remat.strategies.optimal import best_baseline, checkmate_milp
+from remat.training import training_graph
+
+CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
+GPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
+
+
+def _zoo_problem(name: str, percent: float, device: str, limit_s: float = 10.0) -> Problem:
+    """``bench/solvers.py``'s setting: batch 4, analytical costs, a share of the
+    checkpoint-all peak."""
+    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
+    costs = analytical_costs(graph, [CPU, GPU])
+    ref = reference(graph, costs)
+    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=limit_s, gap=1e-4, threads=2))
+    return Problem(graph, costs, {device: budget}, settings)
+
+
+def test_eviction_fits_where_no_baseline_does() -> None:
+    problem = _zoo_problem("unet", 25, "cuda0")
+    assert best_baseline(problem, ("cuda0",)) is None
+    result = greedy_evict(problem, "cuda0")
+    assert result.feasible, result.message
+    verdict = simulate(result.plan, problem.graph, problem.costs)
+    assert verdict.valid
+    assert verdict.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+    assert verdict.total_ms > problem.costs.ideal_ms("cuda0")  # it had to recompute
+
+
+def test_eviction_beats_the_baselines_where_they_fit() -> None:
+    problem = _zoo_problem("unet", 50, "cuda0")
+    baseline = best_baseline(problem, ("cuda0",))
+    result = run_strategy("greedy_evict", problem, "cuda0")
+    assert baseline is not None and result.feasible
+    assert result.simulation.total_ms < baseline.simulation.total_ms
+
+
+def test_with_ample_memory_nothing_is_evicted() -> None:
+    problem = _zoo_problem("unet", 100, "cuda0")
+    result = greedy_evict(problem, "cuda0")
+    assert result.feasible
+    assert result.simulation.computes == len(problem.graph)
+
+
+def test_the_milp_starts_from_eviction_where_no_baseline_fits() -> None:
+    """The transformer block at 50% on cpu0: no baseline fits and HiGHS finds no plan of
+    its own in a few seconds; the eviction plan is the answer, with the whole problem's
+    bound."""
+    problem = _zoo_problem("transformer", 50, "cpu0", limit_s=2.0)
+    assert best_baseline(problem, ("cpu0",)) is None
+    evicted = greedy_evict(problem, "cpu0")
+    result = checkmate_milp(problem, "cpu0")
+    assert result.feasible, result.message
+    assert result.simulation.total_ms <= evicted.simulation.total_ms
+    assert result.plan.solver.bound <= result.simulation.total_ms
+
+
+def test_an_eviction_drops_a_value_between_its_reads() -> None:
+    holds = [[], [(2, 9)]]
+    # value 1 is read in stages 3 and 7: evicted at stage 5, it is kept through 3, not in
+    # 4..7 (recomputed in 7), and kept again from 8
+    assert _evicted(holds, 1, 5, [3, 7])[1] == [(2, 3), (8, 9)]
+    # no read before stage 5: nothing kept before the recomputation
+    assert _evicted(holds, 1, 5, [7])[1] == [(8, 9)]
+    # no read after it: the value is not kept past its last read
+    assert _evicted(holds, 1, 5, [3])[1] == [(2, 3)]
+    assert holds == [[], [(2, 9)]]  # the input is not changed
+
+
+def test_a_refill_keeps_a_value_through_one_gap() -> None:
+    holds = [[(3, 4), (7, 9)]]  # value 0: computed in stage 0, recomputed in 2 and in 6
+    refilled = [h[0] for h in _refills(holds, 0, 10)]
+    assert refilled == [[(1, 4), (7, 9)], [(3, 9)]]

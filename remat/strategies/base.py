@@ -159,6 +159,12 @@ def select_best(strategy: str, evaluations: Iterable[Evaluation]) -> StrategyRes
     )
 
 
+def cheapest(*results: StrategyResult | None) -> StrategyResult | None:
+    """The cheapest feasible result, or None."""
+    feasible = [r for r in results if r is not None and r.feasible and r.simulation is not None]
+    return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
+
+
 def _correct(candidate: Evaluation) -> bool:
     """Valid, or invalid only because of the budget."""
     violation = candidate.simulation.violation

@@ -12,26 +12,34 @@ still fits and gets cheaper.
 
 Chen's policies keep whole segments and recompute whole segments; eviction decides per
 value and per interval, which is what budgets near the memory floor need (and why it finds
-cheaper plans at moderate budgets too). Every candidate is scored with ``policy.predict``;
-the simulator judges the result.
+cheaper plans at moderate budgets too). Every candidate is scored with ``policy.predict``
+(on a placement over several devices, ``profile.profile``); the simulator judges the result.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.graph import NodeKind
-from remat.strategies.base import Problem, StrategyResult
-from remat.strategies.policy import Candidate, Prediction, choose, device_fixed_bytes, predict
+from remat.schedule import Schedule
+from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
+from remat.strategies.policy import Candidate, choose, device_fixed_bytes, predict
+from remat.strategies.profile import excess, profile
 from remat.strategies.rsolve import (
     HoldBuilder,
     Holds,
     Span,
     Sparse,
+    holds_from_dense,
+    holds_to_dense,
     merge_spans,
+    solve_and_prune_placed,
     solve_and_prune_sparse,
     stage_reads,
 )
@@ -43,13 +51,12 @@ _EPSILON_MS = 1e-6  # an eviction that adds no recomputation scores highest, not
 
 @dataclass(frozen=True)
 class _State:
-    sparse: Sparse
-    prediction: Prediction
-    excess: int  # bytes over the budget, summed over stages
-
-    @property
-    def cost_ms(self) -> float:
-        return self.prediction.cost_ms
+    holds: Holds  # S, pruned: what a node's home device keeps
+    cost_ms: float
+    peaks: np.ndarray  # int64 [D, T]: fixed memory plus the most resident in each stage
+    excess: int  # bytes over the budgets, summed over devices and stages
+    reads: list[list[int]]  # stages in which each value is read (``stage_reads``)
+    made: Sparse | Schedule  # what the simulator judges at the end
 
     @property
     def fits(self) -> bool:
@@ -58,18 +65,65 @@ class _State:
 
 @dataclass(frozen=True)
 class _Context:
+    """One device (the sparse R solve and ``policy.predict``) or a placement: node i
+    computed and kept only on ``names[home[i]]`` (``solve_and_prune_placed`` and
+    ``profile``)."""
+
     problem: Problem
-    device: str
-    budget: int
-    fixed: int
+    names: tuple[str, ...]
+    home: np.ndarray  # device index per node
+    budgets: np.ndarray  # bytes per device (unlimited: the largest int64)
     evictable: frozenset[int]  # forward values that are not model outputs
     deadline: float
 
+    @classmethod
+    def of(
+        cls, problem: Problem, names: Sequence[str], home: np.ndarray, seconds: float
+    ) -> _Context:
+        graph = problem.graph
+        outputs = set(graph.outputs)
+        evictable = frozenset(
+            node.id
+            for node in graph.nodes
+            if node.kind is NodeKind.FORWARD and node.id not in outputs
+        )
+        unlimited = np.iinfo(np.int64).max
+        budgets = [problem.budgets.get(name) for name in names]
+        limits = np.array([unlimited if b is None else b for b in budgets], dtype=np.int64)
+        return cls(problem, tuple(names), home, limits, evictable, time.monotonic() + seconds)
+
     def state(self, holds: Holds) -> _State:
-        sparse = solve_and_prune_sparse(self.problem.graph, holds)
-        prediction = predict(self.problem, self.device, sparse, self.fixed)
-        excess = sum(max(0, peak - self.budget) for peak in prediction.stage_peaks)
-        return _State(sparse, prediction, excess)
+        if len(self.names) == 1:
+            return self._on_one_device(holds)
+        return self._placed(holds)
+
+    def _on_one_device(self, holds: Holds) -> _State:
+        graph, device = self.problem.graph, self.names[0]
+        sparse = solve_and_prune_sparse(graph, holds)
+        fixed = device_fixed_bytes(self.problem, device)
+        prediction = predict(self.problem, device, sparse, fixed)
+        peaks = np.array([prediction.stage_peaks], dtype=np.int64)
+        reads = stage_reads(graph, sparse.computed)
+        cost = prediction.cost_ms
+        return _State(sparse.holds, cost, peaks, self._excess(peaks), reads, sparse)
+
+    def _placed(self, holds: Holds) -> _State:
+        graph, D = self.problem.graph, len(self.names)
+        S = holds_to_dense(holds, len(graph))[None] & (self.home == np.arange(D)[:, None, None])
+        R, S = solve_and_prune_placed(graph, S, self.home)
+        found = profile(self.problem, self.names, R, S)
+        stages, nodes = np.nonzero(R.any(axis=0))
+        bounds = np.searchsorted(stages, np.arange(len(graph) + 1)).tolist()
+        computed = [nodes[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+        reads = stage_reads(graph, computed)
+        pruned = holds_from_dense(S.any(axis=0))
+        schedule = Schedule(self.names, R, S)
+        return _State(
+            pruned, found.cost_ms, found.peaks, self._excess(found.peaks), reads, schedule
+        )
+
+    def _excess(self, peaks: np.ndarray) -> int:
+        return excess(peaks, self.budgets)
 
     def stopped(self) -> bool:
         return time.monotonic() > self.deadline or self.problem.cancelled
@@ -80,20 +134,35 @@ def greedy_evict(
 ) -> StrategyResult:
     """The cheapest plan the eviction loop reaches on ``device`` within ``time_budget_s``
     (then the plan in hand is judged: it fits, or it says how much it needs)."""
-    graph = problem.graph
-    evictable = frozenset(
-        node.id
-        for node in graph.nodes
-        if node.kind is NodeKind.FORWARD and node.id not in set(graph.outputs)
-    )
-    budget = problem.budgets.get(device)
-    fixed = device_fixed_bytes(problem, device)
-    deadline = time.monotonic() + time_budget_s
-    context = _Context(problem, device, budget or 0, fixed, evictable, deadline)
-    state = context.state(_keep_all(problem))
-    if budget is not None:
-        state = _refill(context, _descend(context, state))
-    return choose(problem, device, STRATEGY, [Candidate(state.sparse, state.prediction)])
+    home = np.zeros(len(problem.graph), dtype=np.int64)
+    state = _search(_Context.of(problem, (device,), home, time_budget_s))
+    assert isinstance(state.made, Sparse)
+    prediction = predict(problem, device, state.made, device_fixed_bytes(problem, device))
+    return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
+
+
+def evict_placed(
+    problem: Problem, names: Sequence[str], home: np.ndarray, time_budget_s: float = TIME_BUDGET_S
+) -> StrategyResult:
+    """Greedy eviction with node i computed (and recomputed) only on ``names[home[i]]``,
+    its value kept there and copied to users elsewhere (XEngine's eq. 11-12). U-Net at 25%
+    on cpu+cuda, on the placement of the multi-device heuristic's best plan (its deep
+    middle on the CPU): 3.873 ms, where Chen's policies and the checkpoint sweep reach 4.08."""
+    state = _search(_Context.of(problem, names, home, time_budget_s))
+    assert isinstance(state.made, Schedule)
+    return select_best(STRATEGY, [evaluate(problem, state.made, STRATEGY)])
+
+
+def home_of(schedule: Schedule, names: Sequence[str]) -> np.ndarray:
+    """Each node's device in its own stage (an index into ``names``)."""
+    nodes = np.arange(schedule.size)
+    on = np.argmax(schedule.R[:, nodes, nodes], axis=0)
+    return np.array([names.index(schedule.devices[d]) for d in on.tolist()], dtype=np.int64)
+
+
+def _search(context: _Context) -> _State:
+    state = context.state(_keep_all(context.problem))
+    return _refill(context, _descend(context, state))
 
 
 def _keep_all(problem: Problem) -> Holds:
@@ -114,14 +183,15 @@ def _descend(context: _Context, state: _State) -> _State:
 
 
 def _best_eviction(context: _Context, state: _State) -> _State | None:
-    peaks = state.prediction.stage_peaks
-    t = max(range(len(peaks)), key=peaks.__getitem__)
-    reads = stage_reads(context.problem.graph, state.sparse.computed)
+    over = state.peaks - context.budgets[:, None]
+    d, t = (int(x) for x in np.unravel_index(np.argmax(over), over.shape))
     best: tuple[float, _State] | None = None
-    for i, spans in enumerate(state.sparse.holds):
-        if i not in context.evictable or not _holds_at(spans, t) or _reads_at(reads[i], t):
+    for i, spans in enumerate(state.holds):
+        if i not in context.evictable or context.home[i] != d or not _holds_at(spans, t):
             continue
-        candidate = context.state(_evicted(state.sparse.holds, i, t, reads[i]))
+        if _reads_at(state.reads[i], t):
+            continue
+        candidate = context.state(_evicted(state.holds, i, t, state.reads[i]))
         freed = state.excess - candidate.excess
         if freed <= 0:
             continue
@@ -166,7 +236,7 @@ def _refill(context: _Context, state: _State) -> _State:
     while state.fits and not context.stopped():
         best = state
         for i in context.evictable:
-            for holds in _refills(state.sparse.holds, i, len(context.problem.graph)):
+            for holds in _refills(state.holds, i, len(context.problem.graph)):
                 candidate = context.state(holds)
                 if candidate.fits and candidate.cost_ms < best.cost_ms:
                     best = candidate

@@ -26,7 +26,14 @@ from remat.plan import SolverInfo
 from remat.schedule import Schedule
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
-from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.base import (
+    Evaluation,
+    Problem,
+    StrategyResult,
+    cheapest,
+    evaluate,
+    select_best,
+)
 from remat.strategies.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.evict import greedy_evict
 from remat.strategies.floor import shortfall
@@ -63,13 +70,7 @@ def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | 
                 results.append(run_strategy(name, problem, device))
             except RematError:
                 continue  # not applicable (e.g. a chain-only heuristic)
-    return _better(*results)
-
-
-def _better(*results: StrategyResult | None) -> StrategyResult | None:
-    """The cheapest feasible result, or None."""
-    feasible = [r for r in results if r is not None and r.feasible and r.simulation is not None]
-    return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
+    return cheapest(*results)
 
 
 def _reaches(warm: StrategyResult | None, ideal: float) -> bool:
@@ -122,7 +123,7 @@ def _finish(
     """The cheaper of the solver's plan (if the simulator accepts it) and the plan in hand
     (warm start or coarse plan); with the bound and gap of the whole problem."""
     solver_plan = select_best(strategy, [evaluation]) if evaluation is not None else None
-    chosen = _better(solver_plan, fallback)  # the plan in hand may beat the solver's
+    chosen = cheapest(solver_plan, fallback)  # the plan in hand may beat the solver's
     if chosen is None:
         return _no_plan(strategy, solved, solver_plan)
     chosen = replace(chosen, strategy=strategy)
@@ -264,14 +265,15 @@ def _warm_start(problem: Problem, names: Sequence[str], ways: _Ways) -> Strategy
     cuda0, where nothing else fits: 4.715 ms in 1 s). Not on a graph to be decomposed: the
     heuristics are slow on large graphs, and each part runs them. Eviction is left out on
     several devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08
-    ms) and the first plan would come later."""
+    ms) and the first plan would come later; there the restricted thread runs it on the
+    warm start's placement (``restrict.solve_restrictions``)."""
     warm = best_baseline(problem, names)
     if ways.decomposes(problem):
         return warm
     seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s / 4)
-    warm = _better(warm, placed_greedy(problem, names, seconds))
+    warm = cheapest(warm, placed_greedy(problem, names, seconds))
     if len(names) == 1:
-        warm = _better(warm, greedy_evict(problem, names[0], seconds))
+        warm = cheapest(warm, greedy_evict(problem, names[0], seconds))
     return warm
 
 

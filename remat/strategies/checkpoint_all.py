@@ -9,9 +9,6 @@ from remat.strategies.rsolve import HoldBuilder
 
 
 def checkpoint_all(problem: Problem, device: str) -> StrategyResult:
-    # Keep everything once computed (S strictly lower triangular): R = I, and pruning
-    # frees each value right after its last use.
-    builder = HoldBuilder(problem.graph)
-    for i in range(len(problem.graph)):
-        builder.hold(i, i + 1)
-    return run_policies(problem, device, "checkpoint_all", [builder.build()])
+    # Keep everything once computed (S strictly lower triangular): R = I.
+    holds = HoldBuilder(problem.graph).keep_everything().build()
+    return run_policies(problem, device, "checkpoint_all", [holds])

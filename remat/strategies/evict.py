@@ -29,7 +29,13 @@ import numpy as np
 from remat.graph import NodeKind
 from remat.schedule import Schedule
 from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
-from remat.strategies.policy import Candidate, choose, device_fixed_bytes, predict
+from remat.strategies.policy import (
+    Candidate,
+    Prediction,
+    choose,
+    device_fixed_bytes,
+    predict,
+)
 from remat.strategies.profile import excess, profile
 from remat.strategies.rsolve import (
     HoldBuilder,
@@ -75,6 +81,7 @@ class _Context:
     budgets: np.ndarray  # bytes per device (unlimited: the largest int64)
     evictable: frozenset[int]  # forward values that are not model outputs
     deadline: float
+    fixed: int  # on one device: its fixed memory (``device_fixed_bytes``)
 
     @classmethod
     def of(
@@ -90,7 +97,9 @@ class _Context:
         unlimited = np.iinfo(np.int64).max
         budgets = [problem.budgets.get(name) for name in names]
         limits = np.array([unlimited if b is None else b for b in budgets], dtype=np.int64)
-        return cls(problem, tuple(names), home, limits, evictable, time.monotonic() + seconds)
+        fixed = device_fixed_bytes(problem, names[0]) if len(names) == 1 else 0
+        deadline = time.monotonic() + seconds
+        return cls(problem, tuple(names), home, limits, evictable, deadline, fixed)
 
     def state(self, holds: Holds) -> _State:
         if len(self.names) == 1:
@@ -100,8 +109,7 @@ class _Context:
     def _on_one_device(self, holds: Holds) -> _State:
         graph, device = self.problem.graph, self.names[0]
         sparse = solve_and_prune_sparse(graph, holds)
-        fixed = device_fixed_bytes(self.problem, device)
-        prediction = predict(self.problem, device, sparse, fixed)
+        prediction = predict(self.problem, device, sparse, self.fixed)
         peaks = np.array([prediction.stage_peaks], dtype=np.int64)
         reads = stage_reads(graph, sparse.computed)
         cost = prediction.cost_ms
@@ -137,7 +145,7 @@ def greedy_evict(
     home = np.zeros(len(problem.graph), dtype=np.int64)
     state = _search(_Context.of(problem, (device,), home, time_budget_s))
     assert isinstance(state.made, Sparse)
-    prediction = predict(problem, device, state.made, device_fixed_bytes(problem, device))
+    prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
     return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
 
 
@@ -161,15 +169,8 @@ def home_of(schedule: Schedule, names: Sequence[str]) -> np.ndarray:
 
 
 def _search(context: _Context) -> _State:
-    state = context.state(_keep_all(context.problem))
+    state = context.state(HoldBuilder(context.problem.graph).keep_everything().build())
     return _refill(context, _descend(context, state))
-
-
-def _keep_all(problem: Problem) -> Holds:
-    builder = HoldBuilder(problem.graph)
-    for i in range(len(problem.graph)):
-        builder.hold(i, i + 1)
-    return builder.build()
 
 
 def _descend(context: _Context, state: _State) -> _State:

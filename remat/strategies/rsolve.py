@@ -421,6 +421,13 @@ class HoldBuilder:
             self.hold(i, i + 1)
         return self
 
+    def keep_everything(self) -> HoldBuilder:
+        """Every value kept once computed (checkpoint-all; pruning frees each value right
+        after its last use)."""
+        for i in range(self.T):
+            self.hold(i, i + 1)
+        return self
+
     def build(self) -> Holds:
         return [merge_spans(s, i + 1, self.T - 1) for i, s in enumerate(self.spans)]
 

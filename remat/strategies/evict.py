@@ -36,7 +36,7 @@ from remat.strategies.policy import (
     device_fixed_bytes,
     predict,
 )
-from remat.strategies.profile import excess, profile
+from remat.strategies.profile import Profiler, excess
 from remat.strategies.rsolve import (
     HoldBuilder,
     Holds,
@@ -82,6 +82,7 @@ class _Context:
     evictable: frozenset[int]  # forward values that are not model outputs
     deadline: float
     fixed: int  # on one device: its fixed memory (``device_fixed_bytes``)
+    profiler: Profiler  # on a placement
 
     @classmethod
     def of(
@@ -99,7 +100,8 @@ class _Context:
         limits = np.array([unlimited if b is None else b for b in budgets], dtype=np.int64)
         fixed = device_fixed_bytes(problem, names[0]) if len(names) == 1 else 0
         deadline = time.monotonic() + seconds
-        return cls(problem, tuple(names), home, limits, evictable, deadline, fixed)
+        profiler = Profiler(problem, names)
+        return cls(problem, tuple(names), home, limits, evictable, deadline, fixed, profiler)
 
     def state(self, holds: Holds) -> _State:
         if len(self.names) == 1:
@@ -119,7 +121,7 @@ class _Context:
         graph, D = self.problem.graph, len(self.names)
         S = holds_to_dense(holds, len(graph))[None] & (self.home == np.arange(D)[:, None, None])
         R, S = solve_and_prune_placed(graph, S, self.home)
-        found = profile(self.problem, self.names, R, S)
+        found = self.profiler.profile(R, S)
         stages, nodes = np.nonzero(R.any(axis=0))
         bounds = np.searchsorted(stages, np.arange(len(graph) + 1)).tolist()
         computed = [nodes[a:b].tolist() for a, b in itertools.pairwise(bounds)]

@@ -36,82 +36,111 @@ def excess(peaks: np.ndarray, budgets: np.ndarray) -> int:
 
 def profile(problem: Problem, names: Sequence[str], R: np.ndarray, S: np.ndarray) -> Profile:
     """The simulator's verdict on ``compile_plan(Schedule(names, R, S))``, budgets aside."""
-    return _Replay(problem, names, R, S).run()
+    return Profiler(problem, names).profile(R, S)
+
+
+class Profiler:
+    """``profile`` for many schedules of one problem and device list: what they share is
+    read from the problem once (a search scores hundreds of candidates)."""
+
+    def __init__(self, problem: Problem, names: Sequence[str]) -> None:
+        graph, costs = problem.graph, problem.costs
+        order = [costs.device_index(name) for name in names]
+        self.graph = graph
+        self.deps = [node.deps for node in graph.nodes]
+        self.later_users = [
+            [j for j in users if j > i] for i, users in enumerate(graph.users())
+        ]
+        self.size = [int(b) for b in costs.output_bytes]
+        self.time = costs.compute_ms[:, order].T.tolist()  # [D][n]
+        self.copy = costs.copy_ms[:, order][:, :, order].tolist()  # [n][D][D]
+        self.keep = frozenset(graph.outputs)
+        self.D = len(names)
+
+    def profile(self, R: np.ndarray, S: np.ndarray) -> Profile:
+        return _Replay(self, R, S).run()
 
 
 class _Replay:
-    def __init__(self, problem: Problem, names: Sequence[str], R: np.ndarray, S: np.ndarray):
-        graph, costs = problem.graph, problem.costs
-        order = [costs.device_index(name) for name in names]
-        self.deps = [node.deps for node in graph.nodes]
-        self.users = graph.users()
-        self.size = [int(b) for b in costs.output_bytes]
-        self.time = costs.compute_ms[:, order].T.tolist()  # [D][n]
-        self.copy = costs.copy_ms[:, order][:, :, order]  # [n, D, D]
-        self.keep = set(graph.outputs)
+    def __init__(self, shared: Profiler, R: np.ndarray, S: np.ndarray) -> None:
+        self.shared = shared
         D, T = R.shape[:2]
-        self.R, self.S, self.D, self.T = R, S, D, T
+        self.D, self.T = D, T
         self.resident: list[set[int]] = [set() for _ in range(D)]
         computes = R.any(axis=1)
-        self.memory = [held_fixed_bytes(graph, np.flatnonzero(computes[d])) for d in range(D)]
+        self.memory = [
+            held_fixed_bytes(shared.graph, np.flatnonzero(computes[d])) for d in range(D)
+        ]
         self.peaks = np.zeros((D, T), dtype=np.int64)
         self.cost = 0.0
+        # Per stage: the (node, device) pairs computed, in node order, and what each
+        # device keeps into the next stage (S[:, t + 1]).
+        self.steps: list[list[tuple[int, int]]] = [[] for _ in range(T)]
+        for t, k, d in zip(*(a.tolist() for a in np.nonzero(R.transpose(1, 2, 0))), strict=True):
+            self.steps[t].append((k, d))
+        # S[d, t] as bytes: indexing one is the cheapest membership test per value.
+        self.kept = [[S[d, t + 1].tobytes() for d in range(D)] for t in range(T - 1)]
+        self.kept.append([bytes(S.shape[2])] * D)
 
     def run(self) -> Profile:
-        stages, nodes = np.nonzero(self.R.any(axis=0))
-        bounds = np.searchsorted(stages, np.arange(self.T + 1))
         for t in range(self.T):
-            self._stage(t, nodes[bounds[t] : bounds[t + 1]].tolist())
+            self._stage(t)
         return Profile(self.cost, self.peaks)
 
-    def _stage(self, t: int, order: list[int]) -> None:
-        saved = self.S[:, t + 1] if t + 1 < self.T else np.zeros_like(self.S[:, 0])
-        self.saved = [set(np.flatnonzero(saved[d]).tolist()) for d in range(self.D)]
+    def _stage(self, t: int) -> None:
+        deps = self.shared.deps
+        steps = self.steps[t]
+        self.saved = self.kept[t]
         self.t = t
         self.peaks[:, t] = self.memory
-        computed = set(order)
-        read = {i for k in order for i in self.deps[k]}
-        self._free_where(lambda i: i not in read and i not in computed)
-        for k in order:
-            for d in np.flatnonzero(self.R[:, t, k]).tolist():
-                self._compute(k, d)
-            self._free_after(k, computed)
-        self._free_where(lambda _: True)
+        computed = {k for k, _ in steps}
+        read = {i for k in computed for i in deps[k]}
+        self._free_all_but(read | computed)
+        for position, (k, d) in enumerate(steps):
+            self._compute(k, d)
+            if position + 1 == len(steps) or steps[position + 1][0] != k:
+                self._free_after(k, computed)
+        self._free_all_but(set())
 
     def _record(self, d: int) -> None:
         self.peaks[d, self.t] = max(self.peaks[d, self.t], self.memory[d])
 
     def _allocate(self, i: int, d: int) -> None:
         self.resident[d].add(i)
-        self.memory[d] += self.size[i]
+        self.memory[d] += self.shared.size[i]
         self._record(d)
 
     def _free(self, i: int, d: int) -> None:
         self.resident[d].discard(i)
-        self.memory[d] -= self.size[i]
+        self.memory[d] -= self.shared.size[i]
 
-    def _free_where(self, doomed) -> None:  # type: ignore[no-untyped-def]
+    def _free_all_but(self, spared: set[int]) -> None:
+        """Free what is resident but neither kept (model outputs, S[t + 1]) nor spared."""
+        keep = self.shared.keep
         for d in range(self.D):
-            for i in sorted(self.resident[d]):
-                if doomed(i) and i not in self.keep and i not in self.saved[d]:
+            saved = self.saved[d]
+            for i in self.resident[d] - spared - keep:
+                if not saved[i]:
                     self._free(i, d)
 
     def _compute(self, k: int, d: int) -> None:
         if k in self.resident[d]:
             return  # the compiler emits nothing for a resident value
-        for i in self.deps[k]:
+        shared = self.shared
+        for i in shared.deps[k]:
             if i not in self.resident[d]:
                 sources = [s for s in range(self.D) if i in self.resident[s]]
-                source = min(sources, key=lambda s: self.copy[i, s, d])
-                self.cost += float(self.copy[i, source, d])
+                source = min(sources, key=lambda s: shared.copy[i][s][d])
+                self.cost += shared.copy[i][source][d]
                 self._allocate(i, d)
-        self.cost += self.time[d][k]
+        self.cost += shared.time[d][k]
         self._allocate(k, d)
 
     def _free_after(self, k: int, computed: set[int]) -> None:
-        for i in (*self.deps[k], k):
-            if i in self.keep or any(j in computed for j in self.users[i] if j > k):
+        shared = self.shared
+        for i in (*shared.deps[k], k):
+            if i in shared.keep or any(j in computed for j in shared.later_users[i] if j > k):
                 continue
             for d in range(self.D):
-                if i in self.resident[d] and i not in self.saved[d]:
+                if i in self.resident[d] and not self.saved[d][i]:
                     self._free(i, d)

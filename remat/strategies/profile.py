@@ -48,14 +48,11 @@ class Profiler:
         order = [costs.device_index(name) for name in names]
         self.graph = graph
         self.deps = [node.deps for node in graph.nodes]
-        self.later_users = [
-            [j for j in users if j > i] for i, users in enumerate(graph.users())
-        ]
+        self.users = graph.users()
         self.size = [int(b) for b in costs.output_bytes]
         self.time = costs.compute_ms[:, order].T.tolist()  # [D][n]
         self.copy = costs.copy_ms[:, order][:, :, order].tolist()  # [n][D][D]
         self.keep = frozenset(graph.outputs)
-        self.D = len(names)
 
     def profile(self, R: np.ndarray, S: np.ndarray) -> Profile:
         return _Replay(self, R, S).run()
@@ -139,7 +136,7 @@ class _Replay:
     def _free_after(self, k: int, computed: set[int]) -> None:
         shared = self.shared
         for i in (*shared.deps[k], k):
-            if i in shared.keep or any(j in computed for j in shared.later_users[i] if j > k):
+            if i in shared.keep or any(j in computed for j in shared.users[i] if j > k):
                 continue
             for d in range(self.D):
                 if i in self.resident[d] and not self.saved[d][i]:

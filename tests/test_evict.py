@@ -18,8 +18,12 @@ from remat.strategies.base import Problem, SolverSettings
 from remat.strategies.evict import _evicted, _refills, evict_placed, greedy_evict
 from remat.strategies.optimal import best_baseline, checkmate_milp
 from remat.strategies.placed import forward_layer
-from remat.strategies.profile import profile
-from remat.strategies.rsolve import solve_and_prune_placed
+from remat.strategies.profile import Profiler, profile
+from remat.strategies.rsolve import (
+    holds_from_dense,
+    solve_and_prune_placed,
+    solve_and_prune_sparse,
+)
 from remat.training import training_graph
 
 from graphs import chain, diamond
@@ -118,6 +122,31 @@ def test_profile_is_the_simulators_verdict(seed):
             steps = zip(plan.steps, verdict.timeline[name], strict=True)
             during = [memory for step, memory in steps if step.stage == t]
             assert not during or found.peaks[d, t] >= max(during)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_sparse_solve_on_a_placement_is_the_dense_one(seed):
+    """Holds kept on each node's home: the one-device sparse R solve, spread over the
+    homes, is ``solve_and_prune_placed``'s schedule, and ``profile_placed`` scores it as
+    ``profile`` scores the dense one."""
+    rng = np.random.default_rng(seed)
+    graph = training_graph(diamond() if seed % 2 else chain(5))
+    problem = budgeted(graph, 100)
+    names = ("cpu0", "cuda0")
+    T, D = len(graph), len(names)
+    home = rng.integers(0, D, T)
+    kept = (rng.random((T, T)) < 0.4) & np.tril(np.ones((T, T), dtype=bool), -1)
+    on = home[None, None, :] == np.arange(D)[:, None, None]
+    R, S = solve_and_prune_placed(graph, kept[None] & on, home)
+    sparse = solve_and_prune_sparse(graph, holds_from_dense(kept))
+    assert np.array_equal(sparse.R()[None] & on, R)
+    assert np.array_equal(sparse.S()[None] & on, S)
+    dense, placed = (
+        profile(problem, names, R, S),
+        Profiler(problem, names).profile_placed(sparse, home),
+    )
+    assert placed.cost_ms == pytest.approx(dense.cost_ms)
+    assert np.array_equal(placed.peaks, dense.peaks)
 
 
 def test_eviction_on_a_placement_beats_chens_policies_there():

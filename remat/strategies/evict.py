@@ -18,7 +18,6 @@ cheaper plans at moderate budgets too). Every candidate is scored with ``policy.
 
 from __future__ import annotations
 
-import itertools
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -42,10 +41,7 @@ from remat.strategies.rsolve import (
     Holds,
     Span,
     Sparse,
-    holds_from_dense,
-    holds_to_dense,
     merge_spans,
-    solve_and_prune_placed,
     solve_and_prune_sparse,
     stage_reads,
 )
@@ -62,7 +58,7 @@ class _State:
     peaks: np.ndarray  # int64 [D, T]: fixed memory plus the most resident in each stage
     excess: int  # bytes over the budgets, summed over devices and stages
     reads: list[list[int]]  # stages in which each value is read (``stage_reads``)
-    made: Sparse | Schedule  # what the simulator judges at the end
+    made: Sparse  # R's rows and S, on each node's home
 
     @property
     def fits(self) -> bool:
@@ -71,9 +67,9 @@ class _State:
 
 @dataclass(frozen=True)
 class _Context:
-    """One device (the sparse R solve and ``policy.predict``) or a placement: node i
-    computed and kept only on ``names[home[i]]`` (``solve_and_prune_placed`` and
-    ``profile``)."""
+    """One device or a placement (node i computed and kept only on ``names[home[i]]``):
+    R solved on holds either way, scored by ``policy.predict`` or by
+    ``Profiler.profile_placed``."""
 
     problem: Problem
     names: tuple[str, ...]
@@ -104,33 +100,24 @@ class _Context:
         return cls(problem, tuple(names), home, limits, evictable, deadline, fixed, profiler)
 
     def state(self, holds: Holds) -> _State:
-        if len(self.names) == 1:
-            return self._on_one_device(holds)
-        return self._placed(holds)
-
-    def _on_one_device(self, holds: Holds) -> _State:
-        graph, device = self.problem.graph, self.names[0]
+        """R solved for ``holds`` and scored. On a placement too the one-device sparse
+        solve gives R's rows (``solve_r_placed`` with S only on the homes: the same (1c)
+        starts, the same closure, each node on its home), which ``placed`` spreads out."""
+        graph = self.problem.graph
         sparse = solve_and_prune_sparse(graph, holds)
-        prediction = predict(self.problem, device, sparse, self.fixed)
-        peaks = np.array([prediction.stage_peaks], dtype=np.int64)
+        if len(self.names) == 1:
+            prediction = predict(self.problem, self.names[0], sparse, self.fixed)
+            cost, peaks = prediction.cost_ms, np.array([prediction.stage_peaks], dtype=np.int64)
+        else:
+            found = self.profiler.profile_placed(sparse, self.home)
+            cost, peaks = found.cost_ms, found.peaks
         reads = stage_reads(graph, sparse.computed)
-        cost = prediction.cost_ms
         return _State(sparse.holds, cost, peaks, self._excess(peaks), reads, sparse)
 
-    def _placed(self, holds: Holds) -> _State:
-        graph, D = self.problem.graph, len(self.names)
-        S = holds_to_dense(holds, len(graph))[None] & (self.home == np.arange(D)[:, None, None])
-        R, S = solve_and_prune_placed(graph, S, self.home)
-        found = self.profiler.profile(R, S)
-        stages, nodes = np.nonzero(R.any(axis=0))
-        bounds = np.searchsorted(stages, np.arange(len(graph) + 1)).tolist()
-        computed = [nodes[a:b].tolist() for a, b in itertools.pairwise(bounds)]
-        reads = stage_reads(graph, computed)
-        pruned = holds_from_dense(S.any(axis=0))
-        schedule = Schedule(self.names, R, S)
-        return _State(
-            pruned, found.cost_ms, found.peaks, self._excess(found.peaks), reads, schedule
-        )
+    def placed(self, sparse: Sparse) -> Schedule:
+        """The schedule of ``sparse`` with node i computed and kept on ``names[home[i]]``."""
+        on = self.home[None, None, :] == np.arange(len(self.names))[:, None, None]
+        return Schedule(self.names, sparse.R()[None] & on, sparse.S()[None] & on)
 
     def _excess(self, peaks: np.ndarray) -> int:
         return excess(peaks, self.budgets)
@@ -146,7 +133,6 @@ def greedy_evict(
     (then the plan in hand is judged: it fits, or it says how much it needs)."""
     home = np.zeros(len(problem.graph), dtype=np.int64)
     state = _search(_Context.of(problem, (device,), home, time_budget_s))
-    assert isinstance(state.made, Sparse)
     prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
     return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
 
@@ -158,9 +144,9 @@ def evict_placed(
     its value kept there and copied to users elsewhere (XEngine's eq. 11-12). U-Net at 25%
     on cpu+cuda, on the placement of the multi-device heuristic's best plan (its deep
     middle on the CPU): 3.873 ms, where Chen's policies and the checkpoint sweep reach 4.08."""
-    state = _search(_Context.of(problem, names, home, time_budget_s))
-    assert isinstance(state.made, Schedule)
-    return select_best(STRATEGY, [evaluate(problem, state.made, STRATEGY)])
+    context = _Context.of(problem, names, home, time_budget_s)
+    schedule = context.placed(_search(context).made)
+    return select_best(STRATEGY, [evaluate(problem, schedule, STRATEGY)])
 
 
 def home_of(schedule: Schedule, names: Sequence[str]) -> np.ndarray:

@@ -20,6 +20,7 @@ import numpy as np
 
 from remat.simulator import held_fixed_bytes
 from remat.strategies.base import Problem
+from remat.strategies.rsolve import Sparse
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,47 @@ class Profiler:
         self.keep = frozenset(graph.outputs)
 
     def profile(self, R: np.ndarray, S: np.ndarray) -> Profile:
-        return _Replay(self, R, S).run()
+        D, T = R.shape[:2]
+        steps: list[list[tuple[int, int]]] = [[] for _ in range(T)]
+        for t, k, d in zip(*(a.tolist() for a in np.nonzero(R.transpose(1, 2, 0))), strict=True):
+            steps[t].append((k, d))
+        computes = R.any(axis=1)
+        nodes = [np.flatnonzero(computes[d]) for d in range(D)]
+        return _Replay(self, steps, S, nodes).run()
+
+    def profile_placed(self, sparse: Sparse, home: np.ndarray) -> Profile:
+        """``profile`` of a schedule whose node i is computed and kept only on device
+        ``home[i]``: ``sparse`` says when (its R rows and S), ``home`` where."""
+        D = len(self.time)
+        steps = [[(k, int(home[k])) for k in nodes] for nodes in sparse.computed]
+        on = home[None, None, :] == np.arange(D)[:, None, None]
+        S = sparse.S()[None] & on
+        computed = np.zeros(len(home), dtype=bool)
+        computed[[k for nodes in sparse.computed for k in nodes]] = True
+        nodes = [np.flatnonzero(computed & (home == d)) for d in range(D)]
+        return _Replay(self, steps, S, nodes).run()
 
 
 class _Replay:
-    def __init__(self, shared: Profiler, R: np.ndarray, S: np.ndarray) -> None:
+    def __init__(
+        self,
+        shared: Profiler,
+        steps: list[list[tuple[int, int]]],
+        S: np.ndarray,
+        nodes: list[np.ndarray],
+    ) -> None:
+        """``steps[t]``: the (node, device) pairs computed in stage t, in node order; ``S``
+        [D, T, n]; ``nodes[d]``: what device d computes (its fixed memory)."""
         self.shared = shared
-        D, T = R.shape[:2]
+        D, T = S.shape[:2]
         self.D, self.T = D, T
+        self.steps = steps
         self.resident: list[set[int]] = [set() for _ in range(D)]
-        computes = R.any(axis=1)
-        self.memory = [
-            held_fixed_bytes(shared.graph, np.flatnonzero(computes[d])) for d in range(D)
-        ]
+        self.memory = [held_fixed_bytes(shared.graph, nodes[d]) for d in range(D)]
         self.peaks = np.zeros((D, T), dtype=np.int64)
         self.cost = 0.0
-        # Per stage: the (node, device) pairs computed, in node order, and what each
-        # device keeps into the next stage (S[:, t + 1]).
-        self.steps: list[list[tuple[int, int]]] = [[] for _ in range(T)]
-        for t, k, d in zip(*(a.tolist() for a in np.nonzero(R.transpose(1, 2, 0))), strict=True):
-            self.steps[t].append((k, d))
-        # S[d, t] as bytes: indexing one is the cheapest membership test per value.
+        # What each device keeps into the next stage (S[:, t + 1]) as bytes: indexing one
+        # is the cheapest membership test per value.
         self.kept = [[S[d, t + 1].tobytes() for d in range(D)] for t in range(T - 1)]
         self.kept.append([bytes(S.shape[2])] * D)
 

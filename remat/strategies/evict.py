@@ -3,18 +3,19 @@
 A static version of the eviction loop of Dynamic Tensor Rematerialization (Kirisame et
 al., 2021) over Checkmate's stages. Start from checkpoint-all (every value kept until its
 last use). While some stage's predicted peak is over the budget, evict one value (any but
-a model output) held through the stage with the highest peak: it is no longer kept from its last read
-before that stage to its next read after it, where it is recomputed (R solved exactly for
-the new S, so ancestors no longer held are recomputed with it). The value chosen frees
-the most excess memory (summed over all stages) per millisecond of recomputation it adds.
-Once the plan fits, gaps are refilled (a value kept instead of recomputed) while the plan
-still fits and gets cheaper.
+a model output) held through the stage with the highest peak: it is no longer kept from
+its last read before that stage to its next read after it, where it is recomputed (R
+solved exactly for the new S, so ancestors no longer held are recomputed with it). The
+value chosen frees the most excess memory (summed over all stages) per millisecond of
+recomputation it adds. Once the plan fits, gaps are refilled (a value kept instead of
+recomputed) while the plan still fits and gets cheaper.
 
 Chen's policies keep whole segments and recompute whole segments; eviction decides per
 value and per interval, which is what budgets near the memory floor need (and why it finds
 cheaper plans at moderate budgets too). Gradients are values like any other: evicting them
-as well, the transformer at 50% on cpu0 costs 0.573 ms instead of 0.624. Every candidate is scored with ``policy.predict``
-(on a placement over several devices, ``Profiler.profile_placed``); the simulator judges the result.
+as well, the transformer at 50% on cpu0 costs 0.573 ms instead of 0.624. Every candidate
+is scored with ``policy.predict`` (on a placement over several devices,
+``Profiler.profile_placed``); the simulator judges the result.
 """
 
 from __future__ import annotations

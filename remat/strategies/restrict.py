@@ -4,7 +4,7 @@ bound, so only their plans are offered to the search.
 
 0. Greedy eviction (``evict.evict_placed``) on the placement of the warm start, which the
    multi-device heuristic found with Chen's policies (U-Net at 25% on cpu+cuda: 4.08 ->
-   3.904 ms in 3.5 s).
+   3.904 ms in 2 s).
 1. Placement only (``XEngineModel.keep_all``: no recomputation, every value kept on its
    device until its last use), for a share of the time limit. Where keeping everything
    fits on some split of the devices it finds that split's optimum in seconds (ResNet18
@@ -35,7 +35,7 @@ from remat.strategies.base import cheapest
 from remat.strategies.evict import evict_placed, home_of
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_on
-from remat.strategies.search import Search, coarse_of
+from remat.strategies.search import Search
 
 RESTRICTED_SHARE = 0.25  # of the time limit, at most, for keep_all
 # Left of the limit to start on the LP's placement: on U-Net at 25% on cpu+cuda its first
@@ -67,10 +67,10 @@ def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) 
 
 def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> None:
     """Greedy eviction on the placement of the plan in hand (the warm start), offered to
-    the search: U-Net at 25% on cpu+cuda, 4.08 -> 3.904 ms in 3.5 s alone, about three
-    times that beside the full and coarse solves (hence a share of the time limit, not the
-    heuristic's 5 s). Here rather than in the warm start, so that the first plan does not
-    wait for it."""
+    the search: U-Net at 25% on cpu+cuda, 4.08 -> 3.904 ms in 2 s alone, in hand 3 s after
+    the warm start beside the full and coarse solves (a share of the time limit, not the
+    heuristic's 5 s: it ran out before it fit when it took 3.5 s alone). Here rather than
+    in the warm start, so that the first plan does not wait for it."""
     warm = search.best
     if warm is None or warm.schedule is None or len(set(warm.schedule.devices)) < 2:
         return  # a one-device plan: its placement is that device, nothing to place
@@ -85,7 +85,7 @@ def _lp_home(search: Search, formulation: XEngineModel) -> np.ndarray | None:
     takes 2 s, the full model's 14 s (32 s beside the full solve), and they place the
     same nodes on the CPU but for two."""
     problem = search.problem
-    coarse = coarse_of(problem)
+    coarse = search.coarse
     relaxed_model, expand = formulation, lambda home: home
     if coarse is not None:
         budgets = {name: problem.budgets.get(name) for name in formulation.devices}

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from remat.schedule import Schedule
 from remat.solvers.model import Progress, StopFlag
@@ -79,6 +80,12 @@ class Search:
             if self.best is None or self.best.simulation is None
             else self.best.simulation.total_ms
         )
+
+    @cached_property
+    def coarse(self) -> Coarse | None:
+        """The problem's coarse graph where it is worth solving (``coarse_of``), built once
+        for the coarse solve and the restricted thread's LP placement."""
+        return coarse_of(self.problem)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -237,7 +244,7 @@ def start_coarse(
     """The strategy on the coarse graph, beside the full solve; each better coarse plan is
     expanded and offered to the search. None when the graph is too small or does not
     coarsen."""
-    coarse = coarse_of(problem)
+    coarse = search.coarse
     if coarse is None:
         return None
 

@@ -3,6 +3,8 @@ nowhere, and the exact strategies' warm start from them."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from regime import budgeted
@@ -13,6 +15,7 @@ from remat.onnx_ingest import forward_graph
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
+from remat.strategies import evict as evict_module
 from remat.strategies import run_strategy
 from remat.strategies.base import Problem, SolverSettings
 from remat.strategies.evict import _evicted, _refills, evict_placed, greedy_evict
@@ -162,3 +165,27 @@ def test_eviction_on_a_placement_beats_chens_policies_there():
     assert not (result.schedule.R & elsewhere).any()
     assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
     assert result.simulation.total_ms < 4.0
+
+
+@pytest.mark.parametrize("calls", [1, 5, 40, 200])
+def test_a_cancel_stops_eviction_between_two_candidates(monkeypatch, calls):
+    """The user cancels while eviction scores its ``calls``-th candidate: it scores at
+    most one more (each step scores every value held through the peak stage, each refill
+    round every gap: on large graphs, seconds) and still returns its plan in hand, judged."""
+    problem = _zoo_problem("unet", 25, ("cuda0",))
+    cancel = threading.Event()
+    problem = Problem(problem.graph, problem.costs, problem.budgets, SolverSettings(cancel=cancel))
+    scored = {"before": 0, "after": 0}
+    score = evict_module._Context.state
+
+    def counting(self, holds):
+        scored["after" if cancel.is_set() else "before"] += 1
+        if scored["before"] == calls:
+            cancel.set()
+        return score(self, holds)
+
+    monkeypatch.setattr(evict_module._Context, "state", counting)
+    result = greedy_evict(problem, "cuda0", time_budget_s=60)
+    assert scored["before"] == calls
+    assert scored["after"] <= 1
+    assert result.simulation is not None  # judged: a plan, or what it needs

@@ -176,6 +176,8 @@ def _best_eviction(context: _Context, state: _State) -> _State | None:
             continue
         if _reads_at(state.reads[i], t):
             continue
+        if context.stopped():
+            break  # a step scores every value held at t: on large graphs, seconds
         candidate = context.state(_evicted(state.holds, i, t, state.reads[i]))
         freed = state.excess - candidate.excess
         if freed <= 0:
@@ -221,6 +223,8 @@ def _refill(context: _Context, state: _State) -> _State:
     while state.fits and not context.stopped():
         best = state
         for i in context.evictable:
+            if context.stopped():
+                break  # a round scores every gap
             for holds in _refills(state.holds, i, len(context.problem.graph)):
                 candidate = context.state(holds)
                 if candidate.fits and candidate.cost_ms < best.cost_ms:

@@ -203,12 +203,19 @@ def test_an_agent_profiles_and_executes_with_celery_and_postgresql(stack, client
         agent.stop()
 
 
+def _slow_to_profile() -> bytes:
+    """A model whose profile takes seconds (about 6 s on 2 cores), so that a signal sent
+    once profiling is under way lands mid-task: a 32x32 U-Net took 1.6 s, and on a
+    faster machine its task was done before SIGTERM arrived."""
+    return samples.unet(image=128, width=16).SerializeToString()
+
+
 def test_an_agent_killed_mid_task_loses_its_lease_and_another_finishes(stack, client):
     """SIGKILL while profiling: no release, no report. The lease expires (3 s) and a new
     agent process for the node takes the task (attempt 2) and the job completes."""
     first = start_agent(stack, "fragile", "agent-killed.log")
     node = online_node(client, "fragile")
-    model_id = upload(client, samples.unet(image=32, width=4).SerializeToString()).json()["id"]
+    model_id = upload(client, _slow_to_profile()).json()["id"]
     job = client.post("/v1/jobs", json=node_job(model_id, node["id"])).json()
     wait(lambda: "profiling" in (client.get(f"/v1/jobs/{job['id']}").json()["message"] or ""),
          120, "profiling under way")  # fmt: skip
@@ -229,7 +236,7 @@ def test_an_agent_killed_mid_task_loses_its_lease_and_another_finishes(stack, cl
 def test_sigterm_gives_the_lease_back(stack, client):
     agent = start_agent(stack, "leaving", "agent-sigterm.log")
     node = online_node(client, "leaving")
-    model_id = upload(client, samples.unet(image=32, width=8).SerializeToString()).json()["id"]
+    model_id = upload(client, _slow_to_profile()).json()["id"]
     job = client.post("/v1/jobs", json=node_job(model_id, node["id"])).json()
     wait(lambda: "profiling" in (client.get(f"/v1/jobs/{job['id']}").json()["message"] or ""),
          120, "profiling under way")  # fmt: skip

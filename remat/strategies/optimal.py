@@ -158,9 +158,9 @@ def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) 
 def checkmate_milp(
     problem: Problem, device: str, *, coarse: bool = True, decompose: bool = True
 ) -> StrategyResult:
-    """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline, the
-    heuristic's local search on Chen's checkpoints (``placed_greedy`` on this device) and,
-    on graphs of 40+ nodes, the coarse graph's plan; large graphs are decomposed."""
+    """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline and
+    greedy eviction (``_warm_start``) and, on graphs of 40+ nodes, the coarse graph's
+    plan; large graphs are decomposed."""
     start = time.monotonic()
     if (unfit := _unfit(problem, "checkmate_milp", (device,))) is not None:
         return unfit
@@ -259,22 +259,24 @@ def _unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyRes
 
 
 def _warm_start(problem: Problem, names: Sequence[str], ways: _Ways) -> StrategyResult | None:
-    """The cheapest of the best baseline on any of ``names``, the placed heuristic over
-    them (on one device, its local search on Chen's checkpoints: ResNet18 at 50% on cpu0
-    1.607 -> 1.333 ms in 1.6 s) and, on one device, greedy eviction (U-Net at 25% on
-    cuda0, where nothing else fits: 4.715 ms in 1 s). Not on a graph to be decomposed: the
-    heuristics are slow on large graphs, and each part runs them. Eviction is left out on
-    several devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08
-    ms) and the first plan would come later; there the restricted thread runs it on the
-    warm start's placement (``restrict.solve_restrictions``)."""
+    """The cheaper of the best baseline on any of ``names`` and a heuristic's plan: on one
+    device greedy eviction, or where it finds no plan the placed heuristic's local search
+    on Chen's checkpoints (``placed_greedy`` on this device); on several devices the
+    placed heuristic. Not on a graph to be decomposed: the heuristics are slow on large
+    graphs, and each part runs them. On one device eviction's plan was the cheaper on
+    every bench row where both fit (ResNet18 at 50% on cpu0 1.315 ms against 1.333, U-Net
+    at 50% on cuda0 3.534 against 3.824), and the local search, after it, took 1.4-3.0 s
+    of a 10 s limit from the full solve's root LP. Eviction is left out on several
+    devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08 ms) and the
+    first plan would come later; there the restricted thread runs it on the warm start's
+    placement (``restrict.solve_restrictions``)."""
     warm = best_baseline(problem, names)
     if ways.decomposes(problem):
         return warm
     seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s / 4)
-    warm = cheapest(warm, placed_greedy(problem, names, seconds))
-    if len(names) == 1:
-        warm = cheapest(warm, greedy_evict(problem, names[0], seconds))
-    return warm
+    if len(names) == 1 and (evicted := greedy_evict(problem, names[0], seconds)).feasible:
+        return cheapest(warm, evicted)
+    return cheapest(warm, placed_greedy(problem, names, seconds))
 
 
 @dataclass(frozen=True)

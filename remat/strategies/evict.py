@@ -192,7 +192,7 @@ def _evictions(context: _Context, state: _State, d: int, t: int) -> Iterator[Hol
     not read there is dropped from its last read before t to its next read after t. A value
     held into stage t + 1 that t reads or computes is dropped from t + 1 to its next read,
     so it is freed after its last use in t instead of staying to t's end: without these,
-    MobileNet at 25% on cuda0 stops 86 KB over, recomputing the first layers once in the
+    MobileNet at 25% on cuda0 stops 84 KiB over, recomputing the first layers once in the
     stage of block1_pw_bn's gradient and keeping them for the next one."""
     T = len(context.problem.graph)
     for i, spans in enumerate(state.holds):

@@ -220,7 +220,7 @@ def test_the_coarse_solve_stops_when_a_plan_from_elsewhere_passes_its_bound():
     restricted model, the full solve) that it cannot beat stops it at once."""
     problem = budgeted(training_graph(chain(4)), 100, devices=("cpu0",))
     plan = run_strategy("checkpoint_all", problem, "cpu0")
-    search = Search(problem, ideal=0.0, best=None, start=time.monotonic())
+    search = Search(problem, ideal=0.0, start=time.monotonic())
     cost = plan.simulation.total_ms
     search.on_coarse(Progress(1.0, cost * 2, cost * 1.01, 0.5))
     assert not search.coarse_done.is_set()  # no plan in hand yet

@@ -25,7 +25,7 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=restrict.PLACEMENT_M
 def _setup(percent: float) -> tuple[Problem, XEngineModel, Search]:
     problem = budgeted(training_graph(chain(10)), percent, settings=SETTINGS)
     formulation = build_xengine(problem.graph, problem.costs, problem.budgets)
-    search = Search(problem, problem.costs.ideal_ms(), None, time.monotonic())
+    search = Search(problem, problem.costs.ideal_ms(), time.monotonic())
     return problem, formulation, search
 
 

@@ -171,9 +171,8 @@ def checkmate_milp(
 
     variant = partial(checkmate_milp, device=device)
     ways = _Ways(variant, coarse, decompose)
-    warm = _warm_start(problem, (device,), ways)
-    ideal = problem.costs.ideal_ms(device)
-    search = Search(problem, ideal, warm, start)
+    search = Search(problem, problem.costs.ideal_ms(device), start)
+    _warm_start(search, (device,), ways)
     return _optimize(search, "checkmate_milp", (device,), build, ways)
 
 
@@ -246,8 +245,8 @@ def xengine(
             solve_restrictions(search, formulation, offer)
 
     ways = _Ways(partial(xengine, restrict=False), coarse, decompose, restricted)
-    warm = _warm_start(problem, names, ways)
-    search = Search(problem, problem.costs.ideal_ms(), warm, start)
+    search = Search(problem, problem.costs.ideal_ms(), start)
+    _warm_start(search, names, ways)
     return _optimize(search, "xengine", names, build, ways)
 
 
@@ -258,9 +257,10 @@ def _unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyRes
     return None if short is None else StrategyResult(strategy, None, None, short.message(strategy))
 
 
-def _warm_start(problem: Problem, names: Sequence[str], ways: _Ways) -> StrategyResult | None:
-    """The cheaper of the best baseline on any of ``names`` and a heuristic's plan: on one
-    device greedy eviction, or where it finds no plan the placed heuristic's local search
+def _warm_start(search: Search, names: Sequence[str], ways: _Ways) -> None:
+    """The best baseline on any of ``names`` and a heuristic's plans, offered to the search
+    as they are found (the first plan does not wait for the heuristic's local search): on
+    one device greedy eviction, or where it finds no plan the placed heuristic's local search
     on Chen's checkpoints (``placed_greedy`` on this device); on several devices the
     placed heuristic. Not on a graph to be decomposed: the heuristics are slow on large
     graphs, and each part runs them. On one device eviction's plan was the cheaper on
@@ -270,13 +270,15 @@ def _warm_start(problem: Problem, names: Sequence[str], ways: _Ways) -> Strategy
     devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08 ms) and the
     first plan would come later; there the restricted thread runs it on the warm start's
     placement (``restrict.solve_restrictions``)."""
-    warm = best_baseline(problem, names)
+    problem = search.problem
+    search.offer(best_baseline(problem, names))
     if ways.decomposes(problem):
-        return warm
+        return
     seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s / 4)
     if len(names) == 1 and (evicted := greedy_evict(problem, names[0], seconds)).feasible:
-        return cheapest(warm, evicted)
-    return cheapest(warm, placed_greedy(problem, names, seconds))
+        search.offer(evicted)
+        return
+    search.offer(placed_greedy(problem, names, seconds, search.offer))
 
 
 @dataclass(frozen=True)
@@ -307,13 +309,12 @@ def _optimize(
     build: Callable[[Problem], Formulation],
     ways: _Ways,
 ) -> StrategyResult:
-    """What the exact strategies share: announce the warm start (``search.best``, a plan
-    before any solve), stop if it costs the ideal; on a large graph solve its parts
+    """What the exact strategies share: stop if the warm start (``search.best``, offered
+    as it was found) costs the ideal; on a large graph solve its parts
     (``solve_parts``), else solve the full model from the warm start while the coarse
     graph's solve and the strategy's restricted model (if it has one) run beside it; the
     best plan found, with the whole problem's bound."""
     problem, warm, ideal = search.problem, search.best, search.ideal
-    search.announce()
     if _reaches(warm, ideal):
         return _finish(problem, strategy, _no_solve(), None, warm, ideal)
     if ways.decomposes(problem):

@@ -83,20 +83,29 @@ class _Policy:
 
 
 _Judged = tuple[_Candidate, Evaluation]
+Offer = Callable[[StrategyResult], None]
 _Sweep = Callable[["_Context", _Judged, float], tuple[_Judged, bool]]
 
 
 def placed_greedy(
-    problem: Problem, names: Sequence[str] | None = None, time_budget_s: float = TIME_BUDGET_S
+    problem: Problem,
+    names: Sequence[str] | None = None,
+    time_budget_s: float = TIME_BUDGET_S,
+    offer: Offer | None = None,
 ) -> StrategyResult:
     """The cheapest multi-device schedule among the candidates that the simulator accepts
     under every device's budget (``names``: the devices to use, default all). Stops early
-    when the problem is cancelled."""
+    when the problem is cancelled. ``offer`` gets each plan the simulator accepts as soon
+    as it is judged (the search keeps the better ones): the first comes from the first
+    placement with a candidate that fits, before the other placements are solved (U-Net at
+    25% on cpu+cuda: 4.44 ms at 0.9 s, where the candidates took 4.9 s and the local search
+    another 4.6)."""
     names = tuple(names or (d.name for d in problem.costs.devices))
     deadline = time.monotonic() + time_budget_s
     policies = _policies(problem)
-    context = _Context.of(problem, names)
+    context = _Context.of(problem, names, offer)
     candidates: list[_Candidate] = []
+    early: list[_Judged] = []  # judged while the placements are solved, until one fits
     cheapest_fit = np.inf  # by the estimates
     for place in placements(problem, names):
         if problem.cancelled or (cheapest_fit < np.inf and _over(problem, deadline)):
@@ -107,9 +116,13 @@ def placed_greedy(
         found = [context.candidate(place, fixed, policy) for policy in policies]
         cheapest_fit = min([cheapest_fit, *(c.cost_ms for c in found if c.fits)])
         candidates.extend(found)
+        if offer is not None and not any(e.fits for _, e in early):
+            early.extend(_judge_cheapest_fit(context, found))
     candidates.sort(key=_Candidate.order)
-    judged: list[_Judged] = []
+    judged = list(early)
     for candidate in candidates:
+        if any(candidate is c for c, _ in early):
+            continue
         judged.append((candidate, context.evaluate(candidate)))
         if sum(e.fits for _, e in judged) >= KEEP or _over(problem, deadline):
             break
@@ -164,6 +177,13 @@ def _starts(
         if first is not None:
             starts.append(first)
     return starts
+
+
+def _judge_cheapest_fit(context: _Context, found: list[_Candidate]) -> list[_Judged]:
+    """The cheapest of ``found`` estimated to fit, judged (none if none is)."""
+    fits = [c for c in found if c.fits]
+    cheapest = min(fits, key=lambda c: c.cost_ms, default=None)
+    return [] if cheapest is None else [(cheapest, context.evaluate(cheapest))]
 
 
 def _first_fit(context: _Context, candidates: list[_Candidate]) -> _Judged | None:
@@ -311,16 +331,18 @@ class _Context:
     compute: np.ndarray  # [D, n] ms
     size: np.ndarray  # [n] bytes
     reads: np.ndarray  # [n, n]: reads[k, i] = 1 if node k reads value i
+    offer: Offer | None  # each plan the simulator accepts
 
     @classmethod
-    def of(cls, problem: Problem, names: tuple[str, ...]) -> _Context:
+    def of(cls, problem: Problem, names: tuple[str, ...], offer: Offer | None = None) -> _Context:
         costs, graph = problem.costs, problem.graph
         compute = costs.compute_ms[:, [costs.device_index(name) for name in names]].T
         n = len(graph)
         reads = np.zeros((n, n), dtype=np.float32)
         for node in graph.nodes:
             reads[node.id, list(node.deps)] = 1
-        return cls(problem, names, compute, np.asarray(costs.output_bytes, float), reads)
+        sizes = np.asarray(costs.output_bytes, float)
+        return cls(problem, names, compute, sizes, reads, offer)
 
     def fixed(self, place: np.ndarray) -> list[int]:
         """Bytes of the parameters and buffers a placement puts on each device."""
@@ -347,7 +369,10 @@ class _Context:
 
     def evaluate(self, candidate: _Candidate) -> Evaluation:
         schedule = Schedule(self.names, candidate.R, candidate.S)
-        return evaluate(self.problem, schedule, "placed_greedy")
+        judged = evaluate(self.problem, schedule, "placed_greedy")
+        if self.offer is not None and judged.fits:
+            self.offer(select_best("placed_greedy", [judged]))
+        return judged
 
     def _estimate_fits(self, fixed: list[int], R: np.ndarray, S: np.ndarray) -> bool:
         """An over-estimate of each device's peak: fixed memory, every value computed or

@@ -57,14 +57,13 @@ class AnyOf:
 class Search:
     """The shared state of one strategy call (thread-safe)."""
 
-    def __init__(
-        self, problem: Problem, ideal: float, best: StrategyResult | None, start: float
-    ) -> None:
+    def __init__(self, problem: Problem, ideal: float, start: float) -> None:
         """``start``: when the strategy was called (``time.monotonic()``); the time limit
-        counts from there, warm starts included."""
+        counts from there, warm starts included. The plan in hand comes through ``offer``,
+        the warm starts' first."""
         self.problem = problem
         self.ideal = ideal
-        self.best = best
+        self.best: StrategyResult | None = None
         self.bound = ideal  # the whole problem's best proven bound so far
         self.coarse_bound = -math.inf  # the coarse problem's (no coarse plan costs less)
         self.start = start
@@ -181,13 +180,6 @@ class Search:
         best = self.best_ms
         if best is not None and self.coarse_bound >= best:
             self.coarse_done.set()
-
-    def announce(self) -> None:
-        """The plan in hand before any solve (the warm start), once."""
-        with self._lock:
-            self._report()
-            best = self.best
-        self._pass_on(best)
 
     def heartbeat(self) -> None:
         """The plan in hand again (while parts of a large graph are solved)."""

@@ -176,3 +176,22 @@ def test_the_placement_restriction_finds_resnet18s_optimum_long_before_the_full_
     R = result.schedule.R
     assert not R[:, ~np.eye(R.shape[1], dtype=bool)].any()  # nothing recomputed
     assert R[0].any() and R[1].any()  # on both devices: neither fits it alone
+
+
+def test_a_bound_found_beside_the_full_solve_is_the_results_bound(monkeypatch):
+    """VGG16 at 25% on cpu+cuda with a 2 s limit: the full solve ends in presolve, without
+    a bound of its own; a bound reported beside it (as the restricted thread reports its LP
+    relaxation's optimum) is the result's bound, and the gap is measured against it."""
+    settings = SolverSettings(options=SolveOptions(time_limit_s=2.0, threads=2))
+    graph = training_graph(forward_graph(samples.ZOO["vgg16"](), batch=4))
+    problem = budgeted(graph, 25, settings=settings)
+    reported = problem.costs.ideal_ms() * 1.001
+
+    def lp_bound(search, *_args):
+        search.on_bound(reported)
+
+    monkeypatch.setattr(optimal, "solve_restrictions", lp_bound)
+    result = xengine(problem, coarse=False)
+    solver = result.plan.solver
+    assert solver.bound == pytest.approx(reported)
+    assert solver.gap == pytest.approx((solver.objective - reported) / solver.objective)

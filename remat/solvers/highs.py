@@ -129,10 +129,11 @@ def _result(
     if has_solution:
         x = np.array(h.getSolution().col_value, dtype=float)[:n_original]
         objective = float(info.objective_function_value)
-        # An LP (no integers) has no MIP dual bound: its optimum is its own bound.
+        # An LP (no integers) has no MIP dual bound: its optimum is its own bound, but a
+        # solution stopped short of optimality bounds nothing.
         mip = bool(np.any(milp.integer))
-        bound = float(info.mip_dual_bound) if mip else objective
-        if not np.isfinite(bound):
+        bound = float(info.mip_dual_bound) if mip else objective if name == "kOptimal" else None
+        if bound is None or not np.isfinite(bound):
             bound = None
         elif bound > objective:
             bound = objective

@@ -118,10 +118,11 @@ def _finish(
     solved: SolveResult,
     evaluation: Evaluation | None,
     fallback: StrategyResult | None,
-    ideal: float,
+    lower: float,
 ) -> StrategyResult:
     """The cheaper of the solver's plan (if the simulator accepts it) and the plan in hand
-    (warm start or coarse plan); with the bound and gap of the whole problem."""
+    (warm start or coarse plan); with the bound and gap of the whole problem: the larger of
+    the solver's bound and ``lower`` (the ideal, or a bound found beside the solve)."""
     solver_plan = select_best(strategy, [evaluation]) if evaluation is not None else None
     chosen = cheapest(solver_plan, fallback)  # the plan in hand may beat the solver's
     if chosen is None:
@@ -129,7 +130,7 @@ def _finish(
     chosen = replace(chosen, strategy=strategy)
     assert chosen.plan is not None and chosen.simulation is not None
     objective = chosen.simulation.total_ms
-    bound = max(ideal, solved.bound) if solved.bound is not None else ideal
+    bound = max(lower, solved.bound) if solved.bound is not None else lower
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective > 0 else 0.0
     status = solved.status
@@ -209,8 +210,8 @@ def checkmate_lp_rounding(problem: Problem, device: str) -> StrategyResult:
         return result
     objective = result.simulation.total_ms
     lower = problem.costs.ideal_ms(device)
-    if bound is not None and bound.objective is not None:
-        lower = max(lower, bound.objective)
+    if bound is not None and bound.bound is not None:  # the LP solved to optimality
+        lower = max(lower, bound.bound)
     lower = min(lower, objective)
     gap = (objective - lower) / objective if objective > 0 else 0.0
     info = SolverInfo("feasible", objective, lower, gap, seconds)
@@ -342,7 +343,7 @@ def _optimize(
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
-    return _finish(problem, strategy, solved, evaluation, search.best, ideal)
+    return _finish(problem, strategy, solved, evaluation, search.best, search.bound)
 
 
 def _offer_incumbent(

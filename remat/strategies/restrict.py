@@ -1,6 +1,7 @@
-"""Restrictions of XEngine's model, solved one after the other beside the full model (in
-the search's ``remat-restricted`` thread): each finds plans of the whole problem, never a
-bound, so only their plans are offered to the search.
+"""Restrictions of XEngine's model, and its LP relaxation, solved one after the other
+beside the full model (in the search's ``remat-restricted`` thread): the restrictions find
+plans of the whole problem, never a bound, so only their plans are offered to the search;
+the relaxation finds a bound.
 
 0. Greedy eviction (``evict.evict_placed``) on the placement of the warm start, which the
    multi-device heuristic found with Chen's policies (U-Net at 25% on cpu+cuda: 4.08 ->
@@ -9,15 +10,17 @@ bound, so only their plans are offered to the search.
    device until its last use), for a share of the time limit. Where keeping everything
    fits on some split of the devices it finds that split's optimum in seconds (ResNet18
    and VGG16 at 25% on cpu+cuda: the whole problem's optimum).
-2. Where it finds none (U-Net at 25% on cpu+cuda: proven infeasible in 5 s), the placement
-   of an LP relaxation: each node on the device with the largest R[d,i,i],
-   the model restricted to it (``XEngineModel.placed``) and solved from the heuristic's
-   plan for that placement (``placed_on``) until the full solve ends. It starts once the
-   full solve has its bound and only on long solves (``PLACEMENT_MIN_S``): on 2 cores
-   each solve beside the full one slows it. The LP puts the U-Net's bottleneck and its
-   gradients on the CPU; the heuristic prefers the whole deep half there, and neither
-   the full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in
-   300 s: 3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%).
+2. Where it finds none (U-Net at 25% on cpu+cuda: proven infeasible in 5 s), the whole
+   model's LP relaxation, solved to optimality: not a restriction but a relaxation, so its
+   optimum is a bound of the whole problem, reported to the search (the full solve's root
+   LP comes much later: ``_relaxation``).
+3. Then, on long solves (``PLACEMENT_MIN_S`` left), the LP's placement: each node on the
+   device with the largest R[d,i,i], the model restricted to it (``XEngineModel.placed``)
+   and solved from the heuristic's plan for that placement (``placed_on``) until the full
+   solve ends. The LP puts the U-Net's bottleneck and its gradients on the CPU; the
+   heuristic prefers the whole deep half there, and neither the full nor the coarse solve
+   leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s: 3.751 ms (gap 3.1%)
+   instead of 3.939 (gap 7.6%).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from dataclasses import replace
 import numpy as np
 
 from remat.errors import ScheduleError
-from remat.formulations.xengine import XEngineModel, build_xengine
+from remat.formulations.xengine import XEngineModel
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, SolveResult
+from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import cheapest
 from remat.strategies.evict import evict_placed, home_of
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
@@ -49,20 +52,20 @@ Offer = Callable[[np.ndarray, float], None]  # a solver incumbent of the full mo
 
 def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
     """Greedy eviction on the warm start's placement, keep_all, then, if it found no plan,
-    the LP relaxation's placement: once the full solve has its bound (on 2 cores it took
-    the full model's LP past 60 s on U-Net at 25%, so that a 60 s solve reported only the
-    ideal) and if enough time is left."""
+    the whole model's LP relaxation (its optimum a bound of the whole problem, reported to
+    the search) and, if enough time is left, the model restricted to the LP's
+    placement."""
     limit = search.problem.solver.options.time_limit_s
     _evict_on_warm_start(search, formulation.devices)
     kept = _solve(search, formulation.keep_all(), offer, limit * RESTRICTED_SHARE)
-    if kept.x is not None or not search.wait_for_bound():
+    if kept.x is not None:
         return
-    if search.time_left() < PLACEMENT_MIN_S:
+    relaxed = _relaxation(search, formulation)
+    if relaxed is None or search.time_left() < PLACEMENT_MIN_S:
         return
-    home = _lp_home(search, formulation)
-    if home is None or search.beside_stop().is_set():
-        return
-    _solve(search, _placed(search, formulation, home), offer, search.time_left())
+    home = formulation.home(relaxed)
+    if not search.beside_stop().is_set():
+        _solve(search, _placed(search, formulation, home), offer, search.time_left())
 
 
 def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> None:
@@ -79,26 +82,25 @@ def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> None:
     search.offer(evict_placed(search.problem, names, home, seconds))
 
 
-def _lp_home(search: Search, formulation: XEngineModel) -> np.ndarray | None:
-    """Each node's device in the LP relaxation (``XEngineModel.home``) of the coarse graph
-    where there is one, else of the full model. U-Net at 25% on cpu+cuda: the coarse LP
-    takes 2 s, the full model's 14 s (32 s beside the full solve), and they place the
-    same nodes on the CPU but for two."""
-    problem = search.problem
-    coarse = search.coarse
-    relaxed_model, expand = formulation, lambda home: home
-    if coarse is not None:
-        budgets = {name: problem.budgets.get(name) for name in formulation.devices}
-        relaxed_model = build_xengine(coarse.graph, coarse.costs, budgets)
-        expand = coarse.expand_home
-    relaxed = _solve(search, relaxed_model.lp_relaxation(), None, search.time_left(), LP)
-    return None if relaxed.x is None else expand(relaxed_model.home(relaxed.x))
+def _relaxation(search: Search, formulation: XEngineModel) -> np.ndarray | None:
+    """The whole model's LP relaxation, solved to optimality: its objective is reported to
+    the search as a bound of the whole problem (``Search.on_bound``). Where keeping
+    everything fits nowhere the full solve's root LP comes late: U-Net at 25% on cpu+cuda,
+    HiGHS alone, the MIP's root bound (3.611 ms) after 54-73 s (presolve, symmetry
+    detection, then the same LP), the LP alone in 35 s; beside the full and coarse solves
+    the root bound did not come within 120 s."""
+    relaxed = _solve(search, formulation.lp_relaxation(), None, search.time_left(), LP)
+    if relaxed.status is not SolveStatus.OPTIMAL or relaxed.objective is None:
+        return None
+    search.on_bound(relaxed.objective)
+    return relaxed.x
 
 
 def _placed(search: Search, formulation: XEngineModel, home: np.ndarray) -> MILPModel:
     """The model restricted to ``home``, started from the cheaper of the heuristic's plan
     for it and greedy eviction on it (offered to the search too) when the model accepts
-    it. U-Net at 25% on cpu+cuda, on the coarse LP's placement: 4.27 and 3.920 ms."""
+    it. U-Net at 25% on cpu+cuda, on the coarse LP's placement (the full LP's but for two
+    nodes): 4.27 and 3.920 ms."""
     problem, names = search.problem, formulation.devices
     heuristic = placed_on(problem, names, home, PLACED_TIME_BUDGET_S)
     evicted = evict_placed(problem, names, home, PLACED_TIME_BUDGET_S)

@@ -41,7 +41,6 @@ from remat.strategies.coarsen import Coarse, coarsen
 COARSE_MIN_NODES = 40  # smaller graphs solve well as they are
 COARSE_MAX_RATIO = 0.8  # coarsen only when it removes a fifth of the nodes or more
 MIN_SOLVE_S = 1.0  # the full model's solve gets at least this long (see Search.remaining)
-BOUND_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,7 @@ class Search:
 
     @cached_property
     def coarse(self) -> Coarse | None:
-        """The problem's coarse graph where it is worth solving (``coarse_of``), built once
-        for the coarse solve and the restricted thread's LP placement."""
+        """The problem's coarse graph where it is worth solving (``coarse_of``)."""
         return coarse_of(self.problem)
 
     def elapsed(self) -> float:
@@ -107,18 +105,6 @@ class Search:
 
     def beside_stop(self) -> AnyOf:
         return AnyOf((self.problem.solver.cancel, self.full_done))
-
-    def wait_for_bound(self) -> bool:
-        """Wait until the full solve has proven a bound above the ideal (its root LP, the
-        whole problem's bound: work beside the solve would delay it); False if the work
-        beside it is to stop first."""
-        stop = self.beside_stop()
-        while not stop.is_set():
-            with self._lock:
-                if self.bound > self.ideal:
-                    return True
-            time.sleep(BOUND_POLL_S)
-        return False
 
     def judge(self, schedule: Schedule, strategy: str) -> None:
         """A schedule of the search's problem (a solver incumbent, an expanded coarse plan):
@@ -156,8 +142,19 @@ class Search:
             if self.best_ms is not None and (objective is None or self.best_ms < objective):
                 objective = self.best_ms
             self._report(objective)
-            if objective != progress.objective and self._meets_gap():
-                self.gap_met.set()  # a plan the solver does not know meets the target
+            if objective != progress.objective:
+                self._stop_full_if_met()  # a plan the solver does not know meets the target
+
+    def on_bound(self, bound: float) -> None:
+        """A bound of the whole problem found beside the full solve (its LP relaxation)."""
+        with self._lock:
+            self.bound = max(self.bound, bound)
+            self._report()
+            self._stop_full_if_met()
+
+    def _stop_full_if_met(self) -> None:
+        if self._meets_gap():
+            self.gap_met.set()
 
     def _meets_gap(self) -> bool:
         best = self.best_ms

@@ -42,7 +42,7 @@ from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.restrict import Offer, solve_restrictions
 from remat.strategies.rsolve import solve_r
-from remat.strategies.search import Beside, Search, start_coarse
+from remat.strategies.search import SOLVE_GRACE_S, Beside, Search, start_coarse
 
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
@@ -108,6 +108,7 @@ def _solve(
         options=options,
         on_progress=listener,
         cancel=cancel,
+        grace_s=SOLVE_GRACE_S if search is not None else runner.DEFAULT_GRACE_S,
         on_incumbent=on_incumbent,
     )
 
@@ -320,17 +321,20 @@ def _optimize(
         return _finish(problem, strategy, _no_solve(), None, warm, ideal)
     if ways.decomposes(problem):
         return _decomposed(problem, strategy, names, ways, search)
+    # Built and encoded before the threads beside it start: beside numpy-heavy threads the
+    # encoding waits for the GIL at each of its many short releases (U-Net at 25% on
+    # cpu+cuda: 2.5 s instead of 0.1, until greedy eviction beside it ended).
+    formulation = build(problem)
+    model = formulation.model
+    if warm is not None and warm.schedule is not None:
+        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+        model = replace(model, start=start)
+    offer = partial(_offer_incumbent, search, formulation, strategy)
     beside = [start_coarse(problem, strategy, ways.on_coarse, search) if ways.coarse else None]
     try:
-        formulation = build(problem)
-        offer = partial(_offer_incumbent, search, formulation, strategy)
         if ways.restricted is not None:
             work = partial(ways.restricted, search, formulation, offer)
             beside.append(Beside(work, "remat-restricted"))
-        model = formulation.model
-        if warm is not None and warm.schedule is not None:
-            start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
-            model = replace(model, start=start)
         solved = _solve(problem, model, search, on_incumbent=offer)
     finally:
         search.full_done.set()

@@ -38,7 +38,7 @@ from remat.strategies.base import cheapest
 from remat.strategies.evict import evict_placed, home_of
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_on
-from remat.strategies.search import Search
+from remat.strategies.search import SOLVE_GRACE_S, Search
 
 RESTRICTED_SHARE = 0.25  # of the time limit, at most, for keep_all
 # Left of the limit to start on the LP's placement: on U-Net at 25% on cpu+cuda its first
@@ -128,6 +128,7 @@ def _solve(
         options=options,
         on_progress=lambda _: search.heartbeat(),
         cancel=search.beside_stop(),
+        grace_s=SOLVE_GRACE_S,
         on_incumbent=offer,
     )
     if offer is not None and solved.x is not None and solved.objective is not None:

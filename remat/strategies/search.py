@@ -41,6 +41,10 @@ from remat.strategies.coarsen import Coarse, coarsen
 COARSE_MIN_NODES = 40  # smaller graphs solve well as they are
 COARSE_MAX_RATIO = 0.8  # coarsen only when it removes a fifth of the nodes or more
 MIN_SOLVE_S = 1.0  # the full model's solve gets at least this long (see Search.remaining)
+# A solve of the search is stopped this long after its time limit (the runner's default
+# allows 5 s for process start and model building): HiGHS does not look at its time limit
+# in presolve (U-Net at 25% on cpu+cuda: 10-15 s), so a 15 s search returned after 19-21 s.
+SOLVE_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ model where the strategy has them (XEngine's, ``remat.strategies.restrict``), sh
 best plan in hand.
 
 They run at once (the solves beside the full one in threads, each solver in its own
-subprocess): the
-full model's solve gives the bound of the whole problem and, on small graphs, the optimum;
-the coarse solve, a smaller model, finds good plans where the full one finds none in time
+subprocess): the full model's solve gives the bound of the whole problem (as does the LP
+relaxation the restricted thread solves where keeping everything fits nowhere: on U-Net
+the full solve's own root LP comes too late) and, on small graphs, the optimum; the
+coarse solve, a smaller model, finds good plans where the full one finds none in time
 (U-Net when its first coarse plan comes in time); the restriction finds the optimum where
 it recomputes nothing (ResNet18 and VGG16 at 25% on cpu+cuda). Each stops the others'
 waste: the coarse solve stops once its bound reaches the plan in hand (no coarse plan can
@@ -15,10 +16,12 @@ and the solves beside it when the full one ends. Run one after the other instead
 alone for half the limit), U-Net found no coarse plan either and the full model's LP bound
 no longer arrived in 120 s, so they share the time.
 
-Progress events carry the best plan in hand (the simulator accepted it) and the full
-model's bound (or the ideal): the coarse solve's own objective and bound belong to another
-problem, so they are never reported. Plans reach the search as they are found, not when a
-solve ends: each solver incumbent is judged by the simulator and offered at once, and each
+Progress events carry the best plan in hand (the simulator accepted it) and the best
+bound of the whole problem (the full model's, its LP relaxation's, or the ideal): the
+coarse solve's own objective and bound belong to another problem, so they are never
+reported. Plans reach the search as they are found, the warm start's included (the
+multi-device heuristic offers its first plan before its local search), not when a solve
+ends: each solver incumbent is judged by the simulator and offered at once, and each
 better coarse plan (the coarse strategy's ``on_plan``) is expanded and offered. On ResNet18
 at 25% on cpu+cuda the coarse warm start alone (8.7% gap) is in hand at 5 s; it used to come
 at the time limit, with the coarse solve's result.

@@ -131,8 +131,10 @@ def _result(
         objective = float(info.objective_function_value)
         # An LP (no integers) has no MIP dual bound: its optimum is its own bound, but a
         # solution stopped short of optimality bounds nothing.
-        mip = bool(np.any(milp.integer))
-        bound = float(info.mip_dual_bound) if mip else objective if name == "kOptimal" else None
+        if np.any(milp.integer):
+            bound = float(info.mip_dual_bound)
+        else:
+            bound = objective if name == "kOptimal" else None
         if bound is None or not np.isfinite(bound):
             bound = None
         elif bound > objective:

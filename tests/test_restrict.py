@@ -12,7 +12,7 @@ from regime import budgeted
 
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.solvers import runner
-from remat.solvers.model import SolveOptions
+from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult
 from remat.strategies import restrict
 from remat.strategies.base import Problem, SolverSettings, evaluate
 from remat.strategies.search import Search
@@ -66,15 +66,56 @@ def test_once_the_full_solve_has_ended_the_restrictions_stop_at_once() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_when_keep_all_finds_a_plan_the_lp_is_not_solved(
+def test_when_keep_all_finds_a_plan_and_the_full_solve_has_a_bound_the_lp_is_not_solved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, formulation, search = _setup(100)
+    search.on_full(Progress(1.0, None, search.ideal * 1.01, None))
 
     def unexpected(*_: object) -> None:
-        raise AssertionError("the LP relaxation ran after keep_all found a plan")
+        raise AssertionError("the LP relaxation ran although the full solve had a bound")
 
     monkeypatch.setattr(restrict, "_relaxation", unexpected)
     offered: list[np.ndarray] = []
     restrict.solve_restrictions(search, formulation, lambda x, _: offered.append(x))
     assert offered
+
+
+def test_when_keep_all_finds_a_plan_before_any_bound_the_lp_gives_one_but_no_placement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """keep_all's plan is not a bound: with none from the full solve yet (its root LP comes
+    late on large models) the LP relaxation is solved for it, but its placement is not (a
+    plan is in hand)."""
+    _, formulation, search = _setup(100)
+    relaxed = runner.solve(formulation.lp_relaxation())
+
+    def unexpected(*_: object) -> None:
+        raise AssertionError("the LP's placement was solved although keep_all found a plan")
+
+    monkeypatch.setattr(restrict, "_placed", unexpected)
+    offered: list[np.ndarray] = []
+    restrict.solve_restrictions(search, formulation, lambda x, _: offered.append(x))
+    assert offered
+    assert relaxed.objective is not None
+    assert search.bound == pytest.approx(relaxed.objective)
+
+
+def test_the_full_solve_is_held_while_the_lp_relaxation_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The LP needs the CPU more than the full solve, whose own root is that LP: the full
+    solve's process is suspended (``Search.full_held``) for the LP's solve, and only then."""
+    _, formulation, search = _setup(25)
+    held: list[tuple[bool, bool]] = []  # (a MILP, held) per restriction solve
+    solve = runner.solve
+
+    def watched(model: MILPModel, *args: object, **kwargs: object) -> SolveResult:
+        held.append((bool(model.integer.any()), search.full_held.is_set()))
+        return solve(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "solve", watched)
+    restrict.solve_restrictions(search, formulation, lambda *_: None)
+    assert held[:2] == [(True, False), (False, True)]  # keep_all, then the LP
+    assert all(milp and not is_held for milp, is_held in held[2:])  # the LP's placement
+    assert not search.full_held.is_set()

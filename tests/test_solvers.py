@@ -220,6 +220,72 @@ def test_cancel_stops_the_child_within_two_seconds(backend: str) -> None:
     assert not child.is_alive() and child.exitcode is not None
 
 
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def _until(condition, seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states in /proc")
+def test_a_held_solve_is_suspended_and_resumes_where_it_was() -> None:
+    """While ``hold`` is set the child is stopped (state T) and streams nothing; cleared, it
+    runs on and returns its incumbent when cancelled."""
+    hold, cancel = threading.Event(), threading.Event()
+    events: list[Progress] = []
+    box: dict[str, SolveResult] = {}
+
+    def target() -> None:
+        options = SolveOptions(time_limit_s=60)
+        box["result"] = runner.solve(
+            market_split(50), "highs", options, events.append, cancel, hold=hold
+        )
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    assert _until(lambda: bool(events), 20), "the solve never reported progress"
+    (child,) = [p for p in multiprocessing.active_children() if p.name.startswith("remat-solve")]
+    hold.set()
+    assert _until(lambda: _state(child.pid) == "T"), "the held child was not stopped"
+    time.sleep(0.3)  # what it sent before it stopped has arrived
+    seen = len(events)
+    time.sleep(1.5)  # three progress intervals
+    assert len(events) == seen and _state(child.pid) == "T"
+    hold.clear()
+    assert _until(lambda: _state(child.pid) != "T"), "the released child did not resume"
+    assert _until(lambda: len(events) > seen), "the resumed child reported nothing"
+    cancel.set()
+    thread.join(10)
+    result = box["result"]
+    assert result.status == SolveStatus.FEASIBLE and "cancelled" in result.message
+    assert_consistent(market_split(50), result)
+
+
+def test_cancel_stops_a_held_solve_within_two_seconds() -> None:
+    """A held child is resumed to stop: it returns its incumbent itself, not killed."""
+    hold, cancel = threading.Event(), threading.Event()
+    thread, box, child = _solve_in_thread(market_split(50), "highs", cancel, hold=hold)
+    time.sleep(0.5)
+    hold.set()
+    time.sleep(0.5)
+    cancelled_at = time.monotonic()
+    cancel.set()
+    thread.join(10)
+    assert time.monotonic() - cancelled_at <= CANCEL_BOUND_S
+    result = box["result"]
+    assert result.status == SolveStatus.FEASIBLE and "cancelled" in result.message
+    assert "terminated" not in result.message
+    assert not child.is_alive()
+
+
 def test_cancel_before_start_spawns_nothing() -> None:
     cancel = threading.Event()
     cancel.set()

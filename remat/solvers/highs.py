@@ -29,6 +29,12 @@ _STOPPED = (
 )
 
 
+# Dual simplex pricing for LPs: devex instead of HiGHS's choice (dual steepest edge). On the
+# LP relaxations of XEngine's model (cpu+cuda at 25%, HiGHS alone) it is 1.6-2.4x faster:
+# U-Net 29.5 -> 16.2 s, ResNet18 68.7 -> 28.6 s, VGG16 3.3 -> 2.0 s, U-Net at 50% 39.0 -> 22.3.
+LP_DUAL_PRICING = 1  # simplex_dual_edge_weight_strategy: 1 is devex
+
+
 def solve(
     model: MILPModel,
     options: SolveOptions,
@@ -44,6 +50,8 @@ def solve(
     milp = model.linearized()
     h = highspy.Highs()
     _set_options(h, options)
+    if not np.any(milp.integer):
+        h.setOptionValue("simplex_dual_edge_weight_strategy", LP_DUAL_PRICING)
     reporter = Reporter(progress, incumbent)
     status = h.passModel(_lp(milp, highspy))
     if status == highspy.HighsStatus.kError:

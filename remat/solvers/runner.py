@@ -5,7 +5,10 @@ be imported into the same process, and a process gives clean cancellation, time 
 crash isolation. The child streams progress and incumbents back over a pipe; the parent
 delivers progress to ``on_progress``, stops the child cooperatively on cancel or at the hard
 time limit (and terminates it if it does not stop), and turns every solver failure into a
-``SolveResult`` with status ``error`` instead of raising.
+``SolveResult`` with status ``error`` instead of raising. While the caller's ``hold`` flag is
+set the child is suspended (SIGSTOP, resumed with SIGCONT): on 2 cores a search suspends its
+full solve while another solve that needs the CPU more runs (``remat.strategies.restrict``).
+The child's time limit keeps counting meanwhile: a held solve does less, never longer.
 
 As with any ``spawn``, the caller's ``__main__`` must be importable without side effects
 (scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.
@@ -16,9 +19,12 @@ here too; this module imports no solver library.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 import traceback
@@ -39,7 +45,7 @@ from remat.solvers.model import (
 )
 
 BACKENDS = ("highs", "cpsat", "scip", "gurobi")
-DEFAULT_BACKEND = "highs"  # pending a benchmark across the formulations
+DEFAULT_BACKEND = "highs"  # ahead or level on every row of bench/solvers.py (README)
 
 # After a stop request the child gets this long to return its own result (with the
 # incumbent) before it is terminated; terminate + kill fit in the rest of the 2 s budget.
@@ -216,12 +222,14 @@ def solve(
     grace_s: float = DEFAULT_GRACE_S,
     backend_options: Mapping[str, Any] | None = None,
     on_incumbent: Incumbent | None = None,
+    hold: StopFlag | None = None,
 ) -> SolveResult:
     """Solve ``model`` with ``backend`` in a subprocess; see the module docstring.
 
     ``backend_options`` are passed to the backend's ``solve`` as keywords (e.g. cpsat's
-    ``resolution``). Only ``ValueError`` for an unknown backend is raised; solver failures,
-    crashes and kills come back as results. ``on_progress`` and ``on_incumbent`` (each
+    ``resolution``). While ``hold`` is set the child is suspended (POSIX signals). Only
+    ``ValueError`` for an unknown backend is raised; solver failures, crashes and kills come
+    back as results. ``on_progress`` and ``on_incumbent`` (each
     improving solution the child streams, at most one per progress interval) run in the
     calling thread; an exception they raise propagates, after the child has been stopped.
     """
@@ -230,7 +238,8 @@ def solve(
     if fallback is not None and fallback not in BACKENDS:
         raise ValueError(f"unknown fallback backend {fallback!r}")
     listeners = _Listeners(on_progress, on_incumbent)
-    outcome = _run_child(model, backend, options, listeners, cancel, grace_s, backend_options)
+    flags = _Flags(cancel, hold)
+    outcome = _run_child(model, backend, options, listeners, flags, grace_s, backend_options)
     if outcome.result is not None:
         return outcome.result
     reason = outcome.unavailable or "unavailable"
@@ -245,6 +254,7 @@ def solve(
         None,
         grace_s=grace_s,
         on_incumbent=on_incumbent,
+        hold=hold,
     )
     note = f"{backend}: {reason}; solved with {fallback}"
     return replace(result, message=_join(note, result.message))
@@ -258,16 +268,30 @@ class _Listeners:
     incumbent: Incumbent | None
 
 
+@dataclass(frozen=True)
+class _Flags:
+    """The caller's flags: ``cancel`` stops the child, ``hold`` suspends it while set."""
+
+    cancel: StopFlag | None
+    hold: StopFlag | None
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def held(self) -> bool:
+        return self.hold is not None and self.hold.is_set()
+
+
 def _run_child(
     model: MILPModel,
     backend: str,
     options: SolveOptions,
     listeners: _Listeners,
-    cancel: StopFlag | None,
+    flags: _Flags,
     grace_s: float,
     backend_options: Mapping[str, Any] | None,
 ) -> _Outcome:
-    if cancel is not None and cancel.is_set():
+    if flags.cancelled():
         return _Outcome(_empty(SolveStatus.UNKNOWN, backend, 0.0, "cancelled before start"))
     ctx = mp.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
@@ -292,7 +316,7 @@ def _run_child(
     feeder.start()  # a thread: a child that never reads must not block the caller
     try:
         return _supervise(
-            process, receiver, stop, backend, options, listeners, cancel, grace_s, seen
+            process, receiver, stop, backend, options, listeners, flags, grace_s, seen
         )
     finally:
         _ensure_dead(process)
@@ -316,14 +340,16 @@ def _supervise(
     backend: str,
     options: SolveOptions,
     listeners: _Listeners,
-    cancel: StopFlag | None,
+    flags: _Flags,
     grace_s: float,
     seen: _Seen,
 ) -> _Outcome:
     deadline = seen.start + options.time_limit_s + grace_s
     stop_requested: float | None = None
     why = ""
+    suspended = _Suspension(process)
     while True:
+        suspended.follow(flags.held() and stop_requested is None)
         if receiver.poll(POLL_S):
             try:
                 message = receiver.recv()
@@ -334,8 +360,9 @@ def _supervise(
                 return _annotate(outcome, why)
         now = time.monotonic()  # checked after every message too: a chatty child is stoppable
         if stop_requested is None:
-            why = _stop_reason(cancel, now, deadline)
+            why = _stop_reason(flags, now, deadline)
             if why:
+                suspended.follow(False)  # a suspended child cannot stop by itself
                 stop.set()  # the backend's should_stop() sees it and stops cooperatively
                 stop_requested = now
         elif now - stop_requested > COOPERATIVE_WAIT_S:
@@ -343,8 +370,25 @@ def _supervise(
             return _Outcome(_from_seen(seen, backend, why + "; solver terminated"))
 
 
-def _stop_reason(cancel: StopFlag | None, now: float, deadline: float) -> str:
-    if cancel is not None and cancel.is_set():
+class _Suspension:
+    """Whether the child is suspended (SIGSTOP), kept in line with what is asked."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.suspended = False
+
+    def follow(self, wanted: bool) -> None:
+        if wanted == self.suspended or self.process.pid is None:
+            return
+        try:
+            os.kill(self.process.pid, signal.SIGSTOP if wanted else signal.SIGCONT)
+        except ProcessLookupError:
+            return  # it has exited; the pipe's EOF reports it
+        self.suspended = wanted
+
+
+def _stop_reason(flags: _Flags, now: float, deadline: float) -> str:
+    if flags.cancelled():
         return "cancelled"
     if now > deadline:
         return "hard time limit reached"
@@ -416,6 +460,8 @@ def _from_seen(seen: _Seen, backend: str, message: str, error: bool = False) -> 
 
 def _ensure_dead(process: Any) -> None:
     if process.is_alive():
+        with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
+            os.kill(process.pid, signal.SIGCONT)  # a suspended child would not stop
         process.terminate()  # SIGTERM: solvers install no handler for it
         process.join(TERMINATE_WAIT_S)
     if process.is_alive():

@@ -96,12 +96,14 @@ def _solve(
     for the time it has left, reporting through it."""
     settings = problem.solver
     options, listener, cancel = settings.options, settings.on_progress, settings.cancel
+    hold = None
     if seconds is not None:
         options = replace(options, time_limit_s=seconds)
     if search is not None:
         options = replace(options, time_limit_s=search.remaining())
         listener = search.on_full
         cancel = search.full_stop()
+        hold = search.full_held
     return runner.solve(
         model,
         backend=settings.backend,
@@ -110,6 +112,7 @@ def _solve(
         cancel=cancel,
         grace_s=SOLVE_GRACE_S if search is not None else runner.DEFAULT_GRACE_S,
         on_incumbent=on_incumbent,
+        hold=hold,
     )
 
 

@@ -10,17 +10,20 @@ the relaxation finds a bound.
    device until its last use), for a share of the time limit. Where keeping everything
    fits on some split of the devices it finds that split's optimum in seconds (ResNet18
    and VGG16 at 25% on cpu+cuda: the whole problem's optimum).
-2. Where it finds none (U-Net at 25% on cpu+cuda: proven infeasible in 5 s), the whole
+2. Where it finds none (U-Net at 25% on cpu+cuda: proven infeasible in 5 s), or finds a
+   plan before the full solve has any bound (ResNet18 at 25%, U-Net at 50%), the whole
    model's LP relaxation, solved to optimality: not a restriction but a relaxation, so its
    optimum is a bound of the whole problem, reported to the search (the full solve's root
-   LP comes much later: ``_relaxation``).
-3. Then, on long solves (``PLACEMENT_MIN_S`` left), the LP's placement: each node on the
-   device with the largest R[d,i,i], the model restricted to it (``XEngineModel.placed``)
-   and solved from the heuristic's plan for that placement (``placed_on``) until the full
-   solve ends. The LP puts the U-Net's bottleneck and its gradients on the CPU; the
-   heuristic prefers the whole deep half there, and neither the full nor the coarse solve
-   leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s: 3.751 ms (gap 3.1%)
-   instead of 3.939 (gap 7.6%).
+   LP comes much later: ``_relaxation``). The full solve is suspended meanwhile: its root
+   is that same LP, which it reaches later than the LP alone, so it has little to show
+   before then, and on 2 cores the LP gets one to itself.
+3. Then, where keep_all found no plan, on long solves (``PLACEMENT_MIN_S`` left), the LP's
+   placement: each node on the device with the largest R[d,i,i], the model restricted to
+   it (``XEngineModel.placed``) and solved from the heuristic's plan for that placement
+   (``placed_on``) until the full solve ends. The LP puts the U-Net's bottleneck and its
+   gradients on the CPU; the heuristic prefers the whole deep half there, and neither the
+   full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s:
+   3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%).
 """
 
 from __future__ import annotations
@@ -51,17 +54,17 @@ Offer = Callable[[np.ndarray, float], None]  # a solver incumbent of the full mo
 
 
 def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
-    """Greedy eviction on the warm start's placement, keep_all, then, if it found no plan,
-    the whole model's LP relaxation (its optimum a bound of the whole problem, reported to
-    the search) and, if enough time is left, the model restricted to the LP's
-    placement."""
+    """Greedy eviction on the warm start's placement, keep_all, then, if it found no plan
+    or the search has no bound yet, the whole model's LP relaxation (its optimum a bound of
+    the whole problem, reported to the search) and, if keep_all found no plan and enough
+    time is left, the model restricted to the LP's placement."""
     limit = search.problem.solver.options.time_limit_s
     _evict_on_warm_start(search, formulation.devices)
     kept = _solve(search, formulation.keep_all(), offer, limit * RESTRICTED_SHARE)
-    if kept.x is not None:
+    if kept.x is not None and search.bound > search.ideal:
         return
     relaxed = _relaxation(search, formulation)
-    if relaxed is None or search.time_left() < PLACEMENT_MIN_S:
+    if kept.x is not None or relaxed is None or search.time_left() < PLACEMENT_MIN_S:
         return
     home = formulation.home(relaxed)
     if not search.beside_stop().is_set():
@@ -84,12 +87,18 @@ def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> None:
 
 def _relaxation(search: Search, formulation: XEngineModel) -> np.ndarray | None:
     """The whole model's LP relaxation, solved to optimality: its objective is reported to
-    the search as a bound of the whole problem (``Search.on_bound``). Where keeping
-    everything fits nowhere the full solve's root LP comes late: U-Net at 25% on cpu+cuda,
-    HiGHS alone, the MIP's root bound (3.611 ms) after 54-73 s (presolve, symmetry
-    detection, then the same LP), the LP alone in 35 s; beside the full and coarse solves
-    the root bound did not come within 120 s."""
-    relaxed = _solve(search, formulation.lp_relaxation(), None, search.time_left(), LP)
+    the search as a bound of the whole problem (``Search.on_bound``), the full solve
+    suspended meanwhile (``Search.full_held``). The full solve's root LP comes late: U-Net
+    at 25% on cpu+cuda, HiGHS alone, the MIP's root bound (3.611 ms) after 54-73 s
+    (presolve, symmetry detection, then the same LP), the LP alone in 16 s (devex pricing,
+    ``highs.LP_DUAL_PRICING``); in the 120 s search the LP's bound came at 106 s beside the
+    running full solve, at 46 s with the full solve held and devex (ResNet18: 0.1% gap at
+    50 s instead of 87 s)."""
+    search.full_held.set()
+    try:
+        relaxed = _solve(search, formulation.lp_relaxation(), None, search.time_left(), LP)
+    finally:
+        search.full_held.clear()
     if relaxed.status is not SolveStatus.OPTIMAL or relaxed.objective is None:
         return None
     search.on_bound(relaxed.objective)

@@ -5,8 +5,9 @@ best plan in hand.
 
 They run at once (the solves beside the full one in threads, each solver in its own
 subprocess): the full model's solve gives the bound of the whole problem (as does the LP
-relaxation the restricted thread solves where keeping everything fits nowhere: on U-Net
-the full solve's own root LP comes too late) and, on small graphs, the optimum; the
+relaxation the restricted thread solves, the full solve suspended meanwhile, where keeping
+everything fits nowhere or no bound is known yet: on U-Net and ResNet18 the full solve's
+own root LP comes too late) and, on small graphs, the optimum; the
 coarse solve, a smaller model, finds good plans where the full one finds none in time
 (U-Net when its first coarse plan comes in time); the restriction finds the optimum where
 it recomputes nothing (ResNet18 and VGG16 at 25% on cpu+cuda). Each stops the others'
@@ -76,6 +77,7 @@ class Search:
         self.gap_met = threading.Event()  # stops the full solve
         self.coarse_done = threading.Event()  # stops the coarse solve
         self.full_done = threading.Event()  # the full solve ended: stops the solves beside it
+        self.full_held = threading.Event()  # suspends the full solve's process while set
         self._lock = threading.Lock()
 
     @property

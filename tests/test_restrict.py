@@ -66,19 +66,26 @@ def test_once_the_full_solve_has_ended_the_restrictions_stop_at_once() -> None:
     assert time.monotonic() - started < 30
 
 
+def _forbid(monkeypatch: pytest.MonkeyPatch, name: str, why: str) -> None:
+    def unexpected(*_: object) -> None:
+        raise AssertionError(why)
+
+    monkeypatch.setattr(restrict, name, unexpected)
+
+
+def _restrictions_offer(search: Search, formulation: XEngineModel) -> list[np.ndarray]:
+    offered: list[np.ndarray] = []
+    restrict.solve_restrictions(search, formulation, lambda x, _: offered.append(x))
+    return offered
+
+
 def test_when_keep_all_finds_a_plan_and_the_full_solve_has_a_bound_the_lp_is_not_solved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, formulation, search = _setup(100)
     search.on_full(Progress(1.0, None, search.ideal * 1.01, None))
-
-    def unexpected(*_: object) -> None:
-        raise AssertionError("the LP relaxation ran although the full solve had a bound")
-
-    monkeypatch.setattr(restrict, "_relaxation", unexpected)
-    offered: list[np.ndarray] = []
-    restrict.solve_restrictions(search, formulation, lambda x, _: offered.append(x))
-    assert offered
+    _forbid(monkeypatch, "_relaxation", "the LP relaxation ran although the full solve had a bound")
+    assert _restrictions_offer(search, formulation)
 
 
 def test_when_keep_all_finds_a_plan_before_any_bound_the_lp_gives_one_but_no_placement(
@@ -89,14 +96,8 @@ def test_when_keep_all_finds_a_plan_before_any_bound_the_lp_gives_one_but_no_pla
     plan is in hand)."""
     _, formulation, search = _setup(100)
     relaxed = runner.solve(formulation.lp_relaxation())
-
-    def unexpected(*_: object) -> None:
-        raise AssertionError("the LP's placement was solved although keep_all found a plan")
-
-    monkeypatch.setattr(restrict, "_placed", unexpected)
-    offered: list[np.ndarray] = []
-    restrict.solve_restrictions(search, formulation, lambda x, _: offered.append(x))
-    assert offered
+    _forbid(monkeypatch, "_placed", "the LP's placement was solved although keep_all found a plan")
+    assert _restrictions_offer(search, formulation)
     assert relaxed.objective is not None
     assert search.bound == pytest.approx(relaxed.objective)
 

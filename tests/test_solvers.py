@@ -286,6 +286,48 @@ def test_cancel_stops_a_held_solve_within_two_seconds() -> None:
     assert not child.is_alive()
 
 
+_HELD_ORPHAN = """
+import multiprocessing, sys, threading, time
+sys.path.insert(0, "tests")
+from test_solvers import market_split
+from remat.solvers import runner
+from remat.solvers.model import SolveOptions
+
+hold, heard = threading.Event(), threading.Event()
+
+def solve():
+    options = SolveOptions(time_limit_s=120)
+    runner.solve(market_split(50), "highs", options, lambda _: heard.set(), hold=hold)
+
+threading.Thread(target=solve, daemon=True).start()
+heard.wait(60)
+hold.set()
+(child,) = multiprocessing.active_children()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_held_child_dies_with_its_killed_parent() -> None:
+    """A suspended child cannot notice that its parent is gone: the kernel kills it."""
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _HELD_ORPHAN], stdout=subprocess.PIPE, text=True, cwd=root
+    )
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        assert _until(lambda: _state(pid) == "T"), "the held child was not stopped"
+    finally:
+        parent.kill()
+        parent.wait(10)
+    gone = _until(lambda: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 5)
+    if not gone:
+        os.kill(pid, signal.SIGKILL)  # not left behind, stopped, by a failing run
+    assert gone, "the held child outlived its killed parent"
+
+
 def test_cancel_before_start_spawns_nothing() -> None:
     cancel = threading.Event()
     cancel.set()

@@ -20,11 +20,13 @@ here too; this module imports no solver library.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -164,6 +166,7 @@ def _child_main(
     conn: Connection,
     stop: Any,  # multiprocessing Event
 ) -> None:
+    _die_with_parent()
     lock = threading.Lock()  # solver threads may report concurrently
 
     def send(message: tuple[Any, ...]) -> None:
@@ -192,6 +195,18 @@ def _child_main(
         conn.close()
 
 
+def _die_with_parent() -> None:
+    """Have the kernel kill this process when the thread that started it dies (Linux's
+    PR_SET_PDEATHSIG): a child suspended by ``hold`` when its parent is killed would never
+    notice (a running one does, at its next message) and would keep its memory for good.
+    The starting thread waits in ``solve`` until the child has ended, so only its death
+    (the process's) fires it."""
+    if sys.platform != "linux":
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------------------- parent side
 
 
@@ -200,6 +215,7 @@ class _Seen:
     """What the parent knows about a running child, for when it has to kill it."""
 
     start: float
+    heard: bool = False  # a message came: the child runs its solver (and ``_die_with_parent``)
     x: np.ndarray | None = None
     objective: float | None = None
     bound: float | None = None
@@ -349,7 +365,7 @@ def _supervise(
     why = ""
     suspended = _Suspension(process)
     while True:
-        suspended.follow(flags.held() and stop_requested is None)
+        suspended.follow(flags.held() and seen.heard and stop_requested is None)
         if receiver.poll(POLL_S):
             try:
                 message = receiver.recv()
@@ -402,6 +418,7 @@ def _handle(
     seen: _Seen,
 ) -> _Outcome | None:
     kind = message[0]
+    seen.heard = True
     if kind == "progress":
         progress: Progress = message[1]
         seen.bound = progress.bound if progress.bound is not None else seen.bound

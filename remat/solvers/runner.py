@@ -174,6 +174,7 @@ def _child_main(
             conn.send(message)
 
     try:
+        send(("started",))  # may be suspended from now on (``_die_with_parent`` has run)
         model, options, backend_options = inbox.recv()
         inbox.close()
         module = importlib.import_module(f"remat.solvers.{backend}")
@@ -215,7 +216,7 @@ class _Seen:
     """What the parent knows about a running child, for when it has to kill it."""
 
     start: float
-    heard: bool = False  # a message came: the child runs its solver (and ``_die_with_parent``)
+    heard: bool = False  # a message came: the child has run ``_die_with_parent``
     x: np.ndarray | None = None
     objective: float | None = None
     bound: float | None = None
@@ -419,6 +420,8 @@ def _handle(
 ) -> _Outcome | None:
     kind = message[0]
     seen.heard = True
+    if kind == "started":
+        return None
     if kind == "progress":
         progress: Progress = message[1]
         seen.bound = progress.bound if progress.bound is not None else seen.bound

@@ -23,9 +23,10 @@ the relaxation finds a bound.
    (``placed_on``) until the full solve ends. The LP puts the U-Net's bottleneck and its
    gradients on the CPU; the heuristic prefers the whole deep half there, and neither the
    full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s:
-   3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%) when it started from eviction's 3.92 ms;
-   beside three solver processes eviction now runs out of its 5 s before its plan fits,
-   the model starts from the heuristic's 4.26 ms and finds nothing under 3.904 in 240 s.
+   3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%) once, from eviction's 3.92 ms; beside
+   three solver processes eviction now runs out of its 5 s before its plan fits and the
+   model, from the heuristic's 4.26 ms, finds nothing under 3.904 in 240 s, nor does it
+   from eviction's 3.937 (the full solve held while that start is built).
 """
 
 from __future__ import annotations

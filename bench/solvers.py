@@ -15,6 +15,7 @@ problem (the solver's bound or the ideal, whichever is larger).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 
@@ -139,6 +140,7 @@ def _row(
     where = "+".join(devices)
     if not result.feasible or result.plan is None or result.plan.solver is None:
         status = "infeasible" if "infeasible" in result.message else "no plan"
+        print(f"{where} {backend}: {result.message}", file=sys.stderr)  # why, off the table
         return f"{where} | {backend} | {status} | - | - | - | - | - | - | {_s(clock.elapsed)} |"
     solver = result.plan.solver
     objective = solver.objective

@@ -16,6 +16,7 @@ from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import evict as evict_module
+from remat.strategies import optimal as optimal_module
 from remat.strategies import run_strategy
 from remat.strategies.base import Problem, SolverSettings
 from remat.strategies.evict import _evicted, _refills, _released, evict_placed, greedy_evict
@@ -130,6 +131,38 @@ def test_a_swap_beats_where_eviction_and_refill_stop(name: str) -> None:
     result = greedy_evict(problem, "cuda0", time_budget_s=60.0)  # not cut short
     assert result.simulation.valid
     assert result.simulation.total_ms == pytest.approx(swapped.cost_ms)
+
+
+def test_the_descent_to_a_fitting_plan_may_outrun_the_time_budget() -> None:
+    """U-Net at 25% on cuda0 with no time at all: the plan in hand is checkpoint-all
+    (it does not fit); with time to fit, the descent runs on to a plan that fits, and the
+    refills and swaps, out of time, are skipped (the plan costs more than with time)."""
+    problem = _zoo_problem("unet", 25, ("cuda0",))
+    assert not greedy_evict(problem, "cuda0", time_budget_s=0.0).feasible
+    fitted = greedy_evict(problem, "cuda0", time_budget_s=0.0, fit_budget_s=60.0)
+    assert fitted.feasible, fitted.message
+    assert fitted.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+    refined = greedy_evict(problem, "cuda0", time_budget_s=60.0)
+    assert refined.simulation.total_ms < fitted.simulation.total_ms
+
+
+def test_the_milps_warm_start_fits_even_when_evictions_budget_is_spent(monkeypatch) -> None:
+    """The heuristics' budget at a share of the limit, here none: eviction's descent still
+    gets half the limit to fit, so U-Net at 25% on cuda0 (no baseline fits, the placed
+    heuristic finds no plan, HiGHS none of its own in 10 s) has a plan; the search is
+    cancelled once it is offered."""
+    monkeypatch.setattr(optimal_module, "PLACED_TIME_BUDGET_S", 0.0)
+    cancel = threading.Event()
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=10.0, gap=1e-4, threads=2),
+        cancel=cancel,
+        on_plan=lambda _result: cancel.set(),
+    )
+    problem = _zoo_problem("unet", 25, ("cuda0",))
+    problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
+    result = checkmate_milp(problem, "cuda0", coarse=False)
+    assert result.feasible, result.message
+    assert result.simulation.valid
 
 
 @pytest.mark.parametrize("seed", range(12))

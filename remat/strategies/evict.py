@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -131,12 +131,18 @@ _Step = Callable[[_Context, _State], "_State | None"]  # the next state, if any
 
 
 def greedy_evict(
-    problem: Problem, device: str, time_budget_s: float = TIME_BUDGET_S
+    problem: Problem,
+    device: str,
+    time_budget_s: float = TIME_BUDGET_S,
+    fit_budget_s: float | None = None,
 ) -> StrategyResult:
     """The cheapest plan the eviction loop reaches on ``device`` within ``time_budget_s``
-    (then the plan in hand is judged: it fits, or it says how much it needs)."""
+    (then the plan in hand is judged: it fits, or it says how much it needs). The descent
+    to a first plan that fits may run on to ``fit_budget_s`` (if longer): where nothing
+    else gives a plan, a slow moment must not leave none (refills and swaps then stop)."""
     home = np.zeros(len(problem.graph), dtype=np.int64)
-    state = _search(_Context.of(problem, (device,), home, time_budget_s))
+    context = _Context.of(problem, (device,), home, time_budget_s)
+    state = _search(context, fit_budget_s)
     prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
     return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
 
@@ -160,9 +166,15 @@ def home_of(schedule: Schedule, names: Sequence[str]) -> np.ndarray:
     return np.array([names.index(schedule.devices[d]) for d in on.tolist()], dtype=np.int64)
 
 
-def _search(context: _Context) -> _State:
+def _search(context: _Context, fit_budget_s: float | None = None) -> _State:
+    """Evict until the plan fits (for up to ``fit_budget_s`` from the start, if longer than
+    the context's budget), then refill and swap within the context's budget."""
+    started = time.monotonic()
     state = context.state(HoldBuilder(context.problem.graph).keep_everything().build())
-    state = _refill(context, _descend(context, state))
+    fitting = context
+    if fit_budget_s is not None:
+        fitting = replace(context, deadline=max(context.deadline, started + fit_budget_s))
+    state = _refill(context, _descend(fitting, state))
     return _swap(context, state) if len(context.names) == 1 else state
 
 

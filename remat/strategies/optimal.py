@@ -47,6 +47,7 @@ from remat.strategies.search import SOLVE_GRACE_S, Beside, Search, start_coarse
 LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D: a sweep
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
+FIT_SHARE = 0.5  # of the time limit: eviction's descent to a first plan that fits, at most
 
 
 class Formulation(Protocol):
@@ -274,15 +275,22 @@ def _warm_start(search: Search, names: Sequence[str], ways: _Ways) -> None:
     of a 10 s limit from the full solve's root LP. Eviction is left out on several
     devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08 ms) and the
     first plan would come later; there the restricted thread runs it on the warm start's
-    placement (``restrict.solve_restrictions``)."""
+    placement (``restrict.solve_restrictions``). Eviction's descent to a plan that fits
+    may take up to ``FIT_SHARE`` of the limit (its refills and swaps a quarter): at tight
+    budgets (U-Net, MobileNet at 25% on cuda0) no baseline fits and the placed heuristic
+    finds nothing either, so a descent cut short (U-Net's takes 1.4 s of the 2.5 s at a
+    10 s limit) left the solvers without a start, and none found a plan in 10 s."""
     problem = search.problem
     search.offer(best_baseline(problem, names))
     if ways.decomposes(problem):
         return
-    seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s / 4)
-    if len(names) == 1 and (evicted := greedy_evict(problem, names[0], seconds)).feasible:
-        search.offer(evicted)
-        return
+    limit = problem.solver.options.time_limit_s
+    seconds = min(PLACED_TIME_BUDGET_S, limit / 4)
+    if len(names) == 1:
+        evicted = greedy_evict(problem, names[0], seconds, fit_budget_s=limit * FIT_SHARE)
+        if evicted.feasible:
+            search.offer(evicted)
+            return
     search.offer(placed_greedy(problem, names, seconds, search.offer))
 
 

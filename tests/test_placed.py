@@ -1,6 +1,7 @@
 """The multi-device R solve (``rsolve.solve_r_placed``) and the placed heuristic that
 warm-starts XEngine where no single device fits."""
 
+import threading
 import time
 
 import numpy as np
@@ -158,6 +159,34 @@ def test_xengine_reports_a_plan_before_the_heuristics_local_search(monkeypatch):
     result = xengine(_split_problem("unet", 25, settings))
     assert result.feasible
     assert started and reported and reported[0] < started[0]
+
+
+def test_placed_greedy_judges_on_until_a_plan_fits_within_its_fit_budget():
+    """The transformer at 25% on cpu+cuda: no candidate is estimated to fit, and the first
+    the simulator accepts comes after several are judged. Out of time, the heuristic
+    stops after the first (no plan); with time to fit it judges on, then stops."""
+    problem = _split_problem("transformer", 25)
+    _no_single_device_fits(problem)
+    assert not placed_greedy(problem, time_budget_s=0.0).feasible
+    result = placed_greedy(problem, time_budget_s=0.0, fit_budget_s=60.0)
+    assert result.feasible, result.message
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid
+
+
+def test_xengine_finds_the_transformers_plan_at_a_short_limit():
+    """At a 10 s limit the heuristic's quarter (2.5 s) ran out before the transformer's
+    first plan that fits (3.8 s), no solver found one in the rest: "no plan" in every
+    backend's row. Its search for a first plan may now take half the limit; the solve is
+    cancelled once a plan is offered."""
+    cancel = threading.Event()
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=10.0), cancel=cancel, on_plan=lambda _: cancel.set()
+    )
+    problem = _split_problem("transformer", 25, settings)
+    result = xengine(problem)
+    assert result.feasible, result.message
+    assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
 
 
 def test_placements_include_fastest_single_devices_and_cuts():

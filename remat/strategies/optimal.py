@@ -275,11 +275,11 @@ def _warm_start(search: Search, names: Sequence[str], ways: _Ways) -> None:
     of a 10 s limit from the full solve's root LP. Eviction is left out on several
     devices: the placed heuristic's plans are cheaper there (U-Net at 25%: 4.08 ms) and the
     first plan would come later; there the restricted thread runs it on the warm start's
-    placement (``restrict.solve_restrictions``). Eviction's descent to a plan that fits
-    may take up to ``FIT_SHARE`` of the limit (its refills and swaps a quarter): at tight
-    budgets (U-Net, MobileNet at 25% on cuda0) no baseline fits and the placed heuristic
-    finds nothing either, so a descent cut short (U-Net's takes 1.4 s of the 2.5 s at a
-    10 s limit) left the solvers without a start, and none found a plan in 10 s."""
+    placement (``restrict.solve_restrictions``). The heuristics get a quarter of the limit,
+    and up to ``FIT_SHARE`` of it until a first plan fits: at tight budgets no baseline
+    fits, and a heuristic cut short left the solvers without a start; none found a plan in
+    10 s (eviction's descent on U-Net at 25% on cuda0 takes 1.4 s of the 2.5 s, and the
+    placed heuristic's first plan for the transformer at 25% on cpu+cuda came at 3.8 s)."""
     problem = search.problem
     search.offer(best_baseline(problem, names))
     if ways.decomposes(problem):
@@ -291,7 +291,7 @@ def _warm_start(search: Search, names: Sequence[str], ways: _Ways) -> None:
         if evicted.feasible:
             search.offer(evicted)
             return
-    search.offer(placed_greedy(problem, names, seconds, search.offer))
+    search.offer(placed_greedy(problem, names, seconds, search.offer, limit * FIT_SHARE))
 
 
 @dataclass(frozen=True)

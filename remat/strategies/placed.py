@@ -295,6 +295,25 @@ def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
     return list(unique.values())
 
 
+def bands(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
+    """Home device per node: each on its fastest device but for one band of forward
+    layers (every start and end, with their backward nodes), moved to another device."""
+    costs = problem.costs
+    compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
+    fastest = np.argmin(compute, axis=1).astype(np.int64)
+    layer = forward_layer(problem)
+    F = int(layer.max())
+    found = []
+    for first in range(F + 1):
+        for end in range(first + 1, F + 2):
+            band = (layer >= first) & (layer < end)
+            for shift in range(1, len(names)):
+                place = fastest.copy()
+                place[band] = (fastest[band] + shift) % len(names)
+                found.append(place)
+    return found
+
+
 def forward_layer(problem: Problem) -> np.ndarray:
     """The forward position a node belongs to: itself (forward), its forward node
     (backward), the end of the forward pass (loss)."""

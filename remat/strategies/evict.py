@@ -169,7 +169,8 @@ def evict_bands(
 ) -> None:
     """Greedy eviction on band placements (``placed.bands``: each node on its fastest
     device but for one band of forward layers), those whose keep-everything plan is least
-    over the budgets first, each plan offered, until the time budget is spent. The
+    over the budgets first, each better plan offered, until the time budget is spent or
+    ``BAND_PATIENCE`` bands in a row bring nothing better. The
     transformer at 25% on cpu+cuda: 0.5695 ms from the second band tried (0.6 s), where
     eviction on the multi-device heuristic's placement reaches 0.666 (the heuristic ranks
     bands by Chen's policies, which keep too much of the attention); the keep-everything

@@ -175,15 +175,16 @@ def evict_bands(
     eviction on the multi-device heuristic's placement reaches 0.666 (the heuristic ranks
     bands by Chen's policies, which keep too much of the attention); the keep-everything
     excess ranks the best band 2nd of 496, its cost 145th."""
-    deadline = time.monotonic() + time_budget_s
+    homes = bands(problem, names)
+    context = _Context.of(problem, names, homes[0], time_budget_s)  # one Profiler for all
     keep = HoldBuilder(problem.graph).keep_everything().build()
     ranked: list[tuple[int, float, int]] = []
-    homes = bands(problem, names)
     for index, home in enumerate(homes):
-        if time.monotonic() > deadline or problem.cancelled:
+        if context.stopped():
             return
-        kept = _Context.of(problem, names, home, time_budget_s).state(keep)
+        kept = replace(context, home=home).state(keep)
         ranked.append((kept.excess, kept.cost_ms, index))
+    deadline = context.deadline
     best, since = np.inf, 0
     for _, _, index in sorted(ranked):
         left = deadline - time.monotonic()

@@ -276,10 +276,8 @@ def _over(problem: Problem, deadline: float) -> bool:
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
     """Home device per node (indices into ``names``): fastest, each single device, cuts,
     bands."""
-    graph, costs = problem.graph, problem.costs
-    n, D = len(graph), len(names)
-    compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
-    found = [np.argmin(compute, axis=1)] + [np.full(n, d) for d in range(D)]
+    n, D = len(problem.graph), len(names)
+    found = [_fastest(problem, names)] + [np.full(n, d) for d in range(D)]
     layer = forward_layer(problem)
     F = max(int(layer.max()), 1)
     cuts = sorted({int(k) for k in np.linspace(1, F, CUTS + 2)[1:-1]})
@@ -298,9 +296,7 @@ def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
 def bands(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
     """Home device per node: each on its fastest device but for one band of forward
     layers (every start and end, with their backward nodes), moved to another device."""
-    costs = problem.costs
-    compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
-    fastest = np.argmin(compute, axis=1).astype(np.int64)
+    fastest = _fastest(problem, names)
     layer = forward_layer(problem)
     F = int(layer.max())
     found = []
@@ -312,6 +308,13 @@ def bands(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
                 place[band] = (fastest[band] + shift) % len(names)
                 found.append(place)
     return found
+
+
+def _fastest(problem: Problem, names: Sequence[str]) -> np.ndarray:
+    """Each node on its fastest device (an index into ``names``)."""
+    costs = problem.costs
+    compute = costs.compute_ms[:, [costs.device_index(name) for name in names]]
+    return np.argmin(compute, axis=1).astype(np.int64)
 
 
 def forward_layer(problem: Problem) -> np.ndarray:

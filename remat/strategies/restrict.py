@@ -101,12 +101,11 @@ def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> float | None
 def _evict_on_bands(search: Search, names: tuple[str, ...], took: float | None) -> None:
     """Greedy eviction on band placements (``evict.evict_bands``) for a share of the limit,
     where keep_all found no plan (where one keeps everything, keep_all finds the best) and
-    eviction on the warm start's placement took at
-    most 1/``BAND_EVICTIONS`` of that share. The transformer at 25% on cpu+cuda: 0.666 ->
-    0.5695 ms, at 50% 0.497 -> 0.466, in under a second alone; at a 10 s limit it ends at
-    8.5 s and the LP's bound still comes (before keep_all, the bound came too late; after
-    the LP, the plan). U-Net's evictions take seconds each: there it found nothing in 20 s
-    and would delay the LP's bound."""
+    eviction on the warm start's placement took at most 1/``BAND_EVICTIONS`` of that share.
+    The transformer at 25% on cpu+cuda: 0.666 -> 0.5695 ms, at 50% 0.497 -> 0.466, in
+    under a second alone; at a 10 s limit it ends at 8.5 s and the LP's bound still comes
+    (before keep_all, the bound came too late; after the LP, the plan). U-Net's evictions
+    take seconds each: there it found nothing in 20 s and would delay the LP's bound."""
     seconds = min(search.problem.solver.options.time_limit_s * RESTRICTED_SHARE, search.time_left())
     if took is None or took * BAND_EVICTIONS > seconds or search.beside_stop().is_set():
         return

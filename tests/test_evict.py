@@ -175,13 +175,16 @@ def test_the_milps_warm_start_fits_even_when_evictions_budget_is_spent(monkeypat
 def test_eviction_on_bands_beats_eviction_on_the_heuristics_placement() -> None:
     """The transformer at 25% on cpu+cuda: the multi-device heuristic's placement (chosen
     with Chen's policies) gives 0.666 ms with eviction; eviction on band placements, those
-    least over the budgets with everything kept first, finds 0.5695 ms. Each plan offered
-    fits and is cheaper than the one before; the search stops on its own (patience)."""
+    least over the budgets with everything kept first, finds 0.5695 ms, and node moves from
+    that band 0.522 ms (HiGHS alone: 0.5496 ms in 282 s). Each plan offered fits and is
+    cheaper than the one before, the last one node's move from the one before it; the
+    search stops on its own (patience, then no move that helps)."""
     problem = _zoo_problem("transformer", 25, ("cpu0", "cuda0"))
     names = ("cpu0", "cuda0")
     warm = placed_greedy(problem, names, 5.0, fit_budget_s=60.0)
     on_warm = evict_placed(problem, names, home_of(warm.schedule, names), 60.0)
     offered: list[float] = []
+    homes: list[np.ndarray] = []
 
     def offer(result) -> None:
         verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
@@ -189,10 +192,13 @@ def test_eviction_on_bands_beats_eviction_on_the_heuristics_placement() -> None:
             verdict.peak_bytes[name] <= problem.budgets[name] for name in names
         )
         offered.append(result.simulation.total_ms)
+        homes.append(home_of(result.schedule, names))
 
     evict_module.evict_bands(problem, names, 120.0, offer)
     assert offered == sorted(offered, reverse=True)
-    assert offered[-1] < 0.9 * on_warm.simulation.total_ms
+    assert offered[-1] < 0.8 * on_warm.simulation.total_ms
+    assert offered[-1] < 0.55  # the best band alone: 0.5695 ms
+    assert np.count_nonzero(homes[-1] != homes[-2]) == 1
 
 
 @pytest.mark.parametrize("seed", range(12))

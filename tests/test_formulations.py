@@ -606,10 +606,9 @@ def test_every_backend_reaches_the_brute_force_optimum(backend: str) -> None:
     budget = sorted(budget_grid(table))[len(budget_grid(table)) // 2][0]
     model = build_checkmate(one, costs, "dev0", budget, single_device_fixed_bytes(one)).model
     result = runner.solve(model, backend=backend, options=SolveOptions(time_limit_s=30))
-    # CP-SAT puts the continuous U on an integer grid: a restriction of the model, so it
-    # finds the optimum but cannot prove it for the original model.
-    proven = SolveStatus.FEASIBLE if backend == "cpsat" else SolveStatus.OPTIMAL
-    assert result.status is proven, result.message
+    # CP-SAT too proves it: the continuous U lies on the lattice its rows imply (fixed
+    # memory + whole units), so the integer model is exact.
+    assert result.status is SolveStatus.OPTIMAL, result.message
     assert result.backend == backend
     assert result.objective == pytest.approx(optimum(table, (budget,)), rel=1e-4)
 

@@ -445,7 +445,7 @@ def test_decimal_rows_scale_exactly() -> None:
     assert rows[0].coefs.tolist() == [25, 150, -200] and rows[0].hi == 375 and rows[0].lo is None
 
 
-def test_memory_accumulator_is_implied_integral() -> None:
+def test_memory_accumulator_is_on_a_lattice() -> None:
     # U1 = U0 + 1024 R (Checkmate's memory recurrence): U0 fixed by U0 = 512 R0.
     model = _model(
         [0, 0, 0, 0],
@@ -456,8 +456,72 @@ def test_memory_accumulator_is_implied_integral() -> None:
         [np.inf, np.inf, 1, 1],
         [0, 0, 1, 1],
     )
-    assert cpsat.implied_integral(model).tolist() == [True, True, True, True]
+    lattice = cpsat.implied_lattice(model)
+    assert lattice.on.tolist() == [True] * 4
+    assert lattice.step.tolist() == [512, 512, 1, 1] and not lattice.offset.any()
     assert cpsat.scale(model).exact
+
+
+def test_a_fractional_fixed_memory_offsets_the_lattice() -> None:
+    """Checkmate's U[t,0] = fixed bytes / unit + whole units (10.42 + 2 S1 + 3 S2 here):
+    its lattice has offset 0.42 and step 1, so the budget U <= 13.5 is exact, where
+    micro-unit steps left the equality row empty (every CP-SAT solve of such a model was
+    "infeasible")."""
+    fixed = 10.4208984375  # needs 10 decimals, a binary fraction: 10 + 431/1024
+    model = _model([0, -1, -2], [[1, -2, -3]], [fixed], [fixed], [0, 0, 0], [13.5, 1, 1], [0, 1, 1])
+    lattice = cpsat.implied_lattice(model)
+    assert lattice.on.tolist() == [True, True, True]
+    assert lattice.step[0] == 1.0 and lattice.offset[0] == pytest.approx(fixed - 10)
+    scaled = cpsat.scale(model)
+    assert scaled.exact
+    assert all(row.lo is None or row.hi is None or row.lo <= row.hi for row in scaled.rows)
+    result = runner.solve(model, "cpsat", fallback=None)
+    assert result.status is SolveStatus.OPTIMAL and result.objective == pytest.approx(-2)
+    assert result.x.tolist() == pytest.approx([fixed + 3, 0, 1])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cpsat_on_memory_lattices_matches_highs(seed: int) -> None:
+    """Random memory recurrences in the shape of Checkmate's (U0 = fixed + sizes @ S,
+    U1 = U0 + sizes @ R, both under a budget) with fractional fixed parts and sizes in
+    1/8ths: CP-SAT's integer model is exact, so its optimum (or its infeasibility proof)
+    is HiGHS's."""
+    rng = np.random.default_rng(seed)
+    n = 4
+    sizes = rng.integers(1, 24, size=(2, n)) / 8
+    fixed = float(rng.integers(0, 4096)) / 1024
+    budget = fixed + float(rng.uniform(0.5, 3.5))
+    # columns: U0, U1, S[0..n), R[0..n)
+    A = np.zeros((3, 2 + 2 * n))
+    A[0, 0], A[0, 2 : 2 + n] = 1, -sizes[0]
+    A[1, 1], A[1, 0], A[1, 2 + n :] = 1, -1, -sizes[1]
+    A[2, 2 + n :] = 1  # at least two R
+    c = np.concatenate([[0, 0], -rng.uniform(0.1, 1, n), rng.uniform(0.1, 1, n)])
+    model = _model(
+        c,
+        A,
+        [fixed, 0, 2],
+        [fixed, 0, np.inf],
+        [0] * (2 + 2 * n),
+        [budget, budget] + [1] * (2 * n),
+        [False, False] + [True] * (2 * n),
+    )
+    assert cpsat.scale(model).exact
+    highs = runner.solve(model, "highs", fallback=None)
+    cp = runner.solve(model, "cpsat", fallback=None)
+    assert cp.status is highs.status
+    if highs.status is SolveStatus.OPTIMAL:
+        assert cp.objective == pytest.approx(highs.objective, abs=1e-6)
+
+
+def test_binary_fraction_coefficients_scale_exactly() -> None:
+    """XEngine's fixed-tensor sizes in units of a power-of-two GCD (431/1024 of a unit):
+    not decimal within 9 digits, exact as binary fractions."""
+    rows, exact = cpsat.scale_row(
+        np.arange(2), np.array([431 / 1024, 1.0]), np.zeros(2), np.full(2, 4), -np.inf, 2.5
+    )
+    assert exact and len(rows) == 1
+    assert rows[0].coefs.tolist() == [431, 1024] and rows[0].hi == 2560
 
 
 def test_rounded_objective_keeps_the_bound_valid() -> None:

@@ -2,13 +2,17 @@
 
 The model is scaled to integers first (``scale``, pure numpy, no ortools):
 
-- every variable becomes an integer ``k`` with ``x = step * k``. Integer variables have step
-  1; so do continuous ones that are implied integral (the linearization's products, and
-  equality rows ``x = integer combination``); other continuous variables are discretised at
-  ``resolution`` (e.g. 1e-6: micro-units) and the solver then works on a restriction of the
-  model.
-- each row is multiplied by the smallest power of ten that makes its coefficients integral.
-  When none does (up to 1e9), the row is scaled to ``_PRECISION`` and rounded
+- every variable becomes an integer ``k`` with ``x = offset + step * k``. Integer variables
+  have step 1 and offset 0; continuous ones that an equality row fixes as ``x = r - (a
+  combination of lattice variables)`` get that combination's lattice (``implied_lattice``:
+  Checkmate's memory U = fixed bytes / unit + whole units of values, with a fractional
+  fixed part, gets offset 0.42 and step 1; XEngine's, with fractional fixed-tensor sizes
+  in units, a step of 1/1024); other continuous variables are discretised at
+  ``resolution`` (e.g. 1e-6: micro-units) and the solver then works on a restriction of
+  the model.
+- each row is multiplied by the smallest power of ten, or else the smallest common
+  denominator of its coefficients as binary fractions, that makes its coefficients
+  integral. When none does (up to 1e9), the row is scaled to ``_PRECISION`` and rounded
   conservatively: the coefficients are rounded in the direction that over-estimates the
   constrained side for the variable's sign, and whatever a mixed-sign variable can still
   add is taken off the bound, so any point CP-SAT accepts satisfies the original row.
@@ -26,6 +30,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -36,6 +41,7 @@ from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relativ
 DEFAULT_RESOLUTION = 1e-6
 _MAX_EXACT_POWER = 9  # try row scale factors 10**0 .. 10**9
 _PRECISION = 1e7  # largest coefficient of a row that has to be rounded
+_MAX_DENOMINATOR = 2**30  # binary fractions beyond this are treated as arbitrary reals
 _INFINITE_DOMAIN = 2**40  # stands in for an infinite variable bound
 _INT64 = 2**63 - 1
 # "Integral" means integral to float precision: the data is only defined that far, and a
@@ -55,18 +61,26 @@ class ScaledRow:
 
 @dataclass(frozen=True)
 class ScaledModel:
-    step: np.ndarray  # x = step * k
+    step: np.ndarray  # x = offset + step * k
+    offset: np.ndarray
     k_lo: np.ndarray  # int64 domains of k
     k_hi: np.ndarray
     rows: tuple[ScaledRow, ...]
     obj: np.ndarray  # int64 objective coefficients of k
     obj_scale: float  # scaled objective = obj_scale * (c @ x)
     obj_error: float  # |unscaled integer objective - c @ x| is at most this
+    obj_offset: float  # c @ offset: c @ x = obj_offset + (c * step) @ k
     exact: bool  # same feasible points as the original model
 
     def x(self, k: np.ndarray) -> np.ndarray:
         k = np.asarray(k, dtype=float)
-        return self.step[: len(k)] * k  # a prefix of k: the linearization's products dropped
+        n = len(k)  # a prefix of k: the linearization's products dropped
+        return self.offset[:n] + self.step[:n] * k
+
+    def k(self, x: np.ndarray) -> np.ndarray:
+        """The nearest integer point of ``x`` in the domains (a warm start's hint)."""
+        k = np.rint((np.asarray(x, dtype=float) - self.offset) / self.step)
+        return np.clip(k, self.k_lo, self.k_hi).astype(np.int64)
 
 
 # ------------------------------------------------------------------------------- scaling
@@ -76,44 +90,67 @@ def scale(model: MILPModel, resolution: float = DEFAULT_RESOLUTION) -> ScaledMod
     """The integer model CP-SAT solves; see the module docstring. ``model`` must be linear."""
     if model.quadratic:
         raise ValueError("scale() takes a linear model: pass model.linearized()")
-    integral = implied_integral(model)
-    step = np.where(integral, 1.0, resolution)
-    k_lo, k_hi = _domains(model.lb, model.ub, step)
+    lattice = implied_lattice(model)
+    step = np.where(lattice.on, lattice.step, resolution)
+    offset = np.where(lattice.on, lattice.offset, 0.0)
+    k_lo, k_hi = _domains(model.lb - offset, model.ub - offset, step)
     A = model.A.tocsr()
+    shift = A @ offset  # each row's activity at k = 0
     rows: list[ScaledRow] = []
-    exact = bool(np.all(integral))
+    exact = bool(np.all(lattice.on))
     for r in range(model.n_rows):
         cols = A.indices[A.indptr[r] : A.indptr[r + 1]]
         vals = A.data[A.indptr[r] : A.indptr[r + 1]] * step[cols]
-        scaled, row_exact = scale_row(
-            cols, vals, k_lo[cols], k_hi[cols], model.row_lb[r], model.row_ub[r]
-        )
+        lo, hi = model.row_lb[r] - shift[r], model.row_ub[r] - shift[r]
+        scaled, row_exact = scale_row(cols, vals, k_lo[cols], k_hi[cols], lo, hi)
         rows.extend(scaled)
         exact = exact and row_exact
     obj, obj_scale, obj_error = _scale_objective(model.c * step, k_lo, k_hi)
-    return ScaledModel(step, k_lo, k_hi, tuple(rows), obj, obj_scale, obj_error, exact)
+    obj_offset = float(model.c @ offset)
+    return ScaledModel(
+        step, offset, k_lo, k_hi, tuple(rows), obj, obj_scale, obj_error, obj_offset, exact
+    )
 
 
-def implied_integral(model: MILPModel) -> np.ndarray:
-    """Integer variables, plus continuous ones every feasible point gives an integer value:
-    those fixed by an equality row with integral right-hand side, integral coefficients on
-    integral variables and a +-1 coefficient on themselves (iterated to a fixpoint)."""
-    integral = np.asarray(model.integer, dtype=bool).copy()
+@dataclass(frozen=True)
+class Lattice:
+    """Where every feasible point puts each variable: ``x = offset + step * k`` for an
+    integer k, for the variables ``on`` it (the others: anywhere in their bounds)."""
+
+    on: np.ndarray  # bool
+    step: np.ndarray
+    offset: np.ndarray
+
+
+def implied_lattice(model: MILPModel) -> Lattice:
+    """Integer variables (step 1), plus continuous ones that an equality row with a +-1
+    coefficient on them fixes as ``x = +-(r - sum a_j x_j)`` over variables on lattices
+    whose steps times a_j are all rational (decimal or binary fractions): x's step is the
+    gcd of those, its offset what the row leaves at k = 0. Iterated to a fixpoint, so a
+    memory recurrence (U[k+1] = U[k] + m R - m FREE) carries its start's lattice along."""
+    on = np.asarray(model.integer, dtype=bool).copy()
+    step = np.ones(model.n_vars)
+    offset = np.zeros(model.n_vars)
     A = model.A.tocsr()
-    eq = np.flatnonzero((model.row_lb == model.row_ub) & _is_integral(model.row_ub))
+    eq = np.flatnonzero((model.row_lb == model.row_ub) & np.isfinite(model.row_ub))
     changed = True
     while changed:
         changed = False
         for r in eq:
             cols = A.indices[A.indptr[r] : A.indptr[r + 1]]
             vals = A.data[A.indptr[r] : A.indptr[r + 1]]
-            free = cols[~integral[cols]]
-            if len(free) != 1 or not np.all(_is_integral(vals)):
+            free = ~on[cols]
+            if np.count_nonzero(free) != 1 or abs(abs(vals[free][0]) - 1.0) > _ABS_TOL:
                 continue
-            if abs(abs(vals[cols == free[0]][0]) - 1.0) <= _ABS_TOL:
-                integral[free[0]] = True
-                changed = True
-    return integral
+            fixed = ~free
+            gcd = _rational_gcd(vals[fixed] * step[cols[fixed]])
+            if gcd is None:
+                continue
+            j, sign = cols[free][0], float(np.sign(vals[free][0]))
+            start = sign * (model.row_ub[r] - float(vals[fixed] @ offset[cols[fixed]]))
+            on[j], step[j], offset[j] = True, gcd, start - gcd * math.floor(start / gcd)
+            changed = True
+    return Lattice(on, step, offset)
 
 
 def scale_row(
@@ -183,14 +220,31 @@ def _scale_objective(
 
 
 def _exact_factor(vals: np.ndarray) -> float | None:
-    """The smallest 10**p making every value integral (decimal data), if p <= 9."""
+    """The smallest 10**p making every value integral (decimal data), if p <= 9; else the
+    smallest common denominator of the values as binary fractions (memory in units of a
+    power-of-two GCD), if the scaled values stay exact in a float."""
     for power in range(_MAX_EXACT_POWER + 1):
         scaled = vals * 10.0**power
         if np.max(np.abs(scaled), initial=0.0) >= 2**53:
             return None
         if np.all(_is_integral(scaled)):
             return 10.0**power
-    return None
+    fractions = [Fraction(float(v)) for v in vals]
+    if any(f.denominator > _MAX_DENOMINATOR for f in fractions):
+        return None
+    factor = float(math.lcm(*(f.denominator for f in fractions)))
+    return factor if np.max(np.abs(vals)) * factor < 2**53 else None
+
+
+def _rational_gcd(vals: np.ndarray) -> float | None:
+    """The largest g with every value an integer multiple of g (1 for none), if the values
+    are decimal or binary fractions (``_exact_factor``)."""
+    factor = _exact_factor(vals)
+    if factor is None:
+        return None
+    whole = np.abs(np.rint(vals * factor)).astype(np.int64)
+    g = math.gcd(*whole.tolist()) if whole.any() else 0
+    return 1.0 if g == 0 else g / factor
 
 
 def _domains(lb: np.ndarray, ub: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -291,9 +345,7 @@ def _build(cp_model: Any, milp: MILPModel, scaled: ScaledModel) -> Any:
         )
     )
     if milp.start is not None:
-        hint = np.rint(np.asarray(milp.start, dtype=float) / scaled.step)
-        hint = np.clip(hint, scaled.k_lo, scaled.k_hi).astype(np.int64)
-        for var, value in zip(k, hint, strict=True):
+        for var, value in zip(k, scaled.k(milp.start), strict=True):
             cp.add_hint(var, int(value))
     return cp
 
@@ -311,7 +363,7 @@ class _Unscale:
     """Integer objective values back to the model's units (offset included)."""
 
     def __init__(self, model: MILPModel, scaled: ScaledModel) -> None:
-        self._offset = model.offset
+        self._offset = model.offset + scaled.obj_offset
         self._scale = scaled.obj_scale
         self._error = scaled.obj_error
         self._valid_bound = scaled.exact

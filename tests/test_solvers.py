@@ -439,10 +439,10 @@ def test_rounded_rows_accept_only_feasible_points() -> None:
 
 def test_decimal_rows_scale_exactly() -> None:
     rows, exact = cpsat.scale_row(
-        np.arange(3), np.array([0.25, 1.5, -2.0]), np.zeros(3), np.full(3, 4), -np.inf, 3.75
+        np.arange(3), np.array([0.35, 1.5, -2.0]), np.zeros(3), np.full(3, 4), -np.inf, 3.75
     )
     assert exact and len(rows) == 1
-    assert rows[0].coefs.tolist() == [25, 150, -200] and rows[0].hi == 375 and rows[0].lo is None
+    assert rows[0].coefs.tolist() == [35, 150, -200] and rows[0].hi == 375 and rows[0].lo is None
 
 
 def test_memory_accumulator_is_on_a_lattice() -> None:

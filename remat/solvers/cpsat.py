@@ -10,9 +10,9 @@ The model is scaled to integers first (``scale``, pure numpy, no ortools):
   in units, a step of 1/1024); other continuous variables are discretised at
   ``resolution`` (e.g. 1e-6: micro-units) and the solver then works on a restriction of
   the model.
-- each row is multiplied by the smallest power of ten, or else the smallest common
-  denominator of its coefficients as binary fractions, that makes its coefficients
-  integral. When none does (up to 1e9), the row is scaled to ``_PRECISION`` and rounded
+- each row is multiplied by the smallest power of two (up to 2**30), or else of ten (up
+  to 1e9), that makes its coefficients integral. When none does, the row is scaled to
+  ``_PRECISION`` and rounded
   conservatively: the coefficients are rounded in the direction that over-estimates the
   constrained side for the variable's sign, and whatever a mixed-sign variable can still
   add is taken off the bound, so any point CP-SAT accepts satisfies the original row.
@@ -30,7 +30,6 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relativ
 DEFAULT_RESOLUTION = 1e-6
 _MAX_EXACT_POWER = 9  # try row scale factors 10**0 .. 10**9
 _PRECISION = 1e7  # largest coefficient of a row that has to be rounded
-_MAX_DENOMINATOR = 2**30  # binary fractions beyond this are treated as arbitrary reals
+_MAX_BINARY_POWER = 30  # binary fractions finer than 2**-30 are treated as arbitrary reals
 _INFINITE_DOMAIN = 2**40  # stands in for an infinite variable bound
 _INT64 = 2**63 - 1
 # "Integral" means integral to float precision: the data is only defined that far, and a
@@ -220,20 +219,33 @@ def _scale_objective(
 
 
 def _exact_factor(vals: np.ndarray) -> float | None:
-    """The smallest 10**p making every value integral (decimal data), if p <= 9; else the
-    smallest common denominator of the values as binary fractions (memory in units of a
-    power-of-two GCD), if the scaled values stay exact in a float."""
-    for power in range(_MAX_EXACT_POWER + 1):
+    """The smallest factor making every value integral: 1, else the smallest 2**p (binary
+    fractions: memory in units of a power-of-two GCD), else the smallest 10**p (decimal
+    data), if p is at most 30 and 9; None if none does or a scaled value is too large to
+    stay exact in a float."""
+    if np.all(_is_integral(vals)):
+        return 1.0 if np.max(np.abs(vals), initial=0.0) < 2**53 else None
+    binary = _binary_factor(vals)
+    if binary is not None:
+        return binary
+    for power in range(1, _MAX_EXACT_POWER + 1):
         scaled = vals * 10.0**power
         if np.max(np.abs(scaled), initial=0.0) >= 2**53:
             return None
         if np.all(_is_integral(scaled)):
             return 10.0**power
-    fractions = [Fraction(float(v)) for v in vals]
-    if any(f.denominator > _MAX_DENOMINATOR for f in fractions):
+    return None
+
+
+def _binary_factor(vals: np.ndarray) -> float | None:
+    """The smallest 2**p (p <= ``_MAX_BINARY_POWER``) making every value exactly integral."""
+    scaled = vals * 2.0**_MAX_BINARY_POWER  # exact: a power of two only moves the exponent
+    if np.max(np.abs(scaled), initial=0.0) >= 2**53 or np.any(scaled != np.rint(scaled)):
         return None
-    factor = float(math.lcm(*(f.denominator for f in fractions)))
-    return factor if np.max(np.abs(vals)) * factor < 2**53 else None
+    whole = np.abs(np.rint(scaled)).astype(np.int64)
+    whole = whole[whole > 0]
+    trailing_zeros = int(np.log2(whole & -whole).min()) if whole.size else _MAX_BINARY_POWER
+    return 2.0 ** max(0, _MAX_BINARY_POWER - trailing_zeros)
 
 
 def _rational_gcd(vals: np.ndarray) -> float | None:

@@ -177,7 +177,7 @@ def evict_bands(
     from the second band tried (0.6 s), where eviction on the multi-device heuristic's
     placement reaches 0.666 (the heuristic ranks bands by Chen's policies, which keep too
     much of the attention); the keep-everything excess ranks the best band 2nd of 496, its
-    cost 145th. Node moves from that band: 0.5453 ms in 0.5 s more."""
+    cost 145th. Node moves from that band: 0.5219 ms, 5.4 s in all."""
     homes = bands(problem, names)
     context = _Context.of(problem, names, homes[0], time_budget_s)  # one Profiler for all
     keep = HoldBuilder(problem.graph).keep_everything().build()
@@ -216,18 +216,18 @@ def evict_moves(
     its plan offered) where the plan fits and costs less, until no move helps or
     ``deadline``. Nodes on the boundary between devices are tried first, and once a node
     has moved its neighbours are tried again (the "don't look bits" of local search for
-    the TSP): the transformer at 25% on cpu+cuda, from the best band (0.5695 ms), moves
-    the band's first four forward nodes back in 10 evictions, 0.5453 ms, in 0.5 s alone."""
+    the TSP): the transformer at 25% on cpu+cuda, from the best band (0.5695 ms), 0.5219
+    ms after 92 evictions (4.8 s alone), below HiGHS's 0.5496 after 282 s."""
     neighbours = _neighbours(problem.graph)
     look = deque(_boundary_first(home, neighbours))
     while look and time.monotonic() < deadline and not problem.cancelled:
         i = look.popleft()
-        for d in range(len(names)):
+        for d in (d for d in range(len(names)) if d != home[i]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
             moved = home.copy()
             moved[i] = d
-            left = deadline - time.monotonic()
-            if d == home[i] or left <= 0:
-                continue
             found = evict_placed(problem, names, moved, left)
             if _fitting_ms(found) < cost_ms * (1 - _SAVING):
                 home, cost_ms = moved, _fitting_ms(found)

@@ -34,7 +34,7 @@ import numpy as np
 
 from remat.graph import Graph
 from remat.schedule import Schedule
-from remat.strategies.base import Problem, StrategyResult, evaluate, select_best
+from remat.strategies.base import Problem, StrategyResult, cheapest, evaluate, select_best
 from remat.strategies.placed import bands
 from remat.strategies.policy import (
     Candidate,
@@ -187,20 +187,18 @@ def evict_bands(
             return
         kept = replace(context, home=home).state(keep)
         ranked.append((kept.excess, kept.cost_ms, index))
-    best: tuple[np.ndarray, float] | None = None
-    since = 0
+    best_home, best_ms, since = None, np.inf, 0
     for _, _, index in sorted(ranked):
         left = context.deadline - time.monotonic()
         if left <= 0 or problem.cancelled or since >= BAND_PATIENCE:
             break
         found = evict_placed(problem, names, homes[index], left)
         since += 1
-        cost = _fitting_ms(found)
-        if cost < (np.inf if best is None else best[1]):
-            best, since = (homes[index], cost), 0
+        if (cost := _fitting_ms(found)) < best_ms:
+            best_home, best_ms, since = homes[index], cost, 0
             offer(found)
-    if best is not None:
-        evict_moves(problem, names, *best, context.deadline, offer)
+    if best_home is not None:
+        evict_moves(problem, names, best_home, best_ms, context.deadline, offer)
 
 
 def evict_moves(
@@ -229,8 +227,8 @@ def evict_moves(
             moved = home.copy()
             moved[i] = d
             found = evict_placed(problem, names, moved, left)
-            if _fitting_ms(found) < cost_ms * (1 - _SAVING):
-                home, cost_ms = moved, _fitting_ms(found)
+            if (cost := _fitting_ms(found)) < cost_ms * (1 - _SAVING):
+                home, cost_ms = moved, cost
                 offer(found)
                 look.extendleft([j for j in neighbours[i] if j not in look])
                 break
@@ -238,9 +236,8 @@ def evict_moves(
 
 def _fitting_ms(found: StrategyResult) -> float:
     """The simulated cost of a plan that fits; infinite otherwise."""
-    if not found.feasible or found.simulation is None:
-        return np.inf
-    return found.simulation.total_ms
+    fitting = cheapest(found)
+    return np.inf if fitting is None or fitting.simulation is None else fitting.simulation.total_ms
 
 
 def _neighbours(graph: Graph) -> list[list[int]]:

@@ -47,7 +47,7 @@ from remat.errors import ScheduleError
 from remat.formulations.xengine import XEngineModel
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
-from remat.strategies.base import Problem, cheapest
+from remat.strategies.base import Problem, StrategyResult, cheapest
 from remat.strategies.evict import evict_bands, evict_moves, evict_placed, home_of
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_on
@@ -96,14 +96,23 @@ def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> float | None
     heuristic's 5 s: it ran out before it fit when it took 3.5 s alone). Here rather than
     in the warm start, so that the first plan does not wait for it. The seconds it took,
     if it ran."""
-    warm = search.best
-    if warm is None or warm.schedule is None or len(set(warm.schedule.devices)) < 2:
-        return None  # a one-device plan: its placement is that device, nothing to place
+    warm = _placed_plan(search)
+    if warm is None:
+        return None
     home = home_of(warm.schedule, names)
     seconds = search.problem.solver.options.time_limit_s * RESTRICTED_SHARE
     started = time.monotonic()
     search.offer(evict_placed(search.problem, names, home, seconds))
     return time.monotonic() - started
+
+
+def _placed_plan(search: Search) -> StrategyResult | None:
+    """The plan in hand, if it runs on several devices (a one-device plan's placement is
+    that device: nothing to place)."""
+    best = search.best
+    if best is None or best.schedule is None or len(set(best.schedule.devices)) < 2:
+        return None
+    return best
 
 
 def _evict_on_bands(search: Search, names: tuple[str, ...], took: float | None) -> None:
@@ -127,11 +136,9 @@ def _move_nodes(search: Search, names: tuple[str, ...]) -> None:
     the thread would idle otherwise. U-Net at 25% on cpu+cuda, from eviction's 3.904 ms:
     3.876 after one eviction, 3.862 after three (7.8 s alone; each takes 2-3 s there),
     nothing more in 58 evictions after that."""
-    best = search.best
-    if best is None or best.schedule is None or best.simulation is None:
+    best = _placed_plan(search)
+    if best is None or best.simulation is None:
         return
-    if len(set(best.schedule.devices)) < 2:
-        return  # a one-device plan: the placement heuristics found nothing better
     problem = search.problem
     settings = replace(problem.solver, cancel=search.beside_stop())
     watched = Problem(problem.graph, problem.costs, problem.budgets, settings)

@@ -1,6 +1,6 @@
 """The restrictions of XEngine's model solved beside the full one (remat.strategies.restrict):
-keep_all, then the LP relaxation (a bound) and its placement; real HiGHS solves in
-subprocesses."""
+keep_all, then the LP relaxation (a bound), RINS and the LP's placement; on one device the
+LP relaxation and RINS; real HiGHS solves in subprocesses."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import time
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from regime import budgeted
 
 from remat import samples
+from remat.formulations.checkmate import build_checkmate
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
@@ -19,7 +21,9 @@ from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult
 from remat.strategies import evict as evict_module
 from remat.strategies import restrict
 from remat.strategies.base import Problem, SolverSettings, StrategyResult, evaluate
+from remat.strategies.evict import greedy_evict
 from remat.strategies.optimal import xengine
+from remat.strategies.policy import device_fixed_bytes
 from remat.strategies.search import Search
 from remat.training import training_graph
 
@@ -181,3 +185,64 @@ def test_node_moves_improve_the_plan_in_hand_until_the_full_solve_ends(
     restrict._move_nodes(search, names)
     assert search.best is not band and search.best.simulation.valid
     assert search.best.simulation.total_ms < 0.97 * band.simulation.total_ms
+
+
+def test_rins_fixes_the_integer_variables_on_which_the_plan_and_the_lp_agree() -> None:
+    """Integer variables where the incumbent and the LP optimum agree are fixed to the
+    incumbent's value; those where they differ, and continuous ones, keep their bounds;
+    the incumbent is the start."""
+    model = MILPModel(
+        c=np.ones(4),
+        A=sp.csr_array(np.ones((1, 4))),
+        row_lb=np.array([1.0]),
+        row_ub=np.array([np.inf]),
+        lb=np.zeros(4),
+        ub=np.array([1.0, 1.0, 1.0, 5.0]),
+        integer=np.array([True, True, True, False]),
+    )
+    incumbent = np.array([1.0, 0.0, 1.0, 2.0])
+    relaxed = np.array([1.0 - 1e-9, 0.5, 0.0, 2.0])
+    sub = restrict.rins_neighbourhood(model, relaxed, incumbent)
+    assert sub.lb.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert sub.ub.tolist() == [1.0, 1.0, 1.0, 5.0]
+    assert sub.start is incumbent
+    assert (sub.A != model.A).nnz == 0 and (sub.c == model.c).all()
+
+
+def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
+    """The transformer on cpu0 with eviction's plan in hand."""
+    settings = SolverSettings(options=SolveOptions(time_limit_s=seconds))
+    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    problem = budgeted(graph, percent, ("cpu0",), settings=settings)
+    search = Search(problem, problem.costs.ideal_ms("cpu0"), time.monotonic())
+    search.offer(greedy_evict(problem, "cpu0"))
+    return problem, search
+
+
+def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it() -> None:
+    """The transformer at 50% on cpu0: greedy eviction's plan costs 0.528 ms and HiGHS's
+    full solve finds nothing better in 10 s; the LP relaxation (bound 0.416) and RINS from
+    it find 0.511 ms, a plan the simulator accepts; once the full solve has ended, nothing
+    is tried."""
+    problem, search = _one_device(50, 60)
+    evicted = search.best
+    assert evicted is not None and evicted.simulation.total_ms > 0.52
+    fixed = device_fixed_bytes(problem, "cpu0")
+    formulation = build_checkmate(
+        problem.graph, problem.costs, "cpu0", problem.budgets["cpu0"], fixed
+    )
+
+    def offer(x: np.ndarray, _: float) -> None:
+        search.judge(formulation.decode(x), "checkmate_milp")
+
+    restrict.relax_and_improve(search, formulation, offer)
+    relaxed = runner.solve(formulation.lp_relaxation())
+    assert search.bound == pytest.approx(relaxed.objective)
+    assert search.best.simulation.valid and search.best.simulation.total_ms < 0.515
+    assert search.bound <= search.best.simulation.total_ms
+
+    _, ended = _one_device(50, 60)
+    ended.full_done.set()
+    before = ended.best
+    restrict.relax_and_improve(ended, formulation, offer)
+    assert ended.best is before and ended.bound == ended.ideal

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from remat.errors import RematError, ScheduleError
-from remat.formulations.checkmate import build_checkmate
+from remat.formulations.checkmate import CheckmateModel, build_checkmate
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
 from remat.schedule import Schedule
@@ -40,7 +40,7 @@ from remat.strategies.floor import shortfall
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_greedy
 from remat.strategies.policy import device_fixed_bytes
-from remat.strategies.restrict import Offer, solve_restrictions
+from remat.strategies.restrict import Offer, relax_and_improve, solve_restrictions
 from remat.strategies.rsolve import solve_r
 from remat.strategies.search import SOLVE_GRACE_S, Beside, Search, start_coarse
 
@@ -162,11 +162,17 @@ def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) 
 
 
 def checkmate_milp(
-    problem: Problem, device: str, *, coarse: bool = True, decompose: bool = True
+    problem: Problem,
+    device: str,
+    *,
+    coarse: bool = True,
+    decompose: bool = True,
+    restrict: bool = True,
 ) -> StrategyResult:
     """Checkmate's MILP (eq. 9) on one device, warm-started from the best baseline and
     greedy eviction (``_warm_start``) and, on graphs of 40+ nodes, the coarse graph's
-    plan; large graphs are decomposed."""
+    plan, with the LP relaxation and RINS beside it (``restrict.relax_and_improve``);
+    large graphs are decomposed (their parts, like the coarse graph, without RINS)."""
     start = time.monotonic()
     if (unfit := _unfit(problem, "checkmate_milp", (device,))) is not None:
         return unfit
@@ -175,8 +181,13 @@ def checkmate_milp(
     def build(p: Problem) -> Formulation:
         return build_checkmate(p.graph, p.costs, device, p.budgets.get(device), fixed)
 
-    variant = partial(checkmate_milp, device=device)
-    ways = _Ways(variant, coarse, decompose)
+    def restricted(search: Search, formulation: Formulation, offer: Offer) -> None:
+        assert isinstance(formulation, CheckmateModel)
+        if restrict:
+            relax_and_improve(search, formulation, offer)
+
+    variant = partial(checkmate_milp, device=device, restrict=False)
+    ways = _Ways(variant, coarse, decompose, restricted)
     search = Search(problem, problem.costs.ideal_ms(device), start)
     _warm_start(search, (device,), ways)
     return _optimize(search, "checkmate_milp", (device,), build, ways)
@@ -233,9 +244,10 @@ def xengine(
 ) -> StrategyResult:
     """XEngine's MIQP (eq. 1-16) over every device of the cost model, warm-started from the
     best baseline on any device, the multi-device heuristic, restrictions of the model
-    (``remat.strategies.restrict``, on two or more devices: placement only, then the LP
-    relaxation's placement) and, on graphs of 40+ nodes, the coarse graph's plan; large
-    graphs are decomposed (their parts, like the coarse graph, without the restrictions).
+    (``remat.strategies.restrict``: on two or more devices placement only, then RINS from
+    the LP relaxation and the LP relaxation's placement; on one the LP relaxation and RINS)
+    and, on graphs of 40+ nodes, the coarse graph's plan; large graphs are decomposed
+    (their parts, like the coarse graph, without the restrictions).
     ``device`` is ignored: the strategy places operators."""
     start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
@@ -247,8 +259,10 @@ def xengine(
 
     def restricted(search: Search, formulation: Formulation, offer: Offer) -> None:
         assert isinstance(formulation, XEngineModel)
-        if restrict and len(names) > 1:  # on one device keep_all is checkpoint-all
+        if restrict and len(names) > 1:
             solve_restrictions(search, formulation, offer)
+        elif restrict:  # on one device keep_all is checkpoint-all
+            relax_and_improve(search, formulation, offer)
 
     ways = _Ways(partial(xengine, restrict=False), coarse, decompose, restricted)
     search = Search(problem, problem.costs.ideal_ms(), start)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult
 from remat.strategies import evict as evict_module
-from remat.strategies import restrict
+from remat.strategies import optimal, restrict
 from remat.strategies.base import Problem, SolverSettings, StrategyResult, evaluate
 from remat.strategies.evict import greedy_evict
 from remat.strategies.optimal import xengine
@@ -231,10 +232,7 @@ def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it() -> No
     formulation = build_checkmate(
         problem.graph, problem.costs, "cpu0", problem.budgets["cpu0"], fixed
     )
-
-    def offer(x: np.ndarray, _: float) -> None:
-        search.judge(formulation.decode(x), "checkmate_milp")
-
+    offer = partial(optimal._offer_incumbent, search, formulation, "checkmate_milp")
     restrict.relax_and_improve(search, formulation, offer)
     relaxed = runner.solve(formulation.lp_relaxation())
     assert search.bound == pytest.approx(relaxed.objective)
@@ -244,5 +242,6 @@ def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it() -> No
     _, ended = _one_device(50, 60)
     ended.full_done.set()
     before = ended.best
-    restrict.relax_and_improve(ended, formulation, offer)
+    on_ended = partial(optimal._offer_incumbent, ended, formulation, "checkmate_milp")
+    restrict.relax_and_improve(ended, formulation, on_ended)
     assert ended.best is before and ended.bound == ended.ideal

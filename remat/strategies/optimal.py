@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Protocol
 
 import numpy as np
 
 from remat.errors import RematError, ScheduleError
-from remat.formulations.checkmate import CheckmateModel, build_checkmate
+from remat.formulations import Formulation
+from remat.formulations.checkmate import build_checkmate
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
 from remat.schedule import Schedule
@@ -48,16 +48,6 @@ LP_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.3)  # Checkmate section 5.3 and appendix D
 MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 FIT_SHARE = 0.5  # of the time limit: eviction's descent to a first plan that fits, at most
-
-
-class Formulation(Protocol):
-    """A built model and the maps between its variables and schedules."""
-
-    model: MILPModel
-
-    def encode(self, schedule: Schedule) -> np.ndarray: ...
-
-    def decode(self, x: np.ndarray) -> Schedule: ...
 
 
 def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
@@ -182,7 +172,6 @@ def checkmate_milp(
         return build_checkmate(p.graph, p.costs, device, p.budgets.get(device), fixed)
 
     def restricted(search: Search, formulation: Formulation, offer: Offer) -> None:
-        assert isinstance(formulation, CheckmateModel)
         if restrict:
             relax_and_improve(search, formulation, offer)
 
@@ -258,11 +247,13 @@ def xengine(
         return build_xengine(p.graph, p.costs, {name: p.budgets.get(name) for name in names})
 
     def restricted(search: Search, formulation: Formulation, offer: Offer) -> None:
-        assert isinstance(formulation, XEngineModel)
-        if restrict and len(names) > 1:
-            solve_restrictions(search, formulation, offer)
-        elif restrict:  # on one device keep_all is checkpoint-all
+        if not restrict:
+            return
+        if len(names) == 1:  # keep_all is checkpoint-all there
             relax_and_improve(search, formulation, offer)
+            return
+        assert isinstance(formulation, XEngineModel)
+        solve_restrictions(search, formulation, offer)
 
     ways = _Ways(partial(xengine, restrict=False), coarse, decompose, restricted)
     search = Search(problem, problem.costs.ideal_ms(), start)

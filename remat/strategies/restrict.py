@@ -46,13 +46,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 import numpy as np
 
 from remat.errors import ScheduleError
+from remat.formulations import Formulation
 from remat.formulations.xengine import XEngineModel
-from remat.schedule import Schedule
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Problem, StrategyResult, cheapest
@@ -71,17 +70,6 @@ LP = "highs"  # an LP, whatever the backend of the MILPs
 AGREE = 1e-6  # RINS: an LP value this close to the incumbent's integer value agrees with it
 
 Offer = Callable[[np.ndarray, float], None]  # a solver incumbent of the full model's variables
-
-
-class Relaxable(Protocol):
-    """A formulation whose LP relaxation bounds it and which encodes plans (Checkmate's,
-    XEngine's)."""
-
-    model: MILPModel
-
-    def lp_relaxation(self) -> MILPModel: ...
-
-    def encode(self, schedule: Schedule) -> np.ndarray: ...
 
 
 def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
@@ -111,7 +99,7 @@ def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) 
         _solve(search, _placed(search, formulation, home), offer, search.time_left())
 
 
-def relax_and_improve(search: Search, formulation: Relaxable, offer: Offer) -> None:
+def relax_and_improve(search: Search, formulation: Formulation, offer: Offer) -> None:
     """One device: the LP relaxation (its optimum a bound of the whole problem), then RINS
     from its optimum (``improve_by_rins``). At 25% on cuda0, U-Net 4.637 -> 4.274 ms,
     MobileNet 2.936 -> 2.881 (eviction's plans, which HiGHS's full solve did not improve
@@ -122,7 +110,7 @@ def relax_and_improve(search: Search, formulation: Relaxable, offer: Offer) -> N
 
 
 def improve_by_rins(
-    search: Search, formulation: Relaxable, relaxed: np.ndarray, offer: Offer
+    search: Search, formulation: Formulation, relaxed: np.ndarray, offer: Offer
 ) -> None:
     """Relaxation induced neighbourhood search (Danna, Rothberg and Le Pape, 2005): the
     model restricted to the neighbourhood where the plan in hand and the LP relaxation's
@@ -132,6 +120,8 @@ def improve_by_rins(
     first neighbourhood leaves 5k of 101k integer variables free, and HiGHS solves it to
     optimality in 10 s: 3.904 -> 3.755 ms (the full model: nothing better in 120 s); the
     next one, 4k free, brings nothing in 4 s."""
+    model = formulation.model
+    relaxed = relaxed[: model.n_vars]  # without the linearization's products
     searched: set[float] = set()  # the plans in hand whose neighbourhood was solved
     while not search.beside_stop().is_set() and search.time_left() > 0:
         best = search.best
@@ -144,9 +134,7 @@ def improve_by_rins(
             incumbent = formulation.encode(best.schedule)
         except ScheduleError:
             return  # a plan the model cannot state has no neighbourhood in it
-        model = formulation.model
-        sub = rins_neighbourhood(model, relaxed[: model.n_vars], incumbent)
-        _solve(search, sub, offer, search.time_left())
+        _solve(search, rins_neighbourhood(model, relaxed, incumbent), offer, search.time_left())
 
 
 def rins_neighbourhood(model: MILPModel, relaxed: np.ndarray, incumbent: np.ndarray) -> MILPModel:
@@ -217,7 +205,7 @@ def _move_nodes(search: Search, names: tuple[str, ...]) -> None:
     evict_moves(watched, names, home, best.simulation.total_ms, deadline, search.offer)
 
 
-def _relaxation(search: Search, formulation: Relaxable) -> np.ndarray | None:
+def _relaxation(search: Search, formulation: Formulation) -> np.ndarray | None:
     """The whole model's LP relaxation, solved to optimality: its objective is reported to
     the search as a bound of the whole problem (``Search.on_bound``), the full solve
     suspended meanwhile (``Search.full_held``). The full solve's root LP comes late: U-Net

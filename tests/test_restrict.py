@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -107,9 +108,41 @@ def test_when_keep_all_finds_a_plan_before_any_bound_the_lp_gives_one_but_no_pla
     _, formulation, search = _setup(100)
     relaxed = runner.solve(formulation.lp_relaxation())
     _forbid(monkeypatch, "_placed", "the LP's placement was solved although keep_all found a plan")
+    from_lp: list[np.ndarray] = []
+    rins = restrict.improve_by_rins
+    monkeypatch.setattr(
+        restrict, "improve_by_rins", lambda *args: from_lp.append(args[2]) or rins(*args)
+    )
     assert _restrictions_offer(search, formulation)
     assert relaxed.objective is not None
     assert search.bound == pytest.approx(relaxed.objective)
+    assert len(from_lp) == 1  # keep_all's plan need not be the optimum: RINS from the LP
+
+
+def test_eviction_runs_on_each_device_alone_whose_ideal_is_under_the_plan_in_hand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """XEngine's schedules include every one-device schedule, so greedy eviction on each
+    device alone is offered (U-Net at 50% on cpu+cuda: the multi-device heuristic's 3.824
+    ms, eviction's on cuda0 3.534). A training chain at 50% on cpu+cuda, nothing in hand:
+    eviction on cpu0 gives 0.185 ms, the first plan offered; cuda0's ideal (0.220 ms, every
+    node once) is dearer, so eviction there is not tried."""
+    plans: list[StrategyResult] = []
+    settings = replace(SETTINGS, on_plan=plans.append)
+    problem = budgeted(training_graph(chain(10)), 50, settings=settings)
+    formulation = build_xengine(problem.graph, problem.costs, problem.budgets)
+    search = Search(problem, problem.costs.ideal_ms(), time.monotonic())
+    tried: list[str] = []
+    evict = restrict.greedy_evict
+    monkeypatch.setattr(
+        restrict, "greedy_evict", lambda p, device, *a: tried.append(device) or evict(p, device, *a)
+    )
+    restrict.solve_restrictions(search, formulation, lambda *_: None)
+    assert tried == ["cpu0"]
+    alone = greedy_evict(problem, "cpu0")
+    assert plans[0].schedule.devices == ("cpu0",)
+    assert plans[0].simulation.total_ms == pytest.approx(alone.simulation.total_ms)
+    assert problem.costs.ideal_ms("cuda0") > alone.simulation.total_ms
 
 
 def test_the_full_solve_is_held_while_the_lp_relaxation_runs(

@@ -165,6 +165,14 @@ def cheapest(*results: StrategyResult | None) -> StrategyResult | None:
     return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
 
 
+def fit_deadline(started: float, deadline: float, fit_budget_s: float | None) -> float:
+    """When a heuristic started at ``started`` stops looking for a first plan that fits: at
+    its own ``deadline``, or ``fit_budget_s`` after its start if that is later. Where no
+    baseline fits, a heuristic cut short by a slow moment would leave the solvers without
+    a start (greedy eviction and the multi-device heuristic)."""
+    return max(deadline, started + (fit_budget_s or 0.0))
+
+
 def _correct(candidate: Evaluation) -> bool:
     """Valid, or invalid only because of the budget."""
     violation = candidate.simulation.violation

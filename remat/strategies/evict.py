@@ -34,7 +34,14 @@ import numpy as np
 
 from remat.graph import Graph
 from remat.schedule import Schedule
-from remat.strategies.base import Problem, StrategyResult, cheapest, evaluate, select_best
+from remat.strategies.base import (
+    Problem,
+    StrategyResult,
+    cheapest,
+    evaluate,
+    fit_deadline,
+    select_best,
+)
 from remat.strategies.placed import bands
 from remat.strategies.policy import (
     Candidate,
@@ -264,9 +271,7 @@ def _search(context: _Context, fit_budget_s: float | None = None) -> _State:
     the context's budget), then refill and swap within the context's budget."""
     started = time.monotonic()
     state = context.state(HoldBuilder(context.problem.graph).keep_everything().build())
-    fitting = context
-    if fit_budget_s is not None:
-        fitting = replace(context, deadline=max(context.deadline, started + fit_budget_s))
+    fitting = replace(context, deadline=fit_deadline(started, context.deadline, fit_budget_s))
     state = _refill(context, _descend(fitting, state))
     return _swap(context, state) if len(context.names) == 1 else state
 

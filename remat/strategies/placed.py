@@ -39,7 +39,14 @@ import numpy as np
 from remat.graph import Graph
 from remat.schedule import Schedule
 from remat.simulator import held_fixed_bytes
-from remat.strategies.base import Evaluation, Problem, StrategyResult, evaluate, select_best
+from remat.strategies.base import (
+    Evaluation,
+    Problem,
+    StrategyResult,
+    evaluate,
+    fit_deadline,
+    select_best,
+)
 from remat.strategies.chen import (
     articulation_candidates,
     greedy_budgets,
@@ -106,7 +113,7 @@ def placed_greedy(
     names = tuple(names or (d.name for d in problem.costs.devices))
     started = time.monotonic()
     deadline = started + time_budget_s
-    fit_deadline = max(deadline, started + (fit_budget_s or 0.0))
+    until_fit = fit_deadline(started, deadline, fit_budget_s)
     policies = _policies(problem)
     context = _Context.of(problem, names, offer)
     candidates: list[_Candidate] = []
@@ -130,7 +137,7 @@ def placed_greedy(
             continue
         judged.append((candidate, context.evaluate(candidate)))
         fits = sum(e.fits for _, e in judged)
-        if fits >= KEEP or _over(problem, deadline if fits else fit_deadline):
+        if fits >= KEEP or _over(problem, deadline if fits else until_fit):
             break
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:

@@ -3,9 +3,10 @@ beside the full model (in the search's ``remat-restricted`` thread): the restric
 plans of the whole problem, never a bound, so only their plans are offered to the search;
 the relaxation finds a bound.
 
-0. Greedy eviction (``evict.evict_placed``) on the placement of the warm start, which the
-   multi-device heuristic found with Chen's policies (U-Net at 25% on cpu+cuda: 4.08 ->
-   3.904 ms in 2 s).
+0. Greedy eviction on each device alone (``evict.greedy_evict``; U-Net at 50% on cpu+cuda:
+   3.824 -> 3.534 ms, on cuda0), then on the placement of the warm start, which the
+   multi-device heuristic found with Chen's policies (``evict.evict_placed``; U-Net at 25%
+   on cpu+cuda: 4.08 -> 3.904 ms in 2 s).
 1. Placement only (``XEngineModel.keep_all``: no recomputation, every value kept on its
    device until its last use), for a share of the time limit. Where keeping everything
    fits on some split of the devices it finds that split's optimum in seconds (ResNet18
@@ -20,16 +21,17 @@ the relaxation finds a bound.
    LP comes much later: ``_relaxation``). The full solve is suspended meanwhile: its root
    is that same LP, which it reaches later than the LP alone, so it has little to show
    before then, and on 2 cores the LP gets one to itself.
-4. Where keep_all found no plan, RINS from the LP's optimum (``improve_by_rins``): the
-   model with every integer variable fixed where the plan in hand and the LP agree, solved
-   from that plan, again from each better plan until one brings nothing (U-Net at 25%:
-   3.904 -> 3.755 ms in 10 s alone).
-5. Then, where the LP's placement is out of reach (below), node moves from the plan in hand
-   until the full solve ends (``_move_nodes``; U-Net at 25%, before RINS: 3.904 -> 3.862 ms).
-6. Or, on long solves (``PLACEMENT_MIN_S`` left), the LP's
-   placement: each node on the device with the largest R[d,i,i], the model restricted to
-   it (``XEngineModel.placed``) and solved from the heuristic's plan for that placement
-   (``placed_on``) until the full solve ends. The LP puts the U-Net's bottleneck and its
+4. RINS from the LP's optimum (``improve_by_rins``): the model with every integer variable
+   fixed where the plan in hand and the LP agree, solved from that plan, again from each
+   better plan until one brings nothing (U-Net at 25%: 3.904 -> 3.755 ms in 10 s alone; at
+   50%, where keep_all's plan is dearer than the plan in hand, 3.534 -> 3.396 ms).
+5. Then, where keep_all found no plan and the LP's placement is out of reach (below), node
+   moves from the plan in hand until the full solve ends (``_move_nodes``; U-Net at 25%,
+   before RINS: 3.904 -> 3.862 ms).
+6. Or, on long solves (``PLACEMENT_MIN_S`` left), the LP's placement: each node on the
+   device with the largest R[d,i,i], the model restricted to it (``XEngineModel.placed``)
+   and solved from the heuristic's plan for that placement (``placed_on``) until the full
+   solve ends. The LP puts the U-Net's bottleneck and its
    gradients on the CPU; the heuristic prefers the whole deep half there, and neither the
    full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s:
    3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%) once, from eviction's 3.92 ms; beside
@@ -55,7 +57,14 @@ from remat.formulations.xengine import XEngineModel
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.base import Problem, StrategyResult, cheapest
-from remat.strategies.evict import evict_bands, evict_moves, evict_placed, home_of
+from remat.strategies.evict import (
+    evict_bands,
+    evict_moves,
+    evict_placed,
+    greedy_evict,
+    home_of,
+)
+from remat.strategies.floor import shortfall
 from remat.strategies.placed import TIME_BUDGET_S as PLACED_TIME_BUDGET_S
 from remat.strategies.placed import placed_on
 from remat.strategies.search import SOLVE_GRACE_S, Search
@@ -73,13 +82,15 @@ Offer = Callable[[np.ndarray, float], None]  # a solver incumbent of the full mo
 
 
 def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
-    """Greedy eviction on the warm start's placement, keep_all, then, if it found no plan,
-    greedy eviction on band placements (where eviction is quick), then, if keep_all found
-    no plan or the search has no bound yet, the whole model's LP relaxation (its optimum a
-    bound of the whole problem, reported to the search) and, if keep_all found no plan,
-    RINS from the LP's optimum, then the model restricted to the LP's placement where
-    enough time is left, node moves from the plan in hand where not."""
+    """Greedy eviction on each device alone and on the warm start's placement, keep_all,
+    then, if it found no plan, greedy eviction on band placements (where eviction is
+    quick), then, if keep_all found no plan or the search has no bound yet, the whole
+    model's LP relaxation (its optimum a bound of the whole problem, reported to the
+    search) and RINS from its optimum, then, if keep_all found no plan, the model
+    restricted to the LP's placement where enough time is left, node moves from the plan
+    in hand where not."""
     limit = search.problem.solver.options.time_limit_s
+    _evict_on_each_device(search, formulation.devices)
     took = _evict_on_warm_start(search, formulation.devices)
     kept = _solve(search, formulation.keep_all(), offer, limit * RESTRICTED_SHARE)
     if kept.x is not None and search.bound > search.ideal:
@@ -87,10 +98,10 @@ def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) 
     if kept.x is None:
         _evict_on_bands(search, formulation.devices, took)
     relaxed = _relaxation(search, formulation)
-    if kept.x is not None:
-        return
     if relaxed is not None:
         improve_by_rins(search, formulation, relaxed, offer)
+    if kept.x is not None:
+        return
     if relaxed is None or search.time_left() < PLACEMENT_MIN_S:
         _move_nodes(search, formulation.devices)
         return
@@ -162,6 +173,28 @@ def _evict_on_warm_start(search: Search, names: tuple[str, ...]) -> float | None
     started = time.monotonic()
     search.offer(evict_placed(search.problem, names, home, seconds))
     return time.monotonic() - started
+
+
+def _evict_on_each_device(search: Search, names: tuple[str, ...]) -> None:
+    """Greedy eviction on each device alone (``evict.greedy_evict``, the one-device warm
+    start), offered to the search: XEngine's schedules include every one-device schedule,
+    so a second device must not leave a dearer plan than eviction on one. The warm start on
+    several devices has only the baselines and the multi-device heuristic (Chen's
+    policies): U-Net at 50% on cpu+cuda ended at 3.824 ms in 10 s where eviction on cuda0
+    alone gives 3.534 in 0.9 s.
+    With the one-device warm start's time budget; skipped on a device whose ideal (every
+    node once, on it) is not under the plan in hand, or where the memory floor rules the
+    device out alone (VGG16 at 25%)."""
+    problem = search.problem
+    seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s * RESTRICTED_SHARE)
+    for name in names:
+        best = search.best
+        in_hand = best.simulation.total_ms if best and best.simulation else float("inf")
+        if search.beside_stop().is_set() or problem.costs.ideal_ms(name) >= in_hand:
+            continue
+        if shortfall(problem, (name,)) is not None:
+            continue  # some node alone needs more than the device holds
+        search.offer(greedy_evict(problem, name, min(seconds, search.time_left())))
 
 
 def _placed_plan(search: Search) -> StrategyResult | None:

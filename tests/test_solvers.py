@@ -286,6 +286,58 @@ def test_cancel_stops_a_held_solve_within_two_seconds() -> None:
     assert not child.is_alive()
 
 
+BIG = 1_000_000  # variables: an incumbent of 8 MB, far over a pipe's 64 KiB
+
+
+def _sends_progress_then_a_big_incumbent(conn) -> None:  # a spawned child: module level
+    conn.send(("started",))
+    conn.send(("progress", Progress(0.0, 1.0, None, None)))
+    x = np.arange(BIG, dtype=float)
+    conn.send(("incumbent", x, 1.0))
+    done = SolveResult(SolveStatus.FEASIBLE, x, 1.0, None, None, 0.0, "done", "highs")
+    conn.send(("result", done))
+    conn.close()
+
+
+def test_a_child_held_while_it_sends_an_incumbent_is_resumed_to_finish_it() -> None:
+    """U-Net's incumbents are about 1 MB: a child suspended by ``hold`` in the middle of
+    sending one left the parent waiting in ``recv`` for the rest, for ever (the 10 s bench
+    hung on VGG16 at 50% on cpu+cuda). Here the hold comes while the child is blocked on a
+    full pipe with an 8 MB incumbent: the parent resumes it to read the message whole."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_sends_progress_then_a_big_incumbent, args=(sender,), daemon=True)
+    child.start()
+    sender.close()
+    hold = threading.Event()
+    got: list[np.ndarray] = []
+
+    def on_progress(_: Progress) -> None:
+        hold.set()  # the child is writing the incumbent meanwhile, and blocks on the pipe
+        time.sleep(0.5)
+
+    def on_incumbent(x: np.ndarray, _: float) -> None:
+        got.append(x)
+        hold.clear()
+
+    listeners = runner._Listeners(on_progress, on_incumbent)
+    box: dict[str, runner._Outcome] = {}
+    supervise = runner._supervise
+    args = (child, receiver, ctx.Event(), "highs", SolveOptions(time_limit_s=60))
+    rest = (listeners, runner._Flags(None, hold), 1.0, runner._Seen(time.monotonic()))
+    thread = threading.Thread(target=lambda: box.setdefault("out", supervise(*args, *rest)))
+    thread.start()
+    try:
+        thread.join(20)
+        assert not thread.is_alive(), "the parent waits for the rest of a held child's message"
+    finally:
+        child.kill()  # a stuck child must not outlive the test (its EOF frees the thread)
+        thread.join(5)
+    result = box["out"].result
+    assert result is not None and result.message == "done"
+    assert len(got) == 1 and np.array_equal(got[0], np.arange(BIG, dtype=float))
+
+
 _HELD_ORPHAN = """
 import multiprocessing, sys, threading, time
 sys.path.insert(0, "tests")

@@ -368,6 +368,9 @@ def _supervise(
     while True:
         suspended.follow(flags.held() and seen.heard and stop_requested is None)
         if receiver.poll(POLL_S):
+            # The message may be half sent (an incumbent is larger than the pipe holds): a
+            # suspended child would never send the rest, and recv would wait for it forever.
+            suspended.follow(False)
             try:
                 message = receiver.recv()
             except (EOFError, OSError):

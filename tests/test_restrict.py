@@ -165,6 +165,22 @@ def test_the_full_solve_is_held_while_the_lp_relaxation_runs(
     assert not search.full_held.is_set()
 
 
+def test_no_eviction_on_a_device_alone_where_no_baseline_fits_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transformer at 50% on cpu+cuda: eviction fits on cpu0 alone (0.528 ms) but no
+    baseline does, and the multi-device plans are cheaper (0.457): at budgets that tight one
+    device recomputes too much, and eviction there only delays the multi-device work."""
+    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    problem = budgeted(graph, 50, ("cpu0", "cuda0"), settings=SETTINGS)
+    search = Search(problem, problem.costs.ideal_ms(), time.monotonic())
+    assert greedy_evict(problem, "cpu0").feasible
+    tried: list[str] = []
+    monkeypatch.setattr(restrict, "greedy_evict", lambda _p, device, *_: tried.append(device))
+    restrict._evict_on_each_device(search, ("cpu0", "cuda0"))
+    assert tried == [] and search.best is None
+
+
 def test_xengine_finds_the_transformers_band_plan_early() -> None:
     """The transformer at 25% on cpu+cuda: keep_all finds no plan, so eviction on band
     placements runs beside the full solve and finds 0.5695 ms within seconds; before it the

@@ -3,12 +3,13 @@ and the result it returns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from remat.compiler import compile_plan
 from remat.costs import CostModel
 from remat.devices import format_bytes
+from remat.errors import RematError
 from remat.graph import Graph
 from remat.plan import Plan, PlanDevice, Predicted
 from remat.schedule import Schedule
@@ -171,6 +172,20 @@ def fit_deadline(started: float, deadline: float, fit_budget_s: float | None) ->
     baseline fits, a heuristic cut short by a slow moment would leave the solvers without
     a start (greedy eviction and the multi-device heuristic)."""
     return max(deadline, started + (fit_budget_s or 0.0))
+
+
+def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
+    """The cheapest feasible baseline plan on any of ``devices``."""
+    from remat.strategies import BASELINES, run_strategy
+
+    results: list[StrategyResult] = []
+    for device in devices:
+        for name in BASELINES:
+            try:
+                results.append(run_strategy(name, problem, device))
+            except RematError:
+                continue  # not applicable (e.g. a chain-only heuristic)
+    return cheapest(*results)
 
 
 def _correct(candidate: Evaluation) -> bool:

@@ -18,7 +18,7 @@ from functools import partial
 
 import numpy as np
 
-from remat.errors import RematError, ScheduleError
+from remat.errors import ScheduleError
 from remat.formulations import Formulation
 from remat.formulations.checkmate import build_checkmate
 from remat.formulations.xengine import XEngineModel, build_xengine
@@ -30,6 +30,7 @@ from remat.strategies.base import (
     Evaluation,
     Problem,
     StrategyResult,
+    best_baseline,
     cheapest,
     evaluate,
     select_best,
@@ -49,20 +50,6 @@ MIN_LP_S = 1.0  # the LP at epsilon 0 (the bound) gets at least this long
 PROVEN_GAP = 1e-9  # relative: an objective this close to a proven bound is optimal
 FIT_SHARE = 0.5  # of the time limit: eviction's descent to a first plan that fits, at most
 ALONE_SHARE = 0.25  # of the time left: a large graph's one-device solve before its parts
-
-
-def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
-    """The cheapest feasible baseline plan on any of ``devices``."""
-    from remat.strategies import BASELINES, run_strategy
-
-    results: list[StrategyResult] = []
-    for device in devices:
-        for name in BASELINES:
-            try:
-                results.append(run_strategy(name, problem, device))
-            except RematError:
-                continue  # not applicable (e.g. a chain-only heuristic)
-    return cheapest(*results)
 
 
 def _reaches(warm: StrategyResult | None, ideal: float) -> bool:

@@ -8,7 +8,9 @@ time limit (and terminates it if it does not stop), and turns every solver failu
 ``SolveResult`` with status ``error`` instead of raising. While the caller's ``hold`` flag is
 set the child is suspended (SIGSTOP, resumed with SIGCONT): on 2 cores a search suspends its
 full solve while another solve that needs the CPU more runs (``remat.strategies.restrict``).
-The child's time limit keeps counting meanwhile: a held solve does less, never longer.
+The child's time limit keeps counting meanwhile: a held solve does less, never longer. A
+held child is resumed while the parent reads a message from it: an incumbent is larger than
+a pipe holds, and a child stopped half-way through sending one would never finish it.
 
 As with any ``spawn``, the caller's ``__main__`` must be importable without side effects
 (scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.

@@ -3,10 +3,10 @@ beside the full model (in the search's ``remat-restricted`` thread): the restric
 plans of the whole problem, never a bound, so only their plans are offered to the search;
 the relaxation finds a bound.
 
-0. Greedy eviction on each device alone (``evict.greedy_evict``; U-Net at 50% on cpu+cuda:
-   3.824 -> 3.534 ms, on cuda0), then on the placement of the warm start, which the
-   multi-device heuristic found with Chen's policies (``evict.evict_placed``; U-Net at 25%
-   on cpu+cuda: 4.08 -> 3.904 ms in 2 s).
+0. Greedy eviction on each device alone where a baseline fits it alone
+   (``evict.greedy_evict``; U-Net at 50% on cpu+cuda: 3.824 -> 3.534 ms, on cuda0), then
+   on the placement of the warm start, which the multi-device heuristic found with Chen's
+   policies (``evict.evict_placed``; U-Net at 25% on cpu+cuda: 4.08 -> 3.904 ms in 2 s).
 1. Placement only (``XEngineModel.keep_all``: no recomputation, every value kept on its
    device until its last use), for a share of the time limit. Where keeping everything
    fits on some split of the devices it finds that split's optimum in seconds (ResNet18
@@ -31,9 +31,9 @@ the relaxation finds a bound.
 6. Or, on long solves (``PLACEMENT_MIN_S`` left), the LP's placement: each node on the
    device with the largest R[d,i,i], the model restricted to it (``XEngineModel.placed``)
    and solved from the heuristic's plan for that placement (``placed_on``) until the full
-   solve ends. The LP puts the U-Net's bottleneck and its
-   gradients on the CPU; the heuristic prefers the whole deep half there, and neither the
-   full nor the coarse solve leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s:
+   solve ends. The LP puts the U-Net's bottleneck and its gradients on the CPU; the
+   heuristic prefers the whole deep half there, and neither the full nor the coarse solve
+   leaves that neighbourhood. U-Net at 25% on cpu+cuda in 300 s:
    3.751 ms (gap 3.1%) instead of 3.939 (gap 7.6%) once, from eviction's 3.92 ms; beside
    three solver processes eviction now runs out of its 5 s before its plan fits and the
    model, from the heuristic's 4.26 ms, finds nothing under 3.904 in 240 s, nor does it

@@ -269,11 +269,21 @@ def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
     return problem, search
 
 
-def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it() -> None:
+def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The transformer at 50% on cpu0: greedy eviction's plan costs 0.528 ms and HiGHS's
-    full solve finds nothing better in 10 s; the LP relaxation (bound 0.416) and RINS from
-    it find 0.511 ms, a plan the simulator accepts; once the full solve has ended, nothing
-    is tried."""
+    full solve finds nothing better in 10 s; the LP relaxation (bound 0.416, HiGHS) and RINS
+    from it (CP-SAT's sub-MIPs, the quicker on one device) find 0.511 ms, a plan the
+    simulator accepts; once the full solve has ended, nothing is tried."""
+    backends: list[tuple[bool, str]] = []  # (a MILP, backend) per solve
+    solve = restrict._solve
+
+    def watched(search: Search, model: MILPModel, *args: object) -> SolveResult:
+        backends.append((bool(model.integer.any()), str(args[2]) if len(args) > 2 else ""))
+        return solve(search, model, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(restrict, "_solve", watched)
     problem, search = _one_device(50, 60)
     evicted = search.best
     assert evicted is not None and evicted.simulation.total_ms > 0.52
@@ -287,6 +297,8 @@ def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it() -> No
     assert search.bound == pytest.approx(relaxed.objective)
     assert search.best.simulation.valid and search.best.simulation.total_ms < 0.515
     assert search.bound <= search.best.simulation.total_ms
+    assert backends[0] == (False, "highs") and len(backends) > 1
+    assert all(backend == (True, "cpsat") for backend in backends[1:])
 
     _, ended = _one_device(50, 60)
     ended.full_done.set()

@@ -76,9 +76,9 @@ BAND_EVICTIONS = 20  # evictions the band search must get within the share to ru
 PLACEMENT_MIN_S = 180.0
 LP = "highs"  # an LP, whatever the backend of the MILPs
 # RINS's sub-MIPs on one device, whatever the problem's backend: on U-Net at 25% on cuda0
-# CP-SAT's first better plan comes at 4.4 s, HiGHS's at 10.6; on MobileNet at 25% 5.2 s
-# (optimal at 5.6) against 30.7. On several devices HiGHS is the quicker (U-Net at 25%:
-# 4.1 s, CP-SAT's integer scaling of the larger model alone takes longer).
+# CP-SAT has 4.289 ms at 4.4 s, HiGHS its first better plan (4.287) at 10.6 s; on MobileNet
+# at 25% 5.2 s (optimal at 5.6) against 30.7. On several devices HiGHS is the quicker
+# (U-Net at 25%: 4.1 s against 10.6; CP-SAT's integer scaling of the larger model).
 RINS_ONE_DEVICE = "cpsat"
 AGREE = 1e-6  # RINS: an LP value this close to the incumbent's integer value agrees with it
 

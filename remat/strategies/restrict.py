@@ -195,9 +195,10 @@ def _evict_on_each_device(search: Search, names: tuple[str, ...]) -> None:
     problem = search.problem
     seconds = min(PLACED_TIME_BUDGET_S, problem.solver.options.time_limit_s * RESTRICTED_SHARE)
     for name in names:
-        best = search.best
-        in_hand = best.simulation.total_ms if best and best.simulation else float("inf")
-        if search.beside_stop().is_set() or problem.costs.ideal_ms(name) >= in_hand:
+        in_hand = search.best_ms
+        if search.beside_stop().is_set():
+            return
+        if in_hand is not None and problem.costs.ideal_ms(name) >= in_hand:
             continue
         if best_baseline(problem, (name,)) is None:
             continue  # no checkpointing fits it alone: there one device recomputes too much

@@ -1,16 +1,20 @@
 """The model file store: ONNX bytes under the data directory, keyed by sha256.
 
-Uploads are streamed to a temporary file beside the store (hashing and counting as they
-go) and moved into place only once complete, so that a failed or oversized upload leaves
-nothing behind and a stored file is never partial.
+Uploads are written to a temporary ``*.part`` file beside the store (hashing and counting
+as the bytes arrive, refused past the size limit) and moved into place only once complete,
+so that a failed or oversized upload leaves nothing behind and a stored file is never
+partial. A writer holds an exclusive ``flock`` on its part file: a part file nobody holds
+was left by a process that died mid-upload, and is removed when a store opens (several
+API processes may share the directory; a lock tells whose upload is still going).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,31 +34,60 @@ class Staged:
     size: int
 
 
+class Staging:
+    """An upload being written: ``write`` as bytes arrive, then ``finish`` or ``abort``."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._digest = hashlib.sha256()
+        handle, name = tempfile.mkstemp(dir=root, suffix=".part")
+        self.path = Path(name)
+        self._file = os.fdopen(handle, "wb")
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk``; ``TooLarge`` past the limit (the caller aborts)."""
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise TooLarge(self.limit)
+        self._digest.update(chunk)
+        self._file.write(chunk)
+
+    def finish(self) -> Staged:
+        self._file.close()  # releases the lock: the caller keeps or discards it now
+        return Staged(self.path, self._digest.hexdigest(), self.size)
+
+    def abort(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
 class ModelStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_abandoned_parts()
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / f"{sha256}.onnx"
 
-    async def stage(self, chunks: AsyncIterator[bytes], limit: int) -> Staged:
-        """Write ``chunks`` to a temporary file; ``TooLarge`` (and no file) past ``limit``."""
-        digest = hashlib.sha256()
-        size = 0
-        handle, name = tempfile.mkstemp(dir=self.root, suffix=".part")
-        try:
-            with os.fdopen(handle, "wb") as out:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > limit:
-                        raise TooLarge(limit)
-                    digest.update(chunk)
-                    out.write(chunk)
-        except BaseException:
-            Path(name).unlink(missing_ok=True)
-            raise
-        return Staged(Path(name), digest.hexdigest(), size)
+    def staging(self, limit: int) -> Staging:
+        """A new upload's temporary file; ``TooLarge`` from its writes past ``limit``."""
+        return Staging(self.root, limit)
+
+    def remove_abandoned_parts(self) -> list[Path]:
+        """Remove the part files no writer holds (their upload's process died)."""
+        removed = []
+        for part in self.root.glob("*.part"):
+            with contextlib.suppress(FileNotFoundError), part.open("rb") as handle:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # an upload in progress
+                part.unlink(missing_ok=True)
+                removed.append(part)
+        return removed
 
     def keep(self, staged: Staged) -> Path:
         """Move a staged upload into the store (the same bytes twice: one file)."""

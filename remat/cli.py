@@ -272,8 +272,15 @@ def _positive_int(text: str) -> int:
 
 def _load_graph(args: argparse.Namespace) -> Graph:
     inputs = dict(parse_input_shape(text) for text in args.input)
-    forward = load_forward_graph(args.model, batch=args.batch, inputs=inputs or None)
+    forward = load_forward_graph(
+        args.model, batch=args.batch, inputs=inputs or None, external_data_dir=_model_dir(args)
+    )
     return for_mode(forward, Mode(args.mode))
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    """The directory a model file's external data may be read from: its own."""
+    return Path(args.model).parent
 
 
 def _load_costs(graph: Graph, devices: list[Device], costs_path: Path | None) -> CostModel:
@@ -501,7 +508,7 @@ def _batch_problems(args: argparse.Namespace) -> Callable[[int], Problem]:
             "without a memory limit every batch size fits"
         )
     inputs = dict(parse_input_shape(text) for text in args.input) or None
-    model = load_model(args.model)
+    model = load_model(args.model, external_data_dir=_model_dir(args))
     solver = _solver_settings(args)
 
     def build(batch: int) -> Problem:

@@ -12,11 +12,13 @@ Values are computed (numpy, ``onnx.reference``) only where a shape depends on th
 ONNX's own data propagation did not get it (e.g. ``Shape`` before opset 15): the nodes it
 could not infer are re-inferred one at a time with those values.
 
-A model loaded from a path keeps its external data on disk: only shapes are needed.
+A model's external data stays on disk: only shapes are needed, and it may be read from
+nowhere but the model's own directory (``remat.onnx_external``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import re
@@ -32,6 +34,7 @@ from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 from remat import ops
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
+from remat.onnx_external import check_external_data
 
 Dim = int | str | None  # int: known; str: symbolic name; None: unknown
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -47,12 +50,24 @@ _NEVER_FOLD = frozenset(
     ]
 )
 _SHAPE_OPS = frozenset(("Shape", "Size"))
+# Operators whose output can be far larger than their inputs: folded only when shape
+# inference tells the output's size first.
+_EXPANDING = frozenset(
+    ["ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample", "Pad", "OneHot",
+     "EyeLike", "Constant", "MatMul", "Gemm", "Einsum", "Col2Im", "CenterCropPad"]
+)  # fmt: skip
 # Float initializers larger than this are handed to shape inference as typed inputs, so
 # their bytes are never copied or serialized; shape-like tensors are always small ints.
 _LARGE_INITIALIZER = 64
 _FLOAT_TYPES = frozenset(
     (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 )
+# Models are refused above this many nodes (subgraphs included): ingestion's time grows
+# with them, and the largest networks Remat plans are far below.
+MAX_NODES = 100_000
+# A folded constant whose value is computed may take at most this many bytes: a file of a
+# few bytes can ask for any size (``ConstantOfShape`` of a huge shape).
+MAX_CONSTANT_BYTES = 256 << 20
 # Constant values up to this many elements are handed to single-node shape inference
 # (shape-like data is tiny; weights are not needed and costly to read).
 _MAX_DATA_ELEMENTS = 1024
@@ -114,18 +129,42 @@ class TensorInfo:
 # --- loading ------------------------------------------------------------------------------
 
 
-def load_model(source: str | Path | bytes) -> onnx.ModelProto:
+def load_model(
+    source: str | Path | bytes,
+    *,
+    external_data_dir: Path | None = None,
+    max_nodes: int = MAX_NODES,
+) -> onnx.ModelProto:
     """Parse and check an ONNX model from a path or from its bytes.
 
-    Nodes are put in topological order first (the checker insists on it, files do not
-    always follow it). External data stays on disk. Raises ModelLoadError.
+    External data (tensors stored in other files) is refused unless
+    ``external_data_dir`` names the directory the model's files live in, and then read
+    from nowhere else (``remat.onnx_external``); it stays on disk either way. A model with
+    more than ``max_nodes`` nodes (subgraphs and functions included) is refused before any
+    work that grows with it. Nodes are put in topological order first (the checker insists
+    on it, files do not always follow it). Raises ModelLoadError.
     """
     path = None if isinstance(source, bytes | bytearray | memoryview) else Path(source)
     data = bytes(source) if path is None else _read_file(path)  # type: ignore[arg-type]
     model = _parse(data)
+    nodes = count_nodes(model)
+    if nodes > max_nodes:
+        raise ModelLoadError(f"the model has {nodes} nodes; at most {max_nodes} are accepted")
+    check_external_data(model, external_data_dir)
     _sort_graph_in_place(model.graph)
     _check(model, path)
     return model
+
+
+def count_nodes(model: onnx.ModelProto) -> int:
+    """Every node of the model: its graph's, its subgraphs' and its functions'."""
+    graphs = [model.graph]
+    total = sum(len(f.node) for f in model.functions)
+    while graphs:
+        graph = graphs.pop()
+        total += len(graph.node)
+        graphs.extend(g for node in graph.node for g in _subgraphs(node))
+    return total
 
 
 def _read_file(path: Path) -> bytes:
@@ -422,8 +461,22 @@ def _schema(node: NodeProto, opsets: Mapping[str, int]) -> onnx.defs.OpSchema | 
 
 
 def _infer(work: onnx.ModelProto) -> dict[str, TensorInfo]:
+    """Shapes by ONNX's inference; with its data propagation only where that is safe.
+
+    Data propagation holds every element of a 1-D tensor it follows in memory (about 150
+    bytes each): a ``ConstantOfShape`` or ``Range`` of a length a file chooses would take
+    any amount. So a first pass runs without it, and a second with it only when every 1-D
+    output of an operator that can make one long has a length known to be short.
+    """
+    plain = _inferred_infos(work, data_prop=False)
+    if not _data_propagation_is_bounded(work, plain):
+        return plain
+    return _inferred_infos(work, data_prop=True)
+
+
+def _inferred_infos(work: onnx.ModelProto, data_prop: bool) -> dict[str, TensorInfo]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=data_prop)
     except Exception as error:  # InferenceError, ValidationError, protobuf errors
         raise ShapeError(f"shape inference failed: {_first_line(error)}") from error
     graph = inferred.graph
@@ -433,6 +486,21 @@ def _infer(work: onnx.ModelProto) -> dict[str, TensorInfo]:
         if info is not None:
             infos[value.name] = info
     return infos
+
+
+def _data_propagation_is_bounded(work: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> bool:
+    for node in work.graph.node:
+        if node.op_type not in _EXPANDING:
+            continue
+        for name in node.output:
+            info = infos.get(name)
+            if info is None or info.shape is None:
+                return False
+            if len(info.shape) == 1 and not (
+                isinstance(info.shape[0], int) and info.shape[0] <= _MAX_DATA_ELEMENTS
+            ):
+                return False
+    return True
 
 
 # --- constant folding ---------------------------------------------------------------------
@@ -491,7 +559,13 @@ class _Folder:
 
     def _materialize(self, name: str, display: str) -> None:
         # Shapes ONNX did not infer (e.g. ConstantOfShape after an old-opset Shape chain):
-        # the computed value carries the shape.
+        # the producer inferred alone with its inputs' values, else the computed value,
+        # carries the shape.
+        producer = self.producers.get(name)
+        if producer is not None:
+            self._infer_alone(producer, display)
+            if self._is_static(name):
+                return
         value = self.value(name, display)
         self.infos[name] = TensorInfo(
             helper.np_dtype_to_tensor_dtype(value.dtype), tuple(int(d) for d in value.shape)
@@ -514,9 +588,41 @@ class _Folder:
             if missing:
                 stack.extend(missing)
                 continue
+            self._check_size(node, display)
             self._evaluate(node, display)
             stack.pop()
         return self.values[name]
+
+    def _check_size(self, node: NodeProto, display: str) -> None:
+        """Refuse to compute a constant node whose outputs would take more than
+        ``MAX_CONSTANT_BYTES``, or whose size cannot be told beforehand where the operator
+        can make its output larger than its inputs."""
+        outputs = [o for o in node.output if o]
+        if node.op_type not in _SHAPE_OPS and not all(self._is_static(o) for o in outputs):
+            self._infer_alone(node, display)
+        total = 0
+        for name in outputs:
+            info = self.infos.get(name)
+            if info is not None and info.static:
+                total += info.nbytes
+            elif node.op_type in _EXPANDING:
+                raise ShapeError(
+                    f"cannot fold constant node {node.name or node.op_type!r} ({node.op_type}) "
+                    f"needed by node {display}: the size of its output {name!r} is unknown"
+                )
+        if total > MAX_CONSTANT_BYTES:
+            raise ShapeError(
+                f"constant node {node.name or node.op_type!r} ({node.op_type}) needed by node "
+                f"{display} would take {total} bytes; at most {MAX_CONSTANT_BYTES} are computed"
+            )
+
+    def _infer_alone(self, node: NodeProto, display: str) -> None:
+        """Single-node shape inference where the schema allows it; what it cannot tell
+        stays unknown."""
+        if _schema(node, self.opsets) is None:
+            return
+        with contextlib.suppress(ShapeError):
+            self._infer_single(node, [n for n in node.input if n], display)
 
     def _value_inputs(self, node: NodeProto) -> list[str]:
         if node.op_type in _SHAPE_OPS:
@@ -778,9 +884,12 @@ def load_forward_graph(
     source: str | Path | bytes,
     batch: int | None = None,
     inputs: Mapping[str, Sequence[int]] | None = None,
+    *,
+    external_data_dir: Path | None = None,
 ) -> Graph:
-    """``forward_graph(load_model(source), batch, inputs)``."""
-    return forward_graph(load_model(source), batch=batch, inputs=inputs)
+    """``forward_graph(load_model(source, external_data_dir=...), batch, inputs)``."""
+    model = load_model(source, external_data_dir=external_data_dir)
+    return forward_graph(model, batch=batch, inputs=inputs)
 
 
 # --- command-line helpers -----------------------------------------------------------------

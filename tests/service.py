@@ -58,12 +58,12 @@ def redis_url(db: int) -> str:
 class Process:
     """A subprocess in its own process group, its output in a log file."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> None:
         self.log = log
         self.handle = log.open("wb")
         self.popen = subprocess.Popen(
             args,
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             stdout=self.handle,
             stderr=subprocess.STDOUT,
@@ -128,9 +128,12 @@ def api_server(env: dict[str, str], log: Path) -> tuple[Process, str]:
     return server, url
 
 
-def remat_serve(env: dict[str, str], log: Path) -> tuple[Process, str]:
+def remat_serve(
+    env: dict[str, str], log: Path, cwd: Path = ROOT, *options: str
+) -> tuple[Process, str]:
     port = free_port()
-    server = Process([str(BIN / "remat"), "serve", "--port", str(port)], env, log)
+    args = [str(BIN / "remat"), "serve", "--port", str(port), *options]
+    server = Process(args, env, log, cwd)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, server)
     return server, url

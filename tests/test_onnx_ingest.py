@@ -736,7 +736,7 @@ def test_external_data_stays_on_disk_but_is_sized(tmp_path: Path) -> None:
     onnx.save(
         _weighty_model(), path, save_as_external_data=True, location="ext.bin", size_threshold=0
     )
-    graph = load_forward_graph(path)
+    graph = load_forward_graph(path, external_data_dir=tmp_path)
     assert graph.fixed["W"].nbytes == 64 * 64 * 4
     assert graph.nodes[0].output_bytes == 2 * 64 * 4
 

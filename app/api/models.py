@@ -6,25 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
-from starlette.datastructures import UploadFile
 
 from app.context import Services, get_or_404, require_key, services
 from app.pagination import MAX_LIMIT, fetch
 from app.planning import job_graph, summarize
 from app.problems import ApiError
 from app.schemas import JobSpec, ModelOut, ModelSummary, Page
-from app.storage import TooLarge
 from app.tables import JobRow, ModelRow
+from app.upload_stream import Uploaded, receive_file
 from remat.cli import graph_to_json
 from remat.errors import RematError
 from remat.graph import Mode
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
-CHUNK = 1 << 20
-FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file
+VALIDATIONS_AT_ONCE = 2  # uploads validated at once per process (CPU and memory bound)
 
 
 def to_out(row: ModelRow) -> ModelOut:
@@ -43,66 +42,56 @@ async def upload_model(
     request: Request, response: Response, ctx: Annotated[Services, Depends(services)]
 ) -> ModelOut:
     """Multipart upload of an ONNX file in the field ``file``. The same bytes again give
-    the same model (200 instead of 201)."""
-    limit = ctx.settings.max_upload_bytes
-    upload = await _file_field(request, limit)
-    staged = await ctx.store.stage(_chunks(upload), limit)
+    the same model (200 instead of 201). The body is counted as it arrives; validation
+    runs off the event loop, a few uploads at a time."""
+    uploaded = await receive_file(request, ctx.store.staging(ctx.settings.max_upload_bytes))
     try:
-        with ctx.db.session() as session:
-            found = session.scalar(select(ModelRow).where(ModelRow.sha256 == staged.sha256))
-        if found is not None:
-            response.status_code = 200
-            return to_out(found)
-        summary = _validated(staged.path)
-        path = ctx.store.keep(staged)
-        row = ModelRow(
-            sha256=staged.sha256,
-            filename=Path(upload.filename or "model.onnx").name[:255],
-            size_bytes=staged.size,
-            summary=summary.model_dump(),
+        row, created = await to_thread.run_sync(
+            _register, ctx, uploaded, limiter=_validation_limiter(request)
         )
-        try:
-            with ctx.db.session() as session:
-                session.add(row)
-        except IntegrityError:  # the same bytes uploaded at the same time: theirs won
-            with ctx.db.session() as session:
-                row = session.scalars(
-                    select(ModelRow).where(ModelRow.sha256 == staged.sha256)
-                ).one()
-            response.status_code = 200
-        response.headers["Location"] = f"/v1/models/{row.id}"
-        assert path.exists()
-        return to_out(row)
     finally:
-        ctx.store.discard(staged)
+        ctx.store.discard(uploaded.staged)
+    response.status_code = 201 if created else 200
+    response.headers["Location"] = f"/v1/models/{row.id}"
+    return to_out(row)
 
 
-async def _file_field(request: Request, limit: int) -> UploadFile:
-    content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
-        raise ApiError(
-            415, f"expected multipart/form-data with the ONNX file in 'file', got {content_type!r}"
-        )
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + FORM_OVERHEAD:
-        raise TooLarge(limit)
-    form = await request.form(max_files=1, max_fields=4)
-    upload = form.get("file")
-    if not isinstance(upload, UploadFile):
-        raise ApiError(422, "the form has no file field named 'file'")
-    return upload
+def _validation_limiter(request: Request) -> CapacityLimiter:
+    """At most ``VALIDATIONS_AT_ONCE`` models validated at a time in this process."""
+    state = request.app.state
+    if getattr(state, "validation_limiter", None) is None:
+        state.validation_limiter = CapacityLimiter(VALIDATIONS_AT_ONCE)
+    return state.validation_limiter  # type: ignore[no-any-return]
 
 
-async def _chunks(upload: UploadFile):  # type: ignore[no-untyped-def]
-    while chunk := await upload.read(CHUNK):
-        yield chunk
-
-
-def _validated(path: Path) -> ModelSummary:
+def _register(ctx: Services, uploaded: Uploaded) -> tuple[ModelRow, bool]:
+    """The model row of these bytes, and whether it is new: validated, moved into the
+    store and recorded if it was not there yet."""
+    staged = uploaded.staged
+    with ctx.db.session() as session:
+        found = session.scalar(select(ModelRow).where(ModelRow.sha256 == staged.sha256))
+    if found is not None:
+        return found, False
     try:
-        return summarize(path)
+        summary = summarize(staged.path)
     except RematError as exc:
         raise ApiError(422, f"not a usable ONNX model: {exc}") from None
+    ctx.store.keep(staged)
+    row = ModelRow(
+        sha256=staged.sha256,
+        filename=Path(uploaded.filename or "model.onnx").name[:255],
+        size_bytes=staged.size,
+        summary=summary.model_dump(),
+    )
+    try:
+        with ctx.db.session() as session:
+            session.add(row)
+    except IntegrityError:  # the same bytes uploaded at the same time: theirs won
+        with ctx.db.session() as session:
+            return session.scalars(
+                select(ModelRow).where(ModelRow.sha256 == staged.sha256)
+            ).one(), False
+    return row, True
 
 
 @router.get("", response_model=Page[ModelOut])

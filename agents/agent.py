@@ -1,12 +1,15 @@
 """``remat-agent``: the node agent process.
 
-It registers with the enrollment token (and gets its own token), sends heartbeats at the
-interval the server gives, long-polls for a task, and runs it in a worker thread while
-the main thread keeps the lease renewed. Results are reported with the attempt's lease
-token, so a retried report is recorded once. An unreachable server is retried with
+It registers with the enrollment token (and gets its own token, kept in the cache
+directory: registering the same name again, after a restart, needs it), sends heartbeats
+at the interval the server gives, long-polls for a task, and runs it in a worker thread
+while the main thread keeps the lease renewed. Results are reported with the attempt's
+lease token, so a retried report is recorded once. An unreachable server is retried with
 back-off and jitter; an unknown token (the server forgot this node) means registering
-again. SIGTERM or SIGINT: the task in hand is given back (its lease released) and the
-agent exits.
+again. A registration the server refuses (wrong enrollment token, the name taken by
+another agent) ends the agent with status 1. SIGTERM or SIGINT: the task in hand is given
+back (its lease released) and the agent exits. With ``--parent-pid`` (``remat serve``'s
+local agent) it also exits when that process does, however it ends.
 
 Tasks run the kernels of the ``[agent]`` extra (PyTorch): ``agents.profiler`` and
 ``agents.executor``.
@@ -48,6 +51,7 @@ from remat.errors import RematError
 
 log = logging.getLogger("remat.agent")
 PROGRESS_INTERVAL_S = 1.0
+PARENT_CHECK_S = 1.0  # how often an agent with --parent-pid checks that its parent lives
 STOP_CHECK_S = 0.25  # a stop request is noticed this fast while a task runs
 VERSION = "1"
 
@@ -60,6 +64,7 @@ class AgentConfig:
     devices: list[Device]
     cache_dir: Path
     lease_wait_s: float = 20.0
+    parent_pid: int | None = None  # exit when this process (the agent's parent) is gone
 
 
 @dataclass
@@ -74,20 +79,29 @@ class Agent:
         self.stop = threading.Event()
         self.client = AgentClient(config.server, self.stop)
         self.enrolled: Enrolled | None = None
+        self.refused: str | None = None  # why the server refused to register this agent
         self._idle = True
 
     # --- lifecycle ------------------------------------------------------------------
 
     def run(self) -> int:
+        if self.config.parent_pid is not None:
+            watch = threading.Thread(target=self._watch_parent, name="parent", daemon=True)
+            watch.start()
         try:
             self._enroll()
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
             while not self.stop.is_set():
                 self._serve_one()
+        except Rejected as exc:  # the first registration, refused
+            self.refused = exc.detail
         except Stopped:
             pass
         finally:
             self.client.close()
+        if self.refused is not None:
+            log.error("agent %s: registration refused: %s", self.config.name, self.refused)
+            return 1
         log.info("agent %s stopped", self.config.name)
         return 0
 
@@ -96,6 +110,15 @@ class Agent:
         self.stop.set()
         if self._idle:  # waiting on the server: leave now, nothing to give back
             raise Stopped
+
+    def _watch_parent(self) -> None:
+        """Stop (as on SIGTERM) once the parent process is gone: the fallback where the
+        kernel's death signal (``die_with_parent``) is not available."""
+        while not self.stop.wait(PARENT_CHECK_S):
+            if os.getppid() != self.config.parent_pid:
+                log.warning("the parent process %s is gone: stopping", self.config.parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def _enroll(self) -> None:
         registration = Registration(
@@ -106,8 +129,10 @@ class Agent:
                 for d in self.config.devices
             ],
             version=VERSION,
+            node_token=self._saved_token(),
         )
         self.enrolled = self.client.register(registration)
+        self._save_token(self.enrolled.token)
         names = ", ".join(d.name for d in self.config.devices)
         log.info("registered as node %s (devices: %s)", self.enrolled.node_id, names)
         print(f"remat-agent {self.config.name}: node {self.enrolled.node_id} ({names})", flush=True)
@@ -124,12 +149,37 @@ class Agent:
             except (Rejected, Stopped) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
-    def _reenroll(self) -> None:
+    def _token_file(self) -> Path:
+        return self.config.cache_dir / f"node-{self.config.name}.token"
+
+    def _saved_token(self) -> str | None:
+        try:
+            return self._token_file().read_text().strip() or None
+        except OSError:
+            return None
+
+    def _save_token(self, token: str) -> None:
+        """Keep the node's token (owner-only) for registering the name again later."""
+        path = self._token_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(token)
+        partial.replace(path)
+
+    def _reenroll(self) -> bool:
+        """Register again; False (and the agent stops) if the server refuses."""
         log.warning("the server no longer knows this agent's token: registering again")
         try:
             self._enroll()
-        except (Rejected, Stopped) as exc:
-            log.warning("registering again failed: %s", exc)
+        except Rejected as exc:
+            self.refused = exc.detail
+            self.stop.set()
+            return False
+        except Stopped:
+            return False
+        return True
 
     # --- tasks ----------------------------------------------------------------------
 
@@ -187,10 +237,12 @@ class Agent:
 
     def _report(self, task: Task, report: TaskReport) -> None:
         try:
-            accepted = self.client.report(task.id, report)
-        except Unauthorized:  # the node got a new token (registered again): same lease
-            self._reenroll()
-            accepted = self.client.report(task.id, report)
+            try:
+                accepted = self.client.report(task.id, report)
+            except Unauthorized:  # the node got a new token (registered again): same lease
+                if not self._reenroll():
+                    raise Stopped from None
+                accepted = self.client.report(task.id, report)
         except StaleLease as exc:
             log.warning("task %s: report refused, the lease is gone: %s", task.id, exc.detail)
             return
@@ -323,6 +375,11 @@ def _parser() -> argparse.ArgumentParser:
         help="where downloaded models are kept",
     )
     parser.add_argument("--lease-wait", type=float, default=20.0, help="long-poll seconds")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="exit when this process, the agent's parent, exits (remat serve's local agent)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -343,11 +400,18 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         devices=devices,
         cache_dir=args.cache_dir,
         lease_wait_s=args.lease_wait,
+        parent_pid=args.parent_pid,
     )
 
 
 def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.run) -> int:
     args = _parser().parse_args(argv)
+    if args.parent_pid is not None:
+        from remat.solvers.runner import die_with_parent
+
+        die_with_parent()  # the kernel kills the agent with its parent, even on SIGKILL
+        if os.getppid() != args.parent_pid:  # the parent died before that took effect
+            return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         config = config_from(args)

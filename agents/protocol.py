@@ -24,9 +24,18 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    field_validator,
+)
 
-from remat.devices import DeviceKind
+from remat.devices import DeviceKind, check_option
+from remat.errors import InvalidInputError
 from remat.graph import Mode
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$", max_length=64)]
@@ -36,10 +45,43 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _option_text(value: object) -> object:
+    """A number as its text (the library reads options as text); anything else as given
+    (a boolean is then refused as not a string)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value) if isinstance(value, float) else str(value)
+    return value
+
+
+OptionValue = Annotated[
+    str,
+    BeforeValidator(_option_text),
+    StringConstraints(max_length=128),
+    WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 128}, {"type": "number"}]}),
+]
+
+
 class AgentDevice(Strict):
     name: Name
     kind: DeviceKind
-    options: dict[str, str] = Field(default_factory=dict)
+    # threads, index, flops, bandwidth, launch_us (numbers, in range) and model (text):
+    # remat.devices.check_option; numbers are kept as their text
+    options: dict[Annotated[str, StringConstraints(max_length=32)], OptionValue] = Field(
+        default_factory=dict, max_length=16
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _known_options(cls, options: dict[str, str]) -> dict[str, str]:
+        for key, value in options.items():
+            try:
+                check_option(key, value)
+            except InvalidInputError as exc:
+                raise ValueError(str(exc)) from None
+        return options
+
+
+LOCAL_NODE = "local"  # reserved for ``remat serve``'s own agent (its per-run secret)
 
 
 class Registration(Strict):
@@ -47,6 +89,9 @@ class Registration(Strict):
     name: Name  # one agent per name: registering a name again gives the node a new token
     devices: list[AgentDevice] = Field(min_length=1, max_length=64)
     version: str = Field(default="", max_length=64)
+    # The node's current token: needed to register a name that is already taken (the same
+    # agent after a restart); without it (or with another) the server answers 409.
+    node_token: str | None = Field(default=None, max_length=512)
 
 
 class Enrolled(BaseModel):
@@ -115,24 +160,35 @@ class TaskProgress(LeaseProof):
     message: str = Field(default="", max_length=500)
 
 
+MAX_MS = 1e9  # about 11.6 days: no time an agent reports is longer
+MAX_BYTES = 1 << 50  # 1 PiB: no device's peak is larger
+MAX_STEPS = 10_000_000
+# What agents report: finite, non-negative, bounded (a NaN or 1e300 would poison plans,
+# comparisons and the dashboard).
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+
+
 class Measured(Strict):
-    total_ms: float = Field(ge=0)
-    peak_bytes: dict[str, int]
-    step_ms: list[float] = Field(default_factory=list)
+    total_ms: Ms
+    peak_bytes: dict[Name, Bytes] = Field(max_length=64)
+    step_ms: list[Ms] = Field(default_factory=list, max_length=MAX_STEPS)
 
 
 class PredictedCost(Strict):
-    total_ms: float | None = None
-    peak_bytes: dict[str, int] = Field(default_factory=dict)
+    total_ms: Ms | None = None
+    peak_bytes: dict[str, Bytes] = Field(default_factory=dict)
 
 
 class ExecutionResult(Strict):
-    """What the executor measured for a plan, next to what the simulator predicted."""
+    """What the executor measured for a plan, next to what the simulator predicted. The
+    server fills ``predicted`` from the plan it sent (what an agent says it is, is
+    ignored); agents may leave it out."""
 
     measured: Measured
-    predicted: PredictedCost
+    predicted: PredictedCost = Field(default_factory=PredictedCost)
     gradients_match: bool | None = None
-    max_rel_error: float | None = None
+    max_rel_error: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class TaskReport(LeaseProof):

@@ -10,18 +10,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
+from uvicorn import server as uvicorn_server
 
+from agents.protocol import LOCAL_NODE
 from app.settings import Settings
 from remat import cli as remat_cli
 from remat import samples
@@ -30,6 +35,7 @@ from remat.errors import InvalidInputError
 
 DEFAULT_PORT = 8642
 POLL_S = 1.0
+AGENT_STOP_S = 15.0  # the local agent gives its lease back in this time, or is killed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,8 +87,13 @@ def _serve(args: argparse.Namespace) -> int:
     from app.migrate import upgrade
 
     settings = Settings()
+    # The local agent registers as node "local" with a secret of this run's, which no
+    # other agent (nor one left over from an earlier run) has.
+    local_token = None if args.no_agent else secrets.token_urlsafe(32)
+    overrides: dict[str, Any] = {"local_agent_token": local_token}
     if not settings.enroll_token:
-        settings = Settings(enroll_token=secrets.token_urlsafe(24))
+        overrides["enroll_token"] = secrets.token_urlsafe(24)
+    settings = Settings(**overrides)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database)
     app = create_app(settings)
@@ -91,29 +102,95 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"Remat serving on {url} ({where}; data: {settings.data_dir})")
     print(f"API docs: {url}/docs")
     print(f"agent enrollment token: {settings.enroll_token}", flush=True)
-    agent = None if args.no_agent else _local_agent(url, settings, args.agent_device)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = _Server(config, app)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        if local_token is not None:
+            server.agent = _local_agent(url, settings, args.agent_device, local_token)
+        server.run()
     finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
+        server.cleanup()  # e.g. the port was taken: the agent must not stay behind
     return 0
 
 
+class _Server(uvicorn_server.Server):
+    """uvicorn's server with ``remat serve``'s shutdown. On SIGTERM or SIGINT: the app's
+    shutdown flag is set at once (event streams and agents' long polls end; uvicorn would
+    wait for them), the embedded dispatcher takes no new job, and the local agent stops
+    first, while the API still answers it (it gives back the lease of a task in hand);
+    then uvicorn shuts down. However the server ends, the agent is gone before the process
+    is: ``cleanup`` runs before uvicorn re-raises the signal that stopped it. SIGKILL
+    leaves no chance for that: the agent dies with its parent by itself (``--parent-pid``).
+    """
+
+    def __init__(self, config: Any, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+        self.agent: subprocess.Popen[bytes] | None = None
+        self._stopping: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        from app.lifecycle import shutdown_event
+
+        shutdown_event(self._app).set()
+        if self._stopping is None:
+            self._stopping = threading.Thread(
+                target=self._stop_then_exit, args=(sig,), name="remat-serve-stop", daemon=True
+            )
+            self._stopping.start()
+        else:  # a second signal: stop waiting
+            super().handle_exit(sig, frame)
+
+    def _stop_then_exit(self, sig: int) -> None:
+        _stop_dispatcher(self._app)
+        self._stop_agent()
+        super().handle_exit(sig, None)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self.cleanup()
+
+    def cleanup(self) -> None:
+        self._stop_agent()
+
+    def _stop_agent(self) -> None:
+        agent = self.agent
+        if agent is None or agent.poll() is not None:
+            return
+        agent.terminate()
+        try:
+            agent.wait(timeout=AGENT_STOP_S)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+
+
+def _stop_dispatcher(app: Any) -> None:
+    """Have the embedded dispatcher's threads take no new job (a job in hand is left to
+    the next start, as after a crash); Celery's dispatcher has nothing to stop."""
+    stop = getattr(app.state.services.dispatcher, "stop", None)
+    if stop is not None:
+        threading.Thread(target=stop, name="remat-dispatcher-stop", daemon=True).start()
+
+
 def _local_agent(
-    url: str, settings: Settings, devices: list[str]
+    url: str, settings: Settings, devices: list[str], token: str
 ) -> subprocess.Popen[bytes] | None:
-    """A ``remat-agent`` for this machine's devices (it needs the ``[agent]`` extra)."""
+    """A ``remat-agent`` for this machine's devices (it needs the ``[agent]`` extra), node
+    ``local``: it enrolls with ``token`` and exits with this process (``--parent-pid``)."""
     if importlib.util.find_spec("torch") is None:
         print("no local agent: PyTorch is missing (pip install 'remat[agent]')", flush=True)
         return None
-    command = [sys.executable, "-m", "agents.agent", "--server", url, "--name", "local"]
-    command += ["--cache-dir", str(settings.data_dir / "agent")]
+    command = [sys.executable, "-m", "agents.agent", "--server", url, "--name", LOCAL_NODE]
+    command += ["--cache-dir", str(settings.data_dir / "agent"), "--parent-pid", str(os.getpid())]
     for device in devices:
         command += ["--device", device]
-    env = {**os.environ, "REMAT_ENROLL_TOKEN": settings.enroll_token or ""}
-    print("local agent: starting (node 'local')", flush=True)
+    env = {**os.environ, "REMAT_ENROLL_TOKEN": token}
+    print(f"local agent: starting (node {LOCAL_NODE!r})", flush=True)
     return subprocess.Popen(command, env=env)
 
 

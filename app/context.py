@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Annotated, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import Path, Query, Request
 from sqlalchemy import case, func, select
 
 from app.database import Database
 from app.problems import ApiError
+from app.schemas import ID_MAX, ID_PATTERN
 from app.settings import Settings
 from app.storage import ModelStore
 from app.tables import ApiKeyRow
@@ -19,6 +20,11 @@ from app.task_queue import TaskQueue
 
 API_KEY_HEADER = "X-API-Key"
 T = TypeVar("T")
+# An id in a path or a query: malformed ones (a NUL byte, too long) get 422 before any
+# database sees them.
+PathId = Annotated[str, Path(pattern=ID_PATTERN, max_length=ID_MAX)]
+QueryId = Annotated[str | None, Query(pattern=ID_PATTERN, max_length=ID_MAX)]
+Cursor = Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_=-]+$", max_length=512)]
 
 
 class Dispatcher(Protocol):

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from app import dashboard, problems
+from app import dashboard, lifecycle, problems
 from app.api import agent, executions, health, jobs, models, nodes
 from app.context import Dispatcher, Services
 from app.database import Database
+from app.limits import RequestLimits
 from app.settings import Settings
 from app.storage import ModelStore
 from app.task_queue import TaskQueue
 
+UPLOAD_OVERHEAD = 1 << 20  # a model upload's body: the file, and multipart framing around it
+
 
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
     settings = settings or Settings()
+    if problem := settings.enroll_token_problem():
+        raise SystemExit(f"remat: error: {problem}")  # one line, before anything starts
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = Database(settings.database)
     if dispatcher is None:
@@ -26,15 +31,25 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         title="Remat",
         version="1",
         summary="Optimal rematerialization and placement plans for training under memory budgets",
+        lifespan=lifecycle.lifespan,  # its shutdown flag ends event streams and long polls
+    )
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        upload_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD,
+        upload_paths={"/v1/models"},
+        body_timeout_s=settings.body_timeout_s,
     )
     tasks = TaskQueue(db, settings.lease_s, settings.task_max_attempts)
     app.state.services = Services(settings, db, ModelStore(settings.model_dir), dispatcher, tasks)
     problems.install(app)
-    app.include_router(health.router)
-    app.include_router(models.router)
-    app.include_router(jobs.router)
-    app.include_router(executions.router)
-    app.include_router(nodes.router)
-    app.include_router(agent.router)
+    app.include_router(health.router, responses=problems.responses(503))
+    documented = problems.responses(400, 401, 404, 408, 413, 422)
+    conflicts = problems.responses(409)
+    app.include_router(models.router, responses=documented | conflicts | problems.responses(415))
+    app.include_router(jobs.router, responses=documented | conflicts | problems.responses(503))
+    app.include_router(executions.router, responses=documented | conflicts)
+    app.include_router(nodes.router, responses=documented)
+    app.include_router(agent.router, responses=documented | conflicts)
     app.include_router(dashboard.router)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from datetime import datetime
 from typing import Any
 
@@ -10,8 +11,10 @@ from sqlalchemy import Select, and_, or_
 
 from app.database import Database
 from app.problems import ApiError
+from app.schemas import ID_MAX, ID_PATTERN
 
 MAX_LIMIT = 200
+_ID = re.compile(ID_PATTERN)
 
 
 def encode(created_at: datetime, id_: str) -> str:
@@ -19,11 +22,17 @@ def encode(created_at: datetime, id_: str) -> str:
 
 
 def _decode(cursor: str) -> tuple[datetime, str]:
+    """The cursor's time and id; 422 for anything ``encode`` did not make (the id checked
+    as an id, so that no NUL byte or long text reaches the database)."""
     try:
         stamp, id_ = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        if len(id_) > ID_MAX or not _ID.fullmatch(id_) or len(stamp) > 40:
+            raise ValueError(id_)
         return datetime.fromisoformat(stamp), id_
     except (ValueError, UnicodeDecodeError):
-        raise ApiError(422, f"bad cursor {cursor!r}: pass next_cursor from a page") from None
+        raise ApiError(
+            422, "cursor: not a cursor of this listing; pass next_cursor from a page"
+        ) from None
 
 
 def fetch(

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from app.schemas import JobSpec, ModelSummary
-from remat.budgets import reference, resolve_budgets
+from remat.budgets import check_sizes, reference, resolve_budgets
 from remat.costs import CostModel, CostTable, analytical_costs, profiled_costs
 from remat.devices import Device, DeviceKind, format_bytes, parse_size
 from remat.errors import InvalidInputError
@@ -52,11 +52,13 @@ def build_problem(
     path: Path,
     solver: SolverSettings | None = None,
     table: CostTable | None = None,
+    max_cost_bytes: int | None = None,
 ) -> Problem:
     """The job's problem, with costs from ``table`` (a profile) where given, else
     analytical; ``InvalidInputError`` for what no plan can satisfy: an unknown strategy
     or device, a budget for an unknown device, budgets that cannot hold the parameters,
-    inputs and gradients."""
+    inputs and gradients; and for a graph or cost model too large to build (tensors
+    beyond any device, a cost model above ``max_cost_bytes``), before building it."""
     if spec.strategy != AUTO and spec.strategy not in STRATEGIES:
         known = ", ".join([AUTO, *STRATEGIES])
         raise InvalidInputError(f"unknown strategy {spec.strategy!r} (known: {known})")
@@ -64,6 +66,7 @@ def build_problem(
     if len(set(names)) != len(names):
         raise InvalidInputError(f"device names must be unique: {names}")
     graph = job_graph(spec, path)
+    check_sizes(graph, len(names), max_cost_bytes)
     if table is not None:
         costs = profiled_costs(graph, table.restricted(names))
     else:

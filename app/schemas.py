@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from agents.protocol import AgentDevice, Strict
+from agents.protocol import AgentDevice, Name, Strict
 from remat.devices import DeviceKind
 from remat.graph import Mode
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 
 T = TypeVar("T")
 Backend = Literal[BACKENDS]  # type: ignore[valid-type]
+
+# Bounds on what a client sends: far above any real job, far below what would exhaust the
+# server (a job's lists, sizes and strings are all bounded; ids are the server's own).
+ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+ID_MAX = 64
+Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX, pattern=ID_PATTERN)]
+MAX_DEVICES = 64
+MAX_BATCH = 2**31 - 1
+MAX_INPUTS = 64  # inputs given by name
+MAX_RANK = 8  # dimensions of one input
+MAX_DIM = 2**31 - 1
+MAX_INPUT_ELEMENTS = 2**40  # elements of one input (the product of its dimensions)
+InputName = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+Dims = Annotated[list[Annotated[int, Field(ge=1, le=MAX_DIM)]], Field(max_length=MAX_RANK)]
+SizeText = Annotated[str, StringConstraints(min_length=1, max_length=32)]  # "208MiB", "65%"
+Strategy = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
+]
 
 
 class DeviceSpec(AgentDevice):
@@ -22,33 +43,44 @@ class DeviceSpec(AgentDevice):
 
 class SolverSpec(Strict):
     backend: Backend = DEFAULT_BACKEND  # type: ignore[valid-type]
-    time_limit_s: float = Field(default=60.0, gt=0)
-    gap: float = Field(default=1e-4, ge=0, lt=1)
+    time_limit_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    gap: float = Field(default=1e-4, ge=0, lt=1, allow_inf_nan=False)
     threads: int = Field(default=1, ge=1, le=256)
 
 
 class ProfileCosts(Strict):
-    profile_id: str
+    profile_id: Id
 
 
 class NodeCosts(Strict):
-    node_id: str
+    node_id: Id
 
 
 class JobSpec(Strict):
     """What ``POST /v1/jobs`` takes; stored with the job as given (defaults filled in)."""
 
-    model_id: str
+    model_id: Id
     mode: Mode = Mode.TRAINING
-    batch: int | None = Field(default=None, ge=1)
-    inputs: dict[str, list[Annotated[int, Field(ge=1)]]] | None = None
+    batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
+    inputs: dict[InputName, Dims] | None = Field(default=None, max_length=MAX_INPUTS)
     devices: list[DeviceSpec] = Field(
-        default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)], min_length=1
+        default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)],
+        min_length=1,
+        max_length=MAX_DEVICES,
     )
-    budgets: dict[str, str] = Field(default_factory=dict)  # "208MiB", "65%", bytes
-    strategy: str = "xengine"
+    # "208MiB", "65%", bytes
+    budgets: dict[Name, SizeText] = Field(default_factory=dict, max_length=MAX_DEVICES)
+    strategy: Strategy = "xengine"
     solver: SolverSpec = Field(default_factory=SolverSpec)
     costs: Literal["analytical"] | ProfileCosts | NodeCosts = "analytical"
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs_in_bounds(cls, inputs: dict[str, list[int]] | None) -> dict[str, list[int]] | None:
+        for dims in (inputs or {}).values():
+            if math.prod(dims) > MAX_INPUT_ELEMENTS:
+                raise ValueError("an input's dimensions multiply to more than 2**40 elements")
+        return inputs
 
 
 class ModelSummary(BaseModel):
@@ -97,6 +129,10 @@ class Page(BaseModel, Generic[T]):
     next_cursor: str | None = None
 
 
+# (stage, node); a list rather than a tuple: OpenAPI tools read 3.1's prefixItems unevenly
+Pair = Annotated[list[int], Field(min_length=2, max_length=2)]
+
+
 class ScheduleOut(BaseModel):
     """R and S per device as sparse (stage, node) pairs, and bytes resident on each device
     after each step with its budget (XEngine figures 3 and 4)."""
@@ -104,8 +140,8 @@ class ScheduleOut(BaseModel):
     devices: list[str]
     nodes: list[str]
     stages: int
-    R: dict[str, list[tuple[int, int]]]
-    S: dict[str, list[tuple[int, int]]]
+    R: dict[str, list[Pair]]
+    S: dict[str, list[Pair]]
     memory: dict[str, list[int]]
     budgets: dict[str, int | None]
     peak_bytes: dict[str, int]
@@ -161,7 +197,7 @@ class ProfileOut(BaseModel):
 
 
 class ExecutionRequest(Strict):
-    node_id: str
+    node_id: Id
 
 
 class ExecutionOut(BaseModel):

@@ -8,8 +8,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, Boolean, DateTime, Dialect, Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 
 def new_id() -> str:
@@ -25,10 +26,25 @@ def utc(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timestamp stored in UTC and read back as an aware UTC time on every database
+    (SQLite keeps no offset and gives naive times back; PostgreSQL gives the session's
+    zone), so that the API always writes it with its offset."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return value.astimezone(UTC) if value is not None and value.tzinfo else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else utc(value).astimezone(UTC)
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         dict[str, Any]: JSON,
-        datetime: DateTime(timezone=True),
+        datetime: UtcDateTime(),
     }
 
 
@@ -93,6 +109,10 @@ class JobRow(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
+    # the job's lease (workers/sweeper.py): running, its worker's last heartbeat; queued,
+    # when it was last handed to the broker. ``worker`` names the holder of a running job.
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=now)
+    worker: Mapped[str | None] = mapped_column(String(255))
 
 
 class PlanRow(Base):

@@ -1,6 +1,7 @@
 """The agents' task queue: tasks for a node, leased one attempt at a time.
 
-A lease is a random token with an expiry. The agent renews it while it works and proves
+A lease is a random token with an expiry (stored as its sha256, like node tokens: the
+database never holds a token that works). The agent renews it while it works and proves
 it on every call about the task; a call with another token (the lease expired and the
 task went back to the queue, or to another attempt) is refused. An expired lease puts
 the task back in the queue; after ``max_attempts`` leases it fails. Claiming uses
@@ -13,6 +14,8 @@ The queue knows nothing of what tasks do: ``finish`` stores what the caller chec
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +65,7 @@ class TaskQueue:
                     .where(AgentTaskRow.attempts == row.attempts)
                     .values(
                         status=TaskStatus.LEASED,
-                        lease_token=token,
+                        lease_token=lease_digest(token),
                         lease_expires_at=now() + self.lease,
                         attempts=row.attempts + 1,
                         updated_at=now(),
@@ -104,7 +107,7 @@ class TaskQueue:
             row = session.get(AgentTaskRow, task_id)
             if row is None or row.node_id != node_id:
                 raise ApiError(404, f"task {task_id!r} does not exist for this node")
-            if row.lease_token != token:
+            if not _holds(row, token):
                 raise _stale(task_id)
             return row
 
@@ -121,7 +124,7 @@ class TaskQueue:
         False if this lease's outcome was already recorded."""
         with self.db.session() as session:
             row = session.get(AgentTaskRow, task_id, with_for_update=True)
-            if row is None or row.lease_token != token:
+            if row is None or not _holds(row, token):
                 raise _stale(task_id)
             if TaskStatus(row.status).finished:
                 return False
@@ -135,7 +138,7 @@ class TaskQueue:
         row = session.get(AgentTaskRow, task_id, with_for_update=True)
         if row is None or row.node_id != node_id:
             raise ApiError(404, f"task {task_id!r} does not exist for this node")
-        if row.lease_token != token or row.status != TaskStatus.LEASED:
+        if not _holds(row, token) or row.status != TaskStatus.LEASED:
             raise _stale(task_id)
         return row
 
@@ -167,6 +170,17 @@ def active_task(session: Session, kind: str, key: str) -> AgentTaskRow | None:
         .order_by(AgentTaskRow.created_at.desc())
         .limit(1)
     )
+
+
+def lease_digest(token: str) -> str:
+    """What is stored of a lease token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _holds(row: AgentTaskRow, token: str) -> bool:
+    """Whether ``token`` is the lease of the task's current (or last) attempt."""
+    stored = row.lease_token
+    return stored is not None and hmac.compare_digest(stored, lease_digest(token))
 
 
 def _stale(task_id: str) -> ApiError:

@@ -20,31 +20,49 @@ By default the benchmark starts its own server (``remat serve`` in embedded mode
 and the in-process dispatcher, under a temporary data directory); ``--server URL`` uses a
 running one instead.
 
+``--drain N`` adds a run in the production shape (the API under uvicorn, PostgreSQL,
+Redis, Celery workers, all started here): N jobs are submitted while no worker runs, then
+``--workers`` Celery workers (2 threads each) start, and the pollers poll the queued jobs
+at ``--rate`` until every job has finished. It reports the drain time (from starting the
+workers, and from the first job's start to the last one's end), the jobs' outcomes and
+plans (one each), and the latency of the API during the drain. It needs PostgreSQL
+(``--postgres``, an admin connection; a new database is made and dropped) and Redis
+(``--broker``, a database it empties first). ``--no-polling`` runs only the drain.
+
+Each run prints a markdown table and appends its rows to ``bench/results/api.csv``.
+
     .venv/bin/python bench/api.py [--server URL] [--duration 10] [--rate 200]
         [--submit-rate 2] [--pollers 8] [--jobs 4] [--sample chain] [--batch 8]
-        [--budget 75%] [--api-key KEY]
+        [--budget 75%] [--api-key KEY] [--drain 200] [--workers 2] [--no-polling]
+        [--postgres DSN] [--broker redis://127.0.0.1:6379/14]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import math
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
+import redis
 
 from remat import samples
 
@@ -52,6 +70,10 @@ TARGET_P99_MS = 50.0
 READY_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 60.0
 FINISHED = ("succeeded", "failed", "cancelled")
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "api.csv"
+DRAIN_TIMEOUT_S = 600.0
+DRAIN_SERVER = "uvicorn+postgresql+redis+celery"  # the drain run's stack, in the results
 
 
 @dataclass
@@ -191,11 +213,19 @@ def wait_finished(client: httpx.Client, job_ids: list[str]) -> dict[str, str]:
 Request = Callable[[], Awaitable[httpx.Response]]
 
 
-async def paced(request: Request, stats: Stats, interval: float, offset: float, end: float) -> None:
+async def paced(
+    request: Request,
+    stats: Stats,
+    interval: float,
+    offset: float,
+    end: float,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Send ``request`` every ``interval`` seconds from ``offset`` until ``end`` (perf_counter
-    times), one at a time; slots missed while a request was in flight are skipped."""
+    times) or ``stop``, one at a time; slots missed while a request was in flight are
+    skipped."""
     slot = time.perf_counter() + offset
-    while slot < end:
+    while slot < end and not (stop is not None and stop.is_set()):
         delay = slot - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -274,6 +304,239 @@ async def run_load(
         return plain + await polling(client, args, job_ids, model_id, conditional=True)
 
 
+# --- the drain: queued jobs, then workers (production shape) ----------------------------
+
+
+@dataclass
+class Drain:
+    """What the drain run measured."""
+
+    jobs: int
+    workers: int
+    submit: Stats
+    poll: Stats
+    seconds: float = 0.0  # from starting the workers until every job finished
+    busy_s: float = 0.0  # from the first job's start to the last one's end (database times)
+    statuses: Counter[str] = field(default_factory=Counter)
+    attempts: Counter[int] = field(default_factory=Counter)
+    plans: int = 0
+
+
+class Service:
+    """A subprocess of the production stack (the API or a Celery worker), its output in a
+    log file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@contextmanager
+def postgres_database(admin: str) -> Iterator[str]:
+    """A new database on the server ``admin`` connects to; its SQLAlchemy URL; dropped."""
+    name = f"remat_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+        info = connection.info
+        url = f"postgresql+psycopg://{info.user}@{info.host}:{info.port}/{name}"
+    try:
+        yield url
+    finally:
+        with psycopg.connect(admin, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def production_api(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """The API under uvicorn on a new PostgreSQL database (migrated) and an emptied Redis
+    database, no worker yet; its URL, the environment for workers, and the log folder."""
+    from app.migrate import upgrade
+
+    redis.Redis.from_url(args.broker).flushdb()
+    with (
+        postgres_database(args.postgres) as database,
+        tempfile.TemporaryDirectory(prefix="remat-bench-") as data_dir,
+    ):
+        upgrade(database)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REMAT_")}
+        env |= {"REMAT_DATABASE_URL": database, "REMAT_BROKER_URL": args.broker}
+        env["REMAT_DATA_DIR"] = data_dir
+        port = free_port()
+        uvicorn = str(Path(sys.executable).parent / "uvicorn")
+        command = [uvicorn, "--factory", "app.main:create_app", "--port", str(port)]
+        command += ["--log-level", "warning"]
+        logs = Path(data_dir)
+        server = Service(command, env, logs / "api.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, server.popen, server.log)
+            yield url, env, logs
+        finally:
+            server.stop()
+
+
+def start_workers(count: int, env: dict[str, str], logs: Path) -> list[Service]:
+    celery = str(Path(sys.executable).parent / "celery")
+    command = [celery, "-A", "workers.celery_app", "worker", "--pool", "threads"]
+    command += ["--concurrency", "2", "--loglevel", "WARNING", "--without-gossip"]
+    command += ["--without-mingle"]
+    return [
+        Service([*command, "-n", f"bench{i}@%h"], env, logs / f"worker{i}.log")
+        for i in range(count)
+    ]
+
+
+def job_counts(database: str) -> dict[str, int]:
+    with psycopg.connect(database.replace("+psycopg", "")) as connection:
+        rows = connection.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall()
+    return {status: count for status, count in rows}
+
+
+async def drain_run(url: str, env: dict[str, str], logs: Path, args: argparse.Namespace) -> Drain:
+    """Submit ``args.drain`` jobs with no worker, then start the workers and poll the jobs
+    until all have finished."""
+    database = env["REMAT_DATABASE_URL"]
+    limits = httpx.Limits(max_connections=args.pollers + 2, max_keepalive_connections=args.pollers)
+    async with httpx.AsyncClient(
+        base_url=url, headers=auth(args), limits=limits, timeout=30
+    ) as client:
+        with httpx.Client(base_url=url, headers=auth(args), timeout=60) as sync:
+            model_id = upload_model(sync, args.sample)
+        drain = Drain(
+            args.drain,
+            args.workers,
+            Stats(f"POST /v1/jobs ({args.drain} queued, no worker)", frozenset({202})),
+            Stats(f"GET during the drain ({args.workers} workers)", frozenset({200})),
+        )
+        body = job_body(model_id, args)
+        job_ids = []
+        for _ in range(args.drain):
+            started = time.perf_counter()
+            response = await client.post("/v1/jobs", json=body)
+            drain.submit.record(started, response.status_code)
+            job_ids.append(response.json()["id"])
+        drain.submit.seconds = sum(drain.submit.latencies_ms) / 1000
+        assert job_counts(database) == {"queued": args.drain}, job_counts(database)
+        stop = asyncio.Event()
+        interval = args.pollers / args.rate
+        rng = random.Random(0)
+        pollers = [
+            paced(
+                poll_request(client, rng.choice(job_ids), None),
+                drain.poll,
+                interval,
+                interval * i / args.pollers,
+                math.inf,
+                stop,
+            )
+            for i in range(args.pollers)
+        ]
+        started = time.perf_counter()
+        workers = start_workers(args.workers, env, logs)
+        try:
+            polling = asyncio.gather(*pollers)
+            while True:  # the database read off the event loop: it must not delay the polls
+                counts = await asyncio.to_thread(job_counts, database)
+                if sum(counts.get(s, 0) for s in FINISHED) == args.drain:
+                    break
+                if time.perf_counter() - started > DRAIN_TIMEOUT_S:
+                    raise SystemExit(f"not drained in {DRAIN_TIMEOUT_S:g} s: {counts}")
+                await asyncio.sleep(0.1)
+            drain.seconds = time.perf_counter() - started
+            stop.set()
+            await polling
+            drain.poll.seconds = drain.seconds
+        finally:
+            for worker in workers:
+                worker.stop()
+    with psycopg.connect(database.replace("+psycopg", "")) as connection:
+        rows = connection.execute("SELECT status, attempts FROM jobs").fetchall()
+        first, last = connection.execute(
+            "SELECT min(started_at), max(finished_at) FROM jobs"
+        ).fetchall()[0]
+        plans, planned = connection.execute(
+            "SELECT count(*), count(DISTINCT job_id) FROM plans"
+        ).fetchall()[0]
+    drain.statuses = Counter(status for status, _ in rows)
+    drain.attempts = Counter(attempts for _, attempts in rows)
+    drain.busy_s = (last - first).total_seconds()
+    if plans != planned:
+        raise SystemExit(f"{plans} plans for {planned} jobs: a job was planned twice")
+    drain.plans = plans
+    return drain
+
+
+def drain_table(drain: Drain) -> str:
+    lines = [
+        "| jobs | workers (x2 threads) | drain s | jobs/s | first start to last end s "
+        "| outcomes | attempts | plans |",
+        "|---:|---:|---:|---:|---:|---|---|---:|",
+        f"| {drain.jobs} | {drain.workers} | {drain.seconds:.1f} "
+        f"| {drain.jobs / drain.seconds:.1f} | {drain.busy_s:.1f} "
+        f"| {_counts(drain.statuses)} | {_counts(drain.attempts)} | {drain.plans} |",
+    ]
+    return "\n".join(lines)
+
+
+def _counts(counter: Counter[Any]) -> str:
+    return ", ".join(f"{key}×{n}" for key, n in sorted(counter.items()))
+
+
+def write_results(url: str, results: list[Stats], drain: Drain | None) -> Path:
+    """Append this run's rows to ``bench/results/api.csv`` (one per scenario)."""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["date", "commit", "server", "scenario", "requests", "errors", "achieved_rps"]
+    fields += ["p50_ms", "p99_ms", "jobs", "workers", "drain_s", "jobs_per_s"]
+    date = datetime.now(UTC).isoformat(timespec="seconds")
+    commit = _commit()
+    rows = []
+    drained = [(DRAIN_SERVER, s) for s in ([drain.submit, drain.poll] if drain else [])]
+    for server, s in [(url, s) for s in results] + drained:
+        rows.append(
+            {
+                "date": date,
+                "commit": commit,
+                "server": server,
+                "scenario": s.name,
+                "requests": s.requests,
+                "errors": s.errors,
+                "achieved_rps": f"{s.requests / s.seconds:.1f}" if s.seconds else "",
+                "p50_ms": f"{percentile(s.latencies_ms, 0.5):.1f}",
+                "p99_ms": f"{percentile(s.latencies_ms, 0.99):.1f}",
+            }
+        )
+    if drain is not None:
+        row = {"jobs": drain.jobs, "workers": drain.workers, "drain_s": f"{drain.seconds:.1f}"}
+        row["jobs_per_s"] = f"{drain.jobs / drain.seconds:.1f}"
+        rows[-1] |= row
+    new = not RESULTS.exists()
+    with RESULTS.open("a", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    return RESULTS
+
+
+def _commit() -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 # --- report -----------------------------------------------------------------------------
 
 
@@ -323,15 +586,30 @@ def parse_args() -> argparse.Namespace:
     # chen_sqrt on the 9-node chain needs about 70% of the checkpoint-all peak
     parser.add_argument("--budget", default="75%", help="the jobs' budget on cpu0")
     parser.add_argument("--api-key", help="X-API-Key for a server that requires one")
+    parser.add_argument("--drain", type=int, default=0, help="jobs queued before workers start")
+    parser.add_argument("--workers", type=int, default=2, help="Celery workers for --drain")
+    parser.add_argument("--no-polling", action="store_true", help="only the --drain run")
+    parser.add_argument(
+        "--postgres",
+        default="host=127.0.0.1 port=5432 user=postgres dbname=postgres",
+        help="admin connection for --drain's database",
+    )
+    parser.add_argument(
+        "--broker", default="redis://127.0.0.1:6379/14", help="--drain's Redis (emptied)"
+    )
     args = parser.parse_args()
     if args.duration <= 0 or args.rate <= 0 or args.pollers < 1 or args.jobs < 1:
         parser.error("--duration and --rate must be positive, --pollers and --jobs at least 1")
     if args.submit_rate < 0:
         parser.error("--submit-rate must not be negative")
+    if args.drain < 0 or args.workers < 1:
+        parser.error("--drain must not be negative, --workers at least 1")
+    if args.no_polling and not args.drain:
+        parser.error("--no-polling needs --drain")
     return args
 
 
-def bench(url: str, args: argparse.Namespace) -> None:
+def bench(url: str, args: argparse.Namespace) -> list[Stats]:
     with httpx.Client(base_url=url, headers=auth(args), timeout=60) as client:
         model_id = upload_model(client, args.sample)
         job_ids = submit_jobs(client, model_id, args)
@@ -348,15 +626,36 @@ def bench(url: str, args: argparse.Namespace) -> None:
     print(table(results))
     print()
     print(verdict(results, args.rate))
+    return results
+
+
+def bench_drain(args: argparse.Namespace) -> Drain:
+    with production_api(args) as (url, env, logs):
+        drain = asyncio.run(drain_run(url, env, logs, args))
+    print(
+        f"\ndrain: API under uvicorn ({url}), PostgreSQL, Redis {args.broker}; "
+        f"{args.drain} {args.sample} jobs (chen_sqrt) queued with no worker, then "
+        f"{args.workers} Celery workers of 2 threads; {args.pollers} pollers at "
+        f"{args.rate:g} req/s on the queued jobs until all finished\n"
+    )
+    print(drain_table(drain))
+    print()
+    print(table([drain.submit, drain.poll]))
+    return drain
 
 
 def main() -> int:
     args = parse_args()
-    if args.server:
-        bench(args.server.rstrip("/"), args)
-    else:
-        with embedded_server() as url:
-            bench(url, args)
+    results: list[Stats] = []
+    url = args.server.rstrip("/") if args.server else "embedded (remat serve)"
+    if not args.no_polling:
+        if args.server:
+            results = bench(url, args)
+        else:
+            with embedded_server() as embedded:
+                results = bench(embedded, args)
+    drain = bench_drain(args) if args.drain else None
+    print(f"\nrows appended to {write_results(url, results, drain).relative_to(ROOT)}")
     return 0
 
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from remat.costs import CostModel
-from remat.devices import Size
+from remat.devices import MAX_BYTES, Size, format_bytes
 from remat.errors import InvalidInputError
 from remat.graph import Graph
 from remat.strategies.base import Problem
@@ -50,3 +50,23 @@ def resolve_budgets(
         else:
             budgets[name] = size.resolve(ref.fixed_bytes, ref.peak_bytes)
     return budgets
+
+
+def check_sizes(graph: Graph, devices: int, max_cost_bytes: int | None = None) -> None:
+    """``InvalidInputError`` before anything large is built: a graph whose tensors add up
+    to more than ``MAX_BYTES`` (no device holds it, and 64-bit byte counts would
+    overflow), or a cost model on ``devices`` devices (copy times per node per ordered
+    device pair, compute times per node per device, 8 bytes each) above
+    ``max_cost_bytes``."""
+    total = graph.param_bytes + graph.input_bytes + graph.activation_bytes
+    if total > MAX_BYTES:
+        raise InvalidInputError(
+            f"the graph's tensors need {format_bytes(total)} at this batch size and these "
+            f"input shapes: more than {format_bytes(MAX_BYTES)}, beyond any device"
+        )
+    need = len(graph) * (devices * devices + devices) * 8
+    if max_cost_bytes is not None and need > max_cost_bytes:
+        raise InvalidInputError(
+            f"{len(graph)} nodes on {devices} devices need a {format_bytes(need)} cost model, "
+            f"above this server's limit of {format_bytes(max_cost_bytes)}: use fewer devices"
+        )

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -157,11 +158,18 @@ class _TableDevice(BaseModel):
     threads: int | None = None
 
 
+MAX_TABLE_MS = 1e9  # about 11.6 days: no operator or copy takes longer
+MAX_TABLE_BYTES = 1 << 50  # 1 PiB: no output is larger
+# A table's times and sizes: finite, non-negative and bounded (tables come from agents and
+# files; a NaN or 1e300 would poison every plan solved with them).
+TableMs = Annotated[float, Field(ge=0, le=MAX_TABLE_MS, allow_inf_nan=False)]
+
+
 class _TableNode(BaseModel):
-    compute_ms: dict[str, float]
-    output_bytes: int = Field(ge=0)
+    compute_ms: dict[str, TableMs]
+    output_bytes: int = Field(ge=0, le=MAX_TABLE_BYTES)
     # Dispersion of a profiled time per device (the interquartile range of the repeats).
-    compute_spread_ms: dict[str, float] = Field(default_factory=dict)
+    compute_spread_ms: dict[str, TableMs] = Field(default_factory=dict)
 
 
 class CostTable(BaseModel):
@@ -170,7 +178,7 @@ class CostTable(BaseModel):
     source: CostSource
     devices: list[_TableDevice] = Field(min_length=1)
     nodes: dict[str, _TableNode]
-    copy_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
+    copy_ms: dict[str, dict[str, TableMs]] = Field(default_factory=dict)
 
     def restricted(self, names: list[str]) -> CostTable:
         """The table's costs for the devices ``names`` only, in that order (a job may use

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -15,6 +16,66 @@ class DeviceKind(StrEnum):
 
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class NumberOption:
+    """A numeric device option and its range: bounds that no real device reaches, so that
+    a typo or an absurd value is refused instead of poisoning the cost model."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False  # the value must be above ``low``, not equal to it
+
+    def rule(self) -> str:
+        if self.integer:
+            return f"an integer from {self.low:g} to {self.high:g}"
+        above = "above" if self.low_open else "at least"
+        return f"a finite number {above} {self.low:g} and at most {self.high:g}"
+
+
+# Every option a device understands (``Device``, the analytical cost model, the agents).
+NUMBER_OPTIONS: dict[str, NumberOption] = {
+    "threads": NumberOption(1, 1024, integer=True),  # CPU threads
+    "index": NumberOption(0, 1023, integer=True),  # CUDA device index
+    "flops": NumberOption(0, 1e18, low_open=True),  # FLOP/s
+    "bandwidth": NumberOption(0, 1e15, low_open=True),  # memory bandwidth, B/s
+    "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
+}
+TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name): max length
+OPTION_KEYS = (*NUMBER_OPTIONS, *TEXT_OPTIONS)
+_INTEGER = re.compile(r"[0-9]+")
+_PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]*")
+
+
+def check_option(key: str, value: str) -> None:
+    """``InvalidInputError`` naming the option and its rule (never the value) when
+    ``key=value`` is not an option a device understands, in its range."""
+    if key in TEXT_OPTIONS:
+        if len(value) > TEXT_OPTIONS[key] or not _PRINTABLE.fullmatch(value):
+            raise InvalidInputError(
+                f"device option {key} must be printable text of at most "
+                f"{TEXT_OPTIONS[key]} characters"
+            )
+        return
+    option = NUMBER_OPTIONS.get(key)
+    if option is None:
+        raise InvalidInputError(
+            f"unknown device option {key[:32]!r} (known: {', '.join(OPTION_KEYS)})"
+        )
+    text = value.strip()
+    if option.integer:
+        ok = len(text) <= 20 and bool(_INTEGER.fullmatch(text))
+        number = float(int(text)) if ok else math.nan
+    else:
+        try:
+            number = float(text) if len(text) <= 64 else math.nan
+        except ValueError:
+            number = math.nan
+    above = number > option.low if option.low_open else number >= option.low
+    if not (math.isfinite(number) and above and number <= option.high):
+        raise InvalidInputError(f"device option {key} must be {option.rule()}")
 
 
 @dataclass(frozen=True)
@@ -48,9 +109,11 @@ def parse_device(spec: str) -> Device:
             key, sep, value = item.partition("=")
             if not sep or not key:
                 raise InvalidInputError(f"device {spec!r}: option {item!r} is not key=value")
+            try:
+                check_option(key, value)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"device {spec!r}: {exc}") from None
             options[key] = value
-    if "threads" in options and not options["threads"].isdigit():
-        raise InvalidInputError(f"device {spec!r}: threads must be a positive integer")
     return Device(name, kind, options)
 
 
@@ -65,6 +128,8 @@ _UNITS = {
     "GIB": 1024**3,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+MAX_BYTES = 1 << 60  # 1 EiB: above any device's memory, and far inside a 64-bit count
+MAX_PERCENT = 1000.0
 
 
 @dataclass(frozen=True)
@@ -86,21 +151,27 @@ class Size:
 
 
 def parse_size(text: str) -> Size:
-    """Parse ``123``, ``208MiB``, ``1.5GiB`` or ``65%``."""
+    """Parse ``123``, ``208MiB``, ``1.5GiB`` or ``65%``: at most ``MAX_BYTES``, or a
+    percentage in (0, ``MAX_PERCENT``]. Errors quote at most 32 characters of ``text``."""
+    shown = repr(text[:32]) + ("..." if len(text) > 32 else "")
     stripped = text.strip()
     if stripped.endswith("%"):
         try:
-            percent = float(stripped[:-1])
+            percent = float(stripped[:-1]) if len(stripped) <= 32 else math.nan
         except ValueError:
-            raise InvalidInputError(f"size {text!r}: expected a number before '%'") from None
-        if not 0 < percent <= 1000:
-            raise InvalidInputError(f"size {text!r}: percentage must be in (0, 1000]")
+            raise InvalidInputError(f"size {shown}: expected a number before '%'") from None
+        if not 0 < percent <= MAX_PERCENT:  # also false for nan
+            raise InvalidInputError(f"size {shown}: percentage must be in (0, {MAX_PERCENT:g}]")
         return Size(percent=percent)
     match = _SIZE.match(stripped)
     unit = match.group(2).upper() if match else None
     if not match or unit not in _UNITS:
-        raise InvalidInputError(f"size {text!r}: expected bytes, KiB, MiB, GiB, KB, MB, GB or %")
-    return Size(bytes=int(float(match.group(1)) * _UNITS[unit]))
+        raise InvalidInputError(f"size {shown}: expected bytes, KiB, MiB, GiB, KB, MB, GB or %")
+    digits = match.group(1)
+    number = float(digits) * _UNITS[unit] if "." in digits else int(digits) * _UNITS[unit]
+    if number > MAX_BYTES:  # also for a float that overflowed to inf
+        raise InvalidInputError(f"size {shown}: at most {MAX_BYTES} bytes (1 EiB)")
+    return Size(bytes=int(number))
 
 
 def format_bytes(n: int | float) -> str:

@@ -53,6 +53,8 @@ def stack(tmp_path_factory):
             max_upload_bytes=str(UPLOAD_LIMIT),
             broker_visibility_timeout_s="5",
             progress_interval_s="0.2",
+            job_heartbeat_s="0.5",  # a killed worker's job is taken back within seconds
+            job_stale_s="3",
         )
         idle_env = dict(env, REMAT_BROKER_URL=redis_url(6))
         worker = celery_worker(env, logs / "worker.log")

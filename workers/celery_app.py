@@ -1,7 +1,11 @@
 """The Celery app: Redis as broker, the database as the store of results (no result
 backend). DESIGN.md's Celery facts: late acks and a prefetch of one, so that a job whose
 worker died is redelivered; a visibility timeout above the longest solve, so that a
-running job is not; no ``revoke(terminate=True)``: cancellation is a flag in the job row.
+running job is not (and were it redelivered, its claim leaves a job alone whose worker
+still heartbeats); no ``revoke(terminate=True)``: cancellation is a flag in the job row.
+Recovery does not wait for the visibility timeout: the API's sweeper
+(``workers/sweeper.py``) sends a job again within ``REMAT_JOB_STALE_S`` of its worker's
+last heartbeat, and a queued job whose message was lost with the broker.
 
 Run a worker with ``celery -A workers.celery_app worker --pool threads --concurrency 2``:
 solves run in their own subprocesses, so threads suffice (and a prefork child, being

@@ -2,20 +2,23 @@
 queued jobs, ``REMAT_EMBEDDED_JOBS`` at a time (solves run in their own subprocesses;
 a job waiting for a node's profile must not hold up the others), with the same
 ``solve_job`` as the Celery task. The database is its queue: ``enqueue`` only wakes it,
-and on start it picks up what an earlier run left queued or running (the attempt cap
-stops a job that kills it)."""
+and it picks up what is queued and what is running without a heartbeat for
+``REMAT_JOB_STALE_S`` (left by a server that died; the attempt cap stops a job that kills
+it), never a job that a live thread (here or in another server on the same database)
+holds."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import and_, func, or_, select
 
 from app.database import Database
 from app.settings import Settings
 from app.storage import ModelStore
-from app.tables import JobRow, JobStatus
+from app.tables import JobRow, JobStatus, now
 from workers.context import WorkerContext
 from workers.solve import solve_job
 
@@ -73,12 +76,16 @@ class EmbeddedDispatcher:
                     self._active.discard(job_id)
 
     def _take(self) -> str | None:
-        """The oldest job not finished that no thread here runs (running ones are left
-        over from an earlier run), now this thread's."""
+        """The oldest job that is queued, or running without a recent heartbeat, that no
+        thread here runs, now this thread's (``solve_job``'s claim decides for good)."""
+        stale_before = now() - timedelta(seconds=self.context.settings.job_stale_s)
         with self.wake:
             with self.context.db.session() as session:
-                waiting = (JobStatus.QUEUED, JobStatus.RUNNING)
-                query = select(JobRow.id).where(JobRow.status.in_(waiting))
+                abandoned = and_(
+                    JobRow.status == JobStatus.RUNNING,
+                    func.coalesce(JobRow.heartbeat_at, JobRow.updated_at) < stale_before,
+                )
+                query = select(JobRow.id).where(or_(JobRow.status == JobStatus.QUEUED, abandoned))
                 if self._active:
                     query = query.where(JobRow.id.not_in(self._active))
                 job_id = session.scalar(query.order_by(JobRow.created_at).limit(1))

@@ -1,6 +1,15 @@
 """``solve_job``: one job from its committed row to a stored plan. Celery's task and the
-embedded dispatcher both call it; it is safe to run twice for the same job (redelivery
-after a worker died): an attempt counter caps retries and a job gets one plan at most.
+embedded dispatcher both call it; it is safe to run twice for the same job (a duplicate
+message, or redelivery after a worker died): an attempt counter caps retries and a job
+gets one plan at most.
+
+A claimed job is leased to its attempt: a heartbeat thread writes ``heartbeat_at`` every
+``REMAT_JOB_HEARTBEAT_S``, and every write about the job's outcome lands only while the job
+is still running under the same attempt (a compare-and-set on ``status`` and ``attempts``).
+A job whose heartbeat stopped for ``REMAT_JOB_STALE_S`` is taken back by the sweeper
+(``workers/sweeper.py``) or claimed again; a claim leaves a job alone that another worker
+holds with a fresh heartbeat. An attempt that lost its lease stops its solve and writes
+nothing.
 
 The strategy's solves run in their own subprocesses (``remat.solvers.runner``); this
 thread only relays progress (at most once per ``progress_interval_s``) and the
@@ -9,18 +18,24 @@ cancellation flag, which it reads from the job row.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import ColumnElement, and_, delete, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.database import Database
 from app.planning import build_problem, solver_settings
 from app.schemas import BaselinesOut, JobSpec, ScheduleOut
-from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now
+from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
 from remat.errors import RematError
 from remat.max_batch import plan_with
@@ -40,85 +55,163 @@ class _Claim:
     spec: JobSpec
     model: ModelRow
     model_path: Path
+    attempt: int  # the job's attempt counter as this claim set it: the lease's fence
+
+
+class NotFinite(ValueError):
+    """A document holds a number JSON cannot represent (NaN or an infinity)."""
 
 
 def solve_job(ctx: WorkerContext, job_id: str) -> None:
     claim = _claim(ctx, job_id)
     if claim is None:
         return
-    cancel = CancelFlag(ctx.db, job_id)
-    progress = ProgressWriter(ctx.db, job_id, ctx.settings.progress_interval_s)
+    lease = Lease(ctx.db, job_id, claim.attempt, ctx.settings.job_heartbeat_s)
     try:
-        say = MessageWriter(ctx.db, job_id)
+        _solve(ctx, job_id, claim, lease)
+    finally:
+        lease.stop()
+
+
+def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None:
+    attempt = claim.attempt
+    cancel = CancelFlag(ctx.db, job_id, lease)
+    progress = ProgressWriter(ctx.db, job_id, attempt, ctx.settings.progress_interval_s)
+    try:
+        say = MessageWriter(ctx.db, job_id, attempt)
         table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
         settings = replace(solver_settings(claim.spec), on_progress=progress, cancel=cancel)
         problem = build_problem(claim.spec, claim.model_path, settings, table)
         result = plan_with(claim.spec.strategy, problem)
     except Cancelled:
-        _finish(ctx, job_id, JobStatus.CANCELLED, message="cancelled while waiting for a profile")
+        message = "cancelled while waiting for a profile"
+        _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message=message)
         return
     except RematError as exc:
-        _finish(ctx, job_id, JobStatus.FAILED, error=str(exc))
+        _finish(ctx, job_id, attempt, JobStatus.FAILED, error=str(exc))
         return
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        _finish(ctx, job_id, JobStatus.FAILED, error=f"internal error: {type(exc).__name__}: {exc}")
+        _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
         return
     if cancel.is_set():
-        _finish(ctx, job_id, JobStatus.CANCELLED, message="cancelled while solving")
+        _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message="cancelled while solving")
     elif result.plan is None or result.simulation is None or not result.simulation.valid:
-        _finish(ctx, job_id, JobStatus.FAILED, error=result.message or "no plan found")
+        _finish(ctx, job_id, attempt, JobStatus.FAILED, error=result.message or "no plan found")
     else:
-        compared = BaselinesOut.model_validate(baselines(problem), from_attributes=True)
-        _store_plan(ctx, job_id, problem, result, compared, progress.elapsed())
+        try:
+            compared = BaselinesOut.model_validate(baselines(problem), from_attributes=True)
+            _store_plan(ctx, job_id, attempt, problem, result, compared, progress.elapsed())
+        except Exception as exc:
+            log.exception("job %s: storing its plan failed", job_id)
+            _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
+
+
+def _internal(exc: Exception) -> str:
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
+def worker_name() -> str:
+    """Who holds a running job: host, process and thread (for operators)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"[:255]
+
+
+def _held(job_id: str, attempt: int) -> ColumnElement[bool]:
+    """The job is still running under this attempt (its lease was not taken back)."""
+    return and_(JobRow.id == job_id, JobRow.status == JobStatus.RUNNING, JobRow.attempts == attempt)
 
 
 def _claim(ctx: WorkerContext, job_id: str) -> _Claim | None:
     """Mark the job running (one more attempt), or None when there is nothing to do: it
-    is gone, finished, cancelled, or out of attempts (then it is failed)."""
+    is gone, finished, cancelled, out of attempts (then it is failed), or running under
+    another worker whose heartbeat is fresh (a duplicate message). The update is a
+    compare-and-set on the status and attempts read, so that two claims never both win
+    (SQLite has no row locks)."""
+    stale_before = now() - timedelta(seconds=ctx.settings.job_stale_s)
     with ctx.db.session() as session:
         job = session.get(JobRow, job_id, with_for_update=True)
         if job is None or JobStatus(job.status).finished:
             return None
+        if job.status == JobStatus.RUNNING and _alive(job, stale_before):
+            return None
+        read = and_(
+            JobRow.id == job_id, JobRow.status == job.status, JobRow.attempts == job.attempts
+        )
         if job.cancel_requested:
-            job.status, job.finished_at = JobStatus.CANCELLED, now()
+            values: dict[str, Any] = {"status": JobStatus.CANCELLED, "finished_at": now()}
+        elif job.attempts >= ctx.settings.max_attempts:
+            error = f"gave up after {job.attempts} attempts (its worker stopped mid-solve)"
+            values = {"status": JobStatus.FAILED, "finished_at": now(), "error": error}
+        else:
+            values = {
+                "status": JobStatus.RUNNING,
+                "attempts": job.attempts + 1,
+                "started_at": job.started_at or now(),
+                "heartbeat_at": now(),
+                "worker": worker_name(),
+                "message": None,  # an earlier attempt's (e.g. why it was queued again)
+            }
+        taken = session.execute(
+            update(JobRow).where(read).values(**values).execution_options(synchronize_session=False)
+        )
+        if taken.rowcount != 1 or values["status"] != JobStatus.RUNNING:  # type: ignore[attr-defined]
             return None
-        if job.attempts >= ctx.settings.max_attempts:
-            job.status, job.finished_at = JobStatus.FAILED, now()
-            job.error = f"gave up after {job.attempts} attempts (its worker stopped mid-solve)"
-            return None
-        job.attempts += 1
-        job.status = JobStatus.RUNNING
         session.execute(delete(ProgressRow).where(ProgressRow.job_id == job_id))
-        job.started_at = job.started_at or now()
         model = session.get_one(ModelRow, job.model_id)
-        return _Claim(JobSpec.model_validate(job.spec), model, ctx.store.path(model.sha256))
+        spec = JobSpec.model_validate(job.spec)
+        return _Claim(spec, model, ctx.store.path(model.sha256), job.attempts + 1)
+
+
+def _alive(job: JobRow, stale_before: datetime) -> bool:
+    """A running job's holder reported after ``stale_before`` (rows from before heartbeats
+    count from their last change)."""
+    return utc(job.heartbeat_at or job.updated_at) >= stale_before
 
 
 def _finish(
     ctx: WorkerContext,
     job_id: str,
+    attempt: int,
     status: JobStatus,
     error: str | None = None,
     message: str | None = None,
 ) -> None:
+    """The attempt's outcome, only while the attempt still holds the job."""
     with ctx.db.session() as session:
-        job = session.get(JobRow, job_id, with_for_update=True)
-        if job is None or JobStatus(job.status).finished:
-            return
-        job.status, job.error, job.message, job.finished_at = status, error, message, now()
+        session.execute(
+            update(JobRow)
+            .where(_held(job_id, attempt))
+            .values(status=status, error=error, message=message, finished_at=now())
+            .execution_options(synchronize_session=False)
+        )
+
+
+def strict_json(value: Any, what: str) -> Any:
+    """``value`` as plain JSON (what the database's JSON columns store), refusing NaN and
+    the infinities: PostgreSQL rejects them and SQLite would keep a document that cannot
+    be served."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except ValueError:
+        raise NotFinite(
+            f"the {what} could not be stored: it holds a number that is not finite (NaN or "
+            "infinity), which usually comes from non-finite inputs (device options, costs)"
+        ) from None
 
 
 def _store_plan(
     ctx: WorkerContext,
     job_id: str,
+    attempt: int,
     problem: Problem,
     result: StrategyResult,
     compared: BaselinesOut,
     elapsed_s: float,
 ) -> None:
-    """The plan, its schedule view, the baselines and the final progress, once: a job that
-    finished in the meantime (another delivery of the same job) keeps what it has."""
+    """The plan, its schedule view, the baselines and the final progress, once, in one
+    transaction with the job's success: a job that finished meanwhile (another delivery
+    of the same job) keeps what it has, and a cancel that landed first wins. A plan that
+    cannot be stored fails the job with the reason."""
     assert result.plan is not None and result.simulation is not None
     plan, simulation = result.plan, result.simulation
     matrices = stage_matrices(plan)
@@ -132,42 +225,119 @@ def _store_plan(
         budgets=plan.budgets,
         peak_bytes=simulation.peak_bytes,
     )
-    with ctx.db.session() as session:
-        job = session.get(JobRow, job_id, with_for_update=True)
-        if job is None or JobStatus(job.status).finished or session.get(PlanRow, job_id):
-            return
-        session.add(
-            PlanRow(
-                job_id=job_id,
-                document=plan_to_json(plan),
-                schedule=schedule.model_dump(),
-                baselines=compared.model_dump(),
+    try:
+        row = PlanRow(
+            job_id=job_id,
+            document=strict_json(plan_to_json(plan), "plan"),
+            schedule=strict_json(schedule.model_dump(), "schedule"),
+            baselines=strict_json(compared.model_dump(), "baselines"),
+        )
+    except NotFinite as exc:
+        _finish(ctx, job_id, attempt, JobStatus.FAILED, error=str(exc))
+        return
+    values: dict[str, Any] = {
+        "status": JobStatus.SUCCEEDED,
+        "finished_at": now(),
+        "message": result.message or None,
+        "incumbent_ms": simulation.total_ms,
+    }
+    final = None
+    if plan.solver is not None:
+        solver = plan.solver
+        values |= {"solver_status": solver.status, "bound_ms": solver.bound}
+        values |= {"gap": solver.gap, "elapsed_s": elapsed_s}
+        final = Progress(elapsed_s, simulation.total_ms, solver.bound, solver.gap)
+    try:
+        with ctx.db.session() as session:
+            session.get(JobRow, job_id, with_for_update=True)  # PostgreSQL: a cancel waits
+            stored = session.execute(
+                update(JobRow)
+                .where(_held(job_id, attempt), JobRow.cancel_requested.is_(False))
+                .values(**values)
+                .execution_options(synchronize_session=False)
             )
-        )
-        job.status, job.finished_at, job.message = (
-            JobStatus.SUCCEEDED,
-            now(),
-            result.message or None,
-        )
-        job.incumbent_ms = simulation.total_ms
-        if plan.solver is not None:
-            job.solver_status = plan.solver.status
-            job.bound_ms, job.gap, job.elapsed_s = plan.solver.bound, plan.solver.gap, elapsed_s
-            final = Progress(elapsed_s, job.incumbent_ms, job.bound_ms, job.gap)
-            session.add(_point(job_id, final))  # the history ends where the solve did
+            if stored.rowcount == 1:  # type: ignore[attr-defined]
+                session.add(row)
+                if final is not None:
+                    session.add(_point(job_id, final))  # the history ends where the solve did
+                return
+    except SQLAlchemyError as exc:
+        log.exception("job %s: the database refused its plan", job_id)
+        reason = str(exc.orig if getattr(exc, "orig", None) else exc).splitlines()[0]
+        error = f"the plan could not be stored: {reason}"
+        _finish(ctx, job_id, attempt, JobStatus.FAILED, error=error)
+        return
+    # not stored: finished or taken back meanwhile (nothing to do), or cancelled just now
+    _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message="cancelled while solving")
+
+
+class Lease:
+    """This attempt's hold on the job: a thread that writes ``heartbeat_at`` every
+    ``interval_s`` while the job runs under the attempt. ``lost`` is set once it does not
+    (the job finished, or the sweeper took it back after missed heartbeats): the solve
+    stops (``CancelFlag``). A heartbeat does not move ``updated_at``: the job's ETag
+    changes only when the job does."""
+
+    def __init__(self, db: Database, job_id: str, attempt: int, interval_s: float) -> None:
+        self.db, self.job_id, self.attempt, self.interval_s = db, job_id, attempt, interval_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        name = f"remat-heartbeat-{job_id[:8]}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with self.db.session() as session:
+                    beat = session.execute(
+                        update(JobRow)
+                        .where(_held(self.job_id, self.attempt))
+                        .values(heartbeat_at=now(), updated_at=JobRow.updated_at)
+                        .execution_options(synchronize_session=False)
+                    )
+            except SQLAlchemyError:  # the next beat may get through; the sweeper waits
+                log.warning("job %s: heartbeat failed", self.job_id, exc_info=True)
+                continue
+            if beat.rowcount != 1:  # type: ignore[attr-defined]
+                self.lost.set()  # finished, or taken back: nothing left to solve
+                if not self._finished_here():
+                    log.warning(
+                        "job %s: attempt %d lost its lease (taken back after missed "
+                        "heartbeats); it stops and writes nothing",
+                        self.job_id,
+                        self.attempt,
+                    )
+                return
+
+    def _finished_here(self) -> bool:
+        """The job finished under this attempt (its outcome was just written)."""
+        try:
+            with self.db.session() as session:
+                job = session.get(JobRow, self.job_id)
+        except SQLAlchemyError:
+            return False
+        return job is not None and job.attempts == self.attempt and job.finished_at is not None
 
 
 class CancelFlag:
     """``is_set()``: the job's ``cancel_requested``, read from the database at most every
-    ``CANCEL_POLL_S`` (the solver polls it often)."""
+    ``CANCEL_POLL_S`` (the solver polls it often); also set once the attempt lost its
+    lease (the job is no longer this attempt's to solve)."""
 
-    def __init__(self, db: Database, job_id: str) -> None:
-        self.db, self.job_id = db, job_id
+    def __init__(self, db: Database, job_id: str, lease: Lease | None = None) -> None:
+        self.db, self.job_id, self.lease = db, job_id, lease
         self._set = False
         self._checked = 0.0
         self._lock = threading.Lock()
 
     def is_set(self) -> bool:
+        if self.lease is not None and self.lease.lost.is_set():
+            return True
         with self._lock:
             if not self._set and time.monotonic() - self._checked >= CANCEL_POLL_S:
                 self._checked = time.monotonic()
@@ -193,8 +363,8 @@ class ProgressWriter:
     counts the wait for a profile and building the problem; the full solve and the solves
     beside it report from their own threads."""
 
-    def __init__(self, db: Database, job_id: str, interval_s: float) -> None:
-        self.db, self.job_id, self.interval_s = db, job_id, interval_s
+    def __init__(self, db: Database, job_id: str, attempt: int, interval_s: float) -> None:
+        self.db, self.job_id, self.attempt, self.interval_s = db, job_id, attempt, interval_s
         self._start = time.monotonic()
         self._last = float("-inf")
         self._lock = threading.Lock()
@@ -211,7 +381,7 @@ class ProgressWriter:
     def _write(self, progress: Progress) -> None:
         with self.db.session() as session:
             job = session.get(JobRow, self.job_id)
-            if job is None or job.status != JobStatus.RUNNING:
+            if job is None or job.status != JobStatus.RUNNING or job.attempts != self.attempt:
                 return
             progress = replace(progress, elapsed_s=self.elapsed())
             job.incumbent_ms, job.bound_ms = progress.objective, progress.bound
@@ -222,8 +392,8 @@ class ProgressWriter:
 class MessageWriter:
     """A line for the job's ``message`` while it waits (e.g. for a node's profile)."""
 
-    def __init__(self, db: Database, job_id: str) -> None:
-        self.db, self.job_id = db, job_id
+    def __init__(self, db: Database, job_id: str, attempt: int) -> None:
+        self.db, self.job_id, self.attempt = db, job_id, attempt
         self._last: str | None = None
 
     def __call__(self, message: str) -> None:
@@ -232,5 +402,5 @@ class MessageWriter:
         self._last = message
         with self.db.session() as session:
             job = session.get(JobRow, self.job_id)
-            if job is not None and job.status == JobStatus.RUNNING:
+            if job is not None and job.status == JobStatus.RUNNING and job.attempts == self.attempt:
                 job.message = message

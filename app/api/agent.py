@@ -1,6 +1,11 @@
 """``/v1/agent``: what node agents call (the protocol is in ``agents.protocol``):
 registration with the enrollment token, heartbeats, leasing tasks, renewing, progress,
-reports (checked, recorded once per lease), release, and model downloads."""
+reports (checked, recorded once per lease), release, and model downloads.
+
+What an agent can do is bounded: a node name already taken is registered again only with
+that node's token, the name ``local`` only with ``remat serve``'s per-run secret; a node
+downloads only the models its own unfinished tasks name; an execution's ``predicted`` is
+the plan's, never the agent's word."""
 
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from agents.protocol import (
+    LOCAL_NODE,
     Enrolled,
+    ExecutePayload,
     ExecutionResult,
     Heartbeat,
     Lease,
     LeaseProof,
     LeaseRequest,
+    PredictedCost,
     ProfilePayload,
     Registration,
     ReportAccepted,
@@ -34,6 +42,7 @@ from agents.protocol import (
     TaskReport,
 )
 from app.context import Services, get_or_404, key_digest, services
+from app.lifecycle import stopping
 from app.problems import ApiError
 from app.profiles import checked_table, graph_of
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, now, utc
@@ -62,22 +71,26 @@ Node = Annotated[NodeRow, Depends(current_node)]
 @router.post("/register", response_model=Enrolled)
 def register(body: Registration, ctx: Ctx) -> Enrolled:
     """A node joins with the enrollment token and gets its own token (stored hashed).
-    Registering a name again replaces that node's token and devices."""
-    expected = ctx.settings.enroll_token
-    if not expected:
-        raise ApiError(403, "agent enrollment is disabled on this server (set REMAT_ENROLL_TOKEN)")
-    if not hmac.compare_digest(body.enroll_token.encode(), expected.encode()):
-        raise ApiError(401, "wrong enrollment token")
+    Registering a taken name again needs that node's current token (``node_token``; 409
+    otherwise) and replaces its token and devices. The name ``local`` is ``remat serve``'s
+    own agent's: it registers with the server's per-run secret instead."""
+    _check_enrollment(ctx, body)
     names = [d.name for d in body.devices]
     if len(set(names)) != len(names):
         raise ApiError(422, f"devices: names must be unique: {names}")
     token = secrets.token_urlsafe(32)
     devices = {"devices": [d.model_dump(mode="json") for d in body.devices]}
     with ctx.db.session() as session:
-        node = session.scalar(select(NodeRow).where(NodeRow.name == body.name))
+        node = session.scalar(select(NodeRow).where(NodeRow.name == body.name).with_for_update())
         if node is None:
             node = NodeRow(name=body.name, token_sha256="", devices=devices)
             session.add(node)
+        elif body.name != LOCAL_NODE and not _is_token_of(node, body.node_token):
+            raise ApiError(
+                409,
+                f"node name {body.name!r} is taken: registering it again needs that node's "
+                "token (the agent keeps it in its cache directory); or choose another --name",
+            )
         node.token_sha256, node.devices = key_digest(token), devices
         node.version, node.last_seen_at = body.version or None, now()
         session.flush()
@@ -98,10 +111,13 @@ def heartbeat(node: Node, ctx: Ctx) -> Heartbeat:
 
 
 @router.post("/lease", response_model=Task, responses={204: {"description": "no task in time"}})
-async def lease(body: LeaseRequest, node: Node, ctx: Ctx) -> Task | Response:
-    """Long poll: the oldest queued task for this node, or 204 after ``wait_s``."""
+async def lease(body: LeaseRequest, node: Node, ctx: Ctx, request: Request) -> Task | Response:
+    """Long poll: the oldest queued task for this node, or 204 after ``wait_s``; 503 once
+    the server is stopping (the poll must not hold its exit up; the agent retries)."""
     deadline = time.monotonic() + body.wait_s
     while True:
+        if stopping(request.app):
+            raise ApiError(503, "the server is shutting down")
         claimed = await run_in_threadpool(ctx.tasks.claim, node.id)
         if claimed is not None:
             row = claimed.row
@@ -156,8 +172,49 @@ def report(task_id: str, body: TaskReport, node: Node, ctx: Ctx) -> ReportAccept
 
 @router.get("/models/{model_id}", response_class=FileResponse)
 def download_model(model_id: str, node: Node, ctx: Ctx) -> FileResponse:
-    model = get_or_404(ctx.db, ModelRow, model_id, "model")
+    """A model one of this node's unfinished tasks names (404 for any other)."""
+    with ctx.db.session() as session:
+        payloads = session.scalars(
+            select(AgentTaskRow.payload)
+            .where(AgentTaskRow.node_id == node.id)
+            .where(AgentTaskRow.status.in_((TaskStatus.QUEUED, TaskStatus.LEASED)))
+        ).all()
+        named = any(_model_id_of(payload) == model_id for payload in payloads)
+        model = session.get(ModelRow, model_id) if named else None
+    if model is None:
+        raise ApiError(404, f"model {model_id!r} is not in any of this node's tasks")
     return FileResponse(ctx.store.path(model.sha256), media_type="application/octet-stream")
+
+
+def _check_enrollment(ctx: Services, body: Registration) -> None:
+    """401/403 unless ``body`` carries the secret its name registers with."""
+    if body.name == LOCAL_NODE:
+        expected = ctx.settings.local_agent_token
+        if not expected:
+            raise ApiError(
+                403, f"node name {LOCAL_NODE!r} is reserved for the agent remat serve starts"
+            )
+        if not hmac.compare_digest(body.enroll_token.encode(), expected.encode()):
+            raise ApiError(
+                401,
+                f"wrong token for node {LOCAL_NODE!r}: the name is reserved for the agent "
+                "remat serve starts",
+            )
+        return
+    expected = ctx.settings.enroll_token
+    if not expected:
+        raise ApiError(403, "agent enrollment is disabled on this server (set REMAT_ENROLL_TOKEN)")
+    if not hmac.compare_digest(body.enroll_token.encode(), expected.encode()):
+        raise ApiError(401, "wrong enrollment token")
+
+
+def _is_token_of(node: NodeRow, token: str | None) -> bool:
+    return token is not None and hmac.compare_digest(node.token_sha256, key_digest(token))
+
+
+def _model_id_of(payload: dict[str, Any]) -> object:
+    model = payload.get("model") if isinstance(payload, dict) else None
+    return model.get("model_id") if isinstance(model, dict) else None
 
 
 def _checked_result(
@@ -169,6 +226,7 @@ def _checked_result(
             checked = ExecutionResult.model_validate(result)
         except ValidationError as exc:
             raise ApiError(422, f"result: not an execution result: {_first(exc)}") from None
+        checked.predicted = _plan_prediction(row)
         return checked.model_dump(mode="json"), None
     payload = ProfilePayload.model_validate(row.payload)
     model = get_or_404(ctx.db, ModelRow, payload.model.model_id, "model")
@@ -189,6 +247,18 @@ def _checked_result(
         task.result = {"profile_id": profile.id}
 
     return None, store_profile
+
+
+def _plan_prediction(row: AgentTaskRow) -> PredictedCost:
+    """What the simulator predicted for the plan this execution task carries (the server's
+    own copy, not the agent's report)."""
+    plan = ExecutePayload.model_validate(row.payload).plan
+    predicted = plan.get("predicted")
+    if not isinstance(predicted, dict):
+        return PredictedCost()
+    return PredictedCost(
+        total_ms=predicted.get("total_ms"), peak_bytes=predicted.get("peak_bytes") or {}
+    )
 
 
 def _first(exc: ValidationError) -> str:

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Depends, Response
 from sqlalchemy import select
 
 from agents.protocol import ExecutePayload, ExecutionResult, TaskKind
-from app.api.jobs import load_job
-from app.context import Services, require_key, services
+from app.api.jobs import load_job, stored_spec
+from app.context import PathId, Services, require_key, services
 from app.problems import ApiError
 from app.profiles import model_ref, node_devices
-from app.schemas import ExecutionOut, ExecutionRequest, JobSpec
+from app.schemas import ExecutionOut, ExecutionRequest
 from app.tables import AgentTaskRow, ModelRow, NodeRow, PlanRow
 
 router = APIRouter(prefix="/v1/jobs", tags=["executions"], dependencies=[Depends(require_key)])
@@ -41,7 +41,7 @@ def execution_out(row: AgentTaskRow) -> ExecutionOut:
 
 @router.post("/{job_id}/executions", status_code=202, response_model=ExecutionOut)
 def request_execution(
-    job_id: str, body: ExecutionRequest, response: Response, ctx: Ctx
+    job_id: PathId, body: ExecutionRequest, response: Response, ctx: Ctx
 ) -> ExecutionOut:
     """Queue the job's plan for execution on ``node_id``; its devices must include every
     device the plan uses."""
@@ -56,7 +56,7 @@ def request_execution(
             raise ApiError(422, f"node_id: node {body.node_id!r} does not exist")
         _check_devices(node, plan.document)
         payload = ExecutePayload(
-            model=model_ref(JobSpec.model_validate(job.spec), model),
+            model=model_ref(stored_spec(job.spec), model),
             job_id=job_id,
             plan=plan.document,
         )
@@ -72,7 +72,7 @@ def request_execution(
 
 
 @router.get("/{job_id}/executions", response_model=list[ExecutionOut])
-def list_executions(job_id: str, ctx: Ctx) -> list[ExecutionOut]:
+def list_executions(job_id: PathId, ctx: Ctx) -> list[ExecutionOut]:
     load_job(ctx, job_id)
     with ctx.db.session() as session:
         rows = session.scalars(

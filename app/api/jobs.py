@@ -7,17 +7,26 @@ import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
-from sqlalchemy import select
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.api.models import load_model_row
-from app.context import Services, get_or_404, require_key, services
+from app.context import (
+    Cursor,
+    PathId,
+    QueryId,
+    Services,
+    get_or_404,
+    require_key,
+    services,
+)
+from app.lifecycle import stopping
 from app.pagination import MAX_LIMIT, fetch
 from app.planning import build_problem
 from app.problems import ApiError
@@ -47,7 +56,7 @@ def to_out(row: JobRow) -> JobOut:
         model_id=row.model_id,
         status=row.status,
         cancel_requested=row.cancel_requested,
-        spec=JobSpec.model_validate(row.spec),
+        spec=stored_spec(row.spec),
         progress=Progress(
             incumbent_ms=row.incumbent_ms,
             bound_ms=row.bound_ms,
@@ -62,6 +71,15 @@ def to_out(row: JobRow) -> JobOut:
         started_at=row.started_at,
         finished_at=row.finished_at,
     )
+
+
+def stored_spec(spec: dict[str, Any]) -> JobSpec:
+    """A stored job's spec. One stored before the current bounds (which it may break) comes
+    back as stored, unvalidated, rather than failing the answer that holds it."""
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError:
+        return JobSpec.model_construct(**spec)
 
 
 @router.post("", status_code=202, response_model=JobOut)
@@ -108,7 +126,9 @@ def _validate(ctx: Services, spec: JobSpec) -> None:
         )
     model = _model_for_job(ctx, spec.model_id)
     table = _costs_table(ctx, spec)
-    build_problem(spec, ctx.store.path(model.sha256), table=table)  # RematError -> 422
+    # RematError -> 422, also for a graph or cost model too large to build
+    limit = ctx.settings.max_cost_model_bytes
+    build_problem(spec, ctx.store.path(model.sha256), table=table, max_cost_bytes=limit)
 
 
 def _costs_table(ctx: Services, spec: JobSpec) -> CostTable | None:
@@ -157,8 +177,8 @@ def _accepted(response: Response, row: JobRow) -> JobOut:
 def list_jobs(
     ctx: Annotated[Services, Depends(services)],
     status: JobStatus | None = None,
-    model_id: str | None = None,
-    cursor: str | None = None,
+    model_id: QueryId = None,
+    cursor: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
@@ -184,7 +204,7 @@ def load_job(ctx: Services, job_id: str) -> JobRow:
 
 @router.get("/{job_id}", response_model=JobOut)
 def get_job(
-    job_id: str,
+    job_id: PathId,
     ctx: Annotated[Services, Depends(services)],
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
@@ -219,19 +239,27 @@ def _matches(if_none_match: str, etag: str) -> bool:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JobOut:
+def cancel_job(job_id: PathId, ctx: Annotated[Services, Depends(services)]) -> JobOut:
     """A queued job is cancelled at once; a running one is flagged and its solve stopped
     by its worker within seconds. Cancelling a finished job changes nothing."""
     with ctx.db.session() as session:
         row = session.get(JobRow, job_id, with_for_update=True)
         if row is None:
             raise ApiError(404, f"job {job_id!r} does not exist")
-        if row.status == JobStatus.QUEUED:
-            row.status, row.finished_at = JobStatus.CANCELLED, now()
-            row.cancel_requested = True
-        elif row.status == JobStatus.RUNNING:
-            row.cancel_requested = True
-    return to_out(row)
+        seen = JobStatus(row.status)
+        if not seen.finished:
+            # a compare-and-set on the status read: SQLite takes no row lock, and a worker
+            # that stored the plan in between keeps its success (without the flag)
+            values: dict[str, object] = {"cancel_requested": True, "updated_at": now()}
+            if seen is JobStatus.QUEUED:
+                values |= {"status": JobStatus.CANCELLED, "finished_at": now()}
+            session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status == seen)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+    return to_out(load_job(ctx, job_id))
 
 
 def _plan_row(ctx: Services, job_id: str) -> PlanRow:
@@ -244,17 +272,17 @@ def _plan_row(ctx: Services, job_id: str) -> PlanRow:
 
 
 @router.get("/{job_id}/plan")
-def get_plan(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+def get_plan(job_id: PathId, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
     return JSONResponse(_plan_row(ctx, job_id).document)
 
 
 @router.get("/{job_id}/schedule", response_model=ScheduleOut)
-def get_schedule(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+def get_schedule(job_id: PathId, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
     return JSONResponse(_plan_row(ctx, job_id).schedule)
 
 
 @router.get("/{job_id}/baselines", response_model=BaselinesOut)
-def get_baselines(job_id: str, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
+def get_baselines(job_id: PathId, ctx: Annotated[Services, Depends(services)]) -> JSONResponse:
     plan = _plan_row(ctx, job_id)
     if plan.baselines is None:
         raise ApiError(404, f"job {job_id!r} was planned before baselines were stored with plans")
@@ -262,7 +290,7 @@ def get_baselines(job_id: str, ctx: Annotated[Services, Depends(services)]) -> J
 
 
 @router.get("/{job_id}/progress", response_model=ProgressHistory)
-def get_progress(job_id: str, ctx: Annotated[Services, Depends(services)]) -> ProgressHistory:
+def get_progress(job_id: PathId, ctx: Annotated[Services, Depends(services)]) -> ProgressHistory:
     """The solver's incumbent and bound over time (at most one point per progress
     interval), for the current attempt."""
     load_job(ctx, job_id)
@@ -273,9 +301,13 @@ def get_progress(job_id: str, ctx: Annotated[Services, Depends(services)]) -> Pr
     return ProgressHistory(points=points)
 
 
-@router.get("/{job_id}/events")
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"description": "server-sent events", "content": {"text/event-stream": {}}}},
+)
 async def job_events(
-    job_id: str, request: Request, ctx: Annotated[Services, Depends(services)]
+    job_id: PathId, request: Request, ctx: Annotated[Services, Depends(services)]
 ) -> StreamingResponse:
     """Server-sent events: ``progress`` whenever the job changes, ``end`` once finished."""
     await run_in_threadpool(load_job, ctx, job_id)
@@ -284,7 +316,8 @@ async def job_events(
 
 async def _events(ctx: Services, job_id: str, request: Request) -> AsyncIterator[str]:
     last = None
-    while not await request.is_disconnected():
+    # The stream ends when the server is asked to stop, which otherwise waits for it.
+    while not stopping(request.app) and not await request.is_disconnected():
         job = to_out(await run_in_threadpool(load_job, ctx, job_id))
         data = job.model_dump_json()
         if data != last:

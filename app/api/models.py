@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
 
-from app.context import Services, get_or_404, require_key, services
+from app.context import PathId, Services, get_or_404, require_key, services
 from app.pagination import MAX_LIMIT, fetch
 from app.planning import job_graph, summarize
 from app.problems import ApiError
-from app.schemas import JobSpec, ModelOut, ModelSummary, Page
+from app.schemas import MAX_BATCH, JobSpec, ModelOut, ModelSummary, Page
 from app.tables import JobRow, ModelRow
 from app.upload_stream import Uploaded, receive_file
 from remat.cli import graph_to_json
@@ -115,10 +115,10 @@ def get_model(model_id: str, ctx: Annotated[Services, Depends(services)]) -> Mod
 
 @router.get("/{model_id}/graph")
 def get_graph(
-    model_id: str,
+    model_id: PathId,
     ctx: Annotated[Services, Depends(services)],
     mode: Mode = Mode.TRAINING,
-    batch: Annotated[int | None, Query(ge=1)] = None,
+    batch: Annotated[int | None, Query(ge=1, le=MAX_BATCH)] = None,
 ) -> dict[str, object]:
     """The model's graph (nodes, dependencies, output bytes) in ``mode`` at ``batch``."""
     row = load_model_row(ctx, model_id)

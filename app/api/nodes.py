@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from sqlalchemy import select
 
-from app.context import Services, get_or_404, require_key, services
+from app.context import Cursor, PathId, QueryId, Services, get_or_404, require_key, services
 from app.pagination import MAX_LIMIT, fetch
 from app.profiles import node_devices
 from app.schemas import DeviceSpec, NodeOut, Page, ProfileOut
@@ -47,7 +47,7 @@ def profile_out(row: ProfileRow, with_table: bool = False) -> ProfileOut:
 
 @router.get("/v1/nodes", response_model=Page[NodeOut])
 def list_nodes(
-    ctx: Ctx, cursor: str | None = None, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50
+    ctx: Ctx, cursor: Cursor = None, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50
 ) -> Page[NodeOut]:
     rows, after = fetch(ctx.db, select(NodeRow), NodeRow, cursor, limit)
     offline = ctx.settings.offline_after_s
@@ -55,16 +55,16 @@ def list_nodes(
 
 
 @router.get("/v1/nodes/{node_id}", response_model=NodeOut)
-def get_node(node_id: str, ctx: Ctx) -> NodeOut:
+def get_node(node_id: PathId, ctx: Ctx) -> NodeOut:
     return node_out(get_or_404(ctx.db, NodeRow, node_id, "node"), ctx.settings.offline_after_s)
 
 
 @router.get("/v1/profiles", response_model=Page[ProfileOut])
 def list_profiles(
     ctx: Ctx,
-    node_id: str | None = None,
-    model_id: str | None = None,
-    cursor: str | None = None,
+    node_id: QueryId = None,
+    model_id: QueryId = None,
+    cursor: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
 ) -> Page[ProfileOut]:
     query = select(ProfileRow)
@@ -77,5 +77,5 @@ def list_profiles(
 
 
 @router.get("/v1/profiles/{profile_id}", response_model=ProfileOut)
-def get_profile(profile_id: str, ctx: Ctx) -> ProfileOut:
+def get_profile(profile_id: PathId, ctx: Ctx) -> ProfileOut:
     return profile_out(get_or_404(ctx.db, ProfileRow, profile_id, "profile"), with_table=True)

@@ -168,7 +168,7 @@ def _child_main(
     conn: Connection,
     stop: Any,  # multiprocessing Event
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     lock = threading.Lock()  # solver threads may report concurrently
 
     def send(message: tuple[Any, ...]) -> None:
@@ -176,7 +176,7 @@ def _child_main(
             conn.send(message)
 
     try:
-        send(("started",))  # may be suspended from now on (``_die_with_parent`` has run)
+        send(("started",))  # may be suspended from now on (``die_with_parent`` has run)
         model, options, backend_options = inbox.recv()
         inbox.close()
         module = importlib.import_module(f"remat.solvers.{backend}")
@@ -198,16 +198,17 @@ def _child_main(
         conn.close()
 
 
-def _die_with_parent() -> None:
-    """Have the kernel kill this process when the thread that started it dies (Linux's
-    PR_SET_PDEATHSIG): a child suspended by ``hold`` when its parent is killed would never
-    notice (a running one does, at its next message) and would keep its memory for good.
-    The starting thread waits in ``solve`` until the child has ended, so only its death
-    (the process's) fires it."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Have the kernel send this process ``signum`` when the thread that started it dies
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing). A solver child suspended by ``hold``
+    when its parent is killed would never notice (a running one does, at its next message)
+    and would keep its memory for good. The starting thread waits in ``solve`` until the
+    child has ended, so only its death (the process's) fires it. ``remat serve``'s local
+    agent calls it too (``agents.agent``), so that it never outlives the server."""
     if sys.platform != "linux":
         return
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -218,7 +219,7 @@ class _Seen:
     """What the parent knows about a running child, for when it has to kill it."""
 
     start: float
-    heard: bool = False  # a message came: the child has run ``_die_with_parent``
+    heard: bool = False  # a message came: the child has run ``die_with_parent``
     x: np.ndarray | None = None
     objective: float | None = None
     bound: float | None = None

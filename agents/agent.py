@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from agents.client import AgentClient, Rejected, StaleLease, Stopped, Unauthorized
-from agents.protocol import (
+from remat.agent_protocol import (
     AgentDevice,
     Enrolled,
     ExecutePayload,
@@ -109,6 +109,9 @@ class Agent:
         log.info("signal %d: stopping", signum)
         self.stop.set()
         if self._idle:  # waiting on the server: leave now, nothing to give back
+            # Once: a second signal (Ctrl-C reaches remat serve's whole process group, which
+            # then stops its agent too) must not interrupt the way out (client.close()).
+            self._idle = False
             raise Stopped
 
     def _watch_parent(self) -> None:
@@ -381,6 +384,12 @@ def _parser() -> argparse.ArgumentParser:
         help="exit when this process, the agent's parent, exits (remat serve's local agent)",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also log every HTTP request (heartbeats, long polls) at INFO",
+    )
     return parser
 
 
@@ -404,6 +413,15 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
     )
 
 
+def quiet_http_logs(verbose: bool) -> None:
+    """httpx logs every request at INFO (a heartbeat every few seconds, every long poll):
+    at WARNING unless ``verbose``; httpcore's connection details only at DEBUG."""
+    if not verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.run) -> int:
     args = _parser().parse_args(argv)
     if args.parent_pid is not None:
@@ -413,6 +431,7 @@ def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.
         if os.getppid() != args.parent_pid:  # the parent died before that took effect
             return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    quiet_http_logs(args.verbose)
     try:
         config = config_from(args)
     except RematError as exc:
@@ -422,6 +441,10 @@ def main(argv: Sequence[str] | None = None, run: Callable[[Agent], int] = Agent.
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
     code = run(agent)
+    # Stopping already: a second signal (remat serve's, after its process group's) must not
+    # raise Stopped into interpreter shutdown (a traceback from a finalizer).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if any(t.name.startswith("task-") for t in threading.enumerate()):
         # A task given back is still running in native code (PyTorch): interpreter
         # shutdown would abort under it, so leave without one.

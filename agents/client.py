@@ -1,4 +1,4 @@
-"""The agent's HTTP client: the protocol's calls (``agents.protocol``), with retries.
+"""The agent's HTTP client: the protocol's calls (``remat.agent_protocol``), with retries.
 
 A server that cannot be reached, or answers 5xx, is retried with exponential back-off and
 full jitter (many agents coming back after a server restart must not arrive together).
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from agents.protocol import (
+from remat.agent_protocol import (
     Enrolled,
     Heartbeat,
     Lease,

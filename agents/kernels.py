@@ -463,13 +463,10 @@ def _max_pool(spec: OpSpec, args: Args) -> Outputs:
     if not win.symmetric or any(2 * p > k for p, k in zip(win.begins, win.kernel, strict=True)):
         padded = F.pad(x, _torch_pad(win.begins, win.ends), value=-math.inf)
         padding = [0] * len(win.begins)
-    want_indices = spec.wants_output(1)
-    result = pool(
-        padded, win.kernel, win.strides, padding, win.dilations, ceil, return_indices=want_indices
-    )
-    if not want_indices:
-        return (result,)
-    values, indices = result
+    window = (win.kernel, win.strides, padding, win.dilations, ceil)
+    if not spec.wants_output(1):
+        return (pool(padded, *window, return_indices=False),)
+    values, indices = pool(padded, *window, return_indices=True)
     if padded is not x:
         raise spec.unsupported("MaxPool indices with asymmetric or large pads")
     return values, _onnx_indices(spec, x, indices)
@@ -1017,7 +1014,7 @@ def autograd_vjp(call: VjpCall) -> Grads:
             for out, grad in zip(outputs, call.grads, strict=False)
             if grad is not None and out.requires_grad
         ]
-        targets = [leaf for leaf, w in zip(leaves, wanted, strict=True) if w]
+        targets = [leaf for leaf, w in zip(leaves, wanted, strict=True) if w and leaf is not None]
         if not pairs or not targets:
             return [None] * len(call.args)
         found = iter(

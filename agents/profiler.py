@@ -29,6 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -122,7 +123,9 @@ class _Session:
         graph = program.graph
         n = len(graph)
         self.last_use = {i: max(users, default=i) for i, users in enumerate(graph.users())}
-        self.times = {r.name: [[] for _ in range(n)] for r in runtimes}
+        self.times: dict[str, list[list[float]]] = {
+            r.name: [[] for _ in range(n)] for r in runtimes
+        }
         self.copies: dict[int, dict[str, float]] = {i: {} for i in range(n)}
         self.output_bytes = [0] * n
         copy_passes = len(runtimes) if len(runtimes) > 1 else 0
@@ -179,11 +182,8 @@ class _Session:
         for node in self.program.graph.nodes:
             buffers = grads if node.kind is NodeKind.BACKWARD else None
             try:
-                value, ms = runtime.timed(
-                    lambda node=node, buffers=buffers: self.program.compute(
-                        node.id, values, fixed, buffers, device
-                    )
-                )
+                compute = partial(self.program.compute, node.id, values, fixed, buffers, device)
+                value, ms = runtime.timed(compute)
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise

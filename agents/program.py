@@ -452,7 +452,8 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, torch.dtype]:
 
 def _upstream(graph: Graph) -> dict[int, list[Upstream]]:
     result: dict[int, list[Upstream]] = {}
-    counts = {n.id: len(n.attrs.get("onnx_outputs") or []) for n in graph.forward_nodes()}
+    outputs = {n.id: n.attrs.get("onnx_outputs") for n in graph.forward_nodes()}
+    counts = {i: len(names) if isinstance(names, list) else 0 for i, names in outputs.items()}
     for node in graph.nodes:
         if node.kind is not NodeKind.BACKWARD:
             continue

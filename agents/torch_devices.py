@@ -149,10 +149,9 @@ def ieee_fp32() -> Iterator[None]:
     if not torch.cuda.is_available():
         yield
         return
-    settings = [
-        getattr(getattr(torch.backends, backend), op, None) for backend, op in _FP32_SETTINGS
-    ]
-    if all(hasattr(s, "fp32_precision") for s in settings):
+    found = [getattr(getattr(torch.backends, b), op, None) for b, op in _FP32_SETTINGS]
+    settings = [s for s in found if s is not None and hasattr(s, "fp32_precision")]
+    if len(settings) == len(_FP32_SETTINGS):
         before = [s.fp32_precision for s in settings]
         try:
             for setting in settings:

@@ -1,1 +1,3 @@
-"""Placeholder: see DESIGN.md; filled in by later issues."""
+"""The HTTP service: the FastAPI app (models, jobs, plans, profiles, nodes, the agent
+protocol), persistence (SQLAlchemy, settings) and the dashboard; see docs/architecture.md,
+"Architecture"."""

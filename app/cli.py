@@ -1,9 +1,12 @@
 """The ``remat`` command: the library's commands (``remat.cli``) and the service's:
 
 - ``remat serve``: the API with the embedded dispatcher on SQLite under the data
-  directory (``REMAT_DATA_DIR``, default ``~/.remat``); no PostgreSQL or Redis needed;
-- ``remat submit``: a thin HTTP client; uploads a model (or a sample), submits a job,
-  shows its progress and prints the finished plan's summary;
+  directory (``REMAT_DATA_DIR``, default ``~/.remat``); no PostgreSQL or Redis needed.
+  Its console shows its own lifecycle lines and warnings; ``--verbose`` adds every HTTP
+  request (uvicorn's access log, the local agent's heartbeats and long polls);
+- ``remat submit``: a thin HTTP client; waits for a server that is still starting
+  (``--wait-for-server``), uploads a model (or a sample), submits a job, shows its
+  progress and prints the finished plan's summary;
 - ``remat api-key create NAME``: a key for the API (printed once, stored hashed).
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import os
 import secrets
 import subprocess
@@ -21,21 +25,26 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from uvicorn import server as uvicorn_server
 
-from agents.protocol import LOCAL_NODE
 from app.settings import Settings
 from remat import cli as remat_cli
 from remat import samples
+from remat.agent_protocol import LOCAL_NODE
 from remat.devices import format_bytes
 from remat.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from remat.solvers.model import Progress
 
 DEFAULT_PORT = 8642
 POLL_S = 1.0
 AGENT_STOP_S = 15.0  # the local agent gives its lease back in this time, or is killed
+WAIT_FOR_SERVER_S = 30.0  # how long ``remat submit`` waits for a server that is starting
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +63,12 @@ def _service_commands(commands: remat_cli.Commands) -> None:
         help="a device for the local agent, repeatable (default: this machine's devices)",
     )
     serve.add_argument("--no-agent", action="store_true", help="start no local agent")
+    serve.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log every HTTP request (access log, the local agent's heartbeats) and INFO lines",
+    )
     serve.set_defaults(run=_serve)
 
     submit = commands.add_parser("submit", help="submit a job to a server, print its plan")
@@ -61,6 +76,14 @@ def _service_commands(commands: remat_cli.Commands) -> None:
     model.add_argument("model", nargs="?", type=Path, help="ONNX file")
     model.add_argument("--sample", choices=sorted(samples.ZOO), help="a built-in network")
     submit.add_argument("--server", default=f"http://127.0.0.1:{DEFAULT_PORT}")
+    submit.add_argument(
+        "--wait-for-server",
+        type=float,
+        default=WAIT_FOR_SERVER_S,
+        metavar="S",
+        help="wait this long for a server that is starting to be ready "
+        f"(default: {WAIT_FOR_SERVER_S:g} s; 0: try once)",
+    )
     submit.add_argument("--api-key", help="API key (when the server requires one)")
     submit.add_argument("--device", action="append", default=[], metavar="NAME:KIND[:k=v]")
     submit.add_argument("--budget", action="append", default=[], metavar="NAME=SIZE")
@@ -86,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app.main import create_app
     from app.migrate import upgrade
 
+    _configure_logging(args.verbose)
     settings = Settings()
     # The local agent registers as node "local" with a secret of this run's, which no
     # other agent (nor one left over from an earlier run) has.
@@ -102,11 +126,14 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"Remat serving on {url} ({where}; data: {settings.data_dir})")
     print(f"API docs: {url}/docs")
     print(f"agent enrollment token: {settings.enroll_token}", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    level = "info" if args.verbose else "warning"  # info: uvicorn's access log too
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level)
     server = _Server(config, app)
     try:
         if local_token is not None:
-            server.agent = _local_agent(url, settings, args.agent_device, local_token)
+            server.agent = _local_agent(
+                url, settings, args.agent_device, local_token, verbose=args.verbose
+            )
         server.run()
     finally:
         server.cleanup()  # e.g. the port was taken: the agent must not stay behind
@@ -177,11 +204,22 @@ def _stop_dispatcher(app: Any) -> None:
         threading.Thread(target=stop, name="remat-dispatcher-stop", daemon=True).start()
 
 
+def _configure_logging(verbose: bool) -> None:
+    """The service's own log lines at WARNING (INFO with ``verbose``); HTTP clients'
+    per-request lines (httpx at INFO, httpcore at DEBUG) only with ``verbose``."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=LOG_FORMAT)
+    if not verbose:
+        for name in ("httpx", "httpcore", "uvicorn.access"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _local_agent(
-    url: str, settings: Settings, devices: list[str], token: str
+    url: str, settings: Settings, devices: list[str], token: str, verbose: bool = False
 ) -> subprocess.Popen[bytes] | None:
     """A ``remat-agent`` for this machine's devices (it needs the ``[agent]`` extra), node
-    ``local``: it enrolls with ``token`` and exits with this process (``--parent-pid``)."""
+    ``local``: it enrolls with ``token`` and exits with this process (``--parent-pid``).
+    Its lifecycle lines (registered, each task, stopped) show at INFO; its HTTP requests
+    (a heartbeat every few seconds) only with ``verbose``."""
     if importlib.util.find_spec("torch") is None:
         print("no local agent: PyTorch is missing (pip install 'remat[agent]')", flush=True)
         return None
@@ -189,6 +227,8 @@ def _local_agent(
     command += ["--cache-dir", str(settings.data_dir / "agent"), "--parent-pid", str(os.getpid())]
     for device in devices:
         command += ["--device", device]
+    if verbose:
+        command.append("--verbose")
     env = {**os.environ, "REMAT_ENROLL_TOKEN": token}
     print(f"local agent: starting (node {LOCAL_NODE!r})", flush=True)
     return subprocess.Popen(command, env=env)
@@ -200,6 +240,7 @@ def _local_agent(
 def _submit(args: argparse.Namespace) -> int:
     headers = {"X-API-Key": args.api_key} if args.api_key else {}
     with httpx.Client(base_url=args.server, headers=headers, timeout=60) as client:
+        wait_for_server(client, args.wait_for_server)
         model = _upload(client, args)
         job = _call(client, "POST", "/v1/jobs", json=_job_body(args, model["id"]))
         print(f"job {job['id']} queued ({model['filename']}, {model['summary']['nodes']} nodes)")
@@ -209,6 +250,42 @@ def _submit(args: argparse.Namespace) -> int:
         plan = _call(client, "GET", f"/v1/jobs/{job['id']}/plan")
     _print_plan(job, plan)
     return 0
+
+
+def wait_for_server(client: httpx.Client, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the server to answer ``/readyz`` with 200 (a server that
+    is starting: not listening yet, or its database not ready), saying so once on stderr;
+    InvalidInputError (one line, exit 2) if it never does. Any other answer is left to the
+    calls that follow (a 404: not a Remat server)."""
+    deadline = time.monotonic() + max(wait_s, 0.0)
+    said = False
+    while True:
+        try:
+            response = client.get("/readyz", timeout=min(5.0, max(wait_s, 1.0)))
+        except httpx.HTTPError as exc:
+            why = _unreachable(exc)
+        else:
+            if response.status_code != 503:
+                return
+            why = "not ready"
+            with contextlib.suppress(ValueError, AttributeError):
+                why = f"not ready: {response.json()['detail']}"
+        if time.monotonic() >= deadline:
+            waited = f" after {wait_s:g} s" if wait_s > 0 else ""
+            raise InvalidInputError(
+                f"no Remat server ready at {client.base_url}{waited} ({why}); "
+                "start one with `remat serve`, or name another with --server"
+            )
+        if not said:
+            print(f"waiting for the server at {client.base_url}...", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(0.25, max(deadline - time.monotonic(), 0.0)))
+
+
+def _unreachable(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer"
+    return str(exc) or type(exc).__name__
 
 
 def _upload(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
@@ -260,7 +337,7 @@ def _wait(client: httpx.Client, job_id: str) -> dict[str, Any]:
         time.sleep(POLL_S)
 
 
-def _as_progress(progress: dict[str, Any]):  # type: ignore[no-untyped-def]
+def _as_progress(progress: dict[str, Any]) -> Progress:
     from remat.solvers.model import Progress
 
     return Progress(
@@ -279,7 +356,8 @@ def _call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> dict[s
         except ValueError:
             detail = response.text
         raise InvalidInputError(f"{method} {path}: {response.status_code} {detail}")
-    return response.json()  # type: ignore[no-any-return]
+    document: dict[str, Any] = response.json()
+    return document
 
 
 def _print_plan(job: dict[str, Any], plan: dict[str, Any]) -> None:
@@ -305,9 +383,9 @@ def _print_plan(job: dict[str, Any], plan: dict[str, Any]) -> None:
 
 
 def _api_key(args: argparse.Namespace) -> int:
-    from app.context import key_digest
     from app.database import Database
     from app.migrate import upgrade
+    from app.services import key_digest
     from app.tables import ApiKeyRow
 
     settings = Settings()

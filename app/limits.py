@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.problems import problem
+from app.problem_details import problem
 from remat.devices import format_bytes
 
 CLOSE = {"Connection": "close"}

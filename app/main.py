@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from app import dashboard, lifecycle, problems
-from app.api import agent, executions, health, jobs, models, nodes
-from app.context import Dispatcher, Services
+from app import dashboard, lifecycle, problem_details
+from app.api import agent, executions, health, jobs, models, nodes, strategies
 from app.database import Database
 from app.limits import RequestLimits
+from app.services import Dispatcher, Services
 from app.settings import Settings
 from app.storage import ModelStore
 from app.task_queue import TaskQueue
@@ -42,14 +42,19 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     )
     tasks = TaskQueue(db, settings.lease_s, settings.task_max_attempts)
     app.state.services = Services(settings, db, ModelStore(settings.model_dir), dispatcher, tasks)
-    problems.install(app)
-    app.include_router(health.router, responses=problems.responses(503))
-    documented = problems.responses(400, 401, 404, 408, 413, 422)
-    conflicts = problems.responses(409)
-    app.include_router(models.router, responses=documented | conflicts | problems.responses(415))
-    app.include_router(jobs.router, responses=documented | conflicts | problems.responses(503))
+    problem_details.install(app)
+    app.include_router(health.router, responses=problem_details.responses(503))
+    documented = problem_details.responses(400, 401, 404, 408, 413, 422)
+    conflicts = problem_details.responses(409)
+    app.include_router(
+        models.router, responses=documented | conflicts | problem_details.responses(415)
+    )
+    app.include_router(
+        jobs.router, responses=documented | conflicts | problem_details.responses(503)
+    )
     app.include_router(executions.router, responses=documented | conflicts)
     app.include_router(nodes.router, responses=documented)
+    app.include_router(strategies.router, responses=problem_details.responses(401))
     app.include_router(agent.router, responses=documented | conflicts)
     app.include_router(dashboard.router)
     return app

@@ -8,9 +8,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, and_, or_
+from sqlalchemy.orm import Session
 
-from app.database import Database
-from app.problems import ApiError
+from app.problem_details import ApiError
 from app.schemas import ID_MAX, ID_PATTERN
 
 MAX_LIMIT = 200
@@ -36,11 +36,10 @@ def _decode(cursor: str) -> tuple[datetime, str]:
 
 
 def fetch(
-    db: Database, query: Select[Any], table: Any, cursor: str | None, limit: int
+    session: Session, query: Select[Any], table: Any, cursor: str | None, limit: int
 ) -> tuple[list[Any], str | None]:
     """One page of ``query``'s rows, newest first, and the cursor of the next (or None)."""
-    with db.session() as session:
-        rows = list(session.scalars(page(query, table, cursor, limit)))
+    rows = list(session.scalars(page(query, table, cursor, limit)))
     return rows[:limit], next_cursor(rows, limit)
 
 

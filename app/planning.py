@@ -7,16 +7,15 @@ from collections import Counter
 from pathlib import Path
 
 from app.schemas import JobSpec, ModelSummary
-from remat.budgets import check_sizes, reference, resolve_budgets
-from remat.costs import CostModel, CostTable, analytical_costs, profiled_costs
-from remat.devices import Device, DeviceKind, format_bytes, parse_size
+from remat import problem as remat_problem
+from remat.costs import CostTable
+from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
 from remat.graph import Graph
 from remat.onnx_ingest import forward_graph, load_model
+from remat.problem import model_graph
 from remat.solvers.model import SolveOptions
-from remat.strategies import STRATEGIES
-from remat.strategies.base import Problem, SolverSettings
-from remat.training import for_mode
+from remat.strategies import STRATEGIES, Problem, SolverSettings
 
 AUTO = "auto"  # every applicable baseline, the cheapest wins (``remat plan`` default)
 
@@ -43,8 +42,7 @@ def summarize(path: Path) -> ModelSummary:
 
 
 def job_graph(spec: JobSpec, path: Path) -> Graph:
-    forward = forward_graph(load_model(path), batch=spec.batch, inputs=spec.inputs)
-    return for_mode(forward, spec.mode)
+    return model_graph(path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode)
 
 
 def build_problem(
@@ -54,47 +52,29 @@ def build_problem(
     table: CostTable | None = None,
     max_cost_bytes: int | None = None,
 ) -> Problem:
-    """The job's problem, with costs from ``table`` (a profile) where given, else
-    analytical; ``InvalidInputError`` for what no plan can satisfy: an unknown strategy
-    or device, a budget for an unknown device, budgets that cannot hold the parameters,
-    inputs and gradients; and for a graph or cost model too large to build (tensors
-    beyond any device, a cost model above ``max_cost_bytes``), before building it."""
+    """The job's problem (``remat.problem.build_problem``), with costs from ``table`` (a
+    profile) where given, else analytical; ``InvalidInputError`` for what no plan can
+    satisfy: an unknown strategy or device, a budget for an unknown device, budgets that
+    cannot hold the parameters, inputs and gradients; and for a graph or cost model too
+    large to build (tensors beyond any device, a cost model above ``max_cost_bytes``),
+    before building it."""
     if spec.strategy != AUTO and spec.strategy not in STRATEGIES:
         known = ", ".join([AUTO, *STRATEGIES])
         raise InvalidInputError(f"unknown strategy {spec.strategy!r} (known: {known})")
-    names = [d.name for d in spec.devices]
-    if len(set(names)) != len(names):
-        raise InvalidInputError(f"device names must be unique: {names}")
-    graph = job_graph(spec, path)
-    check_sizes(graph, len(names), max_cost_bytes)
-    if table is not None:
-        costs = profiled_costs(graph, table.restricted(names))
-    else:
-        devices = [Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices]
-        costs = analytical_costs(graph, devices)
-    sizes = {name: parse_size(text) for name, text in spec.budgets.items()}
-    budgets = resolve_budgets(sizes, graph, costs)
-    _check_fixed_memory_fits(graph, budgets, costs)
-    return Problem(graph, costs, budgets, solver or solver_settings(spec))
+    return remat_problem.build_problem(
+        path,
+        batch=spec.batch,
+        inputs=spec.inputs,
+        mode=spec.mode,
+        devices=[Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices],
+        budgets=spec.budgets,
+        table=table,
+        solver=solver or solver_settings(spec),
+        max_cost_bytes=max_cost_bytes,
+    )
 
 
 def solver_settings(spec: JobSpec) -> SolverSettings:
     s = spec.solver
     options = SolveOptions(time_limit_s=s.time_limit_s, gap=s.gap, threads=s.threads)
     return SolverSettings(backend=s.backend, options=options)
-
-
-def _check_fixed_memory_fits(
-    graph: Graph, budgets: dict[str, int | None], costs: CostModel
-) -> None:
-    """Parameters, inputs and gradient buffers live somewhere for the whole step: budgets
-    that together hold less admit no plan at all."""
-    if any(b is None for b in budgets.values()):
-        return
-    fixed = reference(graph, costs).fixed_bytes
-    total = sum(b for b in budgets.values() if b is not None)
-    if total < fixed:
-        raise InvalidInputError(
-            f"the budgets ({format_bytes(total)} in all) are below the fixed memory of "
-            f"{format_bytes(fixed)} (parameters, inputs and gradients): no plan can fit"
-        )

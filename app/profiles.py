@@ -11,10 +11,10 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agents.protocol import AgentDevice, ModelRef, ProfilePayload, TaskKind
 from app.schemas import JobSpec
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow
 from app.task_queue import active_task
+from remat.agent_protocol import AgentDevice, ModelRef, ProfilePayload, TaskKind
 from remat.costs import CostTable, profiled_costs
 from remat.errors import InvalidInputError
 from remat.graph import Graph

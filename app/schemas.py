@@ -1,14 +1,26 @@
-"""The API's request and response bodies (Pydantic). Field names are the API's."""
+"""The API's request and response bodies (Pydantic). Field names are the API's.
+
+A response body is read from its table's row (``Out.model_validate(row,
+from_attributes=True)``): a field named as the row's column needs no code; what the API
+shapes differently (a job's progress, nested) the row offers under the API's name.
+"""
 
 from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
-from agents.protocol import AgentDevice, Name, Strict
+from remat.agent_protocol import AgentDevice, Name, Strict
 from remat.devices import DeviceKind
 from remat.graph import Mode
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -42,7 +54,7 @@ class DeviceSpec(AgentDevice):
 
 
 class SolverSpec(Strict):
-    backend: Backend = DEFAULT_BACKEND  # type: ignore[valid-type]
+    backend: Backend = DEFAULT_BACKEND
     time_limit_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     gap: float = Field(default=1e-4, ge=0, lt=1, allow_inf_nan=False)
     threads: int = Field(default=1, ge=1, le=256)
@@ -81,6 +93,15 @@ class JobSpec(Strict):
             if math.prod(dims) > MAX_INPUT_ELEMENTS:
                 raise ValueError("an input's dimensions multiply to more than 2**40 elements")
         return inputs
+
+
+def stored_spec(spec: dict[str, Any]) -> JobSpec:
+    """A stored job's spec. One stored before the current bounds (which it may break) comes
+    back as stored, unvalidated, rather than failing the answer that holds it."""
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError:
+        return JobSpec.model_construct(**spec)
 
 
 class ModelSummary(BaseModel):
@@ -122,6 +143,14 @@ class JobOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+    @field_validator("spec", mode="wrap")
+    @classmethod
+    def _stored_spec(cls, spec: Any, handler: ValidatorFunctionWrapHandler) -> JobSpec:
+        if isinstance(spec, dict):
+            return stored_spec(spec)
+        checked: JobSpec = handler(spec)
+        return checked
 
 
 class Page(BaseModel, Generic[T]):
@@ -212,6 +241,7 @@ class ExecutionOut(BaseModel):
     predicted: dict[str, object] | None = None  # total_ms, peak_bytes per device
     gradients_match: bool | None = None
     max_rel_error: float | None = None
+    gradients_vanish: bool | None = None  # every true gradient is below fp32 rounding noise
     error: str | None = None
     created_at: datetime
     finished_at: datetime | None

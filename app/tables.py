@@ -114,6 +114,16 @@ class JobRow(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=now)
     worker: Mapped[str | None] = mapped_column(String(255))
 
+    @property
+    def progress(self) -> dict[str, float | None]:
+        """The running solve's progress columns together (the API's ``progress``)."""
+        return {
+            "incumbent_ms": self.incumbent_ms,
+            "bound_ms": self.bound_ms,
+            "gap": self.gap,
+            "elapsed_s": self.elapsed_s,
+        }
+
 
 class PlanRow(Base):
     """A job's plan (the plan JSON) and its schedule for drawing; written once, after the

@@ -10,6 +10,8 @@ SQLite ignores it and serialises writers, and the claim's compare-and-set update
 lands while the row is still as read) keeps two claims from taking one task there.
 
 The queue knows nothing of what tasks do: ``finish`` stores what the caller checked.
+Calls about a held task take the request's session (the caller commits); ``claim``, which
+an agent's long poll repeats, runs short transactions of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from app.database import Database
-from app.problems import ApiError
+from app.problem_details import ApiError
 from app.tables import AgentTaskRow, TaskStatus, now
 
 
@@ -77,42 +79,41 @@ class TaskQueue:
                     return Claimed(row, token)
         return None
 
-    def renew(self, task_id: str, node_id: str, token: str) -> datetime:
-        with self.db.session() as session:
-            row = self._held(session, task_id, node_id, token)
-            row.lease_expires_at = now() + self.lease
-            return row.lease_expires_at
+    def renew(self, session: Session, task_id: str, node_id: str, token: str) -> datetime:
+        row = self._held(session, task_id, node_id, token)
+        expires = row.lease_expires_at = now() + self.lease
+        return expires
 
     def progress(
-        self, task_id: str, node_id: str, token: str, progress: dict[str, Any]
+        self, session: Session, task_id: str, node_id: str, token: str, progress: dict[str, Any]
     ) -> datetime:
-        with self.db.session() as session:
-            row = self._held(session, task_id, node_id, token)
-            row.progress = progress
-            row.lease_expires_at = now() + self.lease
-            return row.lease_expires_at
+        row = self._held(session, task_id, node_id, token)
+        row.progress = progress
+        expires = row.lease_expires_at = now() + self.lease
+        return expires
 
-    def release(self, task_id: str, node_id: str, token: str) -> None:
+    def release(self, session: Session, task_id: str, node_id: str, token: str) -> None:
         """The agent gives the task back unfinished (it is stopping): not its fault, so the
         attempt does not count."""
-        with self.db.session() as session:
-            row = self._held(session, task_id, node_id, token)
-            row.status, row.lease_token, row.lease_expires_at = TaskStatus.QUEUED, None, None
-            row.attempts = max(row.attempts - 1, 0)
+        row = self._held(session, task_id, node_id, token)
+        row.status, row.lease_token, row.lease_expires_at = TaskStatus.QUEUED, None, None
+        row.attempts = max(row.attempts - 1, 0)
 
-    def lookup_report(self, task_id: str, node_id: str, token: str) -> AgentTaskRow:
+    def lookup_report(
+        self, session: Session, task_id: str, node_id: str, token: str
+    ) -> AgentTaskRow:
         """The task a report is about: 404 if it is not this node's, 409 if the lease is not
         (or no longer) this one. A finished task with this lease is a repeated report."""
-        with self.db.session() as session:
-            row = session.get(AgentTaskRow, task_id)
-            if row is None or row.node_id != node_id:
-                raise ApiError(404, f"task {task_id!r} does not exist for this node")
-            if not _holds(row, token):
-                raise _stale(task_id)
-            return row
+        row = session.get(AgentTaskRow, task_id)
+        if row is None or row.node_id != node_id:
+            raise ApiError(404, f"task {task_id!r} does not exist for this node")
+        if not _holds(row, token):
+            raise _stale(task_id)
+        return row
 
     def finish(
         self,
+        session: Session,
         task_id: str,
         token: str,
         status: TaskStatus,
@@ -122,20 +123,19 @@ class TaskQueue:
     ) -> bool:
         """Record the outcome once (and what ``also`` writes, in the same transaction);
         False if this lease's outcome was already recorded."""
-        with self.db.session() as session:
-            row = session.get(AgentTaskRow, task_id, with_for_update=True)
-            if row is None or not _holds(row, token):
-                raise _stale(task_id)
-            if TaskStatus(row.status).finished:
-                return False
-            row.status, row.result, row.error, row.finished_at = status, result, error, now()
-            row.lease_expires_at = None
-            if also is not None:
-                also(session, row)
-            return True
+        row = _locked(session, task_id)
+        if row is None or not _holds(row, token):
+            raise _stale(task_id)
+        if TaskStatus(row.status).finished:
+            return False
+        row.status, row.result, row.error, row.finished_at = status, result, error, now()
+        row.lease_expires_at = None
+        if also is not None:
+            also(session, row)
+        return True
 
     def _held(self, session: Session, task_id: str, node_id: str, token: str) -> AgentTaskRow:
-        row = session.get(AgentTaskRow, task_id, with_for_update=True)
+        row = _locked(session, task_id)
         if row is None or row.node_id != node_id:
             raise ApiError(404, f"task {task_id!r} does not exist for this node")
         if not _holds(row, token) or row.status != TaskStatus.LEASED:
@@ -170,6 +170,13 @@ def active_task(session: Session, kind: str, key: str) -> AgentTaskRow | None:
         .order_by(AgentTaskRow.created_at.desc())
         .limit(1)
     )
+
+
+def _locked(session: Session, task_id: str) -> AgentTaskRow | None:
+    """The task as it is now, locked until the session commits (PostgreSQL): read again
+    even if the session read it before (``populate_existing``), so that a report that
+    waited for the lock sees the one recorded before it."""
+    return session.get(AgentTaskRow, task_id, with_for_update=True, populate_existing=True)
 
 
 def lease_digest(token: str) -> str:

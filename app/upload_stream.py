@@ -9,12 +9,16 @@ push parser splits the parts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from app.problems import ApiError
+from app.problem_details import ApiError
 from app.storage import Staged, Staging, TooLarge
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 FILE_FIELD = "file"
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file
@@ -81,7 +85,7 @@ class _FormReader:
         self._headers: dict[bytes, bytes] = {}
         self._in_file = False
 
-    def callbacks(self) -> dict[str, object]:
+    def callbacks(self) -> MultipartCallbacks:
         return {
             "on_part_begin": self._part_begin,
             "on_header_field": self._header_field,

@@ -14,11 +14,13 @@ finds none); the executor runs the plan. Targets:
 * gradients = plain autograd within relative error 1e-4 (fp32; with a CUDA device, against
   float64 autograd within 1e-4 or 10 times the host's fp32 error, see ``agents.executor``).
 
-Prints a markdown table; each missed target is listed below it with by how much.
+Prints a markdown table; each missed target is listed below it with by how much. Each
+row is appended to ``bench/results/agent.csv`` as it is measured (``bench/report.py``
+renders them; peaks as ``device=bytes;...``).
 
     .venv/bin/python bench/agent.py [--models vgg16,resnet18,unet] [--budgets 100,50]
         [--batch 8] [--image 96] [--width 16] [--time-limit 10] [--repeats 5]
-        [--devices NAME:KIND[:key=value,...] ...]
+        [--devices NAME:KIND[:key=value,...] ...] [--run LABEL]
 
 Timings need a quiet machine: other processes on the cores distort them. Profiling and
 each execution wait until other processes leave the CPUs idle (/proc/stat) and are taken
@@ -37,22 +39,21 @@ from functools import partial
 from typing import TypeVar
 
 import onnx
+from results import Writer, add_run_argument
 
 from agents.executor import ExecutionReport, execute
 from agents.profiler import profile
 from remat import samples
-from remat.budgets import resolve_budgets
-from remat.costs import CostModel, profiled_costs
-from remat.devices import Device, DeviceKind, format_bytes, parse_device, parse_size
+from remat.costs import CostTable
+from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.max_batch import plan_with
-from remat.onnx_ingest import forward_graph
 from remat.plan import Compute, Copy, Plan
+from remat.problem import model_graph, problem_from_graph
 from remat.solvers.model import SolveOptions
-from remat.strategies.base import Problem, SolverSettings, StrategyResult
-from remat.strategies.placed import placed_greedy
-from remat.training import training_graph
+from remat.strategies import SolverSettings, StrategyResult
+from remat.strategies.heuristics.placed import placed_greedy
 
 DEVICES = [
     Device("cpu0", DeviceKind.CPU, {"threads": "1"}),
@@ -103,7 +104,9 @@ def main() -> None:
         metavar="NAME:KIND[:key=value,...]",
         help="the devices to plan for and run on (default: cpu0:cpu:threads=1 cpu1:cpu:threads=2)",
     )
+    add_run_argument(parser)
     args = parser.parse_args()
+    out = Writer("agent", args.run)
     devices: list[Device] = args.devices
     builders = _models(args.batch, args.image, args.width)
     load_before = os.getloadavg()
@@ -111,16 +114,15 @@ def main() -> None:
     unplanned: list[str] = []  # budgets no strategy found a plan for (the row is left out)
     for name in args.models.split(","):
         model = builders[name]()
-        graph = training_graph(forward_graph(model))
+        graph = model_graph(model)
         table, profile_s = _quietly(
             partial(profile, model, graph, devices, repeats=args.repeats, warmup=2),
             f"profiling {name}",
         )
-        costs = profiled_costs(graph, table)
         for budget in args.budgets.split(","):
             start = time.monotonic()
             try:
-                plan = _plan(graph, costs, devices, f"{budget}%", args.time_limit)
+                plan = _plan(graph, table, devices, f"{budget}%", args.time_limit)
             except NoPlan as error:
                 unplanned.append(f"{name} at {budget}%: {error}")
                 print(f"... {name} {budget}%: {error}", file=sys.stderr, flush=True)
@@ -133,6 +135,7 @@ def main() -> None:
             row = Row(name, len(graph), f"{budget}%", plan, report, profile_s, plan_s)
             row.misses = _misses(row)
             rows.append(row)
+            out.add(_result(row, devices, args))
             print(f"... {name} {budget}%: {_summary(row)}", file=sys.stderr, flush=True)
     _print_table(rows, args, unplanned)
     print(f"Load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}.")
@@ -190,12 +193,19 @@ class NoPlan(Exception):
 
 
 def _plan(
-    graph: Graph, costs: CostModel, devices: list[Device], budget: str, time_limit: float
+    graph: Graph, table: CostTable, devices: list[Device], budget: str, time_limit: float
 ) -> Plan:
-    sizes = {d.name: parse_size(budget) for d in devices}
-    budgets = resolve_budgets(sizes, graph, costs)
     settings = SolverSettings(options=SolveOptions(time_limit_s=time_limit))
-    problem = Problem(graph, costs, budgets, settings)
+    try:
+        problem = problem_from_graph(
+            graph,
+            devices=devices,
+            budgets=dict.fromkeys((d.name for d in devices), budget),
+            table=table,
+            solver=settings,
+        )
+    except RematError as error:
+        raise NoPlan(f"no problem at {budget}: {error}") from None
     attempts: list[Callable[[], StrategyResult]] = [
         lambda: plan_with("xengine", problem),
         lambda: placed_greedy(problem),
@@ -329,6 +339,43 @@ def _print_table(rows: list[Row], args: argparse.Namespace, unplanned: list[str]
     timing = ", ".join(f"{r.model} {r.profile_s:.0f} s" for r in rows if r.budget.startswith("100"))
     planning = ", ".join(f"{r.model} {r.budget} {r.plan_s:.0f} s" for r in rows)
     print(f"\nProfiling took {timing}; planning {planning}.")
+
+
+def _result(row: Row, devices: list[Device], args: argparse.Namespace) -> dict[str, object]:
+    """``row`` as a result row for ``bench/results/agent.csv``."""
+    report = row.report
+
+    def per_device(peaks: dict[str, int]) -> str:
+        return ";".join(f"{name}={peaks[name]}" for name in peaks)
+
+    return {
+        "model": row.model,
+        "budget": row.budget,
+        "devices": "+".join(d.name for d in devices),
+        "objective": report.predicted_total_ms,
+        "seconds": row.plan_s,
+        "strategy": row.plan.strategy,
+        "nodes": row.nodes,
+        "batch": args.batch,
+        "image": args.image,
+        "width": args.width,
+        "time_limit_s": args.time_limit,
+        "repeats": args.repeats,
+        "placement": _placement(row.plan),
+        "measured_ms": report.total_ms,
+        "time_error": (
+            None
+            if report.predicted_total_ms is None
+            else (report.total_ms - report.predicted_total_ms) / report.predicted_total_ms
+        ),
+        "compute_copy_ms": _ops_ms(row),
+        "predicted_peak": per_device(report.predicted_peak_bytes),
+        "measured_peak": per_device(report.peak_bytes),
+        "allocator_peak": per_device(report.allocator_peak_bytes),
+        "grad_rel_error": report.max_rel_error,
+        "profile_s": row.profile_s,
+        "targets": "met" if not row.misses else "missed: " + "; ".join(row.misses),
+    }
 
 
 if __name__ == "__main__":

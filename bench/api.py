@@ -29,19 +29,19 @@ plans (one each), and the latency of the API during the drain. It needs PostgreS
 (``--postgres``, an admin connection; a new database is made and dropped) and Redis
 (``--broker``, a database it empties first). ``--no-polling`` runs only the drain.
 
-Each run prints a markdown table and appends its rows to ``bench/results/api.csv``.
+Each run prints a markdown table and appends its rows to ``bench/results/api.csv``
+(``bench/results.py``; ``bench/report.py`` renders them).
 
     .venv/bin/python bench/api.py [--server URL] [--duration 10] [--rate 200]
         [--submit-rate 2] [--pollers 8] [--jobs 4] [--sample chain] [--batch 8]
         [--budget 75%] [--api-key KEY] [--drain 200] [--workers 2] [--no-polling]
-        [--postgres DSN] [--broker redis://127.0.0.1:6379/14]
+        [--postgres DSN] [--broker redis://127.0.0.1:6379/14] [--run LABEL]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import math
 import os
 import random
@@ -56,13 +56,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import redis
+from results import Writer, add_run_argument
 
 from remat import samples
 
@@ -71,7 +71,6 @@ READY_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 60.0
 FINISHED = ("succeeded", "failed", "cancelled")
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "api.csv"
 DRAIN_TIMEOUT_S = 600.0
 DRAIN_SERVER = "uvicorn+postgresql+redis+celery"  # the drain run's stack, in the results
 
@@ -494,20 +493,20 @@ def _counts(counter: Counter[Any]) -> str:
     return ", ".join(f"{key}×{n}" for key, n in sorted(counter.items()))
 
 
-def write_results(url: str, results: list[Stats], drain: Drain | None) -> Path:
-    """Append this run's rows to ``bench/results/api.csv`` (one per scenario)."""
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["date", "commit", "server", "scenario", "requests", "errors", "achieved_rps"]
-    fields += ["p50_ms", "p99_ms", "jobs", "workers", "drain_s", "jobs_per_s"]
-    date = datetime.now(UTC).isoformat(timespec="seconds")
-    commit = _commit()
+def write_results(
+    url: str, results: list[Stats], drain: Drain | None, args: argparse.Namespace
+) -> Path:
+    """Append this run's rows to ``bench/results/api.csv`` (one per scenario; the drain's
+    counts on its polling row)."""
+    out = Writer("api", args.run)
+    common = {"model": args.sample, "budget": args.budget, "devices": "cpu0"}
     rows = []
     drained = [(DRAIN_SERVER, s) for s in ([drain.submit, drain.poll] if drain else [])]
     for server, s in [(url, s) for s in results] + drained:
         rows.append(
-            {
-                "date": date,
-                "commit": commit,
+            common
+            | {
+                "seconds": f"{s.seconds:.1f}",
                 "server": server,
                 "scenario": s.name,
                 "requests": s.requests,
@@ -521,20 +520,8 @@ def write_results(url: str, results: list[Stats], drain: Drain | None) -> Path:
         row = {"jobs": drain.jobs, "workers": drain.workers, "drain_s": f"{drain.seconds:.1f}"}
         row["jobs_per_s"] = f"{drain.jobs / drain.seconds:.1f}"
         rows[-1] |= row
-    new = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=fields)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    return RESULTS
-
-
-def _commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return done.stdout.strip() if done.returncode == 0 else ""
+    out.add_all(rows)
+    return out.path
 
 
 # --- report -----------------------------------------------------------------------------
@@ -597,6 +584,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--broker", default="redis://127.0.0.1:6379/14", help="--drain's Redis (emptied)"
     )
+    add_run_argument(parser)
     args = parser.parse_args()
     if args.duration <= 0 or args.rate <= 0 or args.pollers < 1 or args.jobs < 1:
         parser.error("--duration and --rate must be positive, --pollers and --jobs at least 1")
@@ -655,7 +643,7 @@ def main() -> int:
             with embedded_server() as embedded:
                 results = bench(embedded, args)
     drain = bench_drain(args) if args.drain else None
-    print(f"\nrows appended to {write_results(url, results, drain).relative_to(ROOT)}")
+    print(f"\nrows appended to {write_results(url, results, drain, args).relative_to(ROOT)}")
     return 0
 
 

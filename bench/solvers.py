@@ -8,8 +8,12 @@ comparably fast, each winning on some operators): a 12-thread CPU and an integra
 device (2 TFLOP/s, 60 GB/s, 10 us launches). The gap is against the bound of the whole
 problem (the solver's bound or the ideal, whichever is larger).
 
+Prints a markdown table and appends its rows to ``bench/results/solvers.csv`` as they are
+measured (``bench/report.py`` renders them).
+
     .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet,large8]
         [--budgets 100,50,25] [--setups one,two] [--backends highs,cpsat,scip,gurobi]
+        [--run LABEL]
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
+from results import Writer, add_run_argument
 
 from remat import samples
 from remat.budgets import reference
@@ -28,9 +34,8 @@ from remat.devices import Device, DeviceKind, Size
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import Progress, SolveOptions
-from remat.strategies import run_strategy
-from remat.strategies.base import Problem, SolverSettings, StrategyResult
-from remat.strategies.optimal import best_baseline
+from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies.baselines import best_baseline
 from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
@@ -74,7 +79,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="100,50,25")
     parser.add_argument("--setups", default="one,two")
     parser.add_argument("--backends", default=",".join(runner.BACKENDS))
+    add_run_argument(parser)
     args = parser.parse_args()
+    out = Writer("solvers", args.run)
     print(
         "| model (stages) | budget | devices | backend | status | first plan s | final plan s "
         "| 1% gap s | objective ms | vs best baseline | vs ideal | total s |"
@@ -91,8 +98,11 @@ def main() -> None:
                 problem = Problem(graph, costs, dict.fromkeys(devices, budget))
                 baseline = _best_baseline(problem, devices)
                 for backend in args.backends.split(","):
-                    row = _run(problem, devices, backend, args.time_limit, baseline)
+                    row, result = _run(problem, devices, backend, args.time_limit, baseline)
                     print(f"| {name} ({len(graph)}) | {percent:.0f}% | {row}", flush=True)
+                    what = {"model": name, "nodes": len(graph), "budget": f"{percent:.0f}%"}
+                    setting = {"batch": args.batch, "time_limit_s": args.time_limit}
+                    out.add(what | result | setting)
 
 
 def _model(name: str) -> onnx.ModelProto:
@@ -115,18 +125,32 @@ def _best_baseline(problem: Problem, devices: tuple[str, ...]) -> float | None:
 
 def _run(
     problem: Problem, devices: tuple[str, ...], backend: str, limit: float, baseline: float | None
-) -> str:
+) -> tuple[str, dict[str, Any]]:
     ideal = problem.costs.ideal_ms(devices[0] if len(devices) == 1 else None)
     clock = _Clock(time.monotonic(), ideal)
     options = SolveOptions(time_limit_s=limit, gap=1e-4, threads=2)
     settings = SolverSettings(backend=backend, options=options, on_progress=clock)
     problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
+    strategy = "checkmate_milp" if len(devices) == 1 else "xengine"
     if len(devices) == 1:
-        result = run_strategy("checkmate_milp", problem, devices[0])
+        result = run_strategy(strategy, problem, devices[0])
     else:
-        result = run_strategy("xengine", problem)
+        result = run_strategy(strategy, problem)
     clock.elapsed = time.monotonic() - clock.start
-    return _row(result, devices, backend, clock, baseline, ideal)
+    text = _row(result, devices, backend, clock, baseline, ideal)
+    row: dict[str, Any] = {"devices": "+".join(devices), "backend": backend, "strategy": strategy}
+    row["seconds"] = clock.elapsed
+    solver = result.plan.solver if result.feasible and result.plan is not None else None
+    if solver is None:
+        row["status"] = "infeasible" if "infeasible" in result.message else "no plan"
+        return text, row
+    row |= {"status": solver.status, "objective": solver.objective, "gap": solver.gap}
+    row |= {"first_plan_s": clock.first_plan, "final_plan_s": clock.final_plan}
+    row["gap_1pct_s"] = clock.first_gap
+    if baseline is not None:
+        row["vs_baseline"] = solver.objective / baseline - 1
+    row["vs_ideal"] = solver.objective / ideal - 1
+    return text, row
 
 
 def _row(

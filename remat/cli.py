@@ -13,13 +13,12 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from remat.budgets import reference, resolve_budgets
-from remat.costs import CostModel, analytical_costs, load_cost_table, profiled_costs
-from remat.devices import Device, DeviceKind, format_bytes, parse_device, parse_size
+from remat.budgets import reference
+from remat.costs import analytical_costs, load_cost_table
+from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Graph, Mode
 from remat.max_batch import (
@@ -32,15 +31,15 @@ from remat.max_batch import (
     max_batch,
     max_batch_to_json,
     plan_with,
+    problems_by_batch,
 )
-from remat.onnx_ingest import forward_graph, load_forward_graph, load_model, parse_input_shape
+from remat.onnx_ingest import parse_input_shape
 from remat.plan import load_plan, plan_to_json
+from remat.problem import build_problem, cost_model, model_graph
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
-from remat.strategies import STRATEGIES
-from remat.strategies.base import Problem, SolverSettings, StrategyResult
-from remat.training import for_mode
+from remat.strategies import STRATEGIES, Problem, SolverSettings, StrategyResult
 
 MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
 
@@ -271,11 +270,17 @@ def _positive_int(text: str) -> int:
 
 
 def _load_graph(args: argparse.Namespace) -> Graph:
-    inputs = dict(parse_input_shape(text) for text in args.input)
-    forward = load_forward_graph(
-        args.model, batch=args.batch, inputs=inputs or None, external_data_dir=_model_dir(args)
+    return model_graph(
+        args.model,
+        batch=args.batch,
+        inputs=_inputs(args),
+        mode=Mode(args.mode),
+        external_data_dir=_model_dir(args),
     )
-    return for_mode(forward, Mode(args.mode))
+
+
+def _inputs(args: argparse.Namespace) -> dict[str, tuple[int, ...]] | None:
+    return dict(parse_input_shape(text) for text in args.input) or None
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -283,21 +288,20 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return Path(args.model).parent
 
 
-def _load_costs(graph: Graph, devices: list[Device], costs_path: Path | None) -> CostModel:
-    if costs_path is None:
-        return analytical_costs(graph, devices or [Device("cpu0", DeviceKind.CPU)])
-    model = profiled_costs(graph, load_cost_table(costs_path))
-    known = {d.name for d in model.devices}
-    extra = [d.name for d in devices if d.name not in known]
-    if extra:
-        raise InvalidInputError(f"device {extra[0]!r} is not in the cost table")
-    return model
+def _devices(args: argparse.Namespace) -> list[Device] | None:
+    """The ``--device`` devices; None without any (the library's default)."""
+    return [parse_device(spec) for spec in args.device] or None
 
 
-@dataclass(frozen=True)
-class _Setup:
-    graph: Graph
-    problem: Problem
+def _budgets(args: argparse.Namespace) -> dict[str, str]:
+    """``--budget NAME=SIZE`` by device name (the library parses the sizes)."""
+    sizes = {}
+    for item in args.budget:
+        name, sep, size = item.partition("=")
+        if not sep:
+            raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
+        sizes[name] = size
+    return sizes
 
 
 def _solver_settings(args: argparse.Namespace) -> SolverSettings:
@@ -336,20 +340,19 @@ class ProgressLine:
         self.stream.flush()
 
 
-def _setup(args: argparse.Namespace) -> _Setup:
-    graph = _load_graph(args)
-    devices = [parse_device(spec) for spec in args.device]
-    if len({d.name for d in devices}) != len(devices):
-        raise InvalidInputError("device names must be unique")
-    costs = _load_costs(graph, devices, args.costs)
-    sizes = {}
-    for item in args.budget:
-        name, sep, size = item.partition("=")
-        if not sep:
-            raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
-        sizes[name] = parse_size(size)
-    budgets = resolve_budgets(sizes, graph, costs)
-    return _Setup(graph, Problem(graph, costs, budgets, _solver_settings(args)))
+def _problem(args: argparse.Namespace) -> Problem:
+    """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
+    return build_problem(
+        args.model,
+        batch=args.batch,
+        inputs=_inputs(args),
+        mode=Mode(args.mode),
+        devices=_devices(args),
+        budgets=_budgets(args),
+        table=None if args.costs is None else load_cost_table(args.costs),
+        solver=_solver_settings(args),
+        external_data_dir=_model_dir(args),
+    )
 
 
 # --- commands ---------------------------------------------------------------------------
@@ -394,8 +397,8 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    setup = _setup(args)
-    result = plan_with(args.strategy, setup.problem)
+    problem = _problem(args)
+    result = plan_with(args.strategy, problem)
     if result.plan is None:
         raise InvalidInputError(result.message)
     document = plan_to_json(result.plan)
@@ -405,7 +408,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document))
     else:
-        _print_summary(setup.problem, result)
+        _print_summary(problem, result)
     return 0
 
 
@@ -437,7 +440,8 @@ def _check_command(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     plan = load_plan(args.plan)
     devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
-    costs = _load_costs(graph, devices, args.costs)
+    table = None if args.costs is None else load_cost_table(args.costs)
+    costs = cost_model(graph, devices, table)
     result = simulate(plan, graph, costs)
     if not result.valid:
         print(f"invalid: {result.violation}")
@@ -455,7 +459,14 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 
 def _max_batch_command(args: argparse.Namespace) -> int:
-    build = _batch_problems(args)
+    build = problems_by_batch(
+        args.model,
+        devices=_devices(args),
+        budgets=_budgets(args),
+        inputs=_inputs(args),
+        solver=_solver_settings(args),
+        external_data_dir=_model_dir(args),
+    )
     bound = CostBound(None if args.max_overhead is None else args.max_overhead / 100.0)
 
     def progress(trial: Trial) -> None:
@@ -482,41 +493,6 @@ def _max_batch_command(args: argparse.Namespace) -> int:
         )
         return 130
     return 0
-
-
-def _batch_problems(args: argparse.Namespace) -> Callable[[int], Problem]:
-    """The problem at each batch size: the model reloaded with ``--batch B``, analytical
-    costs, budgets in bytes (a percentage of the checkpoint-all peak would move with B)."""
-    devices = [parse_device(spec) for spec in args.device] or [Device("cpu0", DeviceKind.CPU)]
-    if len({d.name for d in devices}) != len(devices):
-        raise InvalidInputError("device names must be unique")
-    sizes = {}
-    for item in args.budget:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise InvalidInputError(f"budget {item!r}: expected NAME=SIZE")
-        size = parse_size(text)
-        if size.percent is not None:
-            raise InvalidInputError(
-                f"budget {item!r}: max-batch needs a size in bytes (e.g. {name}=512MiB); "
-                "a percentage of the checkpoint-all peak changes with the batch size"
-            )
-        sizes[name] = size
-    if not sizes:
-        raise InvalidInputError(
-            "max-batch needs --budget NAME=SIZE for at least one device: "
-            "without a memory limit every batch size fits"
-        )
-    inputs = dict(parse_input_shape(text) for text in args.input) or None
-    model = load_model(args.model, external_data_dir=_model_dir(args))
-    solver = _solver_settings(args)
-
-    def build(batch: int) -> Problem:
-        graph = for_mode(forward_graph(model, batch=batch, inputs=inputs), Mode.TRAINING)
-        costs = analytical_costs(graph, devices)
-        return Problem(graph, costs, resolve_budgets(sizes, graph, costs), solver)
-
-    return build
 
 
 def _print_max_batch(found: MaxBatch, bound: CostBound) -> None:

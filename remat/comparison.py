@@ -11,8 +11,7 @@ from remat.devices import Size, format_bytes
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.simulator import simulate
-from remat.strategies import BASELINES, STRATEGIES, run_strategy
-from remat.strategies.base import Problem, SolverSettings
+from remat.strategies import BASELINES, STRATEGIES, Problem, SolverSettings, run_strategy
 
 PERCENTS = (100.0, 75.0, 50.0, 35.0, 25.0)
 

@@ -65,8 +65,8 @@ class _Emitter:
 
     def stage(self, t: int) -> None:
         R = self.schedule.R
-        computed = R[:, t].any(axis=0)
-        order = np.flatnonzero(computed)
+        computed = np.any(R[:, t], axis=0)  # per node
+        order = [int(k) for k in np.flatnonzero(computed)]
         read = np.zeros_like(computed)
         for k in order:
             read[list(self.graph.nodes[k].deps)] = True
@@ -74,7 +74,6 @@ class _Emitter:
         # Checkpoints nobody reads in this stage and nobody keeps go first (section 4.9).
         self._free_where(t, ~read & ~computed)
         for k in order:
-            k = int(k)
             for d in np.flatnonzero(R[:, t, k]):
                 self._compute(t, k, int(d))
             self._free_after(t, k, computed)
@@ -114,8 +113,8 @@ class _Emitter:
             raise ScheduleError(
                 f"stage {t}: node {node} is needed on {self.devices[d]} but is resident nowhere"
             )
-        if self.copy_ms is not None:
-            sources.sort(key=lambda s: self.copy_ms[node, s, d])
+        if (copy_ms := self.copy_ms) is not None:
+            sources.sort(key=lambda s: copy_ms[node, s, d])
         self.steps.append(Copy(t, node, self.devices[sources[0]], self.devices[d]))
         self.resident[d, node] = True
 

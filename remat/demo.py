@@ -6,13 +6,13 @@ import time
 
 from remat import samples
 from remat.comparison import compare, format_table
-from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
-from remat.onnx_ingest import forward_graph
+from remat.problem import build_problem
 from remat.solvers.model import SolveOptions
-from remat.strategies.base import SolverSettings
-from remat.training import training_graph
+from remat.strategies import SolverSettings
+
+DEVICE = Device("cpu0", DeviceKind.CPU, {"threads": "4"})
 
 
 def run_demo(model: str, batch: int, time_limit_s: float) -> None:
@@ -20,13 +20,13 @@ def run_demo(model: str, batch: int, time_limit_s: float) -> None:
         known = ", ".join(sorted(samples.ZOO))
         raise InvalidInputError(f"unknown sample model {model!r} (known: {known})")
     started = time.perf_counter()
-    graph = training_graph(forward_graph(samples.ZOO[model](), batch=batch))
-    costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU, {"threads": "4"})])
+    solver = SolverSettings(options=SolveOptions(time_limit_s=time_limit_s, gap=1e-3))
+    problem = build_problem(samples.ZOO[model](), batch=batch, devices=[DEVICE], solver=solver)
+    graph, costs = problem.graph, problem.costs
     print(
         f"{model}, batch {batch}: {len(graph)} training-graph nodes, "
         f"analytical costs on cpu0 (4 threads), ideal {costs.ideal_ms():.3f} ms; "
         f"solver time limit {time_limit_s:g} s per plan"
     )
-    solver = SolverSettings(options=SolveOptions(time_limit_s=time_limit_s, gap=1e-3))
-    print(format_table(compare(graph, costs, solver=solver)))
+    print(format_table(compare(graph, costs, solver=problem.solver)))
     print(f"({time.perf_counter() - started:.1f} s)")

@@ -22,22 +22,73 @@ a lower bound.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import onnx
+
 from remat.costs import CostModel
-from remat.devices import format_bytes
+from remat.devices import Device, Size, format_bytes, parse_size
 from remat.errors import InvalidInputError, RematError
-from remat.graph import Graph, NodeKind
-from remat.strategies import BASELINES, run_strategy
-from remat.strategies.base import Problem, StrategyResult
+from remat.graph import Graph, Mode, NodeKind
+from remat.onnx_ingest import load_model
+from remat.problem import Budget, build_problem
+from remat.strategies import BASELINES, Problem, SolverSettings, StrategyResult, run_strategy
 
 AUTO = "auto"
 DEFAULT_CAP = 4096
 # Predicted times and bounds are sums of the same floats in different orders: accept a
 # plan within this relative tolerance of the bound (checkpoint-all at max_overhead=0).
 _TOLERANCE = 1e-9
+
+
+def problems_by_batch(
+    model: onnx.ModelProto | str | Path,
+    *,
+    devices: Sequence[Device] | None = None,
+    budgets: Mapping[str, Budget],
+    inputs: Mapping[str, Sequence[int]] | None = None,
+    solver: SolverSettings | None = None,
+    external_data_dir: Path | None = None,
+) -> Callable[[int], Problem]:
+    """``build`` for ``max_batch``: the training problem of ``model`` at each batch size
+    (``remat.problem.build_problem``, analytical costs on ``devices``). Budgets must be in
+    bytes, for at least one device: a percentage of the checkpoint-all peak would move with
+    the batch, and without a limit every batch fits. Budgets below the fixed memory are a
+    batch that does not fit (the strategy says what it needs), not an error."""
+    sizes: dict[str, Budget] = {}
+    for name, budget in budgets.items():
+        size = parse_size(budget) if isinstance(budget, str) else budget
+        if isinstance(size, Size) and size.percent is not None:
+            raise InvalidInputError(
+                f"budget for {name!r}: max-batch needs a size in bytes (e.g. {name}=512MiB); "
+                "a percentage of the checkpoint-all peak changes with the batch size"
+            )
+        sizes[name] = size
+    if all(size is None for size in sizes.values()):
+        raise InvalidInputError(
+            "max-batch needs a budget for at least one device: "
+            "without a memory limit every batch size fits"
+        )
+    if not isinstance(model, onnx.ModelProto):
+        model = load_model(model, external_data_dir=external_data_dir)
+    loaded = model
+
+    def build(batch: int) -> Problem:
+        return build_problem(
+            loaded,
+            batch=batch,
+            inputs=inputs,
+            mode=Mode.TRAINING,
+            devices=devices,
+            budgets=sizes,
+            solver=solver,
+            check_fixed=False,
+        )
+
+    return build
 
 
 def plan_with(strategy: str, problem: Problem) -> StrategyResult:

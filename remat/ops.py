@@ -72,8 +72,9 @@ def _matmul(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> flo
 
 
 def _window(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
-    kernel = attrs.get("kernel_shape") or ()
-    return float(_out(outputs) * math.prod(kernel))  # type: ignore[arg-type]
+    kernel = attrs.get("kernel_shape")
+    window = math.prod(int(k) for k in kernel) if isinstance(kernel, list | tuple) else 1
+    return float(_out(outputs) * window)
 
 
 def _lrn(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:

@@ -1,4 +1,4 @@
-"""The plan: the executable instruction list (DESIGN.md, interchange format version 1).
+"""The plan: the executable instruction list (docs/architecture.md, "Plan format": version 1).
 
 Steps are small slotted dataclasses so that plans of hundreds of thousands of steps stay
 cheap to build and simulate; ``plan_to_json``/``plan_from_json`` convert to and from the
@@ -177,15 +177,16 @@ def _device(raw: Any, index: int) -> PlanDevice:
     where = f"plan: devices[{index}]"
     if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
         raise InvalidInputError(f"{where}: expected an object with a 'name'")
-    try:
-        kind = DeviceKind(raw.get("kind"))
-    except ValueError:
-        raise InvalidInputError(f"{where}: unknown kind {raw.get('kind')!r}") from None
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or kind not in {k.value for k in DeviceKind}:
+        raise InvalidInputError(f"{where}: unknown kind {kind!r}")
     budget = raw.get("budget_bytes")
     if budget is not None and (not isinstance(budget, int) or budget < 0):
         raise InvalidInputError(f"{where}: budget_bytes must be a non-negative integer")
     options = raw.get("options") or {}
-    return PlanDevice(raw["name"], kind, budget, {str(k): str(v) for k, v in options.items()})
+    return PlanDevice(
+        raw["name"], DeviceKind(kind), budget, {str(k): str(v) for k, v in options.items()}
+    )
 
 
 def _step(raw: Any, index: int) -> Step:
@@ -193,9 +194,9 @@ def _step(raw: Any, index: int) -> Step:
     if not isinstance(raw, Mapping):
         raise InvalidInputError(f"{where}: expected an object")
     op = raw.get("op")
-    fields = _STEP_FIELDS.get(op) if isinstance(op, str) else None
-    if fields is None:
+    if not isinstance(op, str) or op not in _STEP_FIELDS:
         raise InvalidInputError(f"{where}: unknown op {op!r}")
+    fields = _STEP_FIELDS[op]
     values = []
     for name, kind in fields:
         value = raw.get(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -99,7 +100,7 @@ class _Builder:
         *,
         name: str | None = None,
         outputs: int = 1,
-        **attrs: object,
+        **attrs: Any,  # ONNX attributes: whatever helper.make_attribute takes
     ) -> str:
         """Append one node; return the name of its first output."""
         node_name = self.fresh(name or op_type.lower())
@@ -185,6 +186,9 @@ class _Builder:
         """Assemble the model. Output types come from shape inference, or from
         ``output_shapes`` where given (for graphs inference cannot see through)."""
         graph_inputs = list(self.inputs)
+        shapes: list[Sequence[int | str] | None] = (
+            list(output_shapes) if output_shapes else [None] * len(outputs)
+        )
         if initializers_as_inputs:
             graph_inputs += [
                 helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -195,8 +199,8 @@ class _Builder:
             self.name,
             graph_inputs,
             [
-                helper.make_tensor_value_info(o, _FLOAT, None if output_shapes is None else shape)
-                for o, shape in zip(outputs, output_shapes or [None] * len(outputs), strict=True)
+                helper.make_tensor_value_info(o, _FLOAT, shape)
+                for o, shape in zip(outputs, shapes, strict=True)
             ],
             initializer=self.initializers,
         )

@@ -65,7 +65,7 @@ class Schedule:
         for node in graph.nodes:
             if not node.deps:
                 continue
-            computing = R[:, :, node.id].any(axis=0)
+            computing = np.any(R[:, :, node.id], axis=0)  # per stage
             missing = computing[:, None] & ~available[:, list(node.deps)]
             if missing.any():
                 t, k = (int(x) for x in np.argwhere(missing)[0])

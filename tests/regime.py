@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from remat.budgets import reference
-from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind, Size
 from remat.graph import Graph
-from remat.strategies.base import Problem, SolverSettings
+from remat.problem import problem_from_graph
+from remat.strategies import Problem, SolverSettings
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
 IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
@@ -22,8 +21,12 @@ def budgeted(
     devices: Sequence[str] = ("cpu0", "cuda0"),
     settings: SolverSettings | None = None,
 ) -> Problem:
-    """``graph`` with analytical costs on CPU and IGPU, ``percent`` budgets on ``devices``."""
-    costs = analytical_costs(graph, [CPU, IGPU])
-    ref = reference(graph, costs)
-    budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
-    return Problem(graph, costs, dict.fromkeys(devices, budget), settings or SolverSettings())
+    """``graph`` with analytical costs on CPU and IGPU, ``percent`` budgets on ``devices``
+    (of the checkpoint-all peak on CPU; the other device unlimited)."""
+    budget = Size(percent=percent)
+    return problem_from_graph(
+        graph,
+        devices=[CPU, IGPU],
+        budgets=dict.fromkeys(devices, budget),
+        solver=settings,
+    )

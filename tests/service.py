@@ -164,6 +164,15 @@ def upload(client: httpx.Client, data: bytes, name: str = "model.onnx") -> httpx
     return client.post("/v1/models", files={"file": (name, data, "application/octet-stream")})
 
 
+def problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The problem document (RFC 9457) of an error ``response``, which must have ``status``."""
+    assert response.status_code == status, response.text[:2000]
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = response.json()
+    assert body["status"] == status and body["title"] and body["detail"], body
+    return body
+
+
 def sample_bytes(name: str = "unet", **kwargs: Any) -> bytes:
     return samples.ZOO[name](**kwargs).SerializeToString()
 

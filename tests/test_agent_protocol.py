@@ -65,12 +65,6 @@ def _serve(settings, data, database):
         process.stop()
 
 
-@pytest.fixture
-def client(server):
-    with httpx.Client(base_url=server["url"], timeout=30) as c:
-        yield c
-
-
 def register(client: httpx.Client, name: str, devices=DEVICES, node_token=None) -> dict:
     body = {"enroll_token": ENROLL, "name": name, "devices": devices, "node_token": node_token}
     response = client.post("/v1/agent/register", json=body)
@@ -106,6 +100,7 @@ def _execution_result(peak: int = 1000) -> dict:
         "predicted": {"total_ms": 1.9, "peak_bytes": {"cpu0": peak}},
         "gradients_match": True,
         "max_rel_error": 1e-7,
+        "gradients_vanish": False,
     }
 
 
@@ -177,6 +172,7 @@ def test_an_execution_is_leased_reported_once_and_listed(client, planned_job):
     assert execution["status"] == "succeeded" and execution["node_id"] == enrolled["node_id"]
     assert execution["measured"]["peak_bytes"] == {"cpu0": 1000}
     assert execution["gradients_match"] is True and execution["max_rel_error"] == 1e-7
+    assert execution["gradients_vanish"] is False
 
 
 def test_an_expired_lease_returns_the_task_and_attempts_are_capped(client, planned_job):

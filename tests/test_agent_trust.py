@@ -53,12 +53,6 @@ def server(tmp_path_factory):
         process.stop()
 
 
-@pytest.fixture
-def client(server):
-    with httpx.Client(base_url=server["url"], timeout=30) as c:
-        yield c
-
-
 def register(client: httpx.Client, name: str, **extra: object) -> httpx.Response:
     body = {"enroll_token": ENROLL, "name": name, "devices": DEVICES, **extra}
     return client.post("/v1/agent/register", json=body)

@@ -15,13 +15,6 @@ def remat(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def vgg(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "vgg16.onnx"
-    path.write_bytes(samples.vgg16().SerializeToString())
-    return path
-
-
 def test_graph_summary(vgg):
     result = remat("graph", str(vgg), "--batch", "2")
     assert result.returncode == 0, result.stderr
@@ -82,10 +75,16 @@ def test_plan_json_default_strategy_picks_a_feasible_baseline(vgg):
 
 def test_infeasible_budget_states_what_is_needed(vgg):
     result = remat(
-        "plan", str(vgg), "--batch", "2", "--budget", "cpu0=1KiB", "--strategy", "checkpoint_all"
+        "plan", str(vgg), "--batch", "2", "--budget", "cpu0=10%", "--strategy", "checkpoint_all"
     )
     assert result.returncode == 2
     assert "infeasible" in result.stderr and "needs at least" in result.stderr
+
+
+def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
+    result = remat("plan", str(vgg), "--batch", "2", "--budget", "cpu0=1KiB")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "below the fixed memory" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -177,3 +176,32 @@ def test_plan_with_a_profiled_cost_table(vgg, tmp_path):
     assert "costs:      profiled" in summary.stdout
     unknown = remat("plan", str(vgg), "--batch", "8", "--costs", str(path), "--device", "x:cpu")
     assert unknown.returncode == 2 and "'x' is not in the cost table" in unknown.stderr
+
+
+def test_only_the_named_devices_of_a_cost_table_are_used(vgg, tmp_path):
+    """``--device cpu0:cpu`` with a table that also has a (fast) cuda0: the plan is on cpu0
+    alone, under its budget (cuda0 was used, with no budget)."""
+    from remat.costs import analytical_costs, cost_table_of
+    from remat.devices import Device, DeviceKind
+    from remat.onnx_ingest import load_forward_graph
+    from remat.training import training_graph
+
+    graph = training_graph(load_forward_graph(vgg, batch=8))
+    devices = [Device("cpu0", DeviceKind.CPU), Device("cuda0", DeviceKind.CUDA)]
+    table = cost_table_of(graph, analytical_costs(graph, devices)).model_dump(mode="json")
+    table["source"] = "profiled"
+    for entry in table["nodes"].values():
+        entry["compute_ms"]["cuda0"] = entry["compute_ms"]["cpu0"] / 100  # a fast GPU
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(table))
+    common = ["plan", str(vgg), "--batch", "8", "--costs", str(path), "--json"]
+    both = json.loads(remat(*common, "--strategy", "checkpoint_all").stdout)
+    assert {s["device"] for s in both["steps"] if s["op"] == "compute"} == {"cuda0"}
+    result = remat(*common, "--device", "cpu0:cpu", "--budget", "cpu0=80%")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert [d["name"] for d in plan["devices"]] == ["cpu0"]
+    assert {s["device"] for s in plan["steps"] if s["op"] == "compute"} == {"cpu0"}
+    assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
+    other = remat(*common, "--device", "cpu0:cpu", "--budget", "cuda0=1GiB")
+    assert other.returncode == 2 and "budget for unknown device 'cuda0'" in other.stderr

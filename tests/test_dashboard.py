@@ -244,6 +244,78 @@ def test_a_model_page_shows_its_graph_summary(ui, server):
     ui.shot("model")
 
 
+def _options(page: Page, select: str) -> list[dict[str, Any]]:
+    return page.locator(f"{select} option").evaluate_all(
+        "(options) => options.map((o) => ({value: o.value, label: o.textContent,"
+        " disabled: o.disabled, selected: o.selected}))"
+    )
+
+
+def _said(description: str) -> re.Pattern[str]:
+    """A description as the form shows it (capitalised, a full stop added)."""
+    return re.compile(re.escape(description.rstrip(".")), re.IGNORECASE)
+
+
+def test_the_job_forms_strategies_and_solvers_come_from_the_api(ui, server):
+    model = server.need("model")
+    catalog = server.client.get("/v1/strategies").json()
+    ui.go(f"#/models/{model['id']}?plan")
+    page = ui.page
+    expect(page.locator("#job-strategy")).to_have_value(catalog["default_strategy"])
+    strategies = _options(page, "#job-strategy")
+    assert [o["value"] for o in strategies] == [s["name"] for s in catalog["strategies"]]
+    assert strategies[0]["value"] == "auto"
+    xengine = next(o for o in strategies if o["value"] == "xengine")
+    assert "several devices" in xengine["label"]
+    backends = _options(page, "#job-backend")
+    assert [o["value"] for o in backends] == [b["name"] for b in catalog["backends"]]
+    assert [o["disabled"] for o in backends] == [not b["available"] for b in catalog["backends"]]
+    expect(page.locator("#job-backend")).to_have_value(catalog["default_backend"])
+    described = next(s for s in catalog["strategies"] if s["name"] == "xengine")
+    expect(page.locator("#job-strategy-help")).to_contain_text(_said(described["description"]))
+    page.get_by_label("Strategy").select_option("greedy_evict")
+    evict = next(s for s in catalog["strategies"] if s["name"] == "greedy_evict")
+    expect(page.locator("#job-strategy-help")).to_contain_text(_said(evict["description"]))
+
+    # nothing is hard-coded: a server with other strategies and backends gets other options
+    other = {
+        "strategies": [
+            {
+                "name": "from_the_api",
+                "kind": "heuristic",
+                "places_over_devices": True,
+                "uses_solver": False,
+                "description": "a strategy only this answer knows",
+            },
+            *catalog["strategies"][:2],
+        ],
+        "default_strategy": "from_the_api",
+        "backends": [
+            {"name": "highs", "available": False, "detail": "highspy is not installed"},
+            {"name": "cpsat", "available": True, "detail": ""},
+        ],
+        "default_backend": "highs",
+    }
+    page.route(
+        "**/v1/strategies",
+        lambda route: route.fulfill(status=200, json=other, headers={"Cache-Control": "no-store"}),
+    )
+    page.reload()
+    expect(page.locator("#job-strategy")).to_have_value("from_the_api")
+    assert [o["value"] for o in _options(page, "#job-strategy")] == [
+        "from_the_api",
+        *(s["name"] for s in catalog["strategies"][:2]),
+    ]
+    expect(page.locator("#job-strategy-help")).to_have_text(
+        "from_the_api: A strategy only this answer knows."
+    )
+    backends = _options(page, "#job-backend")
+    assert [(o["value"], o["disabled"]) for o in backends] == [("highs", True), ("cpsat", False)]
+    assert "not available: highspy is not installed" in backends[0]["label"]
+    expect(page.locator("#job-backend")).to_have_value("cpsat")  # the default is unavailable
+    ui.shot("job-form")
+
+
 # --- a job from the form to its plan ------------------------------------------------------
 
 

@@ -5,18 +5,23 @@ README's main command, end to end over real HTTP."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import httpx
 import pytest
 from service import BIN, ROOT, job_body, remat_serve, sample_bytes, service_env, upload, wait_job
 
 from remat.plan import plan_from_json
+from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
+from remat.strategies import BASELINES, MULTI_DEVICE, OPTIMAL, STRATEGIES
+
+SIZE_LIMITED = "size-limited license: at most 2000 variables and 2000 constraints"
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     data = tmp_path_factory.mktemp("embedded")
-    env = service_env(data_dir=str(data))
+    env = service_env(data_dir=str(data), heartbeat_s="0.5")  # the local agent's
     server, url = remat_serve(env, data / "serve.log")
     try:
         yield env, url, server
@@ -30,6 +35,74 @@ def test_remat_serve_prints_its_url_and_uses_sqlite(embedded):
     assert "embedded worker" in server.output()
     assert (ROOT.parent / env["REMAT_DATA_DIR"] / "remat.db").exists()  # SQLite, no server
     assert httpx.get(f"{url}/readyz").json() == {"status": "ready"}
+
+
+def test_the_console_shows_lifecycle_lines_not_every_request(embedded):
+    """By default neither uvicorn's access log nor the local agent's HTTP requests (a
+    heartbeat every 0.5 s here) reach the console; the agent's own lines do."""
+    _, url, server = embedded
+    server.wait_for_output("remat-agent local: node")
+    httpx.get(f"{url}/readyz")
+    time.sleep(2.0)  # a few heartbeats
+    output = server.output()
+    assert "remat.agent registered as node" in output  # the agent's own lines show
+    assert "HTTP Request" not in output and "/v1/agent/heartbeat" not in output
+    assert "GET /readyz" not in output
+
+
+def test_verbose_serve_logs_every_request(tmp_path):
+    env = service_env(data_dir=str(tmp_path), heartbeat_s="0.5")
+    server, url = remat_serve(env, tmp_path / "serve.log", ROOT, "--verbose")
+    try:
+        server.wait_for_output("remat-agent local: node")
+        server.wait_for_output("HTTP Request: POST")  # the agent's, through httpx
+        server.wait_for_output("/v1/agent/heartbeat")
+        httpx.get(f"{url}/readyz")
+        server.wait_for_output('"GET /readyz HTTP/1.1" 200')  # uvicorn's access log
+    finally:
+        server.stop()
+
+
+def test_strategies_and_backends_are_listed(embedded):
+    _, url, _ = embedded
+    answer = httpx.get(f"{url}/v1/strategies", timeout=60)
+    assert answer.status_code == 200, answer.text
+    listed = answer.json()
+    strategies = {s["name"]: s for s in listed["strategies"]}
+    assert list(strategies) == ["auto", *STRATEGIES]
+    assert strategies["auto"]["kind"] == "auto"
+    for name in STRATEGIES:
+        entry = strategies[name]
+        if name in OPTIMAL:
+            assert entry["kind"] == "exact" and entry["uses_solver"], entry
+        elif name in BASELINES:
+            assert entry["kind"] == "baseline" and not entry["uses_solver"], entry
+        else:
+            assert entry["kind"] == "heuristic", entry
+        assert entry["places_over_devices"] == (name in MULTI_DEVICE)
+        assert entry["description"] and "\n" not in entry["description"]
+    assert listed["default_strategy"] in strategies
+    backends = {b["name"]: b for b in listed["backends"]}
+    assert list(backends) == list(BACKENDS) and listed["default_backend"] == DEFAULT_BACKEND
+    assert backends["highs"] == {"name": "highs", "available": True, "detail": ""}
+    gurobi = backends["gurobi"]  # the wheel's own license is size-limited
+    assert not gurobi["available"] or gurobi["detail"] in ("", SIZE_LIMITED), gurobi
+
+    # a job accepts every strategy and available backend the list names
+    with httpx.Client(base_url=url, timeout=60) as client:
+        model = upload(client, sample_bytes("chain")).json()
+        for name in ("auto", "greedy_evict"):
+            body = job_body(model["id"], strategy=name, batch=2, budgets={"cpu0": "100%"})
+            assert client.post("/v1/jobs", json=body).status_code == 202, name
+
+    # and the OpenAPI document describes the answer
+    document = httpx.get(f"{url}/openapi.json").json()
+    operation = document["paths"]["/v1/strategies"]["get"]
+    schema = operation["responses"]["200"]["content"]["application/json"]["schema"]
+    assert schema == {"$ref": "#/components/schemas/StrategiesOut"}
+    fields = document["components"]["schemas"]["StrategyInfo"]["properties"]
+    assert {"name", "kind", "places_over_devices", "description"} <= set(fields)
+    assert "available" in document["components"]["schemas"]["BackendInfo"]["properties"]
 
 
 def test_remat_submit_runs_a_sample_job_to_its_plan(embedded):

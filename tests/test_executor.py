@@ -9,26 +9,29 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
 import torch
 
+from agents import executor
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
 from agents.program import Program, build_program
 from agents.torch_devices import detect_devices, ieee_fp32
 from remat import samples
+from remat.agent_protocol import ExecutionResult
 from remat.budgets import reference
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind, Size
 from remat.graph import Graph, Mode, Node, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.plan import Compute, Copy, Free, Plan, PlanDevice, Step
-from remat.strategies import run_strategy
-from remat.strategies.base import Problem
-from remat.strategies.placed import placed_greedy
+from remat.strategies import Problem, run_strategy
+from remat.strategies.heuristics.placed import placed_greedy
 from remat.training import for_mode
 
 CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
@@ -177,6 +180,7 @@ def test_inference_plan_reproduces_the_outputs() -> None:
     plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
     report = execute(model, graph, plan, DEVICES)
     assert report.gradients_match is None and report.max_rel_error is None
+    assert report.gradients_vanish is None
     assert report.outputs_match is True
     assert report.peak_bytes == report.predicted_peak_bytes
 
@@ -186,10 +190,17 @@ def test_report_json_has_the_protocol_fields() -> None:
     graph = _graph(model)
     plan = _strategy_plan(graph, "checkpoint_all", None, "cpu0")
     document = execute(model, graph, plan).to_json()
-    assert set(document) == {"measured", "predicted", "gradients_match", "max_rel_error"}
+    assert set(document) == {
+        "measured",
+        "predicted",
+        "gradients_match",
+        "max_rel_error",
+        "gradients_vanish",
+    }
     assert set(document["measured"]) == {"total_ms", "peak_bytes", "step_ms"}
     assert set(document["predicted"]) == {"total_ms", "peak_bytes"}
-    assert document["gradients_match"] is True
+    assert document["gradients_match"] is True and document["gradients_vanish"] is False
+    ExecutionResult.model_validate(document)  # what the server takes
     assert document["measured"]["peak_bytes"] == document["predicted"]["peak_bytes"]
 
 
@@ -198,6 +209,96 @@ def test_relative_error_sees_a_wrong_gradient() -> None:
     assert max_relative_error(expected, expected) == 0.0
     assert max_relative_error({**expected, "w": torch.tensor([1.0, 2.1])}, expected) > 1e-2
     assert max_relative_error({"w": expected["w"]}, expected) == float("inf")
+    # an absolute floor: noise against noise is no error, a real difference still is
+    noise = {"w": torch.tensor([1e-10, -2e-10])}
+    assert max_relative_error({"w": torch.zeros(2)}, noise) == 1.0
+    assert max_relative_error({"w": torch.zeros(2)}, noise, floor=1e-5) < 1e-4
+    assert max_relative_error({"w": torch.tensor([1e-3, 0.0])}, noise, floor=1e-5) > 1
+
+
+def _vanishing_model(columns: int = 10) -> onnx.ModelProto:
+    """``softmax(x @ w + b)`` with every column of ``w`` and ``b`` the same: the softmax is
+    uniform for any input, and the loss's gradient at it is uniform too, so every exact
+    gradient is zero. fp32 autograd returns rounding noise (the softmax's entries do not
+    sum to exactly 1 for 10 columns); the plan's kernels may return other noise, or 0."""
+    w = numpy_helper.from_array(np.full((32, columns), 0.37, dtype=np.float32), "w")
+    b = numpy_helper.from_array(np.full((columns,), 0.11, dtype=np.float32), "b")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["z0"], name="matmul"),
+        helper.make_node("Add", ["z0", "b"], ["z"], name="add"),
+        helper.make_node("Softmax", ["z"], ["y"], name="softmax", axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "vanishing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, columns])],
+        [w, b],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _perturbed(monkeypatch: pytest.MonkeyPatch, name: str, change: float) -> None:
+    """The executor's measured gradient of ``name`` off by ``change`` in one entry."""
+    original = executor._Run._gradients
+
+    def gradients(run: executor._Run) -> dict[str, torch.Tensor]:
+        found = original(run)
+        wrong = found[name].clone()
+        wrong.view(-1)[0] += change
+        return {**found, name: wrong}
+
+    monkeypatch.setattr(executor._Run, "_gradients", gradients)
+
+
+def test_vanishing_gradients_match_and_are_reported() -> None:
+    model = _vanishing_model()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", None, "cpu0")
+    report = execute(model, graph, plan, DEVICES)
+    assert report.gradients_match is True, report.max_rel_error
+    assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE
+    assert report.gradients_vanish is True
+    document = report.to_json()
+    assert document["gradients_vanish"] is True
+    assert ExecutionResult.model_validate(document).gradients_vanish is True
+    # the float64 reference is zero up to its own rounding: the gradients vanish indeed
+    program = build_program(model, graph)
+    exact = program.in_float64().reference_gradients()
+    assert {"w", "b"} <= set(exact) and max(float(g.abs().max()) for g in exact.values()) < 1e-15
+
+
+@pytest.mark.parametrize("change", [1e-3, 1e-6])
+def test_a_wrong_gradient_of_a_vanishing_model_still_fails(
+    monkeypatch: pytest.MonkeyPatch, change: float
+) -> None:
+    """Where every gradient is zero, a gradient that is not (even one entry of 1e-6) is
+    wrong: the floor is fp32's own noise (about 1e-10 here), not a relative scale."""
+    model = _vanishing_model()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", None, "cpu0")
+    _perturbed(monkeypatch, "w", change)
+    report = execute(model, graph, plan, DEVICES)
+    assert report.gradients_match is False
+    assert report.max_rel_error is not None and report.max_rel_error > 100 * TOLERANCE
+    assert report.gradients_vanish is True  # a property of the model, not of the run
+
+
+def test_a_wrong_gradient_of_an_ordinary_model_still_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = MODELS["transformer"]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
+    program = build_program(model, graph)
+    name, largest = max(
+        ((n, g) for n, g in program.reference_gradients().items() if g.numel()),
+        key=lambda item: float(item[1].abs().max()),
+    )
+    _perturbed(monkeypatch, name, 1e-2 * float(largest.abs().max()))  # off by 1%
+    report = execute(model, graph, plan, DEVICES)
+    assert report.gradients_match is False and report.gradients_vanish is False
+    assert report.max_rel_error is not None and report.max_rel_error > 1e-3
 
 
 # --- refusals and faults -------------------------------------------------------------------

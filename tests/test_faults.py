@@ -47,7 +47,7 @@ from app.schemas import JobSpec
 from app.settings import Settings
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, now
 from remat.max_batch import plan_with
-from remat.strategies.base import Problem, StrategyResult
+from remat.strategies import Problem, StrategyResult
 from workers import solve
 from workers.context import WorkerContext
 from workers.dispatch import CeleryDispatcher

@@ -1,4 +1,4 @@
-"""The memory floor (``remat.strategies.floor``): budgets it proves infeasible, and the
+"""The memory floor (``remat.strategies.common.floor``): budgets it proves infeasible, and the
 exact strategies answering them without a solve."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.simulator import held_fixed_bytes
 from remat.solvers.model import SolveOptions
-from remat.strategies.base import Problem, SolverSettings
-from remat.strategies.floor import shortfall
-from remat.strategies.optimal import checkmate_lp_rounding, checkmate_milp, xengine
+from remat.strategies import Problem, SolverSettings
+from remat.strategies.common.floor import shortfall
+from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
+from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
 
 from graphs import chain, diamond

@@ -23,8 +23,8 @@ from remat.schedule import Schedule
 from remat.simulator import Simulation, simulate
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveOptions, SolveStatus
-from remat.strategies.base import Problem, evaluate
-from remat.strategies.rsolve import solve_and_prune, solve_r
+from remat.strategies.common.problem import Problem, evaluate
+from remat.strategies.common.rsolve import solve_and_prune, solve_r
 from remat.training import training_graph
 
 from graphs import chain, diamond, forward

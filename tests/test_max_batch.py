@@ -8,14 +8,19 @@ import threading
 import pytest
 
 from remat import samples
-from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
-from remat.graph import Mode, NodeKind
-from remat.max_batch import CostBound, max_batch, one_extra_forward_ms, plan_with, try_batch
-from remat.onnx_ingest import forward_graph
-from remat.strategies import run_strategy
-from remat.strategies.base import Problem, SolverSettings
-from remat.training import for_mode
+from remat.errors import InvalidInputError
+from remat.graph import NodeKind
+from remat.max_batch import (
+    CostBound,
+    max_batch,
+    one_extra_forward_ms,
+    plan_with,
+    problems_by_batch,
+    try_batch,
+)
+from remat.problem import build_problem
+from remat.strategies import SolverSettings, run_strategy
 
 CPU = Device("cpu0", DeviceKind.CPU)
 GPU = Device("cuda0", DeviceKind.CUDA)
@@ -31,13 +36,8 @@ def remat(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def builder(model, devices=(CPU,), budget=VGG_BUDGET, solver=None):
-    def build(batch):
-        graph = for_mode(forward_graph(model, batch=batch), Mode.TRAINING)
-        costs = analytical_costs(graph, list(devices))
-        budgets = {d.name: budget for d in devices}
-        return Problem(graph, costs, budgets, solver or SolverSettings())
-
-    return build
+    budgets = {d.name: budget for d in devices}
+    return problems_by_batch(model, devices=devices, budgets=budgets, solver=solver)
 
 
 def within_bound(result, problem, bound=None):
@@ -72,8 +72,8 @@ def test_found_batch_fits_under_the_bound_and_the_next_does_not(strategy):
 
 
 def test_default_bound_is_one_extra_forward_pass_eq_10():
-    graph = for_mode(forward_graph(samples.chain(3), batch=2), Mode.TRAINING)
-    costs = analytical_costs(graph, [CPU, GPU])
+    problem = build_problem(samples.chain(3), batch=2, devices=[CPU, GPU])
+    graph, costs = problem.graph, problem.costs
     by_hand = 0.0
     for node in graph.nodes:
         fastest = min(costs.compute_ms[node.id])  # C_i on its fastest device
@@ -84,7 +84,6 @@ def test_default_bound_is_one_extra_forward_pass_eq_10():
     assert one_extra_forward_ms(graph, costs) == pytest.approx(by_hand, rel=1e-12)
     assert CostBound(0.25).limit_ms(graph, costs) == pytest.approx(1.25 * costs.ideal_ms())
     # a trial is judged against exactly this bound
-    problem = Problem(graph, costs, {"cpu0": None, "cuda0": None})
     trial = try_batch(problem, 2)
     assert trial.fits and trial.bound_ms == pytest.approx(by_hand, rel=1e-12)
 
@@ -114,14 +113,23 @@ def test_a_cancelled_search_stops_with_what_it_has():
     assert found.interrupted and found.batch == 1 and len(found.tries) == 1
 
 
+def test_problems_by_batch_needs_budgets_in_bytes():
+    with pytest.raises(InvalidInputError, match=r"bytes.*percentage"):
+        problems_by_batch(VGG, budgets={"cpu0": "50%"})
+    with pytest.raises(InvalidInputError, match="a budget for at least one device"):
+        problems_by_batch(VGG, budgets={"cpu0": None})
+    build = problems_by_batch(VGG, devices=[CPU, GPU], budgets={"cpu0": "64MiB"})
+    problem = build(2)
+    assert dict(problem.budgets) == {"cpu0": 64 * MiB, "cuda0": None}
+
+
+def test_budgets_below_the_fixed_memory_are_a_batch_that_does_not_fit():
+    build = builder(VGG, budget=MiB)  # below VGG's parameters
+    trial = try_batch(build(1), 1)
+    assert not trial.fits and trial.needed_bytes["cpu0"] > MiB
+
+
 # --- the command ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def vgg(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "vgg16.onnx"
-    path.write_bytes(VGG.SerializeToString())
-    return path
 
 
 def test_cli_finds_writes_and_checks_the_plan(vgg, tmp_path):
@@ -188,7 +196,7 @@ def test_percentage_budget_is_rejected(vgg):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "--budget"),
+        ([], "a budget for at least one device"),
         (["--budget", "cpu0=64MiB", "--device", "gpu0:tpu"], "tpu"),
         (["--budget", "gpu7=1GiB"], "gpu7"),
     ],

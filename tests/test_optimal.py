@@ -2,7 +2,6 @@
 the simulator's verdict."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,9 +13,11 @@ from remat.devices import Device, DeviceKind
 from remat.onnx_ingest import forward_graph
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies import BASELINES, optimal, run_strategy
-from remat.strategies.base import Problem, SolverSettings, StrategyResult
-from remat.strategies.optimal import checkmate_lp_rounding, checkmate_milp, xengine
+from remat.strategies import BASELINES, Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies.exact import search as search_module
+from remat.strategies.exact import xengine as xengine_module
+from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
+from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
 
 from graphs import chain, diamond
@@ -113,14 +114,14 @@ def test_a_cancelled_solve_still_returns_the_warm_start():
 
 @pytest.mark.parametrize("eviction_fits", [True, False])
 def test_checkmates_warm_start_goes_beyond_every_baseline(monkeypatch, eviction_fits):
-    """ResNet18 at 50% on cpu0: the best baseline (ap_greedy) costs 1.607 ms; greedy
-    eviction reaches 1.315 ms in about 0.4 s when measured, and the placed heuristic's
-    local search, which runs only where eviction finds no plan, 1.333 ms in 1.6 s. The
-    solve is cancelled as soon as a plan 10% below the baseline is reported."""
+    """ResNet18 at 50% on cpu0: greedy eviction, and the placed heuristic's local search,
+    which runs only where eviction finds no plan, each go more than 10% below the best
+    baseline. The solve is cancelled as soon as a plan 10% below the baseline is
+    reported."""
     if eviction_fits:
-        monkeypatch.setattr(optimal, "placed_greedy", _must_not_run)
+        monkeypatch.setattr(search_module, "placed_greedy", _must_not_run)
     else:
-        monkeypatch.setattr(optimal, "greedy_evict", _no_plan)
+        monkeypatch.setattr(search_module, "greedy_evict", _no_plan)
     graph = training_graph(forward_graph(samples.ZOO["resnet18"](), batch=4))
     plain = budgeted(graph, 50, devices=("cpu0",))
     baseline = min(
@@ -150,13 +151,19 @@ def _no_plan(*_args, **_kwargs) -> StrategyResult:
     return StrategyResult("greedy_evict", None, None, "no plan (stubbed)")
 
 
-RESNET18_OPTIMUM_MS = 1.1696680853  # 25% on cpu+cuda, proven by the full model (README)
+RESNET18_OPTIMUM_MS = 1.1696680853
+"""The optimum of ResNet18 (batch 4, training) at 25% on cpu+cuda: the optimal objective of
+XEngine's model, proven optimal by the full model's solve alone (docs/solvers.md)."""
 
 
 def test_the_placement_restriction_finds_resnet18s_optimum_long_before_the_full_model():
     """ResNet18 at 25% on cpu+cuda: the optimum recomputes nothing, so the keep_all
-    restriction finds it in seconds. The full model alone first finds it after about 200 s,
-    and the coarse graph's best plan is 4.6% worse. A cancel once it is in hand keeps it."""
+    restriction finds it (the full model alone takes minutes).
+    ``RESNET18_OPTIMUM_MS`` is a fact of the problem, not a measurement: the graph, the
+    analytical costs and the budgets are deterministic, so the model and its optimal
+    objective are too, whatever the machine or the solver's path; any optimal plan costs
+    exactly that. The search is cancelled once a plan at the optimum is offered, and keeps
+    it."""
     cancel = threading.Event()
 
     def on_plan(result):
@@ -168,9 +175,8 @@ def test_the_placement_restriction_finds_resnet18s_optimum_long_before_the_full_
     settings = SolverSettings(options=options, cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["resnet18"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)
-    started = time.monotonic()
     result = xengine(problem, coarse=False)
-    assert time.monotonic() - started < limit / 2  # the cancel came, from the restriction
+    assert cancel.is_set()  # a plan at the optimum was offered before the time limit
     assert result.feasible and result.simulation.valid
     assert result.simulation.total_ms == pytest.approx(RESNET18_OPTIMUM_MS, rel=1e-6)
     R = result.schedule.R
@@ -190,7 +196,7 @@ def test_a_bound_found_beside_the_full_solve_is_the_results_bound(monkeypatch):
     def lp_bound(search, *_args):
         search.on_bound(reported)
 
-    monkeypatch.setattr(optimal, "solve_restrictions", lp_bound)
+    monkeypatch.setattr(xengine_module, "solve_restrictions", lp_bound)
     result = xengine(problem, coarse=False)
     solver = result.plan.solver
     assert solver.bound == pytest.approx(reported)

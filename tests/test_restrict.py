@@ -1,4 +1,4 @@
-"""The restrictions of XEngine's model solved beside the full one (remat.strategies.restrict):
+"""The restrictions of XEngine's model solved beside the full one (remat.strategies.exact.restrict):
 keep_all, then the LP relaxation (a bound), RINS and the LP's placement; on one device the
 LP relaxation and RINS; real HiGHS solves in subprocesses."""
 
@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,18 +21,22 @@ from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult
-from remat.strategies import evict as evict_module
-from remat.strategies import optimal, restrict
-from remat.strategies.base import Problem, SolverSettings, StrategyResult, evaluate
-from remat.strategies.evict import greedy_evict
-from remat.strategies.optimal import xengine
-from remat.strategies.policy import device_fixed_bytes
-from remat.strategies.search import Search
+from remat.strategies import SearchConfig
+from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.common.problem import Problem, SolverSettings, StrategyResult, evaluate
+from remat.strategies.exact import restrict, rins
+from remat.strategies.exact import xengine as xengine_module
+from remat.strategies.exact.rins import Offer
+from remat.strategies.exact.search import offer_incumbent
+from remat.strategies.exact.state import Search
+from remat.strategies.exact.xengine import xengine
+from remat.strategies.heuristics import evict as evict_module
+from remat.strategies.heuristics.evict import greedy_evict
 from remat.training import training_graph
 
 from graphs import chain
 
-SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=restrict.PLACEMENT_MIN_S + 60))
+SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=SearchConfig().placement_min_s + 60))
 
 
 def _setup(percent: float) -> tuple[Problem, XEngineModel, Search]:
@@ -95,7 +100,9 @@ def test_when_keep_all_finds_a_plan_and_the_full_solve_has_a_bound_the_lp_is_not
 ) -> None:
     _, formulation, search = _setup(100)
     search.on_full(Progress(1.0, None, search.ideal * 1.01, None))
-    _forbid(monkeypatch, "_relaxation", "the LP relaxation ran although the full solve had a bound")
+    _forbid(
+        monkeypatch, "solve_relaxation", "the LP relaxation ran although the full solve had a bound"
+    )
     assert _restrictions_offer(search, formulation)
 
 
@@ -123,10 +130,9 @@ def test_eviction_runs_on_each_device_alone_whose_ideal_is_under_the_plan_in_han
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """XEngine's schedules include every one-device schedule, so greedy eviction on each
-    device alone is offered (U-Net at 50% on cpu+cuda: the multi-device heuristic's 3.824
-    ms, eviction's on cuda0 3.534). A training chain at 50% on cpu+cuda, nothing in hand:
-    eviction on cpu0 gives 0.185 ms, the first plan offered; cuda0's ideal (0.220 ms, every
-    node once) is dearer, so eviction there is not tried."""
+    device alone is offered. A training chain at 50% on cpu+cuda, nothing in hand:
+    eviction on cpu0 gives the first plan offered; cuda0's ideal (every node once) is
+    dearer than that plan, so eviction there is not tried."""
     plans: list[StrategyResult] = []
     settings = replace(SETTINGS, on_plan=plans.append)
     problem = budgeted(training_graph(chain(10)), 50, settings=settings)
@@ -168,9 +174,9 @@ def test_the_full_solve_is_held_while_the_lp_relaxation_runs(
 def test_no_eviction_on_a_device_alone_where_no_baseline_fits_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The transformer at 50% on cpu+cuda: eviction fits on cpu0 alone (0.528 ms) but no
-    baseline does, and the multi-device plans are cheaper (0.457): at budgets that tight one
-    device recomputes too much, and eviction there only delays the multi-device work."""
+    """The transformer at 50% on cpu+cuda: eviction fits on cpu0 alone but no baseline
+    does: at budgets that tight one device recomputes too much, and eviction there only
+    delays the multi-device work."""
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 50, ("cpu0", "cuda0"), settings=SETTINGS)
     search = Search(problem, problem.costs.ideal_ms(), time.monotonic())
@@ -181,29 +187,45 @@ def test_no_eviction_on_a_device_alone_where_no_baseline_fits_it(
     assert tried == [] and search.best is None
 
 
-def test_xengine_finds_the_transformers_band_plan_early() -> None:
+def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """The transformer at 25% on cpu+cuda: keep_all finds no plan, so eviction on band
-    placements runs beside the full solve and finds 0.5695 ms within seconds; before it the
-    search's best in 60 s was eviction's 0.666 ms on the heuristic's placement (HiGHS alone
-    first finds a plan under 0.6 ms after about 68 s). Cancelled once a plan under 0.6 ms
-    is offered."""
+    placements runs beside the full solve, and one of its plans becomes the incumbent: it
+    beats the warm start and eviction on the warm start's placement (the multi-device
+    heuristic ranks placements by Chen's policies, which keep too much of the attention).
+    Cancelled as soon as a plan of the band search is the search's best."""
     cancel = threading.Event()
+    from_bands: list[StrategyResult] = []
+    warm: list[float] = []
+    evict_bands, warm_start = restrict.evict_bands, xengine_module.warm_start
 
-    def on_plan(result: StrategyResult) -> None:
-        if result.simulation is not None and result.simulation.total_ms < 0.6:
+    def bands(problem: Problem, names: tuple[str, ...], seconds: float, offer: Offer) -> None:
+        def offered(result: StrategyResult) -> None:
+            from_bands.append(result)
+            offer(result)
+
+        evict_bands(problem, names, seconds, offered)
+
+    def recorded_warm_start(search: Search, *args: Any) -> None:
+        warm_start(search, *args)
+        warm.append(search.best_ms)
+
+    def on_plan(result: StrategyResult) -> None:  # each plan that beats the search's best
+        if any(result is plan for plan in from_bands):
             cancel.set()
 
+    monkeypatch.setattr(restrict, "evict_bands", bands)
+    monkeypatch.setattr(xengine_module, "warm_start", recorded_warm_start)
     settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)
     result = xengine(problem)
     assert cancel.is_set()
-    assert result.simulation.valid and result.simulation.total_ms < 0.6
+    assert result.simulation.valid and result.simulation.total_ms < warm[0]
 
 
 def _transformer_band_plan(problem: Problem, monkeypatch: pytest.MonkeyPatch) -> StrategyResult:
-    """The best band's plan (0.5695 ms) for the transformer at 25% on cpu+cuda, without
-    the node moves that follow the band search."""
+    """The best band's plan for the transformer at 25% on cpu+cuda, without the node moves
+    that follow the band search."""
     found: list[StrategyResult] = []
     with monkeypatch.context() as patched:
         patched.setattr(evict_module, "evict_moves", lambda *_args, **_kw: None)
@@ -215,9 +237,8 @@ def test_node_moves_improve_the_plan_in_hand_until_the_full_solve_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where keep_all finds no plan and the LP's placement is out of reach, the thread
-    moves nodes from the plan in hand (U-Net at 25% on cpu+cuda: 3.904 -> 3.862 ms): from
-    the transformer's best band plan, a cheaper plan that fits; once the full solve has
-    ended, nothing is tried."""
+    moves nodes from the incumbent: from the transformer's best band plan, a cheaper plan
+    that fits; once the full solve has ended, nothing is tried."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=60))
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)
@@ -252,7 +273,7 @@ def test_rins_fixes_the_integer_variables_on_which_the_plan_and_the_lp_agree() -
     )
     incumbent = np.array([1.0, 0.0, 1.0, 2.0])
     relaxed = np.array([1.0 - 1e-9, 0.5, 0.0, 2.0])
-    sub = restrict.rins_neighbourhood(model, relaxed, incumbent)
+    sub = rins.rins_neighbourhood(model, relaxed, incumbent)
     assert sub.lb.tolist() == [1.0, 0.0, 0.0, 0.0]
     assert sub.ub.tolist() == [1.0, 1.0, 1.0, 5.0]
     assert sub.start is incumbent
@@ -272,30 +293,31 @@ def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
 def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The transformer at 50% on cpu0: greedy eviction's plan costs 0.528 ms and HiGHS's
-    full solve finds nothing better in 10 s; the LP relaxation (bound 0.416, HiGHS) and RINS
-    from it (CP-SAT's sub-MIPs, the quicker on one device) find 0.511 ms, a plan the
-    simulator accepts; once the full solve has ended, nothing is tried."""
+    """The transformer at 50% on cpu0, from greedy eviction's plan: the LP relaxation
+    (HiGHS) bounds it, and RINS from it (CP-SAT's sub-MIPs, the quicker on one device)
+    finds a cheaper plan that the simulator accepts; once the full solve has ended,
+    nothing is tried."""
     backends: list[tuple[bool, str]] = []  # (a MILP, backend) per solve
-    solve = restrict._solve
+    solve = rins.solve_beside
 
     def watched(search: Search, model: MILPModel, *args: object) -> SolveResult:
         backends.append((bool(model.integer.any()), str(args[2]) if len(args) > 2 else ""))
         return solve(search, model, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(restrict, "_solve", watched)
+    monkeypatch.setattr(rins, "solve_beside", watched)
     problem, search = _one_device(50, 60)
     evicted = search.best
-    assert evicted is not None and evicted.simulation.total_ms > 0.52
+    assert evicted is not None and evicted.simulation is not None
     fixed = device_fixed_bytes(problem, "cpu0")
     formulation = build_checkmate(
         problem.graph, problem.costs, "cpu0", problem.budgets["cpu0"], fixed
     )
-    offer = partial(optimal._offer_incumbent, search, formulation, "checkmate_milp")
-    restrict.relax_and_improve(search, formulation, offer)
+    offer = partial(offer_incumbent, search, formulation, "checkmate_milp")
+    rins.relax_and_improve(search, formulation, offer)
     relaxed = runner.solve(formulation.lp_relaxation())
     assert search.bound == pytest.approx(relaxed.objective)
-    assert search.best.simulation.valid and search.best.simulation.total_ms < 0.515
+    assert search.best.simulation.valid
+    assert search.best.simulation.total_ms < evicted.simulation.total_ms
     assert search.bound <= search.best.simulation.total_ms
     assert backends[0] == (False, "highs") and len(backends) > 1
     assert all(backend == (True, "cpsat") for backend in backends[1:])
@@ -303,6 +325,6 @@ def test_on_one_device_rins_improves_evictions_plan_and_the_lp_bounds_it(
     _, ended = _one_device(50, 60)
     ended.full_done.set()
     before = ended.best
-    on_ended = partial(optimal._offer_incumbent, ended, formulation, "checkmate_milp")
-    restrict.relax_and_improve(ended, formulation, on_ended)
+    on_ended = partial(offer_incumbent, ended, formulation, "checkmate_milp")
+    rins.relax_and_improve(ended, formulation, on_ended)
     assert ended.best is before and ended.bound == ended.ideal

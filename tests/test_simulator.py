@@ -5,8 +5,8 @@ from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.plan import Compute, Copy, Free, Plan, PlanDevice
 from remat.simulator import simulate
-from remat.strategies.base import Problem
-from remat.strategies.checkpoint_all import checkpoint_all
+from remat.strategies import Problem
+from remat.strategies.baselines.checkpoint_all import checkpoint_all
 from remat.training import training_graph
 
 from graphs import chain

@@ -14,20 +14,20 @@ from remat.graph import Graph
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.strategies import BASELINES, STRATEGIES, run_strategy
-from remat.strategies.base import Problem, evaluate
-from remat.strategies.chen import (
+from remat.strategies.baselines.chen import (
     articulation_candidates,
     greedy_checkpoints,
     sqrt_checkpoints,
 )
-from remat.strategies.griewank import (
+from remat.strategies.baselines.griewank import (
     griewank_policy,
     revolve_cost,
     revolve_events,
     revolve_recomputations,
 )
-from remat.strategies.policy import device_fixed_bytes, predict
-from remat.strategies.rsolve import (
+from remat.strategies.common.policy import device_fixed_bytes, predict
+from remat.strategies.common.problem import Problem, evaluate
+from remat.strategies.common.rsolve import (
     holds_from_dense,
     holds_to_dense,
     prune_checkpoints,

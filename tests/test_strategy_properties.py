@@ -14,10 +14,10 @@ from remat.errors import StrategyError
 from remat.graph import Graph
 from remat.simulator import simulate
 from remat.strategies import BASELINES, run_strategy
-from remat.strategies.base import Problem, evaluate
-from remat.strategies.floor import shortfall
-from remat.strategies.policy import device_fixed_bytes, predict
-from remat.strategies.rsolve import (
+from remat.strategies.common.floor import shortfall
+from remat.strategies.common.policy import device_fixed_bytes, predict
+from remat.strategies.common.problem import Problem, evaluate
+from remat.strategies.common.rsolve import (
     holds_from_dense,
     solve_and_prune,
     solve_and_prune_sparse,

@@ -47,12 +47,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         held.close()
 
 
-@pytest.fixture
-def client(server: Any) -> Any:
-    with httpx.Client(base_url=server["url"], timeout=120) as c:
-        yield c
-
-
 def _parts(models: Path) -> set[str]:
     return {p.name for p in models.glob("*.part")}
 

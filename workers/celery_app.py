@@ -1,5 +1,5 @@
 """The Celery app: Redis as broker, the database as the store of results (no result
-backend). DESIGN.md's Celery facts: late acks and a prefetch of one, so that a job whose
+backend). docs/architecture.md, "Celery": late acks and a prefetch of one, so that a job whose
 worker died is redelivered; a visibility timeout above the longest solve, so that a
 running job is not (and were it redelivered, its claim leaves a job alone whose worker
 still heartbeats); no ``revoke(terminate=True)``: cancellation is a flag in the job row.

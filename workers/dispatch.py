@@ -9,8 +9,8 @@ import re
 
 from celery import Celery
 
-from app.context import Dispatcher
 from app.database import Database
+from app.services import Dispatcher
 from app.settings import Settings
 from workers.embedded import EmbeddedDispatcher
 from workers.sweeper import Sweeper

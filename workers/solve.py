@@ -42,7 +42,7 @@ from remat.max_batch import plan_with
 from remat.plan import plan_to_json
 from remat.plan_view import stage_matrices
 from remat.solvers.model import Progress
-from remat.strategies.base import Problem, StrategyResult
+from remat.strategies import Problem, StrategyResult
 from workers.context import WorkerContext
 from workers.costs import Cancelled, job_costs
 
@@ -219,8 +219,8 @@ def _store_plan(
         devices=[d.name for d in plan.devices],
         nodes=[n.name for n in problem.graph.nodes],
         stages=matrices.stages,
-        R=matrices.R,
-        S=matrices.S,
+        R=_pairs(matrices.R),
+        S=_pairs(matrices.S),
         memory=simulation.timeline,
         budgets=plan.budgets,
         peak_bytes=simulation.peak_bytes,
@@ -263,12 +263,18 @@ def _store_plan(
                 return
     except SQLAlchemyError as exc:
         log.exception("job %s: the database refused its plan", job_id)
-        reason = str(exc.orig if getattr(exc, "orig", None) else exc).splitlines()[0]
+        orig = getattr(exc, "orig", None)  # the driver's error, for DBAPIError
+        reason = str(orig or exc).splitlines()[0]
         error = f"the plan could not be stored: {reason}"
         _finish(ctx, job_id, attempt, JobStatus.FAILED, error=error)
         return
     # not stored: finished or taken back meanwhile (nothing to do), or cancelled just now
     _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message="cancelled while solving")
+
+
+def _pairs(cells: dict[str, list[tuple[int, int]]]) -> dict[str, list[list[int]]]:
+    """(stage, node) cells as the API's pairs (lists)."""
+    return {device: [list(cell) for cell in pairs] for device, pairs in cells.items()}
 
 
 class Lease:

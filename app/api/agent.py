@@ -1,4 +1,4 @@
-"""``/v1/agent``: what node agents call (the protocol is in ``agents.protocol``):
+"""``/v1/agent``: what node agents call (the protocol is in ``remat.agent_protocol``):
 registration with the enrollment token, heartbeats, leasing tasks, renewing, progress,
 reports (checked, recorded once per lease), release, and model downloads.
 
@@ -23,7 +23,13 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agents.protocol import (
+from app.api.deps import ServicesDep, SessionDep, get_or_404
+from app.lifecycle import stopping
+from app.problem_details import ApiError
+from app.profiles import checked_table, graph_of
+from app.services import Services, key_digest
+from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, now, utc
+from remat.agent_protocol import (
     LOCAL_NODE,
     Enrolled,
     ExecutePayload,
@@ -41,35 +47,30 @@ from agents.protocol import (
     TaskProgress,
     TaskReport,
 )
-from app.context import Services, get_or_404, key_digest, services
-from app.lifecycle import stopping
-from app.problems import ApiError
-from app.profiles import checked_table, graph_of
-from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, now, utc
 
 router = APIRouter(prefix="/v1/agent", tags=["agent protocol"])
 LEASE_POLL_S = 0.5
 AlsoWrite = Callable[[Session, AgentTaskRow], None]  # written with a task's outcome
 
 
-def current_node(request: Request) -> NodeRow:
-    """The node whose token is in ``Authorization: Bearer``, or 401."""
+def current_node(request: Request, session: SessionDep) -> NodeRow:
+    """The node whose token is in ``Authorization: Bearer``, or 401. (In the request's
+    session; the read ends here, so that a long poll holds no connection.)"""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise ApiError(401, "an agent token is required: Authorization: Bearer <token>")
-    with services(request).db.session() as session:
-        node = session.scalar(select(NodeRow).where(NodeRow.token_sha256 == key_digest(token)))
+    node = session.scalar(select(NodeRow).where(NodeRow.token_sha256 == key_digest(token)))
+    session.commit()
     if node is None:
         raise ApiError(401, "unknown agent token: register again with the enrollment token")
     return node
 
 
-Ctx = Annotated[Services, Depends(services)]
 Node = Annotated[NodeRow, Depends(current_node)]
 
 
 @router.post("/register", response_model=Enrolled)
-def register(body: Registration, ctx: Ctx) -> Enrolled:
+def register(body: Registration, ctx: ServicesDep, session: SessionDep) -> Enrolled:
     """A node joins with the enrollment token and gets its own token (stored hashed).
     Registering a taken name again needs that node's current token (``node_token``; 409
     otherwise) and replaces its token and devices. The name ``local`` is ``remat serve``'s
@@ -80,23 +81,21 @@ def register(body: Registration, ctx: Ctx) -> Enrolled:
         raise ApiError(422, f"devices: names must be unique: {names}")
     token = secrets.token_urlsafe(32)
     devices = {"devices": [d.model_dump(mode="json") for d in body.devices]}
-    with ctx.db.session() as session:
-        node = session.scalar(select(NodeRow).where(NodeRow.name == body.name).with_for_update())
-        if node is None:
-            node = NodeRow(name=body.name, token_sha256="", devices=devices)
-            session.add(node)
-        elif body.name != LOCAL_NODE and not _is_token_of(node, body.node_token):
-            raise ApiError(
-                409,
-                f"node name {body.name!r} is taken: registering it again needs that node's "
-                "token (the agent keeps it in its cache directory); or choose another --name",
-            )
-        node.token_sha256, node.devices = key_digest(token), devices
-        node.version, node.last_seen_at = body.version or None, now()
-        session.flush()
-        node_id = node.id
+    node = session.scalar(select(NodeRow).where(NodeRow.name == body.name).with_for_update())
+    if node is None:
+        node = NodeRow(name=body.name, token_sha256="", devices=devices)
+        session.add(node)
+    elif body.name != LOCAL_NODE and not _is_token_of(node, body.node_token):
+        raise ApiError(
+            409,
+            f"node name {body.name!r} is taken: registering it again needs that node's "
+            "token (the agent keeps it in its cache directory); or choose another --name",
+        )
+    node.token_sha256, node.devices = key_digest(token), devices
+    node.version, node.last_seen_at = body.version or None, now()
+    session.flush()
     return Enrolled(
-        node_id=node_id,
+        node_id=node.id,
         token=token,
         heartbeat_s=ctx.settings.heartbeat_s,
         lease_s=ctx.settings.lease_s,
@@ -104,16 +103,18 @@ def register(body: Registration, ctx: Ctx) -> Enrolled:
 
 
 @router.post("/heartbeat", response_model=Heartbeat)
-def heartbeat(node: Node, ctx: Ctx) -> Heartbeat:
-    with ctx.db.session() as session:
-        session.get_one(NodeRow, node.id).last_seen_at = now()
+def heartbeat(node: Node, ctx: ServicesDep) -> Heartbeat:
+    node.last_seen_at = now()  # the node is the request session's: committed with it
     return Heartbeat(heartbeat_s=ctx.settings.heartbeat_s)
 
 
 @router.post("/lease", response_model=Task, responses={204: {"description": "no task in time"}})
-async def lease(body: LeaseRequest, node: Node, ctx: Ctx, request: Request) -> Task | Response:
+async def lease(
+    body: LeaseRequest, node: Node, ctx: ServicesDep, request: Request
+) -> Task | Response:
     """Long poll: the oldest queued task for this node, or 204 after ``wait_s``; 503 once
     the server is stopping (the poll must not hold its exit up; the agent retries)."""
+    # no request session here: each look at the queue is a short transaction of its own
     deadline = time.monotonic() + body.wait_s
     while True:
         if stopping(request.app):
@@ -136,51 +137,62 @@ async def lease(body: LeaseRequest, node: Node, ctx: Ctx, request: Request) -> T
 
 
 @router.post("/tasks/{task_id}/renew", response_model=Lease)
-def renew(task_id: str, body: LeaseProof, node: Node, ctx: Ctx) -> Lease:
-    return Lease(lease_expires_at=ctx.tasks.renew(task_id, node.id, body.lease_token))
+def renew(
+    task_id: str, body: LeaseProof, node: Node, ctx: ServicesDep, session: SessionDep
+) -> Lease:
+    expires = ctx.tasks.renew(session, task_id, node.id, body.lease_token)
+    return Lease(lease_expires_at=expires)
 
 
 @router.post("/tasks/{task_id}/progress", response_model=Lease)
-def progress(task_id: str, body: TaskProgress, node: Node, ctx: Ctx) -> Lease:
+def progress(
+    task_id: str, body: TaskProgress, node: Node, ctx: ServicesDep, session: SessionDep
+) -> Lease:
     shown = body.model_dump(include={"done", "total", "message"})
-    expires = ctx.tasks.progress(task_id, node.id, body.lease_token, shown)
+    expires = ctx.tasks.progress(session, task_id, node.id, body.lease_token, shown)
     return Lease(lease_expires_at=expires)
 
 
 @router.post("/tasks/{task_id}/release", status_code=204)
-def release(task_id: str, body: LeaseProof, node: Node, ctx: Ctx) -> Response:
-    ctx.tasks.release(task_id, node.id, body.lease_token)
+def release(
+    task_id: str, body: LeaseProof, node: Node, ctx: ServicesDep, session: SessionDep
+) -> Response:
+    ctx.tasks.release(session, task_id, node.id, body.lease_token)
     return Response(status_code=204)
 
 
 @router.post("/tasks/{task_id}/report", response_model=ReportAccepted)
-def report(task_id: str, body: TaskReport, node: Node, ctx: Ctx) -> ReportAccepted:
+def report(
+    task_id: str, body: TaskReport, node: Node, ctx: ServicesDep, session: SessionDep
+) -> ReportAccepted:
     """Record the outcome of this lease's attempt, once. A success's result is checked
     first (422 says what is wrong; the lease stays the agent's)."""
-    row = ctx.tasks.lookup_report(task_id, node.id, body.lease_token)
+    row = ctx.tasks.lookup_report(session, task_id, node.id, body.lease_token)
     if TaskStatus(row.status).finished:
         return ReportAccepted(task_id=task_id, status=row.status, duplicate=True)
     status = TaskStatus(body.status)
+    token = body.lease_token
     if status is TaskStatus.FAILED:
         error = body.error or "the agent reported a failure without a message"
-        fresh = ctx.tasks.finish(task_id, body.lease_token, status, None, error)
+        fresh = ctx.tasks.finish(session, task_id, token, status, None, error)
     else:
-        result, also = _checked_result(ctx, row, body.result)
-        fresh = ctx.tasks.finish(task_id, body.lease_token, status, result, None, also)
+        result, also = _checked_result(ctx, session, row, body.result)
+        fresh = ctx.tasks.finish(session, task_id, token, status, result, None, also)
     return ReportAccepted(task_id=task_id, status=status, duplicate=not fresh)
 
 
 @router.get("/models/{model_id}", response_class=FileResponse)
-def download_model(model_id: str, node: Node, ctx: Ctx) -> FileResponse:
+def download_model(
+    model_id: str, node: Node, ctx: ServicesDep, session: SessionDep
+) -> FileResponse:
     """A model one of this node's unfinished tasks names (404 for any other)."""
-    with ctx.db.session() as session:
-        payloads = session.scalars(
-            select(AgentTaskRow.payload)
-            .where(AgentTaskRow.node_id == node.id)
-            .where(AgentTaskRow.status.in_((TaskStatus.QUEUED, TaskStatus.LEASED)))
-        ).all()
-        named = any(_model_id_of(payload) == model_id for payload in payloads)
-        model = session.get(ModelRow, model_id) if named else None
+    payloads = session.scalars(
+        select(AgentTaskRow.payload)
+        .where(AgentTaskRow.node_id == node.id)
+        .where(AgentTaskRow.status.in_((TaskStatus.QUEUED, TaskStatus.LEASED)))
+    ).all()
+    named = any(_model_id_of(payload) == model_id for payload in payloads)
+    model = session.get(ModelRow, model_id) if named else None
     if model is None:
         raise ApiError(404, f"model {model_id!r} is not in any of this node's tasks")
     return FileResponse(ctx.store.path(model.sha256), media_type="application/octet-stream")
@@ -218,7 +230,7 @@ def _model_id_of(payload: dict[str, Any]) -> object:
 
 
 def _checked_result(
-    ctx: Services, row: AgentTaskRow, result: object
+    ctx: Services, session: Session, row: AgentTaskRow, result: object
 ) -> tuple[dict[str, Any] | None, AlsoWrite | None]:
     """The result to store and what else to write with it."""
     if row.kind == TaskKind.EXECUTE:
@@ -229,7 +241,8 @@ def _checked_result(
         checked.predicted = _plan_prediction(row)
         return checked.model_dump(mode="json"), None
     payload = ProfilePayload.model_validate(row.payload)
-    model = get_or_404(ctx.db, ModelRow, payload.model.model_id, "model")
+    model = get_or_404(session, ModelRow, payload.model.model_id, "model")
+    session.commit()  # the reads end here: checking the table takes a while
     graph = graph_of(ctx.store.path(model.sha256), payload.model)
     table = checked_table(graph, result, payload.devices)  # RematError -> 422
     document = table.model_dump(mode="json")

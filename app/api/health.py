@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from sqlalchemy import text
 
-from app.context import Services, services
-from app.problems import ApiError
+from app.api.deps import ServicesDep
+from app.problem_details import ApiError
 
 router = APIRouter(tags=["health"])
 
@@ -19,7 +17,9 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-def readyz(ctx: Annotated[Services, Depends(services)]) -> dict[str, str]:
+def readyz(ctx: ServicesDep) -> dict[str, str]:
+    # its own session, not the request's: an unreachable database is a 503 here, not an
+    # error in the session dependency's commit
     try:
         with ctx.db.session() as session:
             session.execute(text("SELECT 1"))

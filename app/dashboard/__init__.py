@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from app.problems import ApiError
+from app.problem_details import ApiError
 
 STATIC = Path(__file__).parent / "static"
 MEDIA_TYPES = {

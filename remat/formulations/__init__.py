@@ -21,7 +21,8 @@ class Formulation(Protocol):
     """A built model, its LP relaxation and the maps between its variables and schedules
     (Checkmate's, XEngine's)."""
 
-    model: MILPModel
+    @property
+    def model(self) -> MILPModel: ...
 
     def lp_relaxation(self) -> MILPModel: ...
 

@@ -99,7 +99,7 @@ class CheckmateModel:
         problems = self.check(x) if x is not None else ["entries outside the model"]
         if problems and repair:
             # Imported here: remat.strategies imports this module (optimal strategies).
-            from remat.strategies.rsolve import solve_and_prune
+            from remat.strategies.common.rsolve import solve_and_prune
 
             S = S & (self.S[:-1] >= 0)
             x = self._assign(*solve_and_prune(self.graph, S))

@@ -213,7 +213,7 @@ class XEngineModel:
         problems = self.check(x) if x is not None else ["entries outside the model"]
         used = np.flatnonzero(R.any(axis=(1, 2)))
         if problems and repair and used.size == 1:
-            from remat.strategies.rsolve import solve_and_prune  # import cycle otherwise
+            from remat.strategies.common.rsolve import solve_and_prune  # import cycle otherwise
 
             d = int(used[0])
             kept = S[d] & (self.S[d, :-1] >= 0)
@@ -264,7 +264,7 @@ class XEngineModel:
         st = self.structure
         D, _, n = R.shape
         S_next = np.concatenate([S[:, 1:], np.zeros((D, 1, n), dtype=bool)], axis=1)
-        computed = R.any(axis=0)
+        computed = np.asarray(R.any(axis=0), dtype=bool)
         dd, ft, fe = np.nonzero(self.F >= 0)
         free = R[dd, ft, st.edge_v[fe]] & ~S_next[dd, ft, st.edge_u[fe]]
         where, j = ragged(st.later_ptr, st.later_idx, fe)
@@ -291,12 +291,14 @@ class XEngineModel:
 
     def _placement(self, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """H and G: a fixed tensor (gradient buffer) is on d if a (backward) reader runs there."""
-        on = R.any(axis=1)  # [D, n]
+        on = np.asarray(R.any(axis=1), dtype=bool)  # [D, n]
         fx = self.fixed
+        # Over the transposes ([tensors, D] views): ``at`` indexes their first axis, the
+        # tensors, and writes through to H and G.
         H = np.zeros(self.H.shape, dtype=bool)
-        np.logical_or.at(H, (slice(None), fx.pairs[:, 0]), on[:, fx.pairs[:, 1]])
+        np.logical_or.at(H.T, fx.pairs[:, 0], on[:, fx.pairs[:, 1]].T)
         G = np.zeros(self.G.shape, dtype=bool)
-        np.logical_or.at(G, (slice(None), fx.grad_pairs[:, 0]), on[:, fx.grad_pairs[:, 1]])
+        np.logical_or.at(G.T, fx.grad_pairs[:, 0], on[:, fx.grad_pairs[:, 1]].T)
         return H, G
 
     def _memory(

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from remat.solvers.backend import Incumbent, Reporter, SolverUnavailable, relative_gap
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
-from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relative_gap
 
 DEFAULT_RESOLUTION = 1e-6
 _MAX_EXACT_POWER = 9  # try row scale factors 10**0 .. 10**9
@@ -263,10 +263,16 @@ def _domains(lb: np.ndarray, ub: np.ndarray, step: np.ndarray) -> tuple[np.ndarr
     lo = np.full(len(lb), -_INFINITE_DOMAIN, dtype=np.int64)
     hi = np.full(len(ub), _INFINITE_DOMAIN, dtype=np.int64)
     finite = np.isfinite(lb)
-    lo[finite] = [_ceil(v) for v in lb[finite] / step[finite]]
+    lo[finite] = [_ceil_finite(v) for v in _clipped(lb[finite] / step[finite])]
     finite = np.isfinite(ub)
-    hi[finite] = [_floor(v) for v in ub[finite] / step[finite]]
+    hi[finite] = [_floor_finite(v) for v in _clipped(ub[finite] / step[finite])]
     return np.clip(lo, -_INFINITE_DOMAIN, None), np.clip(hi, None, _INFINITE_DOMAIN)
+
+
+def _clipped(values: np.ndarray) -> list[float]:
+    """``values`` within twice the stand-in for infinity: finite (a quotient that overflows
+    is not) and an int64, while a bound past the stand-in stays past it."""
+    return np.clip(values, -2 * _INFINITE_DOMAIN, 2 * _INFINITE_DOMAIN).tolist()
 
 
 def _is_integral(values: np.ndarray) -> np.ndarray:
@@ -277,15 +283,19 @@ def _is_integral(values: np.ndarray) -> np.ndarray:
 
 
 def _floor(value: float) -> int | None:
-    if not math.isfinite(value):
-        return None
+    return _floor_finite(value) if math.isfinite(value) else None
+
+
+def _ceil(value: float) -> int | None:
+    return _ceil_finite(value) if math.isfinite(value) else None
+
+
+def _floor_finite(value: float) -> int:
     slack = max(_ABS_TOL, _REL_TOL * abs(value))  # float noise only: stays conservative
     return int(min(math.floor(value + slack), _INT64))
 
 
-def _ceil(value: float) -> int | None:
-    if not math.isfinite(value):
-        return None
+def _ceil_finite(value: float) -> int:
     slack = max(_ABS_TOL, _REL_TOL * abs(value))
     return int(max(math.ceil(value - slack), -_INT64))
 

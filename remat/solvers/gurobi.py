@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from remat.solvers.backend import Incumbent, Reporter, SolverUnavailable, relative_gap
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
-from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relative_gap
 
 _SIZE_LIMIT = 10010  # "Model too large for size-limited license"
 _NO_LICENSE = 10009

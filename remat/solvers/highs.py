@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from remat.solvers.backend import Incumbent, Reporter, SolverUnavailable, relative_gap
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
-from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relative_gap
 
 # HiGHS statuses after which an incumbent, if any, is a valid feasible answer.
 _STOPPED = (

@@ -69,7 +69,8 @@ class MILPModel:
     def linearized(self) -> MILPModel:
         """Each bilinear term coef * x_i * x_j (coef > 0, binaries) becomes coef * y with
         y >= x_i + x_j - 1, y >= 0: with a positive cost, y takes the product's value at
-        any optimum (DESIGN.md). ``product_rows`` are added over x and y."""
+        any optimum (docs/architecture.md, section "Solving"). ``product_rows`` are added
+        over x and y."""
         if not self.quadratic:
             return self
         if any(coef < 0 for _, _, coef in self.quadratic):

@@ -1,13 +1,14 @@
 """Solve a ``MILPModel`` with one backend in a fresh subprocess.
 
-Every solve runs in its own ``spawn``-ed process (DESIGN.md): ortools and highspy cannot
+Every solve runs in its own ``spawn``-ed process (docs/architecture.md, section "Solver
+subprocesses"): ortools and highspy cannot
 be imported into the same process, and a process gives clean cancellation, time limits and
 crash isolation. The child streams progress and incumbents back over a pipe; the parent
 delivers progress to ``on_progress``, stops the child cooperatively on cancel or at the hard
 time limit (and terminates it if it does not stop), and turns every solver failure into a
 ``SolveResult`` with status ``error`` instead of raising. While the caller's ``hold`` flag is
 set the child is suspended (SIGSTOP, resumed with SIGCONT): on 2 cores a search suspends its
-full solve while another solve that needs the CPU more runs (``remat.strategies.restrict``).
+full solve while another solve that needs the CPU more runs (``remat.strategies.exact.rins``).
 The child's time limit keeps counting meanwhile: a held solve does less, never longer. A
 held child is resumed while the parent reads a message from it: an incumbent is larger than
 a pipe holds, and a child stopped half-way through sending one would never finish it.
@@ -15,16 +16,16 @@ a pipe holds, and a child stopped half-way through sending one would never finis
 As with any ``spawn``, the caller's ``__main__`` must be importable without side effects
 (scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.
 
-The helpers the backends share (``SolverUnavailable``, ``relative_gap``, ``Reporter``) live
-here too; this module imports no solver library.
+The backends are ``SOLVERS``, one module each (``highs``, ``cpsat``, ``scip``, ``gurobi``),
+whose ``solve`` follows ``remat.solvers.backend.Backend``; adding one is a module and an
+entry there. The backend modules import their solver library only inside ``solve``, in the
+child, so neither this module nor they import one here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -39,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from remat.solvers import cpsat, gurobi, highs, scip
+from remat.solvers.backend import Backend, Incumbent, SolverUnavailable, relative_gap
 from remat.solvers.model import (
     MILPModel,
     Progress,
@@ -48,7 +51,15 @@ from remat.solvers.model import (
     StopFlag,
 )
 
-BACKENDS = ("highs", "cpsat", "scip", "gurobi")
+SOLVERS: dict[str, Backend] = {
+    "highs": highs.solve,
+    "cpsat": cpsat.solve,
+    "scip": scip.solve,
+    "gurobi": gurobi.solve,
+}
+"""Every backend by name: what ``solve`` accepts and what the CLI, the API and the bench
+list. Called in the solve's subprocess only."""
+BACKENDS: tuple[str, ...] = tuple(SOLVERS)
 DEFAULT_BACKEND = "highs"  # ahead or level on every row of bench/solvers.py (README)
 
 # After a stop request the child gets this long to return its own result (with the
@@ -57,107 +68,6 @@ COOPERATIVE_WAIT_S = 1.0
 TERMINATE_WAIT_S = 0.4
 POLL_S = 0.05
 DEFAULT_GRACE_S = 5.0  # beyond time_limit_s: process start, imports, model building
-
-Incumbent = Callable[[np.ndarray, float], None]
-
-
-class SolverUnavailable(Exception):
-    """The backend cannot solve this model here (not installed, unlicensed, or over a
-    size-limited license). The runner falls back to another backend."""
-
-
-def relative_gap(objective: float | None, bound: float | None) -> float | None:
-    """|objective - bound| / |objective| (Gurobi's definition; inf when the objective is 0
-    and the bound is not). None while either is unknown."""
-    if objective is None or bound is None or not math.isfinite(objective):
-        return None
-    if not math.isfinite(bound):
-        return None
-    diff = max(0.0, objective - bound)
-    if diff <= 1e-9 * max(1.0, abs(objective)):
-        return 0.0
-    return diff / abs(objective) if objective != 0 else math.inf
-
-
-class Reporter:
-    """Turns a solver's many callbacks into at most one report every ``interval_s``.
-
-    Backends call ``update`` with whatever they learned (incumbent objective, bound, the
-    incumbent itself: an array, or a function producing it when the data stays valid) and
-    ``tick`` from frequent callbacks; a report goes out when something changed and the
-    interval has passed. Thread-safe: CP-SAT and Gurobi call back from solver threads.
-    """
-
-    def __init__(
-        self,
-        progress: Callable[[Progress], None],
-        incumbent: Incumbent | None = None,
-        interval_s: float = 0.5,
-    ) -> None:
-        self._progress = progress
-        self._incumbent = incumbent
-        self._interval = interval_s
-        self._start = time.monotonic()
-        self._lock = threading.Lock()
-        self._last_sent = -math.inf
-        self._changed = False
-        self.objective: float | None = None
-        self.bound: float | None = None
-        # The incumbent not yet sent, with its own objective: the objective reported by
-        # some callbacks may already be newer than the last solution seen.
-        self._pending: tuple[np.ndarray | Callable[[], np.ndarray], float] | None = None
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._start
-
-    def update(
-        self,
-        objective: float | None = None,
-        bound: float | None = None,
-        x: np.ndarray | Callable[[], np.ndarray] | None = None,
-    ) -> None:
-        with self._lock:
-            if objective is not None and math.isfinite(objective):
-                if self.objective is None or objective < self.objective:
-                    self.objective = objective
-                    self._changed = True
-                if x is not None and objective <= self.objective:
-                    self._pending = (x, objective)
-                    self._changed = True
-            # The best proven bound only rises; solvers sometimes report a stale one.
-            if (
-                bound is not None
-                and math.isfinite(bound)
-                and (self.bound is None or bound > self.bound)
-            ):
-                self.bound = bound
-                self._changed = True
-            self._emit_if_due(force=False)
-
-    def tick(self) -> None:
-        with self._lock:
-            self._emit_if_due(force=False)
-
-    def flush(self) -> None:
-        with self._lock:
-            self._emit_if_due(force=True)
-
-    def _emit_if_due(self, force: bool) -> None:
-        now = time.monotonic()
-        if not self._changed or (not force and now - self._last_sent < self._interval):
-            return
-        self._last_sent = now
-        self._changed = False
-        if self._pending is not None and self._incumbent is not None:
-            x, objective = self._pending
-            self._pending = None  # sent once; the next incumbent replaces it
-            self._incumbent(np.asarray(x() if callable(x) else x, dtype=float), objective)
-        bound = self.bound
-        if bound is not None and self.objective is not None:
-            bound = min(bound, self.objective)  # tolerances can put it a hair above
-        gap = relative_gap(self.objective, bound)
-        self._progress(Progress(now - self._start, self.objective, bound, gap))
-
 
 # ----------------------------------------------------------------------------- child side
 
@@ -179,8 +89,8 @@ def _child_main(
         send(("started",))  # may be suspended from now on (``die_with_parent`` has run)
         model, options, backend_options = inbox.recv()
         inbox.close()
-        module = importlib.import_module(f"remat.solvers.{backend}")
-        result = module.solve(
+        solve_with = SOLVERS[backend]
+        result = solve_with(
             model,
             options,
             lambda p: send(("progress", p)),

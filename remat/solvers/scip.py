@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from remat.solvers.backend import Incumbent, Reporter, SolverUnavailable, relative_gap
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
-from remat.solvers.runner import Incumbent, Reporter, SolverUnavailable, relative_gap
 
 _OPTIMAL = ("optimal", "gaplimit")  # gaplimit: proven within options.gap, as HiGHS's optimal
 _STOPPED = (
@@ -140,8 +140,11 @@ def _handler(
                 scip.interruptSolve()
             if event.getType() == events.BESTSOLFOUND:
                 best = scip.getBestSol()
-                # Read lazily: the best solution stays valid until the reporter sends it.
-                values = lambda: [scip.getSolVal(best, var) for var in x]  # noqa: E731
+
+                def values() -> np.ndarray:
+                    # Read lazily: the best solution stays valid until the reporter sends it.
+                    return np.array([scip.getSolVal(best, var) for var in x], dtype=float)
+
                 reporter.update(scip.getSolObjVal(best), _bound(scip), values)
             else:
                 reporter.update(bound=_bound(scip))

@@ -219,6 +219,14 @@ function ratio(measured, predicted) {
   return `${(measured / predicted).toFixed(2)}×`;
 }
 
+/** The gradient check: match or differ, and whether the model's gradients vanish (all
+ * zero in exact arithmetic: a match then says only that the run's are zero too). */
+function gradientsText(e) {
+  if (e.gradients_match === null || e.gradients_match === undefined) return "—";
+  const verdict = e.gradients_match ? "match" : "differ";
+  return e.gradients_vanish ? `${verdict} (all zero: the gradients vanish)` : verdict;
+}
+
 function executionsTable(executions, job, nodes) {
   const devices = job.spec.devices.map((d) => d.name);
   const rows = executions.map((e) => {
@@ -234,7 +242,7 @@ function executionsTable(executions, job, nodes) {
       h("td", { class: "num" }, ratio(m.total_ms, p.total_ms)),
       devices.map((d) => h("td", { class: "num" },
         `${bytes(p.peak_bytes?.[d])} / ${bytes(m.peak_bytes?.[d])}`)),
-      h("td", {}, e.gradients_match === null ? "—" : e.gradients_match ? "match" : "differ"),
+      h("td", {}, gradientsText(e)),
       h("td", {}, e.error || ""));
   });
   return table("Executions: predicted against measured",

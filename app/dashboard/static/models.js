@@ -7,25 +7,28 @@ import { bytes, shortId } from "./format.js";
 import { announce, clearError, report } from "./notify.js";
 import { heading, timeEl } from "./widgets.js";
 
-// What the server knows (remat.strategies.STRATEGIES, app.planning.AUTO and
-// remat.solvers.runner.BACKENDS); the API has no endpoint listing them, and an unknown
-// name is refused with a 422 that names the known ones, which the page shows.
-const STRATEGIES = [
-  ["xengine", "xengine (several devices, optimal)"],
-  ["checkmate_milp", "checkmate_milp (one device, optimal)"],
-  ["checkmate_lp_rounding", "checkmate_lp_rounding (LP, rounded)"],
-  ["auto", "auto (cheapest baseline that fits)"],
-  ["greedy_evict", "greedy_evict (tight budgets, no solver)"],
-  ["checkpoint_all", "checkpoint_all (keep everything)"],
-  ["chen_sqrt", "chen_sqrt"],
-  ["chen_greedy", "chen_greedy"],
-  ["ap_sqrt", "ap_sqrt"],
-  ["ap_greedy", "ap_greedy"],
-  ["linearized_sqrt", "linearized_sqrt"],
-  ["linearized_greedy", "linearized_greedy"],
-  ["griewank", "griewank"],
-];
-const BACKENDS = ["highs", "cpsat", "scip", "gurobi"];
+// The strategies and solver backends come from the server (GET /v1/strategies), so the
+// form offers exactly what this server runs; a name it does not know would be refused with
+// a 422 that names the known ones, which the page shows.
+
+const KIND_LABELS = {
+  auto: "cheapest baseline that fits",
+  baseline: "baseline",
+  heuristic: "heuristic, no solver",
+  exact: "optimal",
+};
+
+/** A strategy's option label: its name, its kind, and whether it places over devices. */
+function strategyLabel(strategy) {
+  const kind = KIND_LABELS[strategy.kind] || strategy.kind;
+  return `${strategy.name} (${kind}${strategy.places_over_devices ? ", several devices" : ""})`;
+}
+
+/** A backend's option label: unavailable ones say why (they stay listed, disabled). */
+function backendLabel(backend) {
+  if (!backend.available) return `${backend.name} (not available: ${backend.detail})`;
+  return backend.detail ? `${backend.name} (${backend.detail})` : backend.name;
+}
 
 // --- the list and the upload ---------------------------------------------------------
 
@@ -221,7 +224,28 @@ function jobBody(form, model) {
   return body;
 }
 
-function jobForm(model, nodes) {
+function jobForm(model, nodes, catalog) {
+  const strategySelect = select("job-strategy",
+    catalog.strategies.map((s) => [s.name, strategyLabel(s)]), catalog.default_strategy,
+    { "aria-describedby": "job-strategy-help" });
+  const describe = () => {
+    const chosen = catalog.strategies.find((s) => s.name === strategySelect.value);
+    if (!chosen) return "";
+    const text = chosen.description.replace(/\.?$/, ".");
+    return `${chosen.name}: ${text.charAt(0).toUpperCase()}${text.slice(1)}`;
+  };
+  const strategyHelp = h("p", { class: "help", id: "job-strategy-help", "aria-live": "polite" }, describe());
+  strategySelect.addEventListener("change", () => { strategyHelp.textContent = describe(); });
+  const backendSelect = select("job-backend",
+    catalog.backends.map((b) => [b.name, backendLabel(b)]), catalog.default_backend);
+  for (const option of backendSelect.options) {
+    const backend = catalog.backends.find((b) => b.name === option.value);
+    option.disabled = !backend.available;
+  }
+  if (backendSelect.selectedOptions[0]?.disabled) {
+    const usable = catalog.backends.find((b) => b.available);
+    if (usable) backendSelect.value = usable.name;
+  }
   const list = h("div", { class: "device-list" });
   const remove = (row) => {
     if (list.children.length > 1) row.remove();
@@ -248,15 +272,16 @@ function jobForm(model, nodes) {
     h("fieldset", {},
       h("legend", {}, "Strategy and solver"),
       h("div", { class: "field-row" },
-        field("job-strategy", "Strategy", select("job-strategy", STRATEGIES, "xengine")),
-        field("job-backend", "Solver", select("job-backend", BACKENDS, "highs")),
+        field("job-strategy", "Strategy", strategySelect),
+        field("job-backend", "Solver", backendSelect),
         field("job-time-limit", "Time limit (s)", h("input", { id: "job-time-limit", type: "number", min: "1", step: "any", value: "30" })),
         field("job-gap", "Stop at gap (%)", h("input", { id: "job-gap", type: "number", min: "0", max: "99", step: "any", value: "0.01" })),
         field("job-threads", "Solver threads", h("input", { id: "job-threads", type: "number", min: "1", step: "1", value: "1" })),
         field("job-costs", "Costs", select("job-costs", [
           ["analytical", "analytical (FLOPs / bandwidth)"],
           ...nodes.map((n) => [n.id, `measured on node ${n.name} (${n.status})`]),
-        ], "analytical")))),
+        ], "analytical"))),
+      strategyHelp),
     h("button", { type: "submit", class: "primary", id: "submit-job" }, "Submit job"));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -278,7 +303,10 @@ function jobForm(model, nodes) {
 
 export async function modelPage(view, { signal, query }, id) {
   const model = await api(`/v1/models/${id}`, { signal });
-  const nodes = (await api("/v1/nodes?limit=200", { signal })).items; // costs measured there
+  const [nodes, catalog] = await Promise.all([
+    api("/v1/nodes?limit=200", { signal }).then((page) => page.items), // costs measured there
+    api("/v1/strategies", { signal }), // what the job form offers
+  ]);
   document.title = `${model.filename} · Models · Remat`;
   const graphBox = h("div", {}, h("p", { class: "muted" }, "Loading the graph…"));
   const batch = h("input", { id: "graph-batch", type: "number", min: "1", step: "1", value: needsBatch(model) ? "4" : "" });
@@ -310,7 +338,7 @@ export async function modelPage(view, { signal, query }, id) {
       h("section", { class: "card", "aria-labelledby": "graph-title" },
         h("h2", { id: "graph-title" }, "Graph"), graphForm, graphBox)),
     h("section", { class: "card", id: "plan", "aria-labelledby": "plan-title" },
-      h("h2", { id: "plan-title", tabindex: "-1" }, "Plan a job"), jobForm(model, nodes)));
+      h("h2", { id: "plan-title", tabindex: "-1" }, "Plan a job"), jobForm(model, nodes, catalog)));
   if (query.has("plan")) view.querySelector("#plan-title").dataset.autofocus = "";
   await loadGraph();
 }

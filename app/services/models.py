@@ -1,0 +1,63 @@
+"""Models: an upload registered once per content (validated, moved into the store,
+recorded), and deleted only while no job uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import exists, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.api.deps import get_or_404
+from app.planning import summarize
+from app.problem_details import ApiError
+from app.services import Services
+from app.tables import JobRow, ModelRow
+from app.upload_stream import Uploaded
+from remat.errors import RematError
+
+
+def load_model(session: Session, model_id: str) -> ModelRow:
+    return get_or_404(session, ModelRow, model_id, "model")
+
+
+def register(session: Session, ctx: Services, uploaded: Uploaded) -> tuple[ModelRow, bool]:
+    """The model row of these bytes, and whether it is new: validated, moved into the
+    store and recorded if it was not there yet. Each read and write is its own short
+    transaction: validating a model takes a while and holds no connection."""
+    staged = uploaded.staged
+    by_content = select(ModelRow).where(ModelRow.sha256 == staged.sha256)
+    found = session.scalar(by_content)
+    session.commit()
+    if found is not None:
+        return found, False
+    try:
+        summary = summarize(staged.path)
+    except RematError as exc:
+        raise ApiError(422, f"not a usable ONNX model: {exc}") from None
+    ctx.store.keep(staged)
+    row = ModelRow(
+        sha256=staged.sha256,
+        filename=Path(uploaded.filename or "model.onnx").name[:255],
+        size_bytes=staged.size,
+        summary=summary.model_dump(),
+    )
+    session.add(row)
+    try:
+        session.commit()
+    except IntegrityError:  # the same bytes uploaded at the same time: theirs won
+        session.rollback()
+        return session.scalars(by_content).one(), False
+    return row, True
+
+
+def delete(ctx: Services, session: Session, model_id: str) -> None:
+    """Refused (409) while jobs use the model; its file goes once the row is gone."""
+    row = load_model(session, model_id)
+    if session.scalar(select(exists().where(JobRow.model_id == model_id))):
+        raise ApiError(409, f"model {model_id!r} is used by jobs; delete them first")
+    sha256 = row.sha256
+    session.delete(row)
+    session.commit()  # the file goes only once no row names it
+    ctx.store.delete(sha256)

@@ -1,0 +1,285 @@
+"""Markdown tables from the benchmarks' result rows (``bench/results/*.csv``).
+
+``docs/benchmarks.md`` holds its tables between markers that say which rows to show::
+
+    <!-- table solvers run=targets-120s -->
+    | model (stages) | budget | ...
+    <!-- /table -->
+
+The first word is the results file (``bench/results/solvers.csv``), the rest ``column=value``
+filters on its rows (all must hold; ``run=latest`` is the last run in the file). Everything
+outside the markers is prose and stays as it is.
+
+    .venv/bin/python bench/report.py             # rewrite docs/benchmarks.md's tables
+    .venv/bin/python bench/report.py --check     # exit 1 if a table is out of date
+    .venv/bin/python bench/report.py solvers run=latest   # print one table
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+from results import ROOT, read
+
+DOC = ROOT / "docs" / "benchmarks.md"
+MARKER = re.compile(r"^<!-- table (?P<spec>[^>]*?) -->\n.*?^<!-- /table -->$", re.M | re.S)
+Rows = list[dict[str, str]]
+Column = tuple[str, Callable[[dict[str, str]], str]]  # header, cell
+
+
+def select(name: str, filters: Sequence[str]) -> Rows:
+    """The rows of ``bench/results/NAME.csv`` that pass every ``column=value`` filter."""
+    rows = read(name)
+    for text in filters:
+        column, sep, value = text.partition("=")
+        if not sep:
+            raise SystemExit(f"report: filter {text!r} is not column=value")
+        if column == "run" and value == "latest" and rows:
+            value = rows[-1]["run"]
+        rows = [r for r in rows if r.get(column, "") == value]
+    if not rows:
+        raise SystemExit(f"report: no rows in {name}.csv with {' '.join(filters)}")
+    return rows
+
+
+def render(name: str, filters: Sequence[str]) -> str:
+    rows = select(name, filters)
+    render_rows = RENDERERS.get(name, _generic)
+    return render_rows(rows)
+
+
+# --- cells ------------------------------------------------------------------------------
+
+
+def _f(row: dict[str, str], key: str, spec: str, missing: str = "") -> str:
+    text = row.get(key, "")
+    return missing if text == "" else format(float(text), spec)
+
+
+def _pct(row: dict[str, str], key: str, missing: str = "") -> str:
+    text = row.get(key, "")
+    if text == "":
+        return missing
+    value = float(text)
+    return f"{0.0 if abs(value) < 5e-4 else value:+.1%}"
+
+
+def _named(row: dict[str, str], key: str) -> str:
+    nodes = row.get("nodes", "")
+    return f"{row[key]} ({nodes})" if nodes else row[key]
+
+
+def _per_device(text: str) -> dict[str, int]:
+    """``cpu0=123;cpu1=456`` -> bytes per device."""
+    pairs = (item.partition("=") for item in text.split(";") if item)
+    return {device: int(float(value)) for device, _, value in pairs if value not in ("", "None")}
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# --- tables -----------------------------------------------------------------------------
+
+
+def _table(rows: Rows, columns: Sequence[Column], right: Sequence[str] = ()) -> str:
+    """A markdown table; columns empty in every row are left out, and a ``commit`` column
+    is added when the rows come from more than one commit."""
+    commits = list(dict.fromkeys(r.get("commit", "") for r in rows))
+    if len(commits) > 1:
+        columns = [*columns, ("commit", lambda r: r.get("commit", ""))]
+    cells = [[cell(r) for _, cell in columns] for r in rows]
+    keep = [i for i in range(len(columns)) if any(line[i] for line in cells)]
+    header = [columns[i][0] for i in keep]
+    rule = ["---:" if columns[i][0] in right else "---" for i in keep]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(line[i] for i in keep) + " |" for line in cells]
+    return "\n".join(lines)
+
+
+def _generic(rows: Rows) -> str:
+    keys = [k for k in rows[0] if k not in ("date", "run")]
+    columns: list[Column] = [(k, partial(_get, key=k)) for k in keys]
+    return _table(rows, columns)
+
+
+def _get(row: dict[str, str], key: str) -> str:
+    return row.get(key, "")
+
+
+def _baselines(rows: Rows) -> str:
+    """Strategies down, budgets across: overhead vs the ideal, or the budget it needs."""
+    budgets = list(dict.fromkeys(r["budget"] for r in rows))
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        cells.setdefault((_named(r, "model"), r["strategy"]), {})[r["budget"]] = _overhead(r)
+    lines = [
+        "| model (training nodes) | strategy | " + " | ".join(budgets) + " |",
+        "|" + "---|" * (2 + len(budgets)),
+    ]
+    for (model, strategy), by_budget in cells.items():
+        row = " | ".join(by_budget.get(b, "") for b in budgets)
+        lines.append(f"| {model} | {strategy} | {row} |")
+    return "\n".join(lines)
+
+
+def _overhead(row: dict[str, str]) -> str:
+    if row.get("note"):
+        return row["note"]
+    if row.get("overhead"):
+        return _pct(row, "overhead")
+    if row.get("need_percent"):
+        return f"needs {float(row['need_percent']):.0f}%"
+    return "infeasible"
+
+
+def _ingestion(rows: Rows) -> str:
+    columns: list[Column] = [
+        ("step", lambda r: r["step"]),
+        ("seconds", lambda r: _f(r, "seconds", ".3f")),
+    ]
+    return _table(rows, columns)
+
+
+def _api(rows: Rows) -> str:
+    servers = set(r.get("server", "") for r in rows)
+    columns: list[Column] = [("server", lambda r: r.get("server", ""))] if len(servers) > 1 else []
+    columns += [
+        ("scenario", lambda r: r["scenario"]),
+        ("requests", lambda r: r["requests"]),
+        ("errors", lambda r: r["errors"]),
+        ("achieved req/s", lambda r: r.get("achieved_rps", "")),
+        ("p50 ms", lambda r: r.get("p50_ms", "")),
+        ("p99 ms", lambda r: r.get("p99_ms", "")),
+        ("jobs", lambda r: r.get("jobs", "")),
+        ("workers", lambda r: r.get("workers", "")),
+        ("drain s", lambda r: r.get("drain_s", "")),
+        ("jobs/s", lambda r: r.get("jobs_per_s", "")),
+    ]
+    right = ("requests", "errors", "achieved req/s", "p50 ms", "p99 ms", "drain s", "jobs/s")
+    return _table(rows, columns, right)
+
+
+def _solvers(rows: Rows) -> str:
+    def gap(r: dict[str, str]) -> str:
+        if r.get("gap_1pct_s"):
+            return _f(r, "gap_1pct_s", ".1f")
+        if r.get("gap"):
+            return f"gap {float(r['gap']):.1%}"
+        return "-"
+
+    columns: list[Column] = [
+        ("model (stages)", lambda r: _named(r, "model")),
+        ("budget", lambda r: r["budget"]),
+        ("devices", lambda r: r["devices"]),
+        ("backend", lambda r: r["backend"]),
+        ("status", lambda r: r["status"]),
+        ("first plan s", lambda r: _f(r, "first_plan_s", ".1f", "-")),
+        ("final plan s", lambda r: _f(r, "final_plan_s", ".1f", "-")),
+        ("1% gap s", gap),
+        ("objective ms", lambda r: _f(r, "objective", ".3f", "-")),
+        ("vs best baseline", lambda r: _pct(r, "vs_baseline", "-")),
+        ("vs ideal", lambda r: _pct(r, "vs_ideal", "-")),
+        ("total s", lambda r: _f(r, "seconds", ".1f", "-")),
+    ]
+    return _table(rows, columns)
+
+
+def _agent(rows: Rows) -> str:
+    devices = list(dict.fromkeys(d for r in rows for d in _per_device(r["predicted_peak"])))
+
+    def peak(device: str) -> Callable[[dict[str, str]], str]:
+        def cell(r: dict[str, str]) -> str:
+            predicted = _per_device(r["predicted_peak"])
+            if device not in predicted:
+                return ""
+            measured = _per_device(r["measured_peak"])[device]
+            text = f"{_bytes(predicted[device])} / {_bytes(measured)}"
+            allocator = _per_device(r.get("allocator_peak", ""))
+            return text + (f" ({_bytes(allocator[device])})" if device in allocator else "")
+
+        return cell
+
+    def error(r: dict[str, str]) -> str:
+        text = r.get("grad_rel_error", "")
+        return f"{float(text):.1e}" if text not in ("", "None") else "n/a"
+
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: _named(r, "model")),
+        ("budget", lambda r: r["budget"]),
+        ("devices", lambda r: r["devices"]),
+        ("plan", lambda r: r.get("placement", "")),
+        ("predicted ms", lambda r: _f(r, "objective", ".1f")),
+        ("measured ms", lambda r: _f(r, "measured_ms", ".1f")),
+        ("time error", lambda r: _pct(r, "time_error")),
+    ]
+    alloc = " (allocator)" if any(r.get("allocator_peak") for r in rows) else ""
+    columns += [(f"peak {d} pred / meas{alloc}", peak(d)) for d in devices]
+    columns += [("grad rel error", error), ("targets", _targets)]
+    return _table(rows, columns, ("predicted ms", "measured ms", "time error", "grad rel error"))
+
+
+def _targets(row: dict[str, str]) -> str:
+    """``met``, or ``missed: time: ...; peak cpu0: ...`` shortened to ``missed (time, peak
+    cpu0)``."""
+    text = row.get("targets", "")
+    if not text.startswith("missed: "):
+        return text
+    misses = [miss.split(":")[0] for miss in text.removeprefix("missed: ").split("; ")]
+    return f"missed ({', '.join(misses)})"
+
+
+RENDERERS: dict[str, Callable[[Rows], str]] = {
+    "baselines": _baselines,
+    "ingestion": _ingestion,
+    "api": _api,
+    "solvers": _solvers,
+    "agent": _agent,
+}
+
+
+# --- the document -----------------------------------------------------------------------
+
+
+def rewrite(text: str) -> str:
+    def table(match: re.Match[str]) -> str:
+        name, *filters = match["spec"].split()
+        return f"<!-- table {match['spec']} -->\n{render(name, filters)}\n<!-- /table -->"
+
+    return MARKER.sub(table, text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", nargs="*", help="NAME [column=value ...]: print one table")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the document to rewrite")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the document is stale")
+    args = parser.parse_args()
+    if args.table:
+        print(render(args.table[0], args.table[1:]))
+        return 0
+    text = args.doc.read_text()
+    new = rewrite(text)
+    if args.check:
+        if new != text:
+            print(f"{args.doc}: tables out of date; run bench/report.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        args.doc.write_text(new)
+        print(f"rewrote {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The memory floor: what computing one node needs on a device under any plan, so that a
+budget below it is proven infeasible before any solve.
+
+The simulator's rules (``remat.simulator``) give it directly: computing node v on device d
+allocates v's output while every input of v is resident on d, and d holds the fixed
+tensors of every node it computes (plus gradient buffers for backward nodes) for the whole
+plan. So on d, at v's step,
+
+    memory >= fixed(d) + M_v + sum of M_u over v's distinct inputs u,
+
+with fixed(d) the fixed memory of every node when d is the only device, and at least v's
+own when there are several. A node whose floor exceeds the budget of every device it may
+run on has no plan; since the exact models are conservative w.r.t. the simulator, they
+would prove the same, only later (VGG16 at 50% on one device: HiGHS proves it in 35 s;
+a 10 s solve ends with neither a plan nor a proof).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.devices import format_bytes
+from remat.simulator import held_fixed_bytes
+from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.common.problem import Problem
+
+
+@dataclass(frozen=True)
+class Need:
+    """What computing ``node`` on ``device`` needs at least, against that device's budget."""
+
+    node: int
+    device: str
+    fixed_bytes: int  # parameters, inputs and gradient buffers the device holds
+    value_bytes: int  # the node's output and inputs, resident at its step
+    budget: int
+
+    @property
+    def total(self) -> int:
+        return self.fixed_bytes + self.value_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{format_bytes(self.total)} on {self.device} ({format_bytes(self.fixed_bytes)} "
+            f"fixed, {format_bytes(self.value_bytes)} for its inputs and output), over the "
+            f"budget of {format_bytes(self.budget)}"
+        )
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A node that fits on none of the devices: what it needs on each."""
+
+    node: str
+    needs: tuple[Need, ...]
+
+    def message(self, strategy: str) -> str:
+        needs = "; ".join(need.describe() for need in self.needs)
+        return (
+            f"infeasible at this budget: {strategy} proved that no schedule fits: computing "
+            f"{self.node} needs at least {needs}"
+        )
+
+
+def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
+    """Among the nodes that fit on none of ``devices`` (each with a budget), the one that
+    needs the most on the first of them; None when every node fits somewhere."""
+    budgets: dict[str, int] = {}
+    for name in devices:
+        budget = problem.budgets.get(name)
+        if budget is None:
+            return None  # an unlimited device: every node fits there
+        budgets[name] = budget
+    graph, sizes = problem.graph, problem.costs.output_bytes
+    everything = device_fixed_bytes(problem, devices[0]) if len(devices) == 1 else None
+    worst: Shortfall | None = None
+    for node in graph.nodes:
+        values = int(sizes[node.id]) + sum(int(sizes[u]) for u in set(node.deps))
+        fixed = held_fixed_bytes(graph, [node.id]) if everything is None else everything
+        needs = tuple(Need(node.id, d, fixed, values, b) for d, b in budgets.items())
+        if any(need.total <= need.budget for need in needs):
+            continue
+        if worst is None or needs[0].total > worst.needs[0].total:
+            worst = Shortfall(f"node {node.id} ({node.name})", needs)
+    return worst

@@ -1,0 +1,186 @@
+"""What every strategy shares: the problem it solves, how a candidate schedule is judged,
+and the result it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from remat.compiler import compile_plan
+from remat.costs import CostModel
+from remat.devices import format_bytes
+from remat.graph import Graph
+from remat.plan import Plan, PlanDevice, Predicted
+from remat.schedule import Schedule
+from remat.simulator import Simulation, simulate
+from remat.solvers.model import Progress, SolveOptions, StopFlag
+from remat.strategies.config import SearchConfig
+
+
+@dataclass(frozen=True)
+class SolverSettings:
+    """How the strategies search: the solver backend, limits, progress and cancellation
+    (the exact strategies), and the time shares and thresholds of ``search`` (the
+    heuristics' time budgets too).
+
+    ``on_plan`` gets each better plan an optimal strategy finds while it runs (its warm
+    start, then the solver's incumbents the simulator accepts): a caller that runs the
+    strategy on a derived problem (the coarse graph) uses them before the strategy returns.
+    """
+
+    backend: str = "highs"
+    options: SolveOptions = field(default_factory=SolveOptions)
+    on_progress: Callable[[Progress], None] | None = None
+    cancel: StopFlag | None = None
+    on_plan: Callable[[StrategyResult], None] | None = None
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A graph, its cost model and a budget in bytes per device (None: unlimited)."""
+
+    graph: Graph
+    costs: CostModel
+    budgets: Mapping[str, int | None]
+    solver: SolverSettings = field(default_factory=SolverSettings)
+
+    @property
+    def cancelled(self) -> bool:
+        """The user asked to stop (the solver settings' cancel flag is set)."""
+        return self.solver.cancel is not None and self.solver.cancel.is_set()
+
+    def plan_devices(self, names: Iterable[str] | None = None) -> tuple[PlanDevice, ...]:
+        wanted = set(names) if names is not None else None
+        return tuple(
+            PlanDevice.of(d, self.budgets.get(d.name))
+            for d in self.costs.devices
+            if wanted is None or d.name in wanted
+        )
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A candidate schedule compiled into a plan and judged by the simulator."""
+
+    schedule: Schedule | None  # None: a plan stitched from parts (remat.strategies.exact.decompose)
+    plan: Plan
+    simulation: Simulation
+
+    @property
+    def fits(self) -> bool:
+        return self.simulation.valid
+
+    @property
+    def cost_ms(self) -> float:
+        return self.simulation.total_ms
+
+
+def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
+    """Compile ``schedule`` and simulate it under the problem's budgets. A candidate that
+    is correct but over budget comes back with the budget violation; the peak it reached
+    is still recorded (simulated without budgets)."""
+    plan = compile_plan(
+        problem.graph, schedule, problem.plan_devices(schedule.devices), strategy, problem.costs
+    )
+    return evaluate_plan(problem, plan, schedule)
+
+
+def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None) -> Evaluation:
+    """Simulate ``plan`` (compiled from ``schedule``, or stitched without one) as
+    ``evaluate`` does."""
+    simulation = simulate(plan, problem.graph, problem.costs, problem.budgets)
+    if not simulation.valid:
+        unlimited = simulate(plan, problem.graph, problem.costs, {})
+        if unlimited.valid:  # over budget only: keep the true peak for "needs X bytes"
+            simulation = Simulation(
+                simulation.violation,
+                unlimited.total_ms,
+                unlimited.compute_ms,
+                unlimited.copy_ms,
+                unlimited.fixed_bytes,
+                unlimited.peak_bytes,
+                unlimited.timeline,
+                unlimited.computes,
+            )
+    return Evaluation(schedule, plan, simulation)
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """The best plan a strategy found within the budgets, or why it found none.
+
+    ``min_budget_bytes``: when infeasible, the smallest peak (per device) among the
+    strategy's own candidates: the budget this strategy would need."""
+
+    strategy: str
+    plan: Plan | None
+    simulation: Simulation | None
+    message: str = ""
+    min_budget_bytes: dict[str, int] | None = None
+    schedule: Schedule | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None
+
+
+def with_prediction(plan: Plan, simulation: Simulation) -> Plan:
+    predicted = Predicted(
+        simulation.total_ms, simulation.compute_ms, simulation.copy_ms, simulation.peak_bytes
+    )
+    return Plan(plan.strategy, plan.devices, plan.steps, predicted, plan.solver, plan.version)
+
+
+def select_best(strategy: str, evaluations: Iterable[Evaluation]) -> StrategyResult:
+    """The cheapest candidate that fits; otherwise an infeasible result naming the smallest
+    budget any candidate needed."""
+    best: Evaluation | None = None
+    smallest: Evaluation | None = None
+    for candidate in evaluations:
+        if candidate.fits and (best is None or candidate.cost_ms < best.cost_ms):
+            best = candidate
+        if _correct(candidate) and (smallest is None or _peak(candidate) < _peak(smallest)):
+            smallest = candidate
+    if best is not None:
+        return StrategyResult(
+            strategy,
+            with_prediction(best.plan, best.simulation),
+            best.simulation,
+            schedule=best.schedule,
+        )
+    if smallest is None:
+        return StrategyResult(strategy, None, None, "the strategy produced no correct schedule")
+    need = smallest.simulation.peak_bytes
+    return StrategyResult(
+        strategy,
+        None,
+        smallest.simulation,
+        f"infeasible at this budget: {strategy} needs at least "
+        + ", ".join(f"{format_bytes(v)} ({v} B) on {d}" for d, v in need.items()),
+        dict(need),
+    )
+
+
+def cheapest(*results: StrategyResult | None) -> StrategyResult | None:
+    """The cheapest feasible result, or None."""
+    feasible = [r for r in results if r is not None and r.feasible and r.simulation is not None]
+    return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
+
+
+def fit_deadline(started: float, deadline: float, fit_budget_s: float | None) -> float:
+    """When a heuristic started at ``started`` stops looking for a first plan that fits: at
+    its own ``deadline``, or ``fit_budget_s`` after its start if that is later. Where no
+    baseline fits, a heuristic cut short by a slow moment would leave the solvers without
+    a start (greedy eviction and the multi-device heuristic)."""
+    return max(deadline, started + (fit_budget_s or 0.0))
+
+
+def _correct(candidate: Evaluation) -> bool:
+    """Valid, or invalid only because of the budget."""
+    violation = candidate.simulation.violation
+    return violation is None or violation.over_budget
+
+
+def _peak(candidate: Evaluation) -> int:
+    return max(candidate.simulation.peak_bytes.values())

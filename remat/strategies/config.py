@@ -1,0 +1,102 @@
+"""The search configuration: every time share and size threshold of the heuristics and the
+exact strategies' search, documented in one place.
+
+A problem carries one (``SolverSettings.search``); the defaults are the values the search
+is tuned for. The reasons behind each default, with the measurements that chose them, are
+in docs/solvers.md ("The search in detail" and "Measurements behind the defaults").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How the heuristics and the exact search divide their time and when each phase runs.
+
+    Shares are fractions of the problem's time limit (``SolveOptions.time_limit_s``) unless
+    said otherwise; seconds are wall-clock seconds.
+    """
+
+    # --- heuristics (``remat.strategies.heuristics``) -------------------------------------
+    evict_time_s: float = 5.0
+    """Greedy eviction's time budget when run as a strategy or as a warm start."""
+    band_patience: int = 20
+    """Greedy eviction on band placements stops after this many bands in a row bring no
+    better plan."""
+    placed_time_s: float = 5.0
+    """The multi-device heuristic's time budget for its candidates (its local search gets
+    as long again)."""
+    placed_cuts: int = 8
+    """Cut positions the multi-device heuristic tries per ordered pair of devices."""
+    placed_keep: int = 3
+    """Candidates the simulator must accept before the multi-device heuristic stops
+    judging more."""
+
+    # --- warm start (``remat.strategies.exact.search``) -----------------------------------
+    fit_share: float = 0.5
+    """At most this share of the time limit for a warm-start heuristic's descent to a first
+    plan that fits: at tight budgets no baseline fits, and a heuristic cut short would
+    leave the solvers without an incumbent."""
+    warm_start_share: float = 0.25
+    """At most this share of the time limit for the warm-start heuristics (capped by their
+    own time budgets)."""
+
+    # --- the full solve and the solves beside it ------------------------------------------
+    min_solve_s: float = 1.0
+    """The full model's solve gets at least this long (at most a quarter of a shorter
+    limit), so that it reports a bound even after slow warm starts."""
+    solve_grace_s: float = 0.5
+    """A solve of the search is stopped this long after its time limit: some backends do
+    not check their limit during presolve."""
+    proven_gap: float = 1e-9
+    """Relative: an objective this close to a proven bound is optimal."""
+
+    # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
+    coarse_min_nodes: int = 40
+    """Graphs with fewer nodes are not coarsened: they solve well as they are."""
+    coarse_max_ratio: float = 0.8
+    """The coarse graph is solved only when it has at most this share of the nodes."""
+    coarse_max_group: int = 4
+    """Most nodes fused into one coarse node: a longer run restricts the coarse problem
+    more than it shrinks it."""
+
+    # --- decomposition (``remat.strategies.exact.decompose``) -----------------------------
+    decompose_min_nodes: int = 250
+    """Graphs with more nodes are decomposed: the whole model is not built."""
+    segment_forward_nodes: int = 50
+    """Forward nodes per segment of a decomposed graph (parts of about twice as many)."""
+    min_part_s: float = 1.0
+    """A part whose share of the time left is below this gets its best baseline, no
+    solve."""
+    one_device_share: float = 0.25
+    """Of the time left: a decomposed graph on several devices is first solved on its best
+    single device, so that using a second device never leaves a more expensive plan."""
+
+    # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
+    restricted_share: float = 0.25
+    """At most this share of the time limit for each restriction beside the full solve
+    (placement only, greedy eviction on a placement or on bands)."""
+    band_evictions: int = 20
+    """Greedy eviction on bands runs only if eviction on the warm start's placement took at
+    most 1/``band_evictions`` of ``restricted_share``."""
+    placement_min_s: float = 180.0
+    """Seconds that must be left to solve the model restricted to the LP relaxation's
+    placement; with less, node moves from the incumbent run instead."""
+    lp_backend: str = "highs"
+    """The backend of the LP relaxations, whatever the backend of the MILPs."""
+    rins_one_device_backend: str = "cpsat"
+    """The backend of RINS's sub-MIPs on one device, whatever the problem's backend."""
+    rins_agree: float = 1e-6
+    """RINS fixes an integer variable where the LP value is this close to the
+    incumbent's."""
+
+    # --- LP rounding (``remat.strategies.exact.checkmate``) -------------------------------
+    lp_epsilons: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
+    """The budget reductions swept by Checkmate's LP rounding (section 5.3, appendix D)."""
+    min_lp_s: float = 1.0
+    """The LP at epsilon 0 (the bound) gets at least this long."""
+
+
+DEFAULT_SEARCH = SearchConfig()

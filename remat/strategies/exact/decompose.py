@@ -1,0 +1,421 @@
+"""Decomposition of large graphs: segments of the forward pass, each solved by the exact
+strategy on its own, stitched into one plan (docs/architecture.md, section "Block
+decomposition"; as Rockmate and Chen's segments do). The whole model of a graph with
+thousands of nodes has millions of variables; its parts have a few thousand.
+
+The forward nodes are cut into K segments (``segments``) where few bytes cross the cut.
+The parts, in plan order, are (``parts``):
+
+- F_1 .. F_{K-1}: segment j's forward nodes, computed once; they leave resident what later
+  parts read (checkpoints);
+- B_K: the last segment's forward nodes, the loss and their backward nodes;
+- B_{K-1} .. B_1: segment k's forward nodes recomputed from the checkpoints, then its
+  backward nodes (a part whose segment has no backward node is left out).
+
+In inference the parts are F_1 .. F_K. Each part is a graph of its own (``Part``):
+
+- a value it reads from another part is a *held* fixed tensor (``FixedKind.HELD``): the
+  part's own accounting holds it on every device that reads it, for the whole part; the
+  stitched plan copies it there when the part starts and frees it elsewhere;
+- a value a later part reads is one of its outputs: resident from its computation on;
+- parameters, inputs and their gradient buffers are reserved on every device for the
+  whole plan (a part cannot know where later parts read them), and values carried past the
+  part (read later, not by it) are reserved where they lie: both come off its budget.
+
+So every part's plan fits its budget in the whole plan too; the simulator still judges the
+stitched plan. The price: segments 1..K-1 run forward twice (as in Chen's segments), and
+every device reserves all fixed tensors. The bound stays the whole problem's (the ideal):
+a part's bound is not a bound of the whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+import numpy as np
+
+from remat.costs import CostModel
+from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
+from remat.plan import Compute, Copy, Free, Plan, Step
+from remat.simulator import held_fixed_bytes
+from remat.strategies.common.problem import Problem, StrategyResult, evaluate_plan, select_best
+from remat.strategies.config import DEFAULT_SEARCH, SearchConfig
+
+
+def is_large(graph: Graph, config: SearchConfig = DEFAULT_SEARCH) -> bool:
+    """Large enough to decompose (``SearchConfig.decompose_min_nodes``): the whole model is
+    not built."""
+    return len(graph) > config.decompose_min_nodes
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of the graph in plan order: ``nodes`` (indices of the whole graph, ascending,
+    so local index order is topological), ``held`` (values of earlier parts it reads),
+    ``needed_after`` (values computed so far that later parts, or the plan's end, read:
+    resident when the part ends) and ``outputs`` (its own values among them)."""
+
+    nodes: tuple[int, ...]
+    held: tuple[int, ...]
+    needed_after: frozenset[int]
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        return tuple(i for i in self.nodes if i in self.needed_after)
+
+    def graph(self, whole: Graph, costs: CostModel) -> Graph:
+        local = {g: i for i, g in enumerate(self.nodes)}
+        held = [
+            FixedTensor(held_name(v), FixedKind.HELD, int(costs.output_bytes[v])) for v in self.held
+        ]
+        nodes = tuple(_local_node(whole.nodes[g], i, local) for i, g in enumerate(self.nodes))
+        outputs = tuple(local[o] for o in self.outputs)
+        return Graph(whole.mode, nodes, {t.name: t for t in held}, outputs)
+
+    def costs(self, costs: CostModel) -> CostModel:
+        index = list(self.nodes)
+        return CostModel(
+            costs.source,
+            costs.devices,
+            costs.compute_ms[index],
+            costs.copy_ms[index],
+            costs.output_bytes[index],
+        )
+
+
+def held_name(value: int) -> str:
+    return f"@{value}"
+
+
+def _local_node(node: Node, index: int, local: dict[int, int]) -> Node:
+    """The node in its part: dependencies inside the part renumbered, those outside read as
+    held tensors; parameters and inputs dropped (reserved outside the part's budget)."""
+    inside = tuple(local[d] for d in node.deps if d in local)
+    held = tuple(held_name(d) for d in node.deps if d not in local)
+    forward = local.get(node.forward) if node.forward is not None else None
+    return replace(node, id=index, deps=inside, fixed=held, forward=forward)
+
+
+# --- segments and parts ------------------------------------------------------------------
+
+
+def _position(graph: Graph) -> list[int]:
+    """Where each node belongs on the forward axis: a forward node at itself, a backward
+    node at its forward node, the loss after the last forward node."""
+    forward = _forward_count(graph)
+    return [
+        n.id if n.kind is NodeKind.FORWARD else (n.forward if n.forward is not None else forward)
+        for n in graph.nodes
+    ]
+
+
+def crossing_bytes(graph: Graph, costs: CostModel) -> np.ndarray:
+    """crossing[c]: bytes of the values that a cut before forward node c separates from a
+    reader (activations read after the cut, gradients read before it)."""
+    position = _position(graph)
+    forward = _forward_count(graph)
+    delta = np.zeros(forward + 2, dtype=np.int64)
+    for node, readers in zip(graph.nodes, graph.users(), strict=True):
+        span = [position[node.id], *(position[u] for u in readers)]
+        low, high = min(span), max(span)
+        if high > low:  # the cuts before low+1 .. high separate it from a reader
+            delta[low + 1] += int(costs.output_bytes[node.id])
+            delta[high + 1] -= int(costs.output_bytes[node.id])
+    return np.cumsum(delta)[: forward + 1]
+
+
+def _forward_count(graph: Graph) -> int:
+    return sum(1 for n in graph.nodes if n.kind is NodeKind.FORWARD)
+
+
+def segments(
+    graph: Graph, costs: CostModel, size: int = DEFAULT_SEARCH.segment_forward_nodes
+) -> list[range]:
+    """Forward index ranges of at most ``size`` nodes, each cut (after at least half of
+    ``size``) where the fewest bytes cross."""
+    forward = _forward_count(graph)
+    crossing = crossing_bytes(graph, costs)
+    result: list[range] = []
+    start = 0
+    while forward - start > size:
+        window = range(start + max(size // 2, 1), start + size + 1)
+        cut = min(window, key=lambda c: (int(crossing[c]), -c))
+        result.append(range(start, cut))
+        start = cut
+    result.append(range(start, forward))
+    return result
+
+
+def parts(graph: Graph, cuts: Sequence[range], stored: frozenset[int] = frozenset()) -> list[Part]:
+    """The parts in plan order (see the module docstring), with what each reads from
+    earlier parts and leaves for later ones. ``stored`` forward values are kept from their
+    F part for their B part, which recomputes only the forward nodes its backward needs."""
+    segment_of = np.full(_forward_count(graph) + 1, len(cuts) - 1)  # the loss: the last
+    for k, cut in enumerate(cuts):
+        segment_of[cut.start : cut.stop] = k
+    segment = [int(segment_of[p]) for p in _position(graph)]
+    return _with_boundaries(graph, _node_sets(graph, segment, len(cuts), stored))
+
+
+def _node_sets(graph: Graph, segment: list[int], K: int, stored: frozenset[int]) -> list[list[int]]:
+    members: list[list[int]] = [[] for _ in range(K)]
+    for node in graph.nodes:
+        members[segment[node.id]].append(node.id)
+    forward = [[i for i in m if graph.nodes[i].kind is NodeKind.FORWARD] for m in members]
+    if graph.mode is Mode.INFERENCE:
+        return forward
+    backward = [
+        m if k == K - 1 else _recomputed(graph, m, stored)
+        for k, m in enumerate(members)
+        if k == K - 1 or _has_backward(graph, m)
+    ]
+    return forward[: K - 1] + backward[::-1]
+
+
+def _recomputed(graph: Graph, members: list[int], stored: frozenset[int]) -> list[int]:
+    """A segment's backward nodes and the forward nodes they need recomputed: those not
+    stored that they read, directly or through other such nodes."""
+    inside = set(members)
+    chosen = {i for i in members if graph.nodes[i].kind is not NodeKind.FORWARD}
+    for i in sorted(members, reverse=True):  # readers before what they read
+        if i in chosen:
+            chosen.update(d for d in graph.nodes[i].deps if d in inside and d not in stored)
+    return sorted(chosen)
+
+
+def _has_backward(graph: Graph, nodes: list[int]) -> bool:
+    return any(graph.nodes[i].kind is NodeKind.BACKWARD for i in nodes)
+
+
+def _with_boundaries(graph: Graph, node_sets: list[list[int]]) -> list[Part]:
+    reads = [
+        sorted({d for i in nodes for d in graph.nodes[i].deps} - set(nodes)) for nodes in node_sets
+    ]
+    read_later: list[set[int]] = []
+    later: set[int] = set(graph.outputs)
+    for held in reversed(reads):
+        read_later.append(set(later))
+        later |= set(held)
+    read_later.reverse()
+    result: list[Part] = []
+    produced: set[int] = set()
+    for nodes, held, after in zip(node_sets, reads, read_later, strict=True):
+        produced |= set(nodes)
+        result.append(Part(tuple(nodes), tuple(held), frozenset(after & produced)))
+    return result
+
+
+# --- solving the parts and stitching their plans -----------------------------------------
+
+
+@dataclass(frozen=True)
+class PartSolvers:
+    """How a part is solved: ``exact``, the strategy itself for the part's share of the time
+    limit; ``quick``, once that share is under ``SearchConfig.min_part_s`` (the limit is spent): the
+    part's best baseline, so that a stitched plan still arrives near the limit."""
+
+    exact: Callable[[Problem], StrategyResult]
+    quick: Callable[[Problem], StrategyResult]
+
+
+def solve_parts(
+    problem: Problem,
+    strategy: str,
+    names: Sequence[str],
+    solvers: PartSolvers,
+    heartbeat: Callable[[], None],
+    seconds: float,
+) -> StrategyResult:
+    """Each part solved in plan order (a part's budget depends on where the earlier parts
+    left their values), for a share of ``seconds`` proportional to its size; the stitched
+    plan judged by the simulator. As many segments as the memory estimate allows keep
+    their forward values (``stored_values``); if a part then finds no plan, every segment
+    is recomputed instead, in the time left."""
+    graph, costs = problem.graph, problem.costs
+    cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
+    reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
+    room = _room(problem, names, reserved)
+    stored = stored_values(graph, costs, cuts, room)
+    deadline = time.monotonic() + seconds
+    stitch = partial(_stitch, problem, strategy, names, reserved, solvers, heartbeat, deadline)
+    result = stitch(parts(graph, cuts, stored))
+    if result.plan is None and stored and not problem.cancelled:
+        result = stitch(parts(graph, cuts))
+    return result
+
+
+def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:
+    """The bytes all devices have for values, or None (unlimited)."""
+    budgets = [problem.budgets.get(name) for name in names]
+    if any(b is None for b in budgets):
+        return None
+    return sum(b - reserved for b in budgets if b is not None)
+
+
+def stored_values(
+    graph: Graph, costs: CostModel, cuts: Sequence[range], room: int | None
+) -> frozenset[int]:
+    """The forward values kept from their F part for their B part: segment by segment from
+    the loss back (the later a segment, the shorter its values are held), within one those
+    whose recomputation costs the most per byte first, as many as the memory estimate allows
+    (``_fits``: every part's resident values, outputs and largest operation within
+    ``room``, the bytes all devices have for values)."""
+    users = graph.users()
+    fastest = costs.compute_ms.min(axis=1)
+    candidates = [
+        i
+        for cut in reversed(cuts[:-1])
+        for i in sorted(cut, key=lambda i: -float(fastest[i]) / max(int(costs.output_bytes[i]), 1))
+        if any(graph.nodes[u].kind is NodeKind.BACKWARD for u in users[i])
+    ]
+    if room is None:
+        return frozenset(candidates)
+    low, high = 0, len(candidates)  # the longest prefix that fits (binary search)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _fits(graph, costs, parts(graph, cuts, frozenset(candidates[:middle])), room):
+            low = middle
+        else:
+            high = middle - 1
+    return frozenset(candidates[:low])
+
+
+def _fits(graph: Graph, costs: CostModel, plan_parts: list[Part], room: int) -> bool:
+    size = costs.output_bytes
+    resident: frozenset[int] = frozenset()
+    for part in plan_parts:
+        inside = set(part.nodes)
+        largest = max(
+            int(size[i]) + sum(int(size[d]) for d in graph.nodes[i].deps if d in inside)
+            for i in part.nodes
+        )
+        needed = sum(int(size[v]) for v in resident) + sum(int(size[o]) for o in part.outputs)
+        if needed + largest > room:
+            return False
+        resident = part.needed_after
+    return True
+
+
+def _stitch(
+    problem: Problem,
+    strategy: str,
+    names: Sequence[str],
+    reserved: int,
+    solvers: PartSolvers,
+    heartbeat: Callable[[], None],
+    deadline: float,
+    plan_parts: list[Part],
+) -> StrategyResult:
+    graph, costs = problem.graph, problem.costs
+    stitcher = _Stitcher(problem, names)
+    left = sum(len(part.nodes) for part in plan_parts)
+    for number, part in enumerate(plan_parts, start=1):
+        where = f"part {number} of {len(plan_parts)} ({len(part.nodes)} nodes)"
+        budgets = stitcher.budgets(part, reserved)
+        if budgets is None:
+            return _failed(strategy, f"{where}: fixed memory and checkpoints exceed a budget")
+        share = (deadline - time.monotonic()) * len(part.nodes) / left
+        left -= len(part.nodes)
+        settings = replace(
+            problem.solver,
+            options=replace(problem.solver.options, time_limit_s=share),
+            on_progress=lambda _progress: heartbeat(),
+        )
+        sub = Problem(part.graph(graph, costs), part.costs(costs), budgets, settings)
+        quick = share < problem.solver.search.min_part_s
+        result = solvers.quick(sub) if quick else solvers.exact(sub)
+        if result.plan is None:
+            return _failed(strategy, f"{where}: {result.message}")
+        stitcher.add(part, result.plan)
+        if problem.cancelled:
+            return _failed(strategy, "cancelled")
+    plan = Plan(strategy, problem.plan_devices(names), tuple(stitcher.steps))
+    return select_best(strategy, [evaluate_plan(problem, plan)])
+
+
+def _failed(strategy: str, why: str) -> StrategyResult:
+    return StrategyResult(strategy, None, None, f"decomposition: {why}")
+
+
+class _Stitcher:
+    """The stitched plan as it grows, and which values it leaves resident where."""
+
+    def __init__(self, problem: Problem, names: Sequence[str]) -> None:
+        self.problem = problem
+        self.names = tuple(names)
+        self.graph = problem.graph
+        self.resident: dict[int, list[str]] = {}  # value -> devices, in order of arrival
+        self.steps: list[Step] = []
+        self.stage = 0
+
+    def budgets(self, part: Part, reserved: int) -> dict[str, int | None] | None:
+        """The part's budgets: the device's, less the reserved fixed memory and the values
+        carried past the part where they lie; None if one goes below zero."""
+        result: dict[str, int | None] = {}
+        for name in self.names:
+            budget = self.problem.budgets.get(name)
+            if budget is None:
+                result[name] = None
+                continue
+            carried = sum(
+                int(self.problem.costs.output_bytes[v])
+                for v, devices in self.resident.items()
+                if name in devices and v not in part.held
+            )
+            result[name] = budget - reserved - carried
+            if result[name] < 0:  # type: ignore[operator]
+                return None
+        return result
+
+    def add(self, part: Part, plan: Plan) -> None:
+        self._enter(part, plan)
+        for step in plan.steps:
+            self.stage = max(self.stage, part.nodes[step.stage])
+            self._emit(replace(step, stage=self.stage, node=part.nodes[step.node]))
+        self._leave(part.needed_after)
+
+    def _enter(self, part: Part, plan: Plan) -> None:
+        """Each held value onto every device that reads it in the part, off the others."""
+        readers: dict[int, set[str]] = {v: set() for v in part.held}
+        held = set(part.held)
+        for step in plan.steps:
+            if isinstance(step, Compute):
+                for d in self.graph.nodes[part.nodes[step.node]].deps:
+                    if d in held:
+                        readers[d].add(step.device)
+        for value in part.held:
+            for device in sorted(readers[value]):
+                if device not in self.resident.get(value, []):
+                    self._emit(Copy(self.stage, value, self._source(value, device), device))
+            for device in list(self.resident[value]):
+                if device not in readers[value]:
+                    self._emit(Free(self.stage, value, device))
+
+    def _source(self, value: int, device: str) -> str:
+        costs = self.problem.costs
+        to = costs.device_index(device)
+        return min(
+            self.resident[value],
+            key=lambda d: float(costs.copy_ms[value, costs.device_index(d), to]),
+        )
+
+    def _leave(self, keep: frozenset[int]) -> None:
+        """Free what no later part reads; of the rest keep the copy that arrived first."""
+        for value, devices in list(self.resident.items()):
+            for device in devices[1:] if value in keep else list(devices):
+                self._emit(Free(self.stage, value, device))
+
+    def _emit(self, step: Step) -> None:
+        devices = self.resident.setdefault(step.node, [])
+        if isinstance(step, Compute) and step.device not in devices:
+            devices.append(step.device)
+        elif isinstance(step, Copy) and step.dst not in devices:
+            devices.append(step.dst)
+        elif isinstance(step, Free):
+            devices.remove(step.device)
+        if not devices:
+            del self.resident[step.node]
+        self.steps.append(step)

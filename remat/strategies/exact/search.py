@@ -1,0 +1,379 @@
+"""The exact strategies' search, composed: warm start, then the full model's solve with
+the coarse graph's solve and the strategy's restrictions beside it, or, on a large graph,
+its parts solved one by one and stitched (docs/solvers.md, "The search in detail").
+
+A solve never blocks a plan on a proof: a stopped solve returns its incumbent, and a solve
+without one returns the warm start. The reported bound is a proven lower bound on the
+whole problem: the solver's bound, or the ideal cost (every node once on its fastest
+device, no copies), whichever is larger.
+
+Each phase is logged at debug level (``logging.getLogger(__name__)`` and the modules of
+the phases beside the full solve), so that what a search did can be followed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+import numpy as np
+
+from remat.errors import ScheduleError
+from remat.formulations import Formulation
+from remat.plan import SolverInfo
+from remat.schedule import Schedule
+from remat.solvers import runner
+from remat.solvers.model import MILPModel, SolveResult, SolveStatus
+from remat.strategies.baselines import best_baseline
+from remat.strategies.common.floor import shortfall
+from remat.strategies.common.problem import (
+    Evaluation,
+    Problem,
+    StrategyResult,
+    cheapest,
+    evaluate,
+    select_best,
+)
+from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
+from remat.strategies.exact.rins import Offer
+from remat.strategies.exact.state import Search, SideTask
+from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.placed import placed_greedy
+
+logger = logging.getLogger(__name__)
+
+OneDevice = Callable[[Problem, str], StrategyResult]
+
+
+@dataclass(frozen=True)
+class StrategyVariants:
+    """How an exact strategy attacks a graph besides its full model: ``variant(problem,
+    coarse=..., decompose=...)`` is the strategy itself, run on the coarse graph (without
+    coarsening) or on each part of a large graph (without decomposing); ``restricted``
+    runs the strategy's restrictions beside the full solve; ``one_device`` (a multi-device
+    strategy) solves a large graph on its best single device before its parts."""
+
+    variant: Callable[..., StrategyResult]
+    coarse: bool
+    decompose: bool
+    restricted: Callable[[Search, Formulation, Offer], None] | None = None
+    one_device: OneDevice | None = None
+
+    def decomposes(self, problem: Problem) -> bool:
+        return self.decompose and is_large(problem.graph, problem.solver.search)
+
+    def on_coarse(self, problem: Problem) -> StrategyResult:
+        return self.variant(problem, coarse=False, decompose=False)
+
+    def on_part(self, problem: Problem) -> StrategyResult:
+        return self.variant(problem, coarse=self.coarse, decompose=False)
+
+
+def unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyResult | None:
+    """Infeasible without a solve: some node needs more than every budget
+    (``floor.shortfall``)."""
+    short = shortfall(problem, names)
+    return None if short is None else StrategyResult(strategy, None, None, short.message(strategy))
+
+
+def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
+    """The best baseline on any of ``names`` and a heuristic's plans, offered to the search
+    as they are found (the first plan does not wait for the heuristic's local search).
+
+    On one device greedy eviction, or where it finds no plan the multi-device heuristic's
+    local search on Chen's checkpoints on this device: eviction's plans are the cheaper
+    where both fit. On several devices the multi-device heuristic only: its plans are the
+    cheaper there and come sooner; eviction on its placement runs later, beside the full
+    solve (``restrict.solve_restrictions``). Not on a graph to be decomposed: the
+    heuristics are slow on large graphs, and each part runs them.
+
+    The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
+    up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
+    and a heuristic cut short would leave the solvers without an incumbent."""
+    problem = search.problem
+    config = problem.solver.search
+    logger.debug("warm start: best baseline on %s", ", ".join(names))
+    search.offer(best_baseline(problem, names))
+    if variants.decomposes(problem):
+        return
+    limit = problem.solver.options.time_limit_s
+    seconds = min(config.placed_time_s, limit * config.warm_start_share)
+    if len(names) == 1:
+        logger.debug("warm start: greedy eviction on %s for %.3g s", names[0], seconds)
+        evicted = greedy_evict(problem, names[0], seconds, fit_budget_s=limit * config.fit_share)
+        if evicted.feasible:
+            search.offer(evicted)
+            _log_incumbent(search, "warm start")
+            return
+    logger.debug("warm start: multi-device heuristic for %.3g s", seconds)
+    search.offer(placed_greedy(problem, names, seconds, search.offer, limit * config.fit_share))
+    _log_incumbent(search, "warm start")
+
+
+def optimize(
+    search: Search,
+    strategy: str,
+    names: Sequence[str],
+    build: Callable[[Problem], Formulation],
+    variants: StrategyVariants,
+) -> StrategyResult:
+    """What the exact strategies share: stop if the warm start (``search.best``, offered
+    as it was found) costs the ideal; on a large graph solve its parts (``solve_parts``),
+    else solve the full model from the warm start while the coarse graph's solve and the
+    strategy's restrictions (if it has them) run beside it; the best plan found, with the
+    whole problem's bound."""
+    problem, warm, ideal = search.problem, search.best, search.ideal
+    if _reaches(warm, ideal, problem.solver.search.proven_gap):
+        logger.debug("%s: the warm start costs the ideal, no solve", strategy)
+        return _finish(problem, strategy, _no_solve(), None, warm, ideal)
+    if variants.decomposes(problem):
+        return _decomposed(problem, strategy, names, variants, search)
+    # Built and encoded before the threads beside it start: beside numpy-heavy threads the
+    # encoding would wait for the GIL at each of its many short releases.
+    formulation = build(problem)
+    model = formulation.model
+    if warm is not None and warm.schedule is not None:
+        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+        model = replace(model, start=start)
+    offer = partial(offer_incumbent, search, formulation, strategy)
+    side = [
+        start_coarse(problem, strategy, variants.on_coarse, search) if variants.coarse else None
+    ]
+    try:
+        if variants.restricted is not None:
+            work = partial(variants.restricted, search, formulation, offer)
+            side.append(SideTask(work, "remat-restricted"))
+        logger.debug("%s: full solve of %d variables", strategy, model.n_vars)
+        solved = solve_full(problem, model, search, on_incumbent=offer)
+        logger.debug("%s: full solve ended: %s", strategy, solved.status.value)
+    finally:
+        search.full_done.set()
+        for task in side:
+            if task is not None:
+                task.finish()
+    if search.gap_met.is_set() and not problem.cancelled:
+        message = "the gap target is met (with a plan found beside the solve)"
+        solved = replace(solved, message=message)
+    evaluation = None
+    if solved.x is not None:
+        evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
+    return _finish(problem, strategy, solved, evaluation, search.best, search.bound)
+
+
+def start_coarse(
+    problem: Problem,
+    strategy: str,
+    again: Callable[[Problem], StrategyResult],
+    search: Search,
+) -> SideTask | None:
+    """The strategy on the coarse graph, beside the full solve; each better coarse plan is
+    expanded and offered to the search. None when the graph is too small or does not
+    coarsen (``coarsen.coarse_of``)."""
+    coarse = search.coarse
+    if coarse is None:
+        return None
+
+    def offer_expanded(result: StrategyResult) -> None:
+        if result.schedule is not None:
+            search.judge(coarse.expand(result.schedule), strategy)
+
+    settings = problem.solver
+    solver = replace(
+        settings,
+        options=replace(settings.options, time_limit_s=search.remaining()),
+        on_progress=search.on_coarse,
+        cancel=search.coarse_stop(),
+        on_plan=offer_expanded,  # each better coarse plan, as soon as it is found
+    )
+    coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets, solver)
+    logger.debug("%s: coarse solve of %d nodes beside the full solve", strategy, len(coarse.graph))
+    return SideTask(lambda: offer_expanded(again(coarse_problem)), "remat-coarse")
+
+
+def offer_incumbent(
+    search: Search, formulation: Formulation, strategy: str, x: np.ndarray, _objective: float
+) -> None:
+    """A solver incumbent, while the solve runs: judged by the simulator and offered to
+    the search, so that the search's incumbent (progress, ``on_plan``, a cancelled solve)
+    is the best found so far."""
+    try:
+        schedule = formulation.decode(x)
+    except ScheduleError:
+        return  # within tolerances but not a schedule; the solve's result is judged again
+    search.judge(schedule, strategy)
+
+
+def solve_full(
+    problem: Problem,
+    model: MILPModel,
+    search: Search,
+    on_incumbent: runner.Incumbent | None = None,
+) -> SolveResult:
+    """The full model's solve in a subprocess, for the time the search has left, reporting
+    through it; stopped once the gap target is met, suspended while ``full_held``."""
+    settings = problem.solver
+    return runner.solve(
+        model,
+        backend=settings.backend,
+        options=replace(settings.options, time_limit_s=search.remaining()),
+        on_progress=search.on_full,
+        cancel=search.full_stop(),
+        grace_s=settings.search.solve_grace_s,
+        on_incumbent=on_incumbent,
+        hold=search.full_held,
+    )
+
+
+def solve_alone(problem: Problem, model: MILPModel, seconds: float) -> SolveResult:
+    """A solve in a subprocess outside a search, for ``seconds``, reporting to the
+    problem's listener."""
+    settings = problem.solver
+    return runner.solve(
+        model,
+        backend=settings.backend,
+        options=replace(settings.options, time_limit_s=seconds),
+        on_progress=settings.on_progress,
+        cancel=settings.cancel,
+        grace_s=runner.DEFAULT_GRACE_S,
+    )
+
+
+def _reaches(warm: StrategyResult | None, ideal: float, proven_gap: float) -> bool:
+    """The warm start already costs the ideal (a lower bound): it is optimal, no solve."""
+    if warm is None or warm.simulation is None:
+        return False
+    return warm.simulation.total_ms <= ideal * (1 + proven_gap)
+
+
+def _no_solve() -> SolveResult:
+    reason = "the warm start costs the ideal"
+    return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
+
+
+def _finish(
+    problem: Problem,
+    strategy: str,
+    solved: SolveResult,
+    evaluation: Evaluation | None,
+    fallback: StrategyResult | None,
+    lower: float,
+) -> StrategyResult:
+    """The cheaper of the solver's plan (if the simulator accepts it) and the incumbent
+    (warm start or a plan found beside the solve); with the bound and gap of the whole
+    problem: the larger of the solver's bound and ``lower`` (the ideal, or a bound found
+    beside the solve)."""
+    solver_plan = select_best(strategy, [evaluation]) if evaluation is not None else None
+    chosen = cheapest(solver_plan, fallback)  # the incumbent may beat the solver's plan
+    if chosen is None:
+        return _no_plan(strategy, solved, solver_plan)
+    chosen = replace(chosen, strategy=strategy)
+    assert chosen.plan is not None and chosen.simulation is not None
+    objective = chosen.simulation.total_ms
+    bound = max(lower, solved.bound) if solved.bound is not None else lower
+    bound = min(bound, objective)
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    status = solved.status
+    if status is SolveStatus.OPTIMAL and evaluation is None:
+        status = SolveStatus.FEASIBLE
+    if status in (SolveStatus.UNKNOWN, SolveStatus.ERROR):
+        status = SolveStatus.FEASIBLE  # the warm start is a feasible incumbent
+    if gap <= problem.solver.search.proven_gap:
+        status = SolveStatus.OPTIMAL  # the bound of the whole problem proves it
+    info = SolverInfo(status.value, objective, bound, gap, solved.seconds)
+    plan = replace(chosen.plan, strategy=strategy, solver=info)
+    logger.debug("%s: %s, %.6g ms, gap %.3g", strategy, status.value, objective, gap)
+    return replace(chosen, plan=plan, message=solved.message)
+
+
+def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) -> StrategyResult:
+    if solved.status is SolveStatus.INFEASIBLE:
+        message = f"infeasible at this budget: {strategy} proved that no schedule fits"
+    elif chosen is not None and chosen.message:
+        message = chosen.message
+    else:
+        message = f"{strategy}: no schedule found ({solved.status.value}) {solved.message}"
+    return StrategyResult(strategy, None, None, message.strip())
+
+
+def _decomposed(
+    problem: Problem,
+    strategy: str,
+    names: Sequence[str],
+    variants: StrategyVariants,
+    search: Search,
+) -> StrategyResult:
+    """The stitched plan of the parts, or the warm start if it is cheaper (or the parts
+    found none); the bound is the ideal: no part's bound bounds the whole. On several
+    devices the graph is first solved on one device (``_solve_on_one_device``)."""
+    started = time.monotonic()
+    if len(names) > 1 and variants.one_device is not None:
+        search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
+
+    def quick(part: Problem) -> StrategyResult:
+        found = best_baseline(part, names)
+        return found or StrategyResult(strategy, None, None, "no baseline fits its budget")
+
+    solvers = PartSolvers(variants.on_part, quick)
+    seconds = search.time_left()
+    logger.debug("%s: decomposed, parts solved in %.3g s", strategy, seconds)
+    stitched = solve_parts(problem, strategy, names, solvers, search.heartbeat, seconds)
+    search.offer(stitched)
+    if stitched.plan is not None and stitched.simulation is not None:
+        message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"
+    else:
+        message = stitched.message
+    solved = SolveResult(
+        SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
+    )
+    return _finish(problem, strategy, solved, None, search.best, search.bound)
+
+
+def _solve_on_one_device(
+    problem: Problem, names: Sequence[str], search: Search, one_device: OneDevice
+) -> StrategyResult | None:
+    """A large graph on several devices, solved by ``one_device`` (decomposed too) on the
+    device with the lowest ideal that the memory floor admits alone, for
+    ``SearchConfig.one_device_share`` of the time left: the parts' plans on several devices
+    reserve every fixed tensor on each device and copy between parts, so they can cost
+    more than a plan on one device. Its bound bounds one device only, so its progress is
+    not reported."""
+    admitted = [name for name in names if shortfall(problem, (name,)) is None]
+    if not admitted:
+        return None
+    device = min(admitted, key=problem.costs.ideal_ms)
+    settings = problem.solver
+    seconds = search.time_left() * settings.search.one_device_share
+    options = replace(settings.options, time_limit_s=seconds)
+    quiet = replace(
+        settings, options=options, on_progress=lambda _: search.heartbeat(), on_plan=None
+    )
+    logger.debug("decomposed: solved on %s alone first, for %.3g s", device, seconds)
+    return one_device(replace(problem, solver=quiet), device)
+
+
+def _log_incumbent(search: Search, phase: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: incumbent %s ms", phase, search.best_ms)
+
+
+def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np.ndarray | None:
+    """The warm start, or none when the baseline's schedule does not fit the model (the
+    solver then starts cold; the baseline stays the fallback plan)."""
+    try:
+        return encode(schedule)
+    except ScheduleError:
+        return None
+
+
+def _on_devices(schedule: Schedule, names: Sequence[str]) -> Schedule:
+    """A single-device schedule embedded in an all-devices one (zeros elsewhere)."""
+    D, T, n = len(names), schedule.stages, schedule.size
+    R = np.zeros((D, T, n), dtype=bool)
+    S = np.zeros((D, T, n), dtype=bool)
+    for index, name in enumerate(schedule.devices):
+        R[names.index(name)] = schedule.R[index]
+        S[names.index(name)] = schedule.S[index]
+    return Schedule(tuple(names), R, S)

@@ -1,0 +1,140 @@
+"""The strategy registry: every strategy by name, with its kind, whether it places
+operators over devices, and a one-line description (``REGISTRY``); ``run_strategy`` runs
+one by name.
+
+Adding a strategy is one module (in ``baselines/``, ``heuristics/`` or ``exact/``) and one
+entry here, or a call to ``register``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from remat.errors import StrategyError
+from remat.strategies.baselines import BASELINES as BASELINE_FUNCTIONS
+from remat.strategies.common.problem import Problem, StrategyResult
+from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
+from remat.strategies.exact.xengine import xengine
+from remat.strategies.heuristics.evict import greedy_evict
+
+Strategy = Callable[[Problem, str], StrategyResult]
+Kind = Literal["baseline", "heuristic", "exact"]
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """A registered strategy. ``places_over_devices``: it places operators itself, so it
+    runs once over every device (its device argument is ignored); the others run on one
+    device, and ``run_strategy`` tries each device when none is named."""
+
+    name: str
+    kind: Kind
+    places_over_devices: bool
+    description: str
+    run: Strategy = field(repr=False, compare=False)
+
+    def as_json(self) -> dict[str, str | bool]:
+        """The fields a client sees (everything but ``run``)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "places_over_devices": self.places_over_devices,
+            "description": self.description,
+        }
+
+
+_DESCRIPTIONS = {
+    "checkpoint_all": "Keep every value until its last use, as frameworks do by default.",
+    "chen_sqrt": "Chen et al.'s sqrt(n) checkpoints on a chain.",
+    "chen_greedy": "Chen et al.'s greedy checkpoints on a chain, swept over the segment budget.",
+    "ap_sqrt": "Chen's sqrt(n) checkpoints among the graph's articulation points.",
+    "ap_greedy": "Chen's greedy checkpoints among the graph's articulation points.",
+    "linearized_sqrt": "Chen's sqrt(n) checkpoints on the topological order as a chain.",
+    "linearized_greedy": "Chen's greedy checkpoints on the topological order as a chain.",
+    "griewank": "Griewank and Walther's binomial checkpointing (REVOLVE) on a chain.",
+}
+
+REGISTRY: dict[str, StrategyInfo] = {
+    name: StrategyInfo(name, "baseline", False, _DESCRIPTIONS[name], run)
+    for name, run in BASELINE_FUNCTIONS.items()
+}
+REGISTRY |= {
+    info.name: info
+    for info in (
+        StrategyInfo(
+            "greedy_evict",
+            "heuristic",
+            False,
+            "Evict the value that frees the most memory per recomputed millisecond until the "
+            "plan fits (after Dynamic Tensor Rematerialization).",
+            greedy_evict,
+        ),
+        StrategyInfo(
+            "checkmate_milp",
+            "exact",
+            False,
+            "Checkmate's MILP on one device, solved towards a proven optimum.",
+            checkmate_milp,
+        ),
+        StrategyInfo(
+            "checkmate_lp_rounding",
+            "exact",
+            False,
+            "Checkmate's LP relaxation, rounded and checked, swept over budget reductions.",
+            checkmate_lp_rounding,
+        ),
+        StrategyInfo(
+            "xengine",
+            "exact",
+            True,
+            "XEngine's MIQP: operators placed over every device, solved towards a proven optimum.",
+            xengine,
+        ),
+    )
+}
+
+STRATEGIES: dict[str, Strategy] = {name: info.run for name, info in REGISTRY.items()}
+"""Every strategy by name (``REGISTRY`` without the metadata); open to ``register``."""
+
+BASELINES: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.kind == "baseline")
+"""The heuristics of Checkmate's Table 1 (section 6.1)."""
+OPTIMAL: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.kind == "exact")
+MULTI_DEVICE = frozenset(n for n, info in REGISTRY.items() if info.places_over_devices)
+
+
+def register(
+    name: str,
+    strategy: Strategy,
+    kind: Kind = "heuristic",
+    places_over_devices: bool = False,
+    description: str = "",
+) -> None:
+    """Make ``strategy`` available to ``run_strategy`` as ``name``."""
+    REGISTRY[name] = StrategyInfo(name, kind, places_over_devices, description, strategy)
+    STRATEGIES[name] = strategy
+
+
+def run_strategy(name: str, problem: Problem, device: str | None = None) -> StrategyResult:
+    """Run strategy ``name`` on one device, or on each device of the cost model (None) and
+    return the cheapest feasible result, else the infeasible one needing the least memory."""
+    strategy = STRATEGIES.get(name)
+    if strategy is None:
+        known = ", ".join(STRATEGIES)
+        raise StrategyError(f"unknown strategy {name!r}; known strategies: {known}")
+    info = REGISTRY.get(name)
+    if info is not None and info.places_over_devices:
+        return strategy(problem, device)  # type: ignore[arg-type]
+    if device is not None:
+        problem.costs.device_index(device)  # an unknown device is a clear error
+        return strategy(problem, device)
+    results = [strategy(problem, d.name) for d in problem.costs.devices]
+    return min(results, key=_rank)
+
+
+def _rank(result: StrategyResult) -> tuple[int, float]:
+    if result.feasible and result.simulation is not None:
+        return (0, result.simulation.total_ms)
+    need = result.min_budget_bytes or {}
+    return (1, float(max(need.values())) if need else float("inf"))

@@ -1,0 +1,305 @@
+"""The API in process: ``create_app`` on a fresh SQLite database behind FastAPI's
+TestClient, with a dispatcher that only records jobs (``conftest.RecordingDispatcher``; a
+test that needs a plan solves them with the workers' ``solve_job``). No server, no
+subprocess, no PostgreSQL or Redis: uploads, jobs (submit, get, list, cancel, idempotency),
+problem+json errors, cursor pagination and ETags, in seconds. The same API with real
+processes: tests/test_service.py, tests/test_api_validation.py."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+from conftest import InProcessApi
+from fastapi.testclient import TestClient
+from service import job_body, problem
+
+from app.cli import main as remat_main
+from remat import samples
+
+CHAIN = samples.chain(n=4).SerializeToString()
+
+
+def upload(client: TestClient, data: bytes, name: str = "model.onnx") -> Any:
+    return client.post("/v1/models", files={"file": (name, data, "application/octet-stream")})
+
+
+def uploaded(client: TestClient, data: bytes = CHAIN) -> str:
+    response = upload(client, data)
+    assert response.status_code in (200, 201), response.text
+    return str(response.json()["id"])
+
+
+def submitted(client: TestClient, model_id: str, **overrides: Any) -> dict[str, Any]:
+    response = client.post("/v1/jobs", json=quick_job(model_id, **overrides))
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def quick_job(model_id: str, **overrides: Any) -> dict[str, Any]:
+    """A job a heuristic plans in milliseconds."""
+    quick = {"batch": 2, "strategy": "chen_sqrt", "budgets": {"cpu0": "90%"}}
+    return job_body(model_id, **(quick | overrides))
+
+
+# --- uploads ---------------------------------------------------------------------------------
+
+
+def test_an_upload_is_validated_stored_and_deduplicated(api: InProcessApi) -> None:
+    client = api.client
+    first = upload(client, CHAIN, "chain.onnx")
+    assert first.status_code == 201, first.text
+    model = first.json()
+    assert first.headers["location"] == f"/v1/models/{model['id']}"
+    assert model["sha256"] == hashlib.sha256(CHAIN).hexdigest()
+    assert model["filename"] == "chain.onnx" and model["size_bytes"] == len(CHAIN)
+    assert model["summary"]["nodes"] == 5  # MatMul and four activations
+    assert model["summary"]["operators"] == {"MatMul": 1, "Relu": 2, "Tanh": 2}
+
+    again = upload(client, CHAIN, "other-name.onnx")
+    assert again.status_code == 200 and again.json()["id"] == model["id"]
+    assert client.get(f"/v1/models/{model['id']}").json() == model
+    assert [m["id"] for m in client.get("/v1/models").json()["items"]] == [model["id"]]
+
+    graph = client.get(f"/v1/models/{model['id']}/graph", params={"batch": 2}).json()
+    assert len(graph["nodes"]) > model["summary"]["nodes"]  # training: backward nodes too
+
+
+def test_an_upload_that_is_not_a_model_is_refused(api: InProcessApi) -> None:
+    assert "not a usable ONNX model" in problem(upload(api.client, b"not onnx"), 422)["detail"]
+    truncated = upload(api.client, samples.truncated_bytes())
+    problem(truncated, 422)
+    assert api.client.get("/v1/models").json()["items"] == []
+
+
+def test_an_upload_without_a_file_is_refused(api: InProcessApi) -> None:
+    form = api.client.post("/v1/models", data={"file": "not a file"})
+    assert "multipart/form-data" in problem(form, 415)["detail"]
+    other = {"other": ("chain.onnx", CHAIN, "application/octet-stream")}
+    assert "'file'" in problem(api.client.post("/v1/models", files=other), 422)["detail"]
+
+
+@pytest.mark.parametrize("api", [{"max_upload_bytes": 1000}], indirect=True)
+def test_an_upload_above_the_limit_is_refused(api: InProcessApi) -> None:
+    problem(upload(api.client, CHAIN + b"\0" * 2_000_000), 413)
+    assert api.client.get("/v1/models").json()["items"] == []
+
+
+def test_a_model_used_by_a_job_cannot_be_deleted(api: InProcessApi) -> None:
+    client = api.client
+    used, unused = uploaded(client), uploaded(client, samples.chain(n=2).SerializeToString())
+    submitted(client, used)
+    assert "used by jobs" in problem(client.delete(f"/v1/models/{used}"), 409)["detail"]
+    assert client.delete(f"/v1/models/{unused}").status_code == 204
+    problem(client.get(f"/v1/models/{unused}"), 404)
+    problem(client.delete(f"/v1/models/{unused}"), 404)
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def test_a_job_is_committed_then_handed_to_the_dispatcher(api: InProcessApi) -> None:
+    client = api.client
+    model_id = uploaded(client)
+    response = client.post("/v1/jobs", json=quick_job(model_id))
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert response.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["status"] == "queued" and job["model_id"] == model_id
+    assert job["spec"]["strategy"] == "chen_sqrt" and job["attempts"] == 0
+    assert api.dispatcher.enqueued == [job["id"]]
+    fetched = client.get(f"/v1/jobs/{job['id']}").json()
+    assert fetched["id"] == job["id"] and fetched["status"] == "queued"
+
+
+def test_a_job_is_solved_and_its_plan_served(api: InProcessApi) -> None:
+    client = api.client
+    job = submitted(client, uploaded(client))
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    assert done["attempts"] == 1 and done["finished_at"] is not None
+    plan = client.get(f"/v1/jobs/{job['id']}/plan")
+    assert plan.status_code == 200 and plan.json()["steps"]
+    schedule = client.get(f"/v1/jobs/{job['id']}/schedule").json()
+    assert set(schedule["R"]) == {"cpu0"} and schedule["R"]["cpu0"]
+    with client.stream("GET", f"/v1/jobs/{job['id']}/events") as events:
+        text = "".join(events.iter_text())
+    assert "event: progress" in text and text.rstrip().endswith('{"status": "succeeded"}')
+
+
+def test_a_queued_job_is_cancelled_at_once(api: InProcessApi) -> None:
+    client = api.client
+    job = submitted(client, uploaded(client))
+    cancelled = client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["status"] == "cancelled" and cancelled.json()["cancel_requested"]
+    again = client.post(f"/v1/jobs/{job['id']}/cancel")  # finished: nothing changes
+    assert again.status_code == 200 and again.json() == cancelled.json()
+    api.dispatcher.run()  # a worker that gets the message anyway leaves it cancelled
+    assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+    problem(client.get(f"/v1/jobs/{job['id']}/plan"), 404)
+
+
+def test_the_same_idempotency_key_gives_the_same_job(api: InProcessApi) -> None:
+    client = api.client
+    model_id = uploaded(client)
+    key = {"Idempotency-Key": "submit-1"}
+    first = client.post("/v1/jobs", json=quick_job(model_id), headers=key)
+    second = client.post("/v1/jobs", json=quick_job(model_id), headers=key)
+    assert first.status_code == second.status_code == 202
+    assert first.json()["id"] == second.json()["id"]
+    assert api.dispatcher.enqueued == [first.json()["id"]]
+    other = client.post("/v1/jobs", json=quick_job(model_id, batch=3), headers=key)
+    assert "Idempotency-Key" in problem(other, 422)["detail"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"model_id": "nosuchmodel"}, "does not exist"),
+        ({"budgets": {"gpu7": "50%"}}, "gpu7"),
+        ({"strategy": "no_such_strategy"}, "strategy"),
+        ({"solver": {"backend": "highs", "time_limit_s": 1e9}}, "time_limit_s"),
+    ],
+)
+def test_a_job_the_server_cannot_run_is_refused(
+    api: InProcessApi, overrides: dict[str, Any], words: str
+) -> None:
+    model_id = uploaded(api.client)
+    body = quick_job(model_id) | overrides
+    assert words in problem(api.client.post("/v1/jobs", json=body), 422)["detail"]
+    assert api.dispatcher.enqueued == []
+    assert api.client.get("/v1/jobs").json()["items"] == []
+
+
+def test_jobs_are_listed_newest_first_and_filtered(api: InProcessApi) -> None:
+    client = api.client
+    chain, other = uploaded(client), uploaded(client, samples.chain(n=2).SerializeToString())
+    first, second = submitted(client, chain), submitted(client, other)
+    client.post(f"/v1/jobs/{first['id']}/cancel")
+    listed = client.get("/v1/jobs").json()
+    assert [j["id"] for j in listed["items"]] == [second["id"], first["id"]]
+    assert listed["next_cursor"] is None
+
+    def ids(**query: str) -> list[str]:
+        return [j["id"] for j in client.get("/v1/jobs", params=query).json()["items"]]
+
+    assert ids(status="cancelled") == [first["id"]]
+    assert ids(status="queued") == [second["id"]]
+    assert ids(model_id=other) == [second["id"]]
+    assert ids(status="succeeded") == []
+    problem(client.get("/v1/jobs", params={"status": "lost"}), 422)
+
+
+# --- problem+json ------------------------------------------------------------------------------
+
+
+def test_errors_are_problem_documents(api: InProcessApi) -> None:
+    client = api.client
+    missing = problem(client.get("/v1/jobs/nosuchjob"), 404)
+    assert missing["title"] == "Not Found" and missing["instance"] == "/v1/jobs/nosuchjob"
+    assert "nosuchjob" in missing["detail"]
+    problem(client.get("/v1/no/such/route"), 404)
+    problem(client.delete("/v1/jobs"), 405)
+
+    malformed = problem(client.post("/v1/jobs", json={"model_id": "x", "batch": -1}), 422)
+    errors = malformed["errors"]
+    assert errors and all(set(e) == {"loc", "msg", "type"} for e in errors)  # never the input
+    assert ["body", "batch"] in [e["loc"] for e in errors]
+    unparsable = client.post(
+        "/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert "JSON" in problem(unparsable, 422)["detail"]
+
+
+def test_a_malformed_id_never_reaches_the_database(api: InProcessApi) -> None:
+    for path in ("/v1/jobs/bad%00id", "/v1/jobs/" + "x" * 65, "/v1/models/a%20b/graph"):
+        problem(api.client.get(path), 422)
+
+
+def test_once_an_api_key_exists_it_is_required(
+    api: InProcessApi, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_id = uploaded(api.client)
+    monkeypatch.setenv("REMAT_DATA_DIR", str(api.settings.data_dir))
+    assert remat_main(["api-key", "create", "tests"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert "X-API-Key" in problem(api.client.get(f"/v1/models/{model_id}"), 401)["detail"]
+    problem(api.client.get("/v1/jobs", headers={"X-API-Key": "rk_wrong"}), 401)
+    assert api.client.get(f"/v1/models/{model_id}", headers={"X-API-Key": key}).status_code == 200
+    assert api.client.get("/healthz").status_code == 200  # health needs no key
+
+
+# --- pagination ----------------------------------------------------------------------------
+
+
+def test_cursor_pagination_walks_every_model_once(api: InProcessApi) -> None:
+    client = api.client
+    ids = {uploaded(client, samples.chain(n=n).SerializeToString()) for n in range(1, 8)}
+    everything = [m["id"] for m in client.get("/v1/models").json()["items"]]
+    assert set(everything) == ids
+
+    walked: list[str] = []
+    cursor = None
+    for _ in range(len(ids)):
+        params: dict[str, Any] = {"limit": 3} | ({"cursor": cursor} if cursor else {})
+        page = client.get("/v1/models", params=params).json()
+        assert len(page["items"]) <= 3
+        walked += [m["id"] for m in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert walked == everything  # newest first, each once, in pages of 3 (3, 3, 1)
+    problem(client.get("/v1/models", params={"cursor": "bm90LWEtY3Vyc29y"}), 422)
+    for limit in (0, 201):
+        problem(client.get("/v1/models", params={"limit": limit}), 422)
+
+
+def test_job_pages_follow_their_cursor(api: InProcessApi) -> None:
+    client = api.client
+    model_id = uploaded(client)
+    jobs = [submitted(client, model_id)["id"] for _ in range(5)]
+    first = client.get("/v1/jobs", params={"limit": 2}).json()
+    assert [j["id"] for j in first["items"]] == [jobs[4], jobs[3]]
+    rest = client.get("/v1/jobs", params={"limit": 10, "cursor": first["next_cursor"]}).json()
+    assert [j["id"] for j in rest["items"]] == [jobs[2], jobs[1], jobs[0]]
+    assert rest["next_cursor"] is None
+
+
+# --- ETags -----------------------------------------------------------------------------------
+
+
+def test_a_job_has_an_etag_that_changes_with_it(api: InProcessApi) -> None:
+    client = api.client
+    job = submitted(client, uploaded(client))
+    path = f"/v1/jobs/{job['id']}"
+    first = client.get(path)
+    etag = first.headers["etag"]
+    assert etag.startswith('"') and etag.endswith('"')
+    for tag in (etag, f"W/{etag}", '"other", ' + etag, "*"):
+        unchanged = client.get(path, headers={"If-None-Match": tag})
+        assert unchanged.status_code == 304 and unchanged.headers["etag"] == etag
+        assert unchanged.content == b""
+    assert client.get(path, headers={"If-None-Match": '"other"'}).status_code == 200
+
+    client.post(f"{path}/cancel")
+    changed = client.get(path, headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.json()["status"] == "cancelled"
+    assert changed.headers["etag"] != etag
+
+
+def test_a_job_list_has_an_etag_that_changes_with_its_jobs(api: InProcessApi) -> None:
+    client = api.client
+    model_id = uploaded(client)
+    submitted(client, model_id)
+    etag = client.get("/v1/jobs").headers["etag"]
+    assert client.get("/v1/jobs", headers={"If-None-Match": etag}).status_code == 304
+
+    newer = submitted(client, model_id)
+    listed = client.get("/v1/jobs", headers={"If-None-Match": etag})
+    assert listed.status_code == 200 and listed.json()["items"][0]["id"] == newer["id"]
+    etag = listed.headers["etag"]
+    client.post(f"/v1/jobs/{newer['id']}/cancel")
+    assert client.get("/v1/jobs", headers={"If-None-Match": etag}).status_code == 200

@@ -97,7 +97,7 @@ class JobRow(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
     request_hash: Mapped[str | None] = mapped_column(String(64))
-    # progress of the running solve (the best plan in hand and the proven bound)
+    # progress of the running solve (the incumbent and the proven bound)
     incumbent_ms: Mapped[float | None] = mapped_column(Float)
     bound_ms: Mapped[float | None] = mapped_column(Float)
     gap: Mapped[float | None] = mapped_column(Float)

@@ -46,7 +46,7 @@ TARGET_GAP = 0.01
 
 @dataclass
 class _Clock:
-    """Wall-clock times of the first plan, of the final plan (when the plan in hand last
+    """Wall-clock times of the first plan, of the final plan (when the incumbent last
     improved) and of the first 1% gap, from progress events."""
 
     start: float

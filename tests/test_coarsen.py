@@ -134,7 +134,7 @@ def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
     assert result.simulation.total_ms < heuristic.simulation.total_ms
     solver = result.plan.solver
     assert solver.bound <= solver.objective and solver.bound >= problem.costs.ideal_ms() - 1e-9
-    # the full and the coarse solve report on one clock, and the plan in hand only improves
+    # the full and the coarse solve report on one clock, and the incumbent only improves
     times = [p.elapsed_s for p in seen]
     assert len(seen) >= 2 and times == sorted(times)
     objectives = [p.objective for p in seen]
@@ -183,7 +183,7 @@ def test_checkmate_milp_with_coarsening_still_proves_the_ideal_with_ample_memory
     assert result.simulation.total_ms == pytest.approx(problem.costs.ideal_ms("cpu0"))
 
 
-def test_cancelling_stops_the_full_and_the_coarse_solve_and_keeps_the_plan_in_hand():
+def test_cancelling_stops_the_full_and_the_coarse_solve_and_keeps_the_incumbent():
     cancel = threading.Event()
     seen: list[float] = []
 
@@ -224,6 +224,6 @@ def test_the_coarse_solve_stops_when_a_plan_from_elsewhere_passes_its_bound():
     search = Search(problem, ideal=0.0, start=time.monotonic())
     cost = plan.simulation.total_ms
     search.on_coarse(Progress(1.0, cost * 2, cost * 1.01, 0.5))
-    assert not search.coarse_done.is_set()  # no plan in hand yet
+    assert not search.coarse_done.is_set()  # no incumbent yet
     search.offer(plan)
     assert search.coarse_done.is_set()

@@ -126,7 +126,7 @@ def test_xengine_on_a_large_graph_stitches_a_valid_two_device_plan():
 
 def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone(monkeypatch):
     """The parts' plans on several devices reserve every fixed tensor on each device and
-    copy between parts, so the stitched plan can be dearer than one device's. ``xengine``
+    copy between parts, so the stitched plan can cost more than one device's. ``xengine``
     first solves the graph on the device
     with the lowest ideal alone (``checkmate_milp``, decomposed too) and keeps the cheaper."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=4, gap=0.01, threads=2))

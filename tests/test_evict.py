@@ -138,7 +138,7 @@ def test_a_swap_beats_where_eviction_and_refill_stop(name: str) -> None:
 
 
 def test_the_descent_to_a_fitting_plan_may_outrun_the_time_budget() -> None:
-    """U-Net at 25% on cuda0 with no time at all: the plan in hand is checkpoint-all
+    """U-Net at 25% on cuda0 with no time at all: the incumbent is checkpoint-all
     (it does not fit); with time to fit, the descent runs on to a plan that fits, and the
     refills and swaps, out of time, are skipped (the plan costs more than with time)."""
     problem = _zoo_problem("unet", 25, ("cuda0",))
@@ -270,7 +270,7 @@ def test_eviction_on_a_placement_beats_chens_policies_there():
 def test_a_cancel_stops_eviction_between_two_candidates(monkeypatch, calls):
     """The user cancels while eviction scores its ``calls``-th candidate: it scores at
     most one more (each step scores every value held through the peak stage, each refill
-    round every gap: on large graphs, seconds) and still returns its plan in hand, judged."""
+    round every gap: on large graphs, seconds) and still returns its incumbent, judged."""
     problem = _zoo_problem("unet", 25, ("cuda0",))
     cancel = threading.Event()
     problem = Problem(problem.graph, problem.costs, problem.budgets, SolverSettings(cancel=cancel))

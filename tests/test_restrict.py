@@ -126,13 +126,13 @@ def test_when_keep_all_finds_a_plan_before_any_bound_the_lp_gives_one_but_no_pla
     assert len(from_lp) == 1  # keep_all's plan need not be the optimum: RINS from the LP
 
 
-def test_eviction_runs_on_each_device_alone_whose_ideal_is_under_the_plan_in_hand(
+def test_eviction_runs_on_each_device_alone_whose_ideal_is_under_the_incumbent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """XEngine's schedules include every one-device schedule, so greedy eviction on each
     device alone is offered. A training chain at 50% on cpu+cuda, nothing in hand:
     eviction on cpu0 gives the first plan offered; cuda0's ideal (every node once) is
-    dearer than that plan, so eviction there is not tried."""
+    costlier than that plan, so eviction there is not tried."""
     plans: list[StrategyResult] = []
     settings = replace(SETTINGS, on_plan=plans.append)
     problem = budgeted(training_graph(chain(10)), 50, settings=settings)
@@ -233,7 +233,7 @@ def _transformer_band_plan(problem: Problem, monkeypatch: pytest.MonkeyPatch) ->
     return found[-1]
 
 
-def test_node_moves_improve_the_plan_in_hand_until_the_full_solve_ends(
+def test_node_moves_improve_the_incumbent_until_the_full_solve_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where keep_all finds no plan and the LP's placement is out of reach, the thread
@@ -281,7 +281,7 @@ def test_rins_fixes_the_integer_variables_on_which_the_plan_and_the_lp_agree() -
 
 
 def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
-    """The transformer on cpu0 with eviction's plan in hand."""
+    """The transformer on cpu0 with eviction's plan as the incumbent."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=seconds))
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, percent, ("cpu0",), settings=settings)

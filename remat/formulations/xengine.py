@@ -186,8 +186,8 @@ class XEngineModel:
         included, only on device ``home[i]`` (R[d,t,i] = 0 elsewhere); keeping, freeing,
         recomputing and copying are still the model's to choose. A restriction: its optimum
         is a plan, never a bound. About half the size after presolve, it finds plans the
-        full model does not: U-Net at 25% on cpu+cuda with its bottleneck on the CPU, solved
-        alone, 3.78 ms in 76 s from the heuristic's 4.27 (the full model: 3.94 in 120 s)."""
+        full model does not reach in the same time (docs/solvers.md, "Measurements behind
+        the defaults")."""
         D = self.R.shape[0]
         elsewhere = np.arange(D)[:, None, None] != np.asarray(home)[None, None, :]
         ub = self.model.ub.copy()
@@ -659,8 +659,8 @@ def _copy_cover(st: Structure, v: _Variables, keys: np.ndarray, n_vars: int) -> 
     If v runs on d' without u there, (12) puts u on some other device d, so that d's term
     is 1. Only where every such d has a term (a nonzero copy cost). The linearization
     alone (y >= R + Z - 1) lets a fractional placement split u and v over the devices and
-    copy for free: these rows raised ResNet18's LP bound at 25% on cpu+cuda from 1.132 to
-    1.169 ms, within 0.1% of the optimum that they let HiGHS prove."""
+    copy for free: these rows tighten the LP bound enough for HiGHS to prove optima it
+    could not otherwise (docs/solvers.md, "Measurements behind the defaults")."""
     _, dst, t, e = keys.T
     groups, row, size = np.unique(
         np.stack([dst, t, e], axis=1), axis=0, return_inverse=True, return_counts=True

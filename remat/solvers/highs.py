@@ -29,9 +29,9 @@ _STOPPED = (
 )
 
 
-# Dual simplex pricing for LPs: devex instead of HiGHS's choice (dual steepest edge). On the
-# LP relaxations of XEngine's model (cpu+cuda at 25%, HiGHS alone) it is 1.6-2.4x faster:
-# U-Net 29.5 -> 16.2 s, ResNet18 68.7 -> 28.6 s, VGG16 3.3 -> 2.0 s, U-Net at 50% 39.0 -> 22.3.
+# Dual simplex pricing for LPs: devex instead of HiGHS's choice (dual steepest edge), which
+# is markedly faster on XEngine's relaxations (docs/solvers.md, "Measurements behind the
+# defaults").
 LP_DUAL_PRICING = 1  # simplex_dual_edge_weight_strategy: 1 is devex
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -54,6 +55,9 @@ def main(
     """``extend`` adds commands of layers above the library (``app.cli``: serve, submit)."""
     parser = _parser(extend)
     args = parser.parse_args(argv)
+    if getattr(args, "verbose", False):
+        logging.basicConfig(format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+        logging.getLogger("remat").setLevel(logging.DEBUG)
     try:
         return int(args.run(args))
     except RematError as exc:
@@ -225,6 +229,12 @@ def _solver_arguments(
         help="stop once the relative gap is below G (default 1e-4)",
     )
     solver.add_argument("--threads", type=_positive_int, default=1, metavar="N")
+    solver.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log each phase of the search (warm start, restrictions, LP, RINS, full solve)",
+    )
 
 
 def _positive_float(text: str) -> float:

@@ -182,10 +182,10 @@ def start_agent(stack: dict, name: str, log: str, server: str | None = None) -> 
     return Process(args, env, stack["logs"] / log)
 
 
-@pytest.fixture
-def client(stack):
-    with httpx.Client(base_url=stack["url"], timeout=60) as c:
-        yield c
+@pytest.fixture(scope="module")
+def server(stack):
+    """The server conftest's ``client`` talks to."""
+    return stack
 
 
 def _db(stack: dict) -> psycopg.Connection:

@@ -71,10 +71,10 @@ def postgres_api(tmp_path_factory):
             server.stop()
 
 
-@pytest.fixture
-def client(sqlite_api):
-    with httpx.Client(base_url=sqlite_api["url"], timeout=60) as c:
-        yield c
+@pytest.fixture(scope="module")
+def server(sqlite_api):
+    """The server conftest's ``client`` talks to."""
+    return sqlite_api
 
 
 @pytest.fixture

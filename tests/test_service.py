@@ -69,10 +69,10 @@ def stack(tmp_path_factory):
                 process.stop()
 
 
-@pytest.fixture
-def client(stack):
-    with httpx.Client(base_url=stack["url"], timeout=60) as c:
-        yield c
+@pytest.fixture(scope="module")
+def server(stack):
+    """The server conftest's ``client`` talks to."""
+    return stack
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ operators over devices, and a one-line description (``REGISTRY``); ``run_strateg
 one by name.
 
 Adding a strategy is one module (in ``baselines/``, ``heuristics/`` or ``exact/``) and one
-entry here, or a call to ``register``.
+entry: here, or for a baseline in ``baselines.TABLE_1``; or a call to ``register``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from remat.errors import StrategyError
-from remat.strategies.baselines import BASELINES as BASELINE_FUNCTIONS
+from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
 from remat.strategies.exact.xengine import xengine
@@ -45,20 +45,9 @@ class StrategyInfo:
         }
 
 
-_DESCRIPTIONS = {
-    "checkpoint_all": "Keep every value until its last use, as frameworks do by default.",
-    "chen_sqrt": "Chen et al.'s sqrt(n) checkpoints on a chain.",
-    "chen_greedy": "Chen et al.'s greedy checkpoints on a chain, swept over the segment budget.",
-    "ap_sqrt": "Chen's sqrt(n) checkpoints among the graph's articulation points.",
-    "ap_greedy": "Chen's greedy checkpoints among the graph's articulation points.",
-    "linearized_sqrt": "Chen's sqrt(n) checkpoints on the topological order as a chain.",
-    "linearized_greedy": "Chen's greedy checkpoints on the topological order as a chain.",
-    "griewank": "Griewank and Walther's binomial checkpointing (REVOLVE) on a chain.",
-}
-
 REGISTRY: dict[str, StrategyInfo] = {
-    name: StrategyInfo(name, "baseline", False, _DESCRIPTIONS[name], run)
-    for name, run in BASELINE_FUNCTIONS.items()
+    name: StrategyInfo(name, "baseline", False, description, run)
+    for name, (run, description) in TABLE_1.items()
 }
 REGISTRY |= {
     info.name: info

@@ -19,16 +19,31 @@ from remat.strategies.baselines.chen import (
 from remat.strategies.baselines.griewank import griewank
 from remat.strategies.common.problem import Problem, StrategyResult, cheapest
 
-BASELINES: dict[str, Callable[[Problem, str], StrategyResult]] = {
-    "checkpoint_all": checkpoint_all,
-    "chen_sqrt": chen_sqrt,
-    "chen_greedy": chen_greedy,
-    "ap_sqrt": ap_sqrt,
-    "ap_greedy": ap_greedy,
-    "linearized_sqrt": linearized_sqrt,
-    "linearized_greedy": linearized_greedy,
-    "griewank": griewank,
+TABLE_1: dict[str, tuple[Callable[[Problem, str], StrategyResult], str]] = {
+    "checkpoint_all": (
+        checkpoint_all,
+        "Keep every value until its last use, as frameworks do by default.",
+    ),
+    "chen_sqrt": (chen_sqrt, "Chen et al.'s sqrt(n) checkpoints on a chain."),
+    "chen_greedy": (
+        chen_greedy,
+        "Chen et al.'s greedy checkpoints on a chain, swept over the segment budget.",
+    ),
+    "ap_sqrt": (ap_sqrt, "Chen's sqrt(n) checkpoints among the graph's articulation points."),
+    "ap_greedy": (ap_greedy, "Chen's greedy checkpoints among the graph's articulation points."),
+    "linearized_sqrt": (
+        linearized_sqrt,
+        "Chen's sqrt(n) checkpoints on the topological order as a chain.",
+    ),
+    "linearized_greedy": (
+        linearized_greedy,
+        "Chen's greedy checkpoints on the topological order as a chain.",
+    ),
+    "griewank": (griewank, "Griewank and Walther's binomial checkpointing (REVOLVE) on a chain."),
 }
+"""Each baseline by name: its function and a one-line description. The registry
+(``remat.strategies.registry``) lists every entry as a strategy of kind ``baseline``; adding
+a baseline is its module and one entry here."""
 
 
 def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | None:
@@ -36,7 +51,7 @@ def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | 
     apply to the graph (a chain-only heuristic on a non-chain) is skipped."""
     results: list[StrategyResult] = []
     for device in devices:
-        for baseline in BASELINES.values():
+        for baseline, _ in TABLE_1.values():
             try:
                 problem.costs.device_index(device)
                 results.append(baseline(problem, device))
@@ -46,7 +61,7 @@ def best_baseline(problem: Problem, devices: Sequence[str]) -> StrategyResult | 
 
 
 __all__ = [
-    "BASELINES",
+    "TABLE_1",
     "ap_greedy",
     "ap_sqrt",
     "best_baseline",

@@ -15,7 +15,7 @@ waits goes through ``Database.session()`` one short transaction at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request
 from sqlalchemy import case, func, select
@@ -23,16 +23,17 @@ from sqlalchemy.orm import Session
 
 from app.problem_details import ApiError
 from app.schemas import ID_MAX, ID_PATTERN
-from app.services import Services, key_digest
+from app.services import Services, get_or_404, key_digest
 from app.tables import ApiKeyRow
 
 API_KEY_HEADER = "X-API-Key"
-T = TypeVar("T")
 # An id in a path or a query: malformed ones (a NUL byte, too long) get 422 before any
 # database sees them.
 PathId = Annotated[str, Path(pattern=ID_PATTERN, max_length=ID_MAX)]
 QueryId = Annotated[str | None, Query(pattern=ID_PATTERN, max_length=ID_MAX)]
 Cursor = Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_=-]+$", max_length=512)]
+
+__all__ = ["get_or_404"]  # routers take it from here with the other dependencies
 
 
 def services(request: Request) -> Services:
@@ -54,14 +55,6 @@ def request_session(request: Request) -> Iterator[Session]:
 
 ServicesDep = Annotated[Services, Depends(services)]
 SessionDep = Annotated[Session, Depends(request_session, scope="function")]
-
-
-def get_or_404(session: Session, table: type[T], id_: str, what: str) -> T:
-    """The row of ``table`` with primary key ``id_``, or a 404 naming ``what``."""
-    row = session.get(table, id_)
-    if row is None:
-        raise ApiError(404, f"{what} {id_!r} does not exist")
-    return row
 
 
 def require_key(request: Request, session: SessionDep) -> None:

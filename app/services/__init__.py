@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+from sqlalchemy.orm import Session
 
 from app.database import Database
+from app.problem_details import ApiError
 from app.settings import Settings
 from app.storage import ModelStore
 from app.task_queue import TaskQueue
+
+T = TypeVar("T")
 
 
 class Dispatcher(Protocol):
@@ -39,3 +44,11 @@ class Services:
 def key_digest(key: str) -> str:
     """What is stored of an API key or a node token (never the secret itself)."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def get_or_404(session: Session, table: type[T], id_: str, what: str) -> T:
+    """The row of ``table`` with primary key ``id_``, or a 404 naming ``what``."""
+    row = session.get(table, id_)
+    if row is None:
+        raise ApiError(404, f"{what} {id_!r} does not exist")
+    return row

@@ -16,12 +16,11 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.deps import get_or_404
 from app.planning import build_problem
 from app.problem_details import ApiError
 from app.profiles import job_devices_on
 from app.schemas import JobSpec, NodeCosts, ProfileCosts
-from app.services import Services
+from app.services import Services, get_or_404
 from app.services.models import load_model
 from app.tables import JobRow, JobStatus, ModelRow, NodeRow, PlanRow, ProfileRow, ProgressRow, now
 from remat.costs import CostTable

@@ -9,10 +9,9 @@ from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.deps import get_or_404
 from app.planning import summarize
 from app.problem_details import ApiError
-from app.services import Services
+from app.services import Services, get_or_404
 from app.tables import JobRow, ModelRow
 from app.upload_stream import Uploaded
 from remat.errors import RematError

@@ -201,8 +201,8 @@ def _agent(rows: Rows) -> str:
     def peak(device: str) -> Callable[[dict[str, str]], str]:
         def cell(r: dict[str, str]) -> str:
             predicted = _per_device(r["predicted_peak"])
-            if device not in predicted:
-                return ""
+            if device not in predicted:  # a device of the run that the plan left unused
+                return f"{_bytes(0)} / {_bytes(0)}" if device in r["devices"].split("+") else ""
             measured = _per_device(r["measured_peak"])[device]
             text = f"{_bytes(predicted[device])} / {_bytes(measured)}"
             allocator = _per_device(r.get("allocator_peak", ""))

@@ -42,6 +42,13 @@ gradients are zero (constant weights before a softmax: fp32 autograd returns rou
 noise, a plan's kernels may return exact zeros or other noise, and a relative error of
 noise against noise is about 1). The report says so (``gradients_vanish``): every exact
 gradient is within fp32's noise, so a match says only that the run's are zero too.
+
+Operators in training mode (a BatchNormalization with ``training_mode=1``, a Dropout with a
+true ``training_mode``) run with training semantics in the plan and in both references
+alike. A Dropout's mask is drawn from ``seed`` and the node's name alone
+(``kernels.random_mask``): the plan's evaluations of the node (recomputations included, on
+any device), the float64 run and the plain run all use the same mask, as a real
+rematerialising trainer replays its random state; every repeat reuses it too.
 """
 
 from __future__ import annotations
@@ -128,7 +135,8 @@ def execute(
 ) -> ExecutionReport:
     """Run ``plan`` (for ``graph``, built by remat from ``model``) on ``devices`` (the
     node's; None: the plan's own). ``warmup`` unmeasured runs come first; of ``repeats``
-    measured runs the one with the median total is reported."""
+    measured runs the one with the median total is reported. ``seed`` seeds the model
+    inputs not given and the masks of training-mode Dropouts."""
     runtimes = bind_devices(plan, devices)
     simulation = check_plan(plan, graph)
     program = build_program(model, graph, inputs, seed)

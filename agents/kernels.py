@@ -5,9 +5,16 @@ A kernel takes an ``OpSpec`` (the operator's type, decoded attributes, opset and
 constant inputs such as shapes and axes) and its inputs by ONNX position (``None`` for an
 omitted optional input), and returns one tensor per ONNX output. Semantics follow the ONNX
 operator specification at the model's opset (attribute defaults, ``pads`` as
-``[begin..., end...]``, ``auto_pad``, ``transA``/``transB``, axis conventions); training
-only ever runs operators with inference semantics (BatchNormalization uses its running
-statistics, Dropout is the identity).
+``[begin..., end...]``, ``auto_pad``, ``transA``/``transB``, axis conventions), including
+the training modes a model declares: a BatchNormalization with ``training_mode=1`` (or,
+before opset 14, its statistics outputs) normalises with the batch's statistics and outputs
+the updated running statistics (``batch_norm_training``); a Dropout with a true
+``training_mode`` input zeroes a random mask and scales the rest. That mask is a function
+of the node's seed (``OpSpec.seed``, from the program's seed and the node's name) alone, so
+every evaluation of the node (a recomputation, another device, the plain reference run)
+draws the same one and scheduled gradients can be checked against plain autograd
+(``random_mask``). Without those declarations the operators have inference semantics
+(running statistics; the identity).
 
 The VJP of an operator is, by preference, a closed form (``VJP_RULES``): from the output
 alone for the operators whose gradient needs only their output (Relu, Sigmoid, Tanh,
@@ -22,6 +29,7 @@ with stride 0 to the input's shape, which allocate nothing and carry only shape 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
-from remat.training import GRADIENT_NEEDS, Needs
+from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
 Args = Sequence[Tensor | None]
@@ -81,6 +89,9 @@ class OpSpec:
     inputs: tuple[str, ...] = ()  # ONNX input names by position; "" = omitted
     outputs: tuple[str, ...] = ()  # ONNX output names by position; "" = not wanted
     consts: Mapping[int, np.ndarray] = field(default_factory=dict)  # small constant inputs
+    # Seeds the operator's randomness (Dropout's mask in training mode): the same seed gives
+    # the same mask on every run, recomputation and device (see ``random_mask``).
+    seed: int = 0
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default)
@@ -111,6 +122,16 @@ class OpSpec:
         assert value is not None
         return float(value.reshape(-1)[0].item())
 
+    def floats(self, position: int, args: Args) -> list[float] | None:
+        """A constant-like float input (scales, roi) as Python floats; None if omitted."""
+        if not self.has_input(position):
+            return None
+        if position in self.consts:
+            return [float(v) for v in np.asarray(self.consts[position]).reshape(-1)]
+        value = args[position]
+        assert value is not None
+        return [float(v) for v in value.reshape(-1).tolist()]
+
     def unsupported(self, why: str = "") -> UnsupportedOpError:
         detail = f": {why}" if why else ""
         return UnsupportedOpError(
@@ -123,8 +144,10 @@ def spec_of(
     name: str,
     opsets: Mapping[str, int],
     consts: Mapping[int, np.ndarray] | None = None,
+    seed: int = 0,
 ) -> OpSpec:
-    """The kernel's view of ``proto`` (``name`` is its graph node's name)."""
+    """The kernel's view of ``proto`` (``name`` is its graph node's name; ``seed``: its
+    randomness, see ``node_seed``)."""
     domain = "" if proto.domain in _DEFAULT_DOMAINS else proto.domain
     return OpSpec(
         op_type=proto.op_type,
@@ -135,7 +158,14 @@ def spec_of(
         inputs=tuple(proto.input),
         outputs=tuple(proto.output),
         consts=dict(consts or {}),
+        seed=seed,
     )
+
+
+def node_seed(seed: int, name: str) -> int:
+    """A node's own seed: the run's ``seed`` and the node's name (stable across processes,
+    unlike ``hash``), so that two Dropouts of one model draw different masks."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
 
 
 def _attribute(attribute: AttributeProto) -> Any:
@@ -518,12 +548,40 @@ def _global_max_pool(spec: OpSpec, args: Args) -> Outputs:
     return (x.amax(dim=tuple(range(2, x.dim())), keepdim=True),)
 
 
+def batch_norm_training(spec: OpSpec) -> bool:
+    """Whether a BatchNormalization normalises with the batch's statistics: from opset 14
+    its ``training_mode`` attribute; before, its optional statistics outputs (opsets 9-13
+    have them only in training)."""
+    if spec.opset >= 14:
+        return bool(spec.attr("training_mode", 0))
+    return sum(1 for name in spec.outputs if name) > 1
+
+
 def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     x, scale, bias, mean, var = args[:5]
     assert x is not None and mean is not None and var is not None
-    # Inference semantics: the running statistics normalise (training is not simulated).
     eps = spec.attr("epsilon", 1e-5)
-    return (F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps),)
+    # Running statistics are buffers, never differentiated (an exporter may share one
+    # initializer between a scale and a running variance of ones: the scale still trains).
+    mean, var = mean.detach(), var.detach()
+    if not batch_norm_training(spec):
+        # Inference semantics: the running statistics normalise; statistics outputs, if a
+        # model declares them anyway, are the running statistics unchanged.
+        y = F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)
+        return y, mean, var, mean, var
+    # Training semantics (ONNX and onnxruntime): normalise with the batch's mean and biased
+    # variance; the running statistics move by ``1 - momentum`` towards them (the biased
+    # variance too, unlike PyTorch's own update); opsets 9-13 also output the batch's mean
+    # and inverse standard deviation. The statistics outputs carry no gradient.
+    y = F.batch_norm(x, None, None, scale, bias, True, 0.0, eps)
+    dims = [0, *range(2, x.dim())]
+    with torch.no_grad():
+        batch_var, batch_mean = torch.var_mean(x, dim=dims, correction=0)
+        momentum = float(spec.attr("momentum", 0.9))
+        running_mean = mean * momentum + batch_mean.to(mean.dtype) * (1 - momentum)
+        running_var = var * momentum + batch_var.to(var.dtype) * (1 - momentum)
+        inv_std = torch.rsqrt(batch_var + eps)
+    return y, running_mean, running_var, batch_mean, inv_std
 
 
 def _instance_norm(spec: OpSpec, args: Args) -> Outputs:
@@ -753,11 +811,370 @@ def _identity(spec: OpSpec, args: Args) -> Outputs:
     return (args[0],)
 
 
+def dropout_ratio(spec: OpSpec, args: Args) -> float | None:
+    """The probability a Dropout zeroes an element in training mode; None in inference
+    mode (the identity). Training mode is input 2 from opset 12 (default false); earlier
+    opsets have no training mode in inference runtimes."""
+    if spec.opset < 12 or not spec.has_input(2):
+        return None
+    training = spec.scalar(2, args)
+    if not training:
+        return None
+    ratio = spec.scalar(1, args)
+    return 0.5 if ratio is None else ratio
+
+
+def random_mask(spec: OpSpec, shape: Sequence[int], ratio: float, device: torch.device) -> Tensor:
+    """Dropout's keep-mask for ``spec``: drawn on the host from a generator seeded with the
+    node's own seed (``OpSpec.seed``), then moved to ``device``. It depends on nothing else,
+    so a recomputation, a plan on any device (CPU or CUDA), the float64 run and the plain
+    reference all draw the same mask and their gradients are comparable; the price is a
+    host draw and a copy per evaluation (the mask is not a fresh one per training step)."""
+    generator = torch.Generator().manual_seed(spec.seed)
+    keep = torch.rand(tuple(shape), generator=generator) >= ratio
+    return keep.to(device)
+
+
 def _dropout(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
-    # Inference semantics: the identity, and a mask of ones when it is asked for.
-    return x, torch.ones_like(x, dtype=torch.bool)
+    ratio = dropout_ratio(spec, args)
+    if ratio is None or ratio == 0.0:
+        # Inference semantics (or nothing to drop): the identity, a mask of ones.
+        return x, torch.ones_like(x, dtype=torch.bool)
+    if not 0.0 < ratio < 1.0:
+        raise spec.unsupported(f"Dropout ratio {ratio} outside [0, 1)")
+    keep = random_mask(spec, x.shape, ratio, x.device)
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - ratio)), keep
+
+
+# --- Resize ------------------------------------------------------------------------------------
+
+
+def _cubic(ratio: np.ndarray, a: float) -> np.ndarray:
+    """The four cubic convolution coefficients (neighbours -1, 0, 1, 2) for each ratio."""
+    r = ratio[:, None]
+    d = np.concatenate([r + 1, r, 1 - r, 2 - r], axis=1)  # distances to the neighbours
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return np.where(d <= 1, near, far)
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """How one axis is resampled: ``indices`` (out, k) of the input and their ``weights``
+    (None: nearest, k = 1); ``outside``: output positions a crop puts outside the input."""
+
+    indices: np.ndarray
+    weights: np.ndarray | None
+    outside: np.ndarray | None
+
+
+def _original(
+    spec: OpSpec, size: int, out: int, scale: float, roi: tuple[float, float] | None
+) -> np.ndarray:
+    """Each output position's coordinate in the input (``coordinate_transformation_mode``,
+    in float32 as onnxruntime computes it)."""
+    mode = spec.attr("coordinate_transformation_mode", "half_pixel") if spec.opset >= 11 else ""
+    x = np.arange(out, dtype=np.float32)
+    s = np.float32(scale)
+    if mode == "align_corners":
+        return x * np.float32((size - 1) / (out - 1)) if out > 1 else np.zeros_like(x)
+    if mode == "pytorch_half_pixel":
+        return (x + 0.5) / s - 0.5 if out > 1 else np.zeros_like(x)
+    if mode == "half_pixel":
+        return (x + 0.5) / s - 0.5
+    if mode == "half_pixel_symmetric":
+        offset = np.float32(size / 2 * (1 - out / (size * scale)))
+        return offset + (x + 0.5) / s - 0.5
+    if mode == "tf_crop_and_resize":
+        assert roi is not None
+        start, end = roi
+        if out == 1:
+            return np.full_like(x, 0.5 * (start + end) * (size - 1))
+        return np.float32(start * (size - 1)) + x * np.float32(
+            (end - start) * (size - 1) / (out - 1)
+        )
+    if mode in ("asymmetric", ""):
+        return x / s
+    raise spec.unsupported(f"coordinate_transformation_mode {mode!r}")
+
+
+def _resize_axis(
+    spec: OpSpec, size: int, out: int, scale: float, roi: tuple[float, float] | None
+) -> _Axis:
+    mode = spec.attr("mode", "nearest")
+    coords = _original(spec, size, out, scale, roi)
+    outside = None
+    if spec.opset >= 11 and spec.attr("coordinate_transformation_mode") == "tf_crop_and_resize":
+        outside = (coords < 0) | (coords > size - 1)
+    if mode == "nearest":
+        rounding = spec.attr("nearest_mode", "round_prefer_floor") if spec.opset >= 11 else ""
+        floor = np.floor(coords)
+        if rounding == "round_prefer_floor":
+            index = np.where(coords - floor == 0.5, floor, np.floor(coords + 0.5))
+        elif rounding == "round_prefer_ceil":
+            index = np.floor(coords + 0.5)
+        elif rounding == "floor":
+            index = floor
+        elif rounding == "ceil":
+            index = np.ceil(coords)
+        elif rounding == "":  # opset 10 (onnxruntime's "simple"): ceil when downsampling
+            index = np.ceil(coords) if scale < 1 else np.trunc(coords)
+        else:
+            raise spec.unsupported(f"nearest_mode {rounding!r}")
+        indices = np.clip(index, 0, size - 1).astype(np.int64)[:, None]
+        return _Axis(indices, None, outside)
+    floor = np.floor(coords)
+    ratio = coords - floor
+    if mode == "linear":
+        offsets = np.arange(2)
+        weights = np.stack([1 - ratio, ratio], axis=1)
+    elif mode == "cubic":
+        offsets = np.arange(-1, 3)
+        weights = _cubic(ratio.astype(np.float64), float(spec.attr("cubic_coeff_a", -0.75)))
+    else:
+        raise spec.unsupported(f"Resize mode {mode!r}")
+    neighbours = floor.astype(np.int64)[:, None] + offsets[None, :]
+    if mode == "cubic" and spec.attr("exclude_outside", 0):
+        weights = np.where((neighbours < 0) | (neighbours > size - 1), 0.0, weights)
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return _Axis(np.clip(neighbours, 0, size - 1), weights, outside)
+
+
+def _resize_plan(spec: OpSpec, args: Args, shape: Sequence[int]) -> dict[int, tuple[int, float]]:
+    """(output size, scale) of every axis a Resize/Upsample changes."""
+    rank = len(shape)
+    if spec.op_type == "Upsample" or spec.opset < 11:
+        scales = list(spec.attr("scales")) if spec.opset < 9 else spec.floats(1, args)
+        sizes = None
+    else:
+        scales = spec.floats(2, args) or None
+        sizes = spec.ints(3, args) or None
+    axes = spec.attr("axes") if spec.opset >= 18 else None
+    axes = [_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
+    result: dict[int, tuple[int, float]] = {}
+    if sizes is not None:
+        policy = spec.attr("keep_aspect_ratio_policy", "stretch") if spec.opset >= 18 else "stretch"
+        ratios = [sizes[i] / shape[a] for i, a in enumerate(axes)]
+        if policy == "stretch":
+            for i, a in enumerate(axes):
+                result[a] = (sizes[i], ratios[i])
+        else:
+            common = min(ratios) if policy == "not_larger" else max(ratios)
+            for a in axes:
+                result[a] = (math.floor(shape[a] * common + 0.5), common)
+    elif scales is not None:
+        roi_values = spec.floats(1, args) if spec.opset >= 11 else None
+        crop = spec.attr("coordinate_transformation_mode") == "tf_crop_and_resize"
+        for i, a in enumerate(axes):
+            extent = 1.0
+            if crop and roi_values:
+                extent = roi_values[len(axes) + i] - roi_values[i]
+            result[a] = (math.floor(shape[a] * extent * scales[i]), scales[i])
+    else:
+        raise spec.unsupported("Resize needs scales or sizes")
+    return result
+
+
+def _resize(spec: OpSpec, args: Args) -> Outputs:
+    """Resize (and the older Upsample): nearest, linear (N-linear) and cubic, separably one
+    axis at a time as a gather of neighbours and their weights (the index and weight
+    tables are computed on the host); differentiable in the data by autograd."""
+    x = args[0]
+    assert x is not None
+    plan = _resize_plan(spec, args, list(x.shape))
+    shrinks = any(out < x.shape[axis] for axis, (out, _) in plan.items())
+    if spec.attr("antialias", 0) and spec.attr("mode", "nearest") != "nearest" and shrinks:
+        raise spec.unsupported("antialiased downsampling")
+    crop = spec.opset >= 11 and spec.attr("coordinate_transformation_mode") == "tf_crop_and_resize"
+    roi_values = spec.floats(1, args) if crop else None
+    axes = spec.attr("axes") if spec.opset >= 18 else None
+    axes_list = [_axis(a, x.dim()) for a in axes] if axes is not None else list(range(x.dim()))
+    outside: Tensor | None = None
+    result = x
+    for axis, (out, scale) in sorted(plan.items()):
+        size = x.shape[axis]
+        roi = None
+        if crop:
+            if not roi_values:
+                raise spec.unsupported("tf_crop_and_resize without roi")
+            i = axes_list.index(axis)
+            roi = (roi_values[i], roi_values[len(axes_list) + i])
+        elif out == size and scale == 1.0:
+            continue
+        table = _resize_axis(spec, size, out, scale, roi)
+        index = torch.as_tensor(table.indices, device=x.device)
+        picked = result.index_select(axis, index.reshape(-1))
+        if table.weights is None:
+            result = picked
+        else:
+            k = table.indices.shape[1]
+            picked = picked.reshape(*result.shape[:axis], out, k, *result.shape[axis + 1 :])
+            view = [1] * axis + [out, k] + [1] * (result.dim() - axis - 1)
+            weights = torch.as_tensor(table.weights, dtype=x.dtype, device=x.device)
+            result = (picked * weights.reshape(view)).sum(dim=axis + 1)
+        if table.outside is not None:
+            mask = torch.as_tensor(table.outside, device=x.device)
+            mask = mask.reshape([1] * axis + [out] + [1] * (x.dim() - axis - 1))
+            outside = mask if outside is None else outside | mask
+    if outside is not None:
+        fill = float(spec.attr("extrapolation_value", 0.0))
+        result = torch.where(outside, torch.full((), fill, dtype=x.dtype, device=x.device), result)
+    return (result,)
+
+
+# --- recurrent layers ----------------------------------------------------------------------------
+
+# Activations of RNN/GRU/LSTM by name, with whether they take alpha / beta and the defaults.
+_RECURRENT_ACTIVATIONS: dict[str, tuple[int, float, float]] = {
+    "Sigmoid": (0, 0.0, 0.0),
+    "Tanh": (0, 0.0, 0.0),
+    "Relu": (0, 0.0, 0.0),
+    "Softsign": (0, 0.0, 0.0),
+    "Softplus": (0, 0.0, 0.0),
+    "LeakyRelu": (1, 0.01, 0.0),
+    "ThresholdedRelu": (1, 1.0, 0.0),
+    "Elu": (1, 1.0, 0.0),
+    "HardSigmoid": (2, 0.2, 0.5),
+    "ScaledTanh": (2, 1.0, 1.0),
+    "Affine": (2, 1.0, 0.0),
+}
+
+
+def _activation(name: str, alpha: float, beta: float) -> Callable[[Tensor], Tensor]:
+    functions: dict[str, Callable[[Tensor], Tensor]] = {
+        "Sigmoid": torch.sigmoid,
+        "Tanh": torch.tanh,
+        "Relu": torch.relu,
+        "Softsign": F.softsign,
+        "Softplus": F.softplus,
+        "LeakyRelu": lambda t: F.leaky_relu(t, alpha),
+        "ThresholdedRelu": lambda t: torch.where(t > alpha, t, 0.0),
+        "Elu": lambda t: F.elu(t, alpha),
+        "HardSigmoid": lambda t: torch.clamp(alpha * t + beta, 0.0, 1.0),
+        "ScaledTanh": lambda t: alpha * torch.tanh(beta * t),
+        "Affine": lambda t: alpha * t + beta,
+    }
+    return functions[name]
+
+
+def _recurrent_activations(
+    spec: OpSpec, directions: int, defaults: Sequence[str]
+) -> list[list[Callable[[Tensor], Tensor]]]:
+    """Per direction, the operator's activation functions (``activations`` with
+    ``activation_alpha``/``activation_beta`` consumed in order by those that take them)."""
+    names = list(spec.attr("activations") or list(defaults) * directions)
+    alphas = list(spec.attr("activation_alpha") or [])
+    betas = list(spec.attr("activation_beta") or [])
+    if len(names) != len(defaults) * directions:
+        raise spec.unsupported(f"{len(names)} activations for {directions} direction(s)")
+    functions = []
+    for name in names:
+        key = next((k for k in _RECURRENT_ACTIVATIONS if k.lower() == str(name).lower()), None)
+        if key is None:
+            raise spec.unsupported(f"activation {name!r}")
+        takes, alpha, beta = _RECURRENT_ACTIVATIONS[key]
+        if takes >= 1 and alphas:
+            alpha = alphas.pop(0)
+        if takes >= 2 and betas:
+            beta = betas.pop(0)
+        functions.append(_activation(key, alpha, beta))
+    n = len(defaults)
+    return [functions[d * n : (d + 1) * n] for d in range(directions)]
+
+
+def _recurrent(spec: OpSpec, args: Args) -> Outputs:
+    """RNN, GRU and LSTM (ONNX gate orders: GRU z, r, h; LSTM i, o, f, c), one time step at
+    a time in each direction; ``sequence_lens`` freezes a sequence's state after its end
+    and zeroes its outputs there; differentiable by autograd."""
+    op = spec.op_type
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    x, w, r = args[0], args[1], args[2]
+    assert x is not None and w is not None and r is not None
+    bias = args[3] if len(args) > 3 else None
+    lens = args[4] if len(args) > 4 else None
+    h0 = args[5] if len(args) > 5 else None
+    c0 = args[6] if len(args) > 6 else None
+    peep = args[7] if len(args) > 7 else None
+    layout = spec.attr("layout", 0)
+    if layout:
+        x = x.transpose(0, 1)  # -> [seq, batch, input]
+        h0 = h0.transpose(0, 1) if h0 is not None else None
+        c0 = c0.transpose(0, 1) if c0 is not None else None
+    direction = spec.attr("direction", "forward")
+    directions = 2 if direction == "bidirectional" else 1
+    hidden = r.shape[-1]
+    seq, batch = x.shape[0], x.shape[1]
+    clip = spec.attr("clip")
+    defaults = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
+    acts = _recurrent_activations(spec, directions, defaults[op])
+
+    def clipped(t: Tensor) -> Tensor:
+        return torch.clamp(t, -clip, clip) if clip is not None else t
+
+    ys, hs, cs = [], [], []
+    for d in range(directions):
+        reverse = direction == "reverse" or d == 1
+        f, g = acts[d][0], acts[d][-1 if op != "LSTM" else 1]
+        wd, rd = w[d], r[d]
+        wb = bias[d, : gates * hidden] if bias is not None else None
+        rb = bias[d, gates * hidden :] if bias is not None else None
+        h = h0[d] if h0 is not None else x.new_zeros(batch, hidden)
+        c = c0[d] if c0 is not None else x.new_zeros(batch, hidden)
+        projected = F.linear(x, wd, wb)  # [seq, batch, gates * hidden]
+        outputs: list[Tensor] = [x.new_zeros(0)] * seq
+        for t in reversed(range(seq)) if reverse else range(seq):
+            xt = projected[t]
+            if op == "GRU":
+                xz, xr, xh = xt.chunk(3, dim=-1)
+                rz, rr, rh = rd.chunk(3, dim=0)
+                bz, br, bh = rb.chunk(3) if rb is not None else (None, None, None)
+                z = f(clipped(xz + F.linear(h, rz, bz)))
+                reset = f(clipped(xr + F.linear(h, rr, br)))
+                if spec.attr("linear_before_reset", 0):
+                    candidate = g(clipped(xh + reset * F.linear(h, rh, bh)))
+                else:
+                    candidate = g(clipped(xh + F.linear(reset * h, rh, bh)))
+                new_h, new_c = (1 - z) * candidate + z * h, c
+            elif op == "LSTM":
+                pre = xt + F.linear(h, rd, rb)
+                pi, po, pf, pc = pre.chunk(4, dim=-1)
+                peep_i, peep_o, peep_f = peep[d].chunk(3) if peep is not None else (0, 0, 0)
+                i_gate = f(clipped(pi + peep_i * c))
+                coupled = spec.attr("input_forget", 0)
+                f_gate = 1 - i_gate if coupled else f(clipped(pf + peep_f * c))
+                new_c = f_gate * c + i_gate * g(clipped(pc))
+                o_gate = f(clipped(po + peep_o * new_c))
+                new_h = o_gate * acts[d][2](new_c)
+            else:
+                new_h, new_c = f(clipped(xt + F.linear(h, rd, rb))), c
+            if lens is not None:
+                valid = (t < lens.to(torch.int64)).reshape(batch, 1)
+                outputs[t] = torch.where(valid, new_h, 0.0)
+                h, c = torch.where(valid, new_h, h), torch.where(valid, new_c, c)
+            else:
+                outputs[t], h, c = new_h, new_h, new_c
+        ys.append(torch.stack(outputs))
+        hs.append(h)
+        cs.append(c)
+    y = torch.stack(ys, dim=1)  # [seq, directions, batch, hidden]
+    y_h, y_c = torch.stack(hs), torch.stack(cs)
+    if layout:
+        return y.permute(2, 0, 1, 3), y_h.transpose(0, 1), y_c.transpose(0, 1)
+    return y, y_h, y_c
+
+
+def _is_inf(spec: OpSpec, args: Args) -> Outputs:
+    x = args[0]
+    assert x is not None
+    positive = (
+        x == math.inf if spec.attr("detect_positive", 1) else torch.zeros_like(x, dtype=torch.bool)
+    )
+    negative = (
+        x == -math.inf if spec.attr("detect_negative", 1) else torch.zeros_like(x, dtype=torch.bool)
+    )
+    return (positive | negative,)
 
 
 def _reduce(
@@ -815,6 +1232,8 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "Or": _binary(torch.logical_or),
     "Xor": _binary(torch.logical_xor),
     "Not": _unary(torch.logical_not),
+    "IsNaN": _unary(torch.isnan),
+    "IsInf": _is_inf,
     "Where": _where,
     "Relu": _unary(torch.relu),
     "Sigmoid": _unary(torch.sigmoid),
@@ -879,6 +1298,12 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "Size": _size,
     "Identity": _identity,
     "Dropout": _dropout,
+    "Resize": _resize,
+    "Upsample": _resize,
+    # recurrent layers
+    "RNN": _recurrent,
+    "GRU": _recurrent,
+    "LSTM": _recurrent,
     # reductions
     "ReduceMean": _reduce(lambda x, d, k: x.mean(dim=d, keepdim=k), 18),
     "ReduceSum": _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k), 13),
@@ -898,10 +1323,6 @@ def _prod(x: Tensor, dims: tuple[int, ...], keep: bool) -> Tensor:
     return x
 
 
-def _names(text: str) -> frozenset[str]:
-    return frozenset(text.split())
-
-
 # Inputs that never receive a gradient: statistics, shapes, indices, clip bounds.
 NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),
@@ -918,6 +1339,11 @@ NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
     "Gather": frozenset({1}),
     "GatherElements": frozenset({1}),
     "Where": frozenset({0}),
+    "Resize": frozenset({1, 2, 3}),
+    "RNN": frozenset({4}),
+    "GRU": frozenset({4}),
+    "LSTM": frozenset({4}),
+    "Upsample": frozenset({1}),
     "ConstantOfShape": frozenset({0}),
     "Dropout": frozenset({1, 2}),
     "ReduceMean": frozenset({1}),
@@ -929,10 +1355,7 @@ NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
     "ReduceL2": frozenset({1}),
 }
 # Operators whose outputs carry no gradient at all (comparisons, indices, shapes).
-NO_GRADIENT = _names(
-    "Equal Less LessOrEqual Greater GreaterOrEqual And Or Xor Not Shape Size ArgMax ArgMin "
-    "ConstantOfShape Floor Ceil Round Sign"
-)
+NO_GRADIENT = NO_GRADIENT_OPS
 
 
 def differentiable(spec: OpSpec, position: int) -> bool:
@@ -1121,6 +1544,23 @@ def _identity_grad(call: VjpCall) -> Grads:
     return call.only(lambda: call.g)
 
 
+def _dropout_grad(call: VjpCall) -> Grads:
+    """The identity in inference mode; in training mode the upstream gradient through the
+    same mask, scaled: the mask output when the backward node has it, else the same mask
+    drawn again from the node's seed (``random_mask``), never inferred from zeros of the
+    output (a zero input kept by the mask still passes its gradient)."""
+    ratio = dropout_ratio(call.spec, call.args)
+    if ratio is None or ratio == 0.0:
+        return _identity_grad(call)
+    g = call.g
+    output = call.output
+    if output is not None and len(output) > 1 and output[1].dtype == torch.bool:
+        keep = output[1]
+    else:
+        keep = random_mask(call.spec, g.shape, ratio, g.device)
+    return call.only(lambda: g * keep.to(g.dtype) * (1.0 / (1.0 - ratio)))
+
+
 # Direct formulas for the heavy operators (no forward re-run).
 def _matmul_grad(call: VjpCall) -> Grads:
     a, b, g = call.arg(0), call.arg(1), call.g
@@ -1185,6 +1625,55 @@ def _conv_grad(transposed: bool) -> Rule:
     return rule
 
 
+def _clip_grad(call: VjpCall) -> Grads:
+    """Through where the input is within the bounds (inclusive, as autograd's clamp)."""
+    spec, x, g = call.spec, call.arg(0), call.g
+    if spec.opset < 11:
+        low, high = spec.attr("min"), spec.attr("max")
+    else:
+        low, high = spec.scalar(1, call.args), spec.scalar(2, call.args)
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if low is not None:
+        inside = inside & (x >= low)
+    if high is not None:
+        inside = inside & (x <= high)
+    return call.only(lambda: g * inside)
+
+
+def _hard_swish_grad(call: VjpCall) -> Grads:
+    """d/dx x*clamp(x/6 + 1/2, 0, 1): 0 below -3, x/3 + 1/2 on [-3, 3], 1 above."""
+    x, g = call.arg(0), call.g
+    slope = torch.where(x < -3, 0.0, torch.where(x > 3, 1.0, x / 3 + 0.5))
+    return call.only(lambda: g * slope.to(g.dtype))
+
+
+def _where_grad(call: VjpCall) -> Grads:
+    """The condition routes the gradient; the branches are shapes only."""
+    cond, g = call.arg(0), call.g
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    return call.only(
+        None,
+        lambda: torch.where(cond, g, zero).sum_to_size(call.arg(1).shape),
+        lambda: torch.where(cond, zero, g).sum_to_size(call.arg(2).shape),
+    )
+
+
+def _expand_grad(call: VjpCall) -> Grads:
+    """A sum over the broadcast dimensions: the input's shape only."""
+    return call.only(lambda: call.g.sum_to_size(call.arg(0).shape))
+
+
+def _gather_elements_grad(call: VjpCall) -> Grads:
+    """The gradient scattered back to where the indices picked it (data: shape only)."""
+    data, indices, g = call.arg(0), call.arg(1), call.g
+    axis = _axis(call.spec.attr("axis", 0), data.dim())
+    index = indices.long()
+    index = torch.where(index < 0, index + data.shape[axis], index)
+    return call.only(
+        lambda: torch.zeros(data.shape, dtype=g.dtype, device=g.device).scatter_add_(axis, index, g)
+    )
+
+
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: g * (y > 0)),
     "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
@@ -1193,7 +1682,12 @@ VJP_RULES: dict[str, Rule] = {
     "Sqrt": _from_output(lambda s, y, g: g / (2 * y)),
     "Softmax": _from_output(_softmax_grad),
     "LogSoftmax": _from_output(_log_softmax_grad),
-    "Dropout": _identity_grad,
+    "Dropout": _dropout_grad,
+    "Clip": _clip_grad,
+    "HardSwish": _hard_swish_grad,
+    "Where": _where_grad,
+    "Expand": _expand_grad,
+    "GatherElements": _gather_elements_grad,
     "Add": _add,
     "Sub": _sub,
     "Sum": _sum,

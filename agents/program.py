@@ -349,8 +349,9 @@ def build_program(
     """Bind ``graph`` (built by ``remat`` from ``model``) to ``model``'s operators.
 
     ``inputs`` gives model input values by name; the others are seeded random normals
-    (integers: zeros, valid indices for any Gather). UnsupportedOpError names the first
-    operator without a kernel."""
+    (integers: zeros, valid indices for any Gather). ``seed`` also seeds the operators'
+    randomness (a training-mode Dropout's mask, one per node: ``kernels.random_mask``).
+    UnsupportedOpError names the first operator without a kernel."""
     if any(t.kind is FixedKind.HELD for t in graph.fixed.values()):
         raise TaskError("the graph is a part of a decomposed graph (held values): not executable")
     protos = {o: p for p in model.graph.node for o in p.output if o}
@@ -375,7 +376,8 @@ def build_program(
             for position, name in enumerate(proto.input)
             if name in fixed and fixed[name].numel() <= _HOST_CONSTANT_ELEMENTS
         }
-        spec = kernels.spec_of(proto, node.name, opsets, consts)
+        seed_of_node = kernels.node_seed(seed, node.name)
+        spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]

@@ -15,9 +15,8 @@ from remat.graph import Graph
 from remat.onnx_ingest import forward_graph, load_model
 from remat.problem import model_graph
 from remat.solvers.model import SolveOptions
+from remat.strategies import AUTO as AUTO  # the default: ``remat.strategies.auto``
 from remat.strategies import STRATEGIES, Problem, SolverSettings
-
-AUTO = "auto"  # every applicable baseline, the cheapest wins (``remat plan`` default)
 
 
 def summarize(path: Path) -> ModelSummary:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,7 +24,6 @@ from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Graph, Mode
 from remat.max_batch import (
-    AUTO,
     DEFAULT_CAP,
     CostBound,
     MaxBatch,
@@ -31,7 +31,6 @@ from remat.max_batch import (
     describe_trial,
     max_batch,
     max_batch_to_json,
-    plan_with,
     problems_by_batch,
 )
 from remat.onnx_ingest import parse_input_shape
@@ -40,9 +39,13 @@ from remat.problem import build_problem, cost_model, model_graph
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
-from remat.strategies import STRATEGIES, Problem, SolverSettings, StrategyResult
+from remat.strategies import AUTO, STRATEGIES, Problem, SolverSettings, StrategyResult, run_strategy
 
 MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
+AUTO_HELP = (
+    "strategy (default: auto: the baselines, greedy eviction, then a short exact solve "
+    "where the graph is small enough; the cheapest plan wins)"
+)
 
 
 Commands = argparse._SubParsersAction  # the ``add_parser`` of ``remat``'s subcommands
@@ -86,7 +89,7 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
         "--strategy",
         default=AUTO,
         choices=[AUTO, *STRATEGIES],
-        help="strategy (default: auto, the cheapest feasible baseline)",
+        help=AUTO_HELP,
     )
     _solver_arguments(plan)
     output = plan.add_mutually_exclusive_group()
@@ -152,7 +155,7 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
         "--strategy",
         default=AUTO,
         choices=[AUTO, *STRATEGIES],
-        help="strategy (default: auto, the cheapest feasible baseline)",
+        help=AUTO_HELP,
     )
     search.add_argument(
         "--max-overhead",
@@ -371,20 +374,33 @@ def _problem(args: argparse.Namespace) -> Problem:
 def _graph_command(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     if args.json:
-        print(json.dumps(graph_to_json(graph)))
-        return 0
+        return _print_lines([json.dumps(graph_to_json(graph))])
     costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
     ref = reference(graph, costs)
-    print(f"mode: {graph.mode.value}, {len(graph)} nodes")
-    for op, count in sorted(Counter(n.op for n in graph.nodes).items()):
-        print(f"  {op:<24} {count}")
-    print(f"parameter bytes:        {format_bytes(graph.param_bytes)} ({graph.param_bytes} B)")
-    print(f"input bytes:            {format_bytes(graph.input_bytes)} ({graph.input_bytes} B)")
-    print(
+    lines = [f"mode: {graph.mode.value}, {len(graph)} nodes"]
+    lines += [f"  {op:<24} {n}" for op, n in sorted(Counter(n.op for n in graph.nodes).items())]
+    lines += [
+        f"parameter bytes:        {format_bytes(graph.param_bytes)} ({graph.param_bytes} B)",
+        f"input bytes:            {format_bytes(graph.input_bytes)} ({graph.input_bytes} B)",
         f"activation bytes:       {format_bytes(graph.activation_bytes)} "
-        f"({graph.activation_bytes} B)"
-    )
-    print(f"checkpoint-all peak:    {format_bytes(ref.peak_bytes)} ({ref.peak_bytes} B)")
+        f"({graph.activation_bytes} B)",
+        f"checkpoint-all peak:    {format_bytes(ref.peak_bytes)} ({ref.peak_bytes} B)",
+    ]
+    return _print_lines(lines)
+
+
+def _print_lines(lines: Sequence[str]) -> int:
+    """Print to stdout; a reader that stops early (``remat graph m.onnx | head -1``) ends
+    the output quietly, not with a BrokenPipeError traceback."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that it cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return 0
 
 
@@ -408,7 +424,7 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 
 def _plan_command(args: argparse.Namespace) -> int:
     problem = _problem(args)
-    result = plan_with(args.strategy, problem)
+    result = run_strategy(args.strategy, problem)
     if result.plan is None:
         raise InvalidInputError(result.message)
     document = plan_to_json(result.plan)

@@ -31,13 +31,13 @@ import onnx
 
 from remat.costs import CostModel
 from remat.devices import Device, Size, format_bytes, parse_size
-from remat.errors import InvalidInputError, RematError
+from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode, NodeKind
 from remat.onnx_ingest import load_model
 from remat.problem import Budget, build_problem
-from remat.strategies import BASELINES, Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies import AUTO, Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies.auto import auto
 
-AUTO = "auto"
 DEFAULT_CAP = 4096
 # Predicted times and bounds are sums of the same floats in different orders: accept a
 # plan within this relative tolerance of the bound (checkpoint-all at max_overhead=0).
@@ -92,20 +92,9 @@ def problems_by_batch(
 
 
 def plan_with(strategy: str, problem: Problem) -> StrategyResult:
-    """Run ``strategy`` on every device it applies to; ``auto``: every applicable baseline,
-    the cheapest feasible plan wins (else the result needing the least memory)."""
-    if strategy != AUTO:
-        return run_strategy(strategy, problem)
-    results = []
-    for name in BASELINES:
-        try:
-            results.append(run_strategy(name, problem))
-        except RematError:
-            continue  # not applicable to this graph (e.g. griewank on a non-chain)
-    feasible = [r for r in results if r.plan is not None and r.simulation is not None]
-    if feasible:
-        return min(feasible, key=lambda r: r.simulation.total_ms)  # type: ignore[union-attr]
-    return min(results, key=lambda r: max((r.min_budget_bytes or {"": 2**63}).values()))
+    """``run_strategy(strategy, problem)`` on every device it applies to; ``auto`` is
+    ``remat.strategies.auto`` (kept here for callers of the old home)."""
+    return run_strategy(strategy, problem)
 
 
 def one_extra_forward_ms(graph: Graph, costs: CostModel) -> float:
@@ -196,7 +185,10 @@ def try_batch(
     bound = bound or CostBound()
     limit = bound.limit_ms(problem.graph, problem.costs)
     ideal = problem.costs.ideal_ms()
-    result = plan_with(strategy, problem)
+    if strategy == AUTO:  # the exact solve only where the cheap phases miss the bound
+        result = auto(problem, good_enough_ms=limit * (1 + _TOLERANCE))
+    else:
+        result = run_strategy(strategy, problem)
     if not result.feasible or result.simulation is None:
         reason = result.message or "no plan fits the budgets"
         return Trial(batch, False, None, limit, ideal, reason, result, problem)

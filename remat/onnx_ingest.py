@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 from remat import ops
+from remat.devices import MAX_BYTES, format_bytes
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.onnx_external import check_external_data
@@ -124,6 +125,28 @@ class TensorInfo:
         if self.shape is None:
             return "unknown rank"
         return "(" + ", ".join("?" if d is None else str(d) for d in self.shape) + ")"
+
+
+class _NodeError(ShapeError):
+    """Why one node cannot be planned: ``reason`` says it, and what would be needed,
+    without naming the node (nodes with the same operator and reason are listed together)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check_tensor_size(info: TensorInfo, what: str) -> None:
+    """Refuse a tensor larger than any device (a file of a few bytes can declare any
+    shape), saying the bytes it would need."""
+    nbytes = info.nbytes
+    if nbytes > MAX_BYTES:
+        raise _NodeError(
+            f"{what} has shape {info.describe()}: it would need {nbytes} bytes "
+            f"({format_bytes(nbytes)}), more than any device holds "
+            f"(at most {format_bytes(MAX_BYTES)})",
+            f"an output would need {nbytes} bytes, more than any device holds",
+        )
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -355,7 +378,9 @@ def _input_info(
             raise InvalidInputError(
                 f"--input {name}: model declares rank {len(declared.shape)}, got {len(dims)} dims"
             )
-        return TensorInfo(declared.elem_type, dims)
+        info = TensorInfo(declared.elem_type, dims)
+        _check_tensor_size(info, f"input {name!r}")
+        return info
     if declared.shape is None:
         raise ShapeError(f"input {name!r} has no shape: pass --input {name}=DIMS")
     shape = list(declared.shape)
@@ -368,7 +393,9 @@ def _input_info(
                 f"input {name!r} dimension {axis}{symbol} has no value: "
                 f"pass --batch or --input {name}=DIMS"
             )
-    return TensorInfo(declared.elem_type, tuple(shape))
+    info = TensorInfo(declared.elem_type, tuple(shape))
+    _check_tensor_size(info, f"input {name!r}")
+    return info
 
 
 def _known(dim: Dim) -> bool:
@@ -514,9 +541,13 @@ class _Folder:
     params: dict[str, TensorProto]
     opsets: dict[str, int]
     model: onnx.ModelProto
+    # Tensors some node reads (subgraph captures included), and the graph's outputs.
+    used: set[str] = field(default_factory=set)
     constants: set[str] = field(default_factory=set)
     producers: dict[str, NodeProto] = field(default_factory=dict)
     values: dict[str, np.ndarray] = field(default_factory=dict)
+    # Outputs nothing reads whose shapes are unknown: left out of the graph.
+    dropped: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.constants.update(self.params)
@@ -542,16 +573,36 @@ class _Folder:
             if name in self.constants and not self._is_static(name):
                 self._materialize(name, display)
         outputs = [o for o in node.output if o]
+        failure: ShapeError | None = None
         if not all(self._is_static(o) for o in outputs):
-            self._infer_single(node, reads, display)
-        for name in outputs:
-            info = self.infos.get(name)
-            if info is None or not info.static:
+            try:
+                self._infer_single(node, reads, display)
+            except ShapeError as error:
+                failure = error  # raised below only if a used output stays unknown
+        for index, name in enumerate(node.output):
+            if not name or self._is_static(name):
+                continue
+            spec = _optional_output_info(node, index, self.infos, self.opsets)
+            if spec is not None:
+                self.infos[name] = spec
+            elif name not in self.used:
+                # Nothing reads it: its size cannot matter to a plan (e.g. the mask of
+                # an inference-mode Dropout-7 that shape inference leaves untyped).
+                self.dropped.add(name)
+            elif failure is not None:
+                raise failure
+            else:
+                info = self.infos.get(name)
                 shape = "unknown" if info is None else info.describe()
-                raise ShapeError(
+                raise _NodeError(
                     f"cannot infer the shape of output {name!r} of node {display}: "
-                    f"got {shape} (data-dependent or symbolic dimension)"
+                    f"got {shape} (data-dependent or symbolic dimension)",
+                    "its output shape depends on the data or is symbolic; "
+                    "a static output shape is needed",
                 )
+        for name in outputs:
+            if name not in self.dropped:
+                _check_tensor_size(self.infos[name], f"output {name!r} of node {display}")
 
     def _is_static(self, name: str) -> bool:
         info = self.infos.get(name)
@@ -651,6 +702,8 @@ class _Folder:
     def _run(self, node: NodeProto) -> list[np.ndarray]:
         if node.op_type in _SHAPE_OPS:
             return [self._shape_value(node)]
+        if node.op_type == "GatherElements":
+            return [_gather_elements(node, self.values[node.input[0]], self.values[node.input[1]])]
         from onnx.reference import ReferenceEvaluator  # slow import, rarely needed
 
         feeds = {n: self.values[n] for n in node.input if n}
@@ -679,10 +732,12 @@ class _Folder:
         """Re-infer one node with the constant values its shape may depend on."""
         schema = _schema(node, self.opsets)
         if schema is None:
-            raise ShapeError(
-                f"cannot infer the shape of node {display}: operator "
-                f"{node.domain or 'ai.onnx'}.{node.op_type} has no shape inference; "
-                "declare its output shapes in value_info"
+            operator = f"{node.domain or 'ai.onnx'}.{node.op_type}"
+            raise _NodeError(
+                f"cannot infer the shape of node {display}: operator {operator} has no "
+                "shape inference; declare its output shapes in value_info",
+                f"operator {operator} has no shape inference; "
+                "its output shapes must be declared in value_info",
             )
         types = {n: _type_proto(self.infos[n]) for n in reads if n in self.infos}
         data = {
@@ -712,6 +767,50 @@ class _Folder:
     def _small(self, name: str) -> bool:
         info = self.infos.get(name)
         return info is None or not info.static or math.prod(info.dims) <= _MAX_DATA_ELEMENTS
+
+
+def _gather_elements(node: NodeProto, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    # onnx.reference's GatherElements goes wrong past 32 (numpy 1) or 64 choices along
+    # the axis ("cannot reshape array of size 1 into shape (1,32)" on BERT).
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axis = int(attrs.get("axis", 0))
+    size = data.shape[axis]
+    indices = np.where(indices < 0, indices + size, indices).astype(np.int64)
+    return np.take_along_axis(data, indices, axis=axis)
+
+
+def _optional_output_info(
+    node: NodeProto, index: int, infos: Mapping[str, TensorInfo], opsets: Mapping[str, int]
+) -> TensorInfo | None:
+    """The shape the operator's specification gives an optional output (index > 0) when
+    shape inference leaves it unknown: ONNX infers Dropout-7's mask, for one, not at all."""
+    if index == 0 or node.domain not in _DEFAULT_DOMAINS or not node.input:
+        return None
+    x = infos.get(node.input[0])
+    if x is None or not x.static or not x.shape:
+        return None
+    dims, op = x.dims, node.op_type
+    if op == "Dropout" and index == 1:
+        # mask: data's shape; bool from Dropout-10 on, data's type before
+        bool_mask = opsets.get("", 0) >= 10
+        return TensorInfo(TensorProto.BOOL if bool_mask else x.elem_type, dims)
+    if op == "MaxPool" and index == 1:
+        y = infos.get(node.output[0])
+        return TensorInfo(TensorProto.INT64, y.dims) if y is not None and y.static else None
+    if op == "BatchNormalization" and len(dims) >= 2:
+        # running (and saved) mean and variance: one value per channel, typed like mean
+        mean = infos.get(node.input[3]) if len(node.input) > 3 else None
+        return TensorInfo(x.elem_type if mean is None else mean.elem_type, (dims[1],))
+    if op == "LayerNormalization" and index in (1, 2):
+        # Mean and InvStdDev: data's shape with the normalized axes reduced to 1
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis = int(attrs.get("axis", -1))
+        axis = axis + len(dims) if axis < 0 else axis
+        stash = int(attrs.get("stash_type", TensorProto.FLOAT))
+        if not 0 <= axis < len(dims):
+            return None
+        return TensorInfo(stash, dims[:axis] + (1,) * (len(dims) - axis))
+    return None
 
 
 def _type_proto(info: TensorInfo) -> onnx.TypeProto:
@@ -770,7 +869,8 @@ def forward_graph(
     order = _topological_order(nodes, reads)
     names = _unique_names(nodes)
     work = _working_model(model, input_infos, order)
-    folder = _Folder(_infer(work) | input_infos, params, _opsets(model), work)
+    used = {name for names in reads for name in names} | {v.name for v in model.graph.output}
+    folder = _Folder(_infer(work) | input_infos, params, _opsets(model), work, used)
     scheduled = _fold(folder, nodes, reads, names, order, {*input_infos, *params})
     if not scheduled:
         raise EmptyModelError(
@@ -788,21 +888,95 @@ def _fold(
     defined: set[str],
 ) -> list[int]:
     """The topological pass: fold constant nodes, complete the shapes of the others.
-    Returns the indices of the nodes left to schedule, in order."""
+    Returns the indices of the nodes left to schedule, in order.
+
+    A node that cannot be planned does not stop the pass: every such node is named in
+    one error at the end (``_unplannable_error``). Nodes that read what one of them
+    makes are not named again."""
     scheduled = []
+    problems: list[tuple[str, str, _NodeError]] = []
+    blocked: set[str] = set()  # outputs of nodes that cannot be planned, and of their users
     for index in order:
         node = nodes[index]
         display = f"{names[index]!r} ({node.op_type})"
         undefined = [t for t in reads[index] if t not in defined]
         if undefined:
             raise ModelLoadError(f"node {display} reads undefined tensor {undefined[0]!r}")
-        if folder.foldable(node, reads[index]):
-            folder.fold(node)
-        else:
-            folder.complete(node, reads[index], display)
-            scheduled.append(index)
         defined.update(o for o in node.output if o)
+        downstream = bool(blocked.intersection(reads[index]))
+        if not downstream and folder.foldable(node, reads[index]):
+            folder.fold(node)
+            continue
+        # Downstream of an unusable node only its kind is judged: its shapes are unknown.
+        problem = _unplannable(node, display)
+        if problem is None and not downstream:
+            try:
+                folder.complete(node, reads[index], display)
+            except ShapeError as error:
+                problem = error if isinstance(error, _NodeError) else _NodeError(str(error), "")
+        if problem is not None:
+            problems.append((names[index], node.op_type, problem))
+        if problem is not None or downstream:
+            blocked.update(o for o in node.output if o)
+        else:
+            scheduled.append(index)
+    if problems:
+        raise _unplannable_error(problems)
     return scheduled
+
+
+_CONTROL_FLOW = frozenset(("If", "Loop", "Scan"))
+_SEQUENCE_OPS = frozenset(
+    ["SequenceConstruct", "SequenceEmpty", "SequenceInsert", "SequenceErase", "SequenceAt",
+     "SequenceLength", "SequenceMap", "SplitToSequence", "ConcatFromSequence", "Optional",
+     "OptionalGetElement", "OptionalHasElement"]
+)  # fmt: skip
+
+
+def _unplannable(node: NodeProto, display: str) -> _NodeError | None:
+    """Why a static plan cannot hold this operator, if it cannot: control flow (its memory
+    lies in subgraphs run a data-dependent number of times), sequence/optional values."""
+    if node.domain not in _DEFAULT_DOMAINS:
+        return None
+    if node.op_type in _CONTROL_FLOW:
+        need = {
+            "If": "a constant condition (or the branch exported alone)",
+            "Loop": "a static unrolling: export with a fixed trip count, traced, not scripted",
+            "Scan": "a static unrolling: export the scanned step unrolled",
+        }[node.op_type]
+        return _NodeError(
+            f"node {display} is control flow, which cannot be planned statically; "
+            f"it would need {need}",
+            f"control flow cannot be planned statically; it would need {need}",
+        )
+    if node.op_type in _SEQUENCE_OPS:
+        return _NodeError(
+            f"node {display} makes or reads a sequence or optional value; only tensors "
+            "of static shape can be planned",
+            "sequence and optional values are not supported; only tensors of static shape",
+        )
+    return None
+
+
+_MAX_NAMED = 5  # nodes named per operator and reason in a summary
+
+
+def _unplannable_error(problems: Sequence[tuple[str, str, _NodeError]]) -> ShapeError:
+    """One line: a single node's own message, else every unusable operator with its
+    count, nodes and reason."""
+    if len(problems) == 1:
+        return problems[0][2]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, op, error in problems:
+        groups.setdefault((op, error.reason or str(error)), []).append(name)
+    parts = []
+    for (op, reason), group in groups.items():
+        shown = ", ".join(repr(n) for n in group[:_MAX_NAMED])
+        more = f" and {len(group) - _MAX_NAMED} more" if len(group) > _MAX_NAMED else ""
+        parts.append(f"{op} x{len(group)} ({shown}{more}): {reason}")
+    kinds = len({op for op, _ in groups})
+    operators = f"{kinds} operator" + ("s" if kinds > 1 else "")
+    return ShapeError(f"{len(problems)} nodes ({operators}) cannot be planned: " + "; ".join(parts))
 
 
 def _sparse_shape(sparse: onnx.SparseTensorProto) -> TensorProto:
@@ -828,9 +1002,11 @@ def _build(
         reads = _reads(proto)
         for tensor in reads:
             if tensor in folder.constants and tensor not in fixed:
-                nbytes = folder.infos[tensor].nbytes
-                fixed[tensor] = FixedTensor(tensor, FixedKind.PARAMETER, nbytes)
-        nodes.append(_node(node_id, proto, name, reads, producer, fixed, folder.infos))
+                info = folder.infos[tensor]
+                _check_tensor_size(info, f"constant {tensor!r}")
+                fixed[tensor] = FixedTensor(tensor, FixedKind.PARAMETER, info.nbytes)
+        outputs = [o for o in proto.output if o and o not in folder.dropped]
+        nodes.append(_node(node_id, proto, name, reads, outputs, producer, fixed, folder.infos))
         producer.update((out, node_id) for out in proto.output if out)
     graph_outputs = {v.name for v in model.graph.output}
     outputs = sorted({producer[o] for o in graph_outputs if o in producer})
@@ -842,11 +1018,11 @@ def _node(
     proto: NodeProto,
     name: str,
     reads: Sequence[str],
+    outputs: Sequence[str],
     producer: Mapping[str, int],
     fixed: Mapping[str, FixedTensor],
     infos: Mapping[str, TensorInfo],
 ) -> Node:
-    outputs = [o for o in proto.output if o]
     output_shapes = [infos[o].dims for o in outputs]
     attrs = {
         a.name: helper.get_attribute_value(a)
@@ -865,7 +1041,7 @@ def _node(
         fixed=tuple(t for t in reads if t in fixed),
         attrs={
             "onnx_inputs": [n for n in proto.input if n],
-            "onnx_outputs": outputs,
+            "onnx_outputs": list(outputs),
             "input_shapes": [infos[t].dims for t in proto.input if t],
             "output_shapes": output_shapes,
         },

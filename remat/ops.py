@@ -90,12 +90,22 @@ def _free(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float
     return 0.0
 
 
+def _recurrent(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # RNN/GRU/LSTM: X is (seq, batch, I) or (batch, seq, I), W (dirs, gates*H, I), R (dirs,
+    # gates*H, H). Every step of every direction multiplies [x_t, h_t-1] by [W; R] (2 FLOPs
+    # a multiply-add) and applies the gates' activations (about 10 FLOPs per gate element).
+    x, w, r = inputs[0], inputs[1], inputs[2]
+    steps = _numel(x) // x[-1]  # seq * batch
+    directions, gate_units, width = w[0], w[1], x[-1] + r[2]
+    return float(steps * directions * gate_units * (2 * width + 10))
+
+
 # fmt: off
 _ELEMENTWISE = (
     "Relu", "LeakyRelu", "PRelu", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Clip", "Pow",
     "Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Not",
     "Xor", "Cast", "Sign", "Floor", "Ceil", "Round", "Mod", "ThresholdedRelu", "HardSigmoid",
-    "HardSwish", "Selu", "Elu", "Celu", "Reciprocal", "BitShift",
+    "HardSwish", "Selu", "Elu", "Celu", "Reciprocal", "BitShift", "IsNaN", "IsInf",
 )
 _TRANSCENDENTAL = (
     "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Softplus", "Softsign", "Mish",
@@ -130,6 +140,9 @@ FLOPS: dict[str, FlopsFn] = {
     "AveragePool": _window,
     "LpPool": _window,
     "LRN": _lrn,
+    **dict.fromkeys(("RNN", "GRU", "LSTM"), _recurrent),
+    # Linear or cubic interpolation: a few neighbours weighted per output element.
+    **dict.fromkeys(("Resize", "Upsample"), _per_output_elem(4)),
     **dict.fromkeys(("Sum", "Mean", "Max", "Min"), _variadic),
     **dict.fromkeys(_ELEMENTWISE, _per_output_elem(1)),
     # Transcendentals take a handful of FLOPs each on any hardware.

@@ -14,17 +14,27 @@ accumulates weight gradients into fixed buffers). It depends on
 
 | needs            | op types                                                             |
 |------------------|----------------------------------------------------------------------|
-| output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt, Dropout (mask)  |
+| output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt                  |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, BatchNormalization,               |
 |                  | InstanceNormalization, LayerNormalization, LeakyRelu, Gelu, Elu,     |
-|                  | Log, Abs, Pow, Gather, Erf, HardSigmoid                              |
+|                  | Log, Abs, Pow, Gather, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU,  |
+|                  | LSTM                                                                 |
 | inputs + output  | MaxPool (argmax), LRN; any op not listed (conservative)              |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
-|                  | ReduceMean, ReduceSum, Slice, Neg                                    |
+|                  | ReduceMean, ReduceSum, Slice, Neg, Expand, and every operator        |
+|                  | without a gradient (Equal, IsNaN, ...)                               |
 | other operand    | Mul (each input's gradient needs the other: the activation inputs    |
 |                  | are needed only when two of them are activations), Div (the divisor, |
 |                  | and the dividend too, when the divisor is an activation)             |
+| some inputs      | Where (the condition), GatherElements (the indices), Resize (roi,    |
+|                  | scales, sizes), Dropout (ratio, training mode; and its output)       |
+
+Clip and HardSwish need their input (Clip: and its bounds); Expand, like Reshape, only the
+input's shape. Operators with no gradient at all (comparisons such as Equal, logical
+operators, IsNaN, Shape, ArgMax, rounding) need neither: their backward node passes zeros.
+"Some inputs" names ONNX input positions among the inputs present (``SOME_INPUTS``): the
+backward node reads the activations at those positions only, the others are shapes to it.
 
 "inputs" means activation inputs (values of other nodes); parameters are fixed memory and
 always available. The backward node's output is the gradient for each activation input
@@ -35,7 +45,7 @@ Conv/ConvTranspose/Gemm/MatMul (input and weight gradients), times 1 otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 
 from remat.errors import InvalidInputError
@@ -49,35 +59,62 @@ class Needs(Enum):
     BOTH = "inputs+output"
     MUL = "other operand"
     DIV = "divisor (and dividend)"
+    SOME = "some inputs"  # the positions in SOME_INPUTS (and the output, if it says so)
 
 
 def _ops(names: str, needs: Needs) -> dict[str, Needs]:
     return dict.fromkeys(names.split(), needs)
 
 
+# Operators whose outputs carry no gradient (booleans, indices, shapes, rounding).
+NO_GRADIENT_OPS = frozenset(
+    _ops(
+        "Equal Less LessOrEqual Greater GreaterOrEqual And Or Xor Not IsNaN IsInf Shape Size "
+        "ArgMax ArgMin ConstantOfShape Floor Ceil Round Sign",
+        Needs.NEITHER,
+    )
+)
+# Needs.SOME: (ONNX input positions among the inputs present, whether the output too).
+SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
+    "Where": (frozenset({0}), False),  # the condition routes the gradient
+    "GatherElements": (frozenset({1}), False),  # the indices scatter it back
+    "Resize": (frozenset({1, 2, 3}), False),  # roi, scales, sizes: linear in the data
+    "Upsample": (frozenset({1}), False),  # scales
+    "Dropout": (frozenset({1, 2}), True),  # ratio, training mode, and the mask
+}
 GRADIENT_NEEDS: dict[str, Needs] = {
-    **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt Dropout", Needs.OUTPUT),
+    **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt", Needs.OUTPUT),
     **_ops(
         "Conv ConvTranspose Gemm MatMul BatchNormalization InstanceNormalization "
-        "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Gather Erf HardSigmoid",
+        "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Gather Erf HardSigmoid "
+        "Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),
     **_ops("MaxPool LRN", Needs.BOTH),
     **_ops(
         "Add Sub Sum Concat Split Reshape Flatten Transpose Identity Pad AveragePool "
-        "GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg",
+        "GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg Expand",
         Needs.NEITHER,
     ),
+    **dict.fromkeys(NO_GRADIENT_OPS, Needs.NEITHER),
+    **dict.fromkeys(SOME_INPUTS, Needs.SOME),
     "Mul": Needs.MUL,
     "Div": Needs.DIV,
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
-def gradient_needs(node: Node) -> tuple[tuple[int, ...], bool]:
-    """(activation inputs the gradient reads, whether it reads the node's output)."""
+def gradient_needs(
+    node: Node, producer: Mapping[str, int] | None = None
+) -> tuple[tuple[int, ...], bool]:
+    """(activation inputs the gradient reads, whether it reads the node's output).
+    ``producer`` maps tensor names to the forward nodes writing them: without it (or
+    without the node's ``onnx_inputs``) a ``Needs.SOME`` operator reads all its inputs."""
     needs = GRADIENT_NEEDS.get(node.op, Needs.BOTH)
     deps = node.deps
+    if needs is Needs.SOME:
+        positions, output = SOME_INPUTS[node.op]
+        return _deps_at(node, positions, producer), output
     if needs is Needs.INPUTS:
         return deps, False
     if needs is Needs.OUTPUT:
@@ -90,6 +127,22 @@ def gradient_needs(node: Node) -> tuple[tuple[int, ...], bool]:
         divisor_is_value = _input_is_value(node, 1)
         return (deps if divisor_is_value else ()), False
     return (), False
+
+
+def _deps_at(
+    node: Node, positions: frozenset[int], producer: Mapping[str, int] | None
+) -> tuple[int, ...]:
+    """The dependencies writing the node's inputs at ``positions`` (all of them when the
+    inputs cannot be told apart)."""
+    onnx_inputs = node.attrs.get("onnx_inputs")
+    if producer is None or not isinstance(onnx_inputs, list):
+        return node.deps
+    found = {
+        producer[name]
+        for position, name in enumerate(onnx_inputs)
+        if position in positions and name in producer and name not in node.fixed
+    }
+    return tuple(d for d in node.deps if d in found)
 
 
 def _input_is_value(node: Node, position: int) -> bool:
@@ -123,6 +176,11 @@ def training_graph(forward: Graph) -> Graph:
         )
     )
     backward_of: dict[int, int] = {}
+    producer: dict[str, int] = {}
+    for n in forward.nodes:
+        written = n.attrs.get("onnx_outputs")
+        if isinstance(written, list):
+            producer.update((str(name), n.id) for name in written)
     users = forward.users()
     outputs = set(forward.outputs)
     for f in reversed(range(len(forward))):
@@ -134,14 +192,19 @@ def training_graph(forward: Graph) -> Graph:
         upstream = [backward_of[u] for u in users[f] if u in backward_of]
         if f in outputs:
             upstream.append(loss)
-        nodes.append(_backward_node(node, index, upstream, nodes, names))
+        nodes.append(_backward_node(node, index, upstream, nodes, names, producer))
     return Graph(Mode.TRAINING, tuple(nodes), dict(forward.fixed), ())
 
 
 def _backward_node(
-    node: Node, index: int, upstream: list[int], nodes: list[Node], names: _Names
+    node: Node,
+    index: int,
+    upstream: list[int],
+    nodes: list[Node],
+    names: _Names,
+    producer: Mapping[str, int],
 ) -> Node:
-    values, needs_output = gradient_needs(node)
+    values, needs_output = gradient_needs(node, producer)
     deps = set(upstream) | set(values)
     if needs_output:
         deps.add(node.id)

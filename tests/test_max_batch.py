@@ -15,7 +15,6 @@ from remat.max_batch import (
     CostBound,
     max_batch,
     one_extra_forward_ms,
-    plan_with,
     problems_by_batch,
     try_batch,
 )
@@ -54,10 +53,7 @@ def test_found_batch_fits_under_the_bound_and_the_next_does_not(strategy):
 
     def run(batch):
         problem = build(batch)
-        result = (
-            plan_with(strategy, problem) if strategy == "auto" else run_strategy(strategy, problem)
-        )
-        return result, problem
+        return run_strategy(strategy, problem), problem
 
     result, problem = run(found.batch)
     assert within_bound(result, problem)

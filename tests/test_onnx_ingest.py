@@ -6,7 +6,8 @@ Every model is built inline with onnx.helper.
 from __future__ import annotations
 
 import importlib.util
-import time
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -657,22 +658,233 @@ def test_attrs_record_onnx_io() -> None:
     assert attrs["output_shapes"] == [(2, 4, 6, 6)]
 
 
-def test_subgraph_captures_are_dependencies() -> None:
-    branch = helper.make_graph(
+def _branches() -> tuple[onnx.GraphProto, onnx.GraphProto]:
+    then = helper.make_graph(
         [helper.make_node("Relu", ["a"], ["t"])], "then", [], [vi("t", X_SHAPE)]
     )
     other = helper.make_graph(
         [helper.make_node("Sigmoid", ["a"], ["e"])], "else", [], [vi("e", X_SHAPE)]
     )
+    return then, other
+
+
+def _loop_body() -> onnx.GraphProto:
+    nodes = [
+        helper.make_node("Identity", ["c_in"], ["c_out"]),
+        helper.make_node("Add", ["v_in", "v_in"], ["v_out"]),
+    ]
+    inputs = [vi("i", [], TensorProto.INT64), vi("c_in", [], TensorProto.BOOL), vi("v_in", X_SHAPE)]
+    return helper.make_graph(
+        nodes, "body", inputs, [vi("c_out", [], TensorProto.BOOL), vi("v_out", X_SHAPE)]
+    )
+
+
+def _scan_body() -> onnx.GraphProto:
+    nodes = [
+        helper.make_node("Add", ["s_in", "x_i"], ["s_out"]),
+        helper.make_node("Identity", ["s_out"], ["y_i"]),
+    ]
+    row = list(X_SHAPE[1:])
+    return helper.make_graph(
+        nodes, "scan", [vi("s_in", row), vi("x_i", row)], [vi("s_out", row), vi("y_i", row)]
+    )
+
+
+def test_control_flow_is_one_line_naming_every_node() -> None:
+    """If, Loop and Scan cannot be planned statically: all of them are named at once,
+    with their counts, also those downstream of another (their shapes are unknown)."""
+    then, other = _branches()
     nodes = [
         helper.make_node("Relu", ["x"], ["a"]),
-        helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=other),
+        helper.make_node("If", ["cond"], ["b"], then_branch=then, else_branch=other, name="if1"),
+        helper.make_node("If", ["cond"], ["c"], then_branch=then, else_branch=other, name="if2"),
+        helper.make_node("Loop", ["trip", "", "b"], ["d"], body=_loop_body(), name="loop"),
+        helper.make_node(
+            "Scan", ["zero", "d"], ["s", "e"], body=_scan_body(), num_scan_inputs=1, name="scan"
+        ),
+        helper.make_node("Add", ["c", "e"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", X_SHAPE), vi("cond", [], TensorProto.BOOL)],
+        [out("y", 4)],
+        [init("trip", np.array(3), np.int64), ones("zero", X_SHAPE[1:])],
+    )
+    with pytest.raises(ShapeError) as info:
+        ingest(m)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("4 nodes (3 operators) cannot be planned")
+    assert "If x2 ('if1', 'if2'): control flow" in message
+    assert "Loop x1 ('loop')" in message and "Scan x1 ('scan')" in message
+    assert "static unrolling" in message
+    assert "Add" not in message  # downstream of unusable nodes, not itself unusable
+
+
+def test_one_control_flow_node_names_it_and_what_is_needed() -> None:
+    then, other = _branches()
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="gate"),
     ]
     m = model(nodes, [vi("x", X_SHAPE), vi("cond", [], TensorProto.BOOL)], [out("y", 4)])
+    with pytest.raises(ShapeError, match=r"node 'gate' \(If\) is control flow.*would need"):
+        ingest(m)
+
+
+def test_every_unsupported_operator_is_listed_with_counts() -> None:
+    nodes = [
+        helper.make_node("NonZero", ["x"], ["nz1"], name="nz1"),
+        helper.make_node("NonZero", ["x"], ["nz2"], name="nz2"),
+        helper.make_node("Fancy", ["x"], ["f"], domain="com.example", name="fancy"),
+        helper.make_node("SequenceConstruct", ["x", "x"], ["seq"], name="seq"),
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Transpose", ["nz1"], ["t"]),  # downstream: not named
+    ]
+    m = model(
+        nodes,
+        [vi("x", X_SHAPE)],
+        [
+            out("t", 2, TensorProto.INT64),
+            out("nz2", 2, TensorProto.INT64),
+            out("f", 4),
+            out("r", 4),
+        ],
+        extra_opsets=[helper.make_opsetid("com.example", 1)],
+    )
+    m.graph.output.append(helper.make_tensor_sequence_value_info("seq", F32, None))
+    with pytest.raises(ShapeError) as info:
+        ingest(m)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("4 nodes (3 operators) cannot be planned")
+    assert "NonZero x2 ('nz1', 'nz2'): its output shape depends on the data" in message
+    assert "Fancy x1 ('fancy'): operator com.example.Fancy has no shape inference" in message
+    assert "value_info" in message
+    assert "SequenceConstruct x1 ('seq'): sequence" in message
+    assert "Transpose" not in message
+
+
+def test_long_lists_of_nodes_are_cut() -> None:
+    nodes = [helper.make_node("NonZero", ["x"], [f"nz{i}"], name=f"nz{i}") for i in range(8)]
+    outputs = [out(f"nz{i}", 2, TensorProto.INT64) for i in range(8)]
+    with pytest.raises(ShapeError, match=r"NonZero x8 \('nz0', .*'nz4' and 3 more\)"):
+        ingest(model(nodes, [vi("x", X_SHAPE)], outputs))
+
+
+# --- optional and unused outputs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opset", [7, 9, 10, 13, 17])
+def test_dropout_with_an_unused_mask_ingests(opset: int) -> None:
+    """The classic zoo's opset-9 models (AlexNet, VGG, ...): shape inference leaves the
+    mask of Dropout-7 untyped; its shape is the data's, as the specification says."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Dropout", ["r"], ["y", "mask"], name="drop"),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], opset=opset))
+    assert ops_of(graph) == ["Relu", "Dropout"]
+    drop = graph.nodes[1]
+    assert drop.attrs["onnx_outputs"] == ["y", "mask"]
+    assert drop.attrs["output_shapes"] == [X_SHAPE, X_SHAPE]
+    mask_bytes = 384 if opset >= 10 else 384 * 4  # bool from Dropout-10 on, else T
+    assert drop.output_bytes == 384 * 4 + mask_bytes
+
+
+def test_dropout_mask_read_by_a_node_has_the_specified_shape() -> None:
+    nodes = [
+        helper.make_node("Dropout", ["x"], ["d", "mask"]),
+        helper.make_node("Cast", ["mask"], ["m"], to=F32),
+        helper.make_node("Mul", ["d", "m"], ["y"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], opset=9))
+    assert graph.nodes[1].attrs["input_shapes"] == [X_SHAPE]
+
+
+def test_an_unused_output_of_unknown_shape_is_left_out() -> None:
+    nodes = [
+        helper.make_node("Fancy", ["x"], ["f", "aux"], domain="com.example"),
+        helper.make_node("Relu", ["f"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", X_SHAPE)],
+        [out("y", 4)],
+        value_info=[vi("f", X_SHAPE)],
+        extra_opsets=[helper.make_opsetid("com.example", 1)],
+    )
     graph = ingest(m)
-    assert ops_of(graph) == ["Relu", "If"]
-    assert graph.nodes[1].deps == (0,)
-    assert graph.nodes[1].output_bytes == 384 * 4
+    assert graph.nodes[0].attrs["onnx_outputs"] == ["f"]
+    assert graph.nodes[0].output_bytes == 384 * 4
+
+
+def test_a_used_output_of_unknown_shape_still_fails() -> None:
+    nodes = [
+        helper.make_node("Fancy", ["x"], ["f", "aux"], domain="com.example", name="fancy"),
+        helper.make_node("Add", ["f", "aux"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", X_SHAPE)],
+        [out("y", 4)],
+        value_info=[vi("f", X_SHAPE)],
+        extra_opsets=[helper.make_opsetid("com.example", 1)],
+    )
+    with pytest.raises(ShapeError, match=r"'fancy' \(Fancy\)"):
+        ingest(m)
+
+
+# --- constant folding and sizes -------------------------------------------------------------
+
+
+def test_gather_elements_folds_past_the_reference_evaluators_limit() -> None:
+    """BERT: onnx.reference's GatherElements fails with more than 32/64 choices
+    ("cannot reshape array of size 1 into shape (1,32)")."""
+    nodes = [
+        helper.make_node("GatherElements", ["table", "idx"], ["g"], axis=1),
+        helper.make_node("Squeeze", ["g", "axes"], ["shape"]),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    table = init("table", np.arange(512).reshape(1, 512), np.int64)
+    inits = [table, init("idx", [[6, -448]], np.int64), init("axes", [0], np.int64)]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 2)], inits))
+    assert ops_of(graph) == ["Reshape"]
+    assert graph.nodes[0].attrs["output_shapes"] == [(6, 64)]
+
+
+def test_a_huge_declared_input_is_refused_with_its_bytes() -> None:
+    big = [1 << 20] * 3
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", big)], [out("y", 3)])
+    with pytest.raises(ShapeError, match=r"input 'x' .*would need 4611686018427387904 bytes"):
+        ingest(m)
+
+
+def test_a_huge_computed_output_is_refused_with_its_bytes() -> None:
+    nodes = [
+        helper.make_node("Expand", ["x", "shape"], ["e"], name="expand"),
+        helper.make_node("Relu", ["e"], ["y"]),
+    ]
+    inits = [init("shape", [1 << 31, 1 << 31, 1 << 31], np.int64)]
+    m = model(nodes, [vi("x", [1])], [out("y", 3)], inits)
+    with pytest.raises(ShapeError, match=r"node 'expand' \(Expand\).*would need \d+ bytes"):
+        ingest(m)
+
+
+def test_graph_piped_into_head_prints_no_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(
+        model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", X_SHAPE)], [out("y", 4)]), path
+    )
+    remat = Path(sys.executable).parent / "remat"
+    proc = subprocess.Popen(
+        [str(remat), "graph", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before anything is written
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr
 
 
 # --- bad files ----------------------------------------------------------------------------
@@ -788,14 +1000,12 @@ def _long_model(blocks: int, opset: int) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("opset", [13, 17])
-def test_two_thousand_nodes_ingest_fast(opset: int) -> None:
+def test_two_thousand_nodes_ingest_with_shape_idioms_folded(opset: int) -> None:
+    """Ingestion time of such graphs is measured by bench/baselines.py (ingestion.csv)."""
     data = _long_model(250, opset).SerializeToString()
-    start = time.perf_counter()
     graph = load_forward_graph(data, batch=4)
-    elapsed = time.perf_counter() - start
     assert len(graph) == 1000  # the 4 shape-idiom nodes per block are folded
     assert all(n.output_bytes == 4 * 32 * 4 for n in graph.nodes)
-    assert elapsed < 2.0, f"{elapsed:.2f} s"
 
 
 # --- FLOP estimates -----------------------------------------------------------------------
@@ -817,6 +1027,11 @@ def test_two_thousand_nodes_ingest_fast(opset: int) -> None:
         ("ReduceMean", [(2, 8)], [(2, 1)], {}, 16),
         ("Dropout", [(2, 8)], [(2, 8), (2, 8)], {}, 0),
         ("SomethingNew", [(2, 8)], [(3, 8)], {}, 24),
+        # LSTM, bidirectional: X (seq 5, batch 2, I 3), W (2, 4H, I), R (2, 4H, H) with H 4:
+        # 10 steps x 2 directions x 16 gate units x (2 (I + H) + 10)
+        ("LSTM", [(5, 2, 3), (2, 16, 3), (2, 16, 4)], [(5, 2, 2, 4)], {}, 10 * 2 * 16 * 24),
+        ("GRU", [(2, 5, 3), (1, 12, 3), (1, 12, 4)], [(2, 1, 5, 4)], {"layout": 1}, 10 * 12 * 24),
+        ("Resize", [(1, 2, 4, 4)], [(1, 2, 8, 8)], {}, 4 * 128),
         ("Conv", [(1, 8, 4, 4)], [(1, 8, 2, 2)], {}, 32),  # malformed: default estimate
     ],
 )
@@ -860,14 +1075,12 @@ def test_sample_models_ingest(name: str, build: Callable[[], onnx.ModelProto] | 
     assert graph.outputs
 
 
-def test_large_sample_ingests_fast() -> None:
+def test_large_sample_ingests() -> None:
+    """Its ingestion time is measured by bench/baselines.py (ingestion.csv)."""
     if importlib.util.find_spec("remat.samples") is None:
         pytest.skip("remat.samples is not available")
     from remat import samples
 
     data = samples.large().SerializeToString()
-    start = time.perf_counter()
     graph = load_forward_graph(data, batch=8)
-    elapsed = time.perf_counter() - start
     assert len(graph) >= 1900
-    assert elapsed < 2.0, f"{elapsed:.2f} s"

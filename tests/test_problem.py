@@ -7,7 +7,7 @@ from remat import samples
 from remat.budgets import fixed_bytes, reference
 from remat.costs import CostSource, CostTable, analytical_costs, cost_table_of
 from remat.devices import MAX_BYTES, Device, DeviceKind, Size
-from remat.errors import InvalidInputError
+from remat.errors import InvalidInputError, RematError
 from remat.graph import Mode
 from remat.problem import build_problem, cost_model, model_graph, problem_from_graph
 from remat.strategies import SolverSettings
@@ -183,7 +183,7 @@ def test_a_cost_model_above_the_limit_is_rejected(graph):
 
 
 def test_an_oversize_batch_of_a_model_is_rejected():
-    with pytest.raises(InvalidInputError, match="beyond any device"):
+    with pytest.raises(RematError, match="more than any device holds"):
         build_problem(samples.chain(2), batch=2**56)
 
 

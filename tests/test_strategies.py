@@ -109,7 +109,7 @@ def test_registry_lists_the_baselines_in_order():
 
 
 def test_unknown_strategy_lists_known_ones():
-    with pytest.raises(StrategyError, match=r"unknown strategy 'nope'.*checkpoint_all"):
+    with pytest.raises(StrategyError, match=r"unknown strategy 'nope'.*auto, checkpoint_all"):
         run_strategy("nope", problem(GRAPHS["chain"]()))
 
 

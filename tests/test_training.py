@@ -1,6 +1,10 @@
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
 from remat.errors import InvalidInputError
-from remat.graph import Mode, NodeKind
-from remat.training import for_mode, training_graph
+from remat.graph import Graph, Mode, NodeKind
+from remat.onnx_ingest import forward_graph
+from remat.training import for_mode, gradient_needs, training_graph
 
 from graphs import chain, diamond, forward
 
@@ -68,3 +72,59 @@ def test_inference_mode_is_the_forward_graph():
         pass
     else:
         raise AssertionError("a training graph must not be differentiated again")
+
+
+# --- gradient needs of single operators (ONNX models) ------------------------------------------
+
+
+def _onnx_training_graph() -> Graph:
+    """x -> Relu(a), Neg(b); Equal(a, b) -> cond; Where(cond, a, b) -> w; Clip(w) -> c;
+    HardSwish(c) -> h; Expand(h) -> e; GatherElements(e, indices kk) -> out, the indices an
+    activation (Expand of a Cast of a)."""
+    f32 = TensorProto.FLOAT
+    inits = [
+        numpy_helper.from_array(np.array(-0.5, np.float32), "lo"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "hi"),
+        numpy_helper.from_array(np.array([2, 3, 4], np.int64), "shape"),
+    ]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], "a"),
+        helper.make_node("Neg", ["x"], ["b"], "b"),
+        helper.make_node("Equal", ["a", "b"], ["cond"], "cond"),
+        helper.make_node("Where", ["cond", "a", "b"], ["w"], "where"),
+        helper.make_node("Clip", ["w", "lo", "hi"], ["c"], "clip"),
+        helper.make_node("HardSwish", ["c"], ["h"], "hs"),
+        helper.make_node("Expand", ["h", "shape"], ["e"], "expand"),
+        helper.make_node("Cast", ["a"], ["k"], "k", to=TensorProto.INT64),
+        helper.make_node("Expand", ["k", "shape"], ["kk"], "kk"),
+        helper.make_node("GatherElements", ["e", "kk"], ["out"], "gather", axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "needs",
+        [helper.make_tensor_value_info("x", f32, [3, 4])],
+        [helper.make_tensor_value_info("out", f32, [2, 3, 4])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return training_graph(forward_graph(model))
+
+
+def test_selected_operators_read_only_what_their_gradient_needs():
+    g = _onnx_training_graph()
+
+    def deps_of(name: str) -> set[str]:
+        node = g.nodes[g.index(f"{name}:grad")]
+        return {g.nodes[d].name for d in node.deps if g.nodes[d].kind is NodeKind.FORWARD}
+
+    assert deps_of("where") == {"cond"}  # the condition, not the branches
+    assert deps_of("gather") == {"kk"}  # the indices, not the data
+    assert deps_of("clip") == {"where"}  # its input (the bounds are constants)
+    assert deps_of("hs") == {"clip"}
+    assert deps_of("expand") == set()  # a sum to the input's shape
+    assert deps_of("cond") == set()  # Equal has no gradient
+
+
+def test_some_inputs_without_onnx_names_read_every_input():
+    base = forward([(), (0,), (0, 1)], op="Where")
+    assert gradient_needs(base.nodes[2]) == ((0, 1), False)

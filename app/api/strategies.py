@@ -24,6 +24,7 @@ from app.api.deps import require_key
 from app.planning import AUTO
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 from remat.strategies import REGISTRY
+from remat.strategies.auto import DESCRIPTION as AUTO_DESCRIPTION
 
 router = APIRouter(prefix="/v1", tags=["strategies"], dependencies=[Depends(require_key)])
 
@@ -31,14 +32,13 @@ StrategyKind = Literal["auto", "baseline", "heuristic", "exact"]
 DEFAULT_STRATEGY = "xengine"  # app.schemas.JobSpec's default
 PROBE_TIMEOUT_S = 30.0
 
-AUTO_DESCRIPTION = "every applicable baseline on every device; the cheapest plan that fits wins"
-
 
 class StrategyInfo(BaseModel):
     name: str
     kind: StrategyKind = Field(
-        description="auto: the cheapest baseline; baseline: Checkmate's Table 1 heuristics; "
-        "heuristic: other heuristics; exact: a MILP/MIQP solved towards a proven optimum"
+        description="auto: the baselines, greedy eviction and a short exact solve; "
+        "baseline: Checkmate's Table 1 heuristics; heuristic: other heuristics; "
+        "exact: a MILP/MIQP solved towards a proven optimum"
     )
     places_over_devices: bool = Field(
         description="places operators over the job's devices itself (run once for all); "

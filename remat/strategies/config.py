@@ -34,6 +34,18 @@ class SearchConfig:
     """Candidates the simulator must accept before the multi-device heuristic stops
     judging more."""
 
+    # --- auto, the default strategy (``remat.strategies.auto``) --------------------------
+    auto_exact_max_nodes: int = 1000
+    """Auto ends with a short exact solve (``checkmate_milp``, or ``xengine`` on several
+    devices) only on graphs of at most this many nodes (larger ones are decomposed by the
+    exact search, which needs longer than a short solve)."""
+    auto_exact_s: float = 10.0
+    """Seconds of auto's exact solve, at most the time left of the problem's limit (none
+    when less than ``min_solve_s`` is left)."""
+    auto_skip_gap: float = 0.01
+    """Relative: auto runs no exact solve when its best plan so far is this close to the
+    ideal (every node once on its fastest device), a lower bound no solve can beat."""
+
     # --- warm start (``remat.strategies.exact.search``) -----------------------------------
     fit_share: float = 0.5
     """At most this share of the time limit for a warm-start heuristic's descent to a first

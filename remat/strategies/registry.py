@@ -1,6 +1,7 @@
 """The strategy registry: every strategy by name, with its kind, whether it places
 operators over devices, and a one-line description (``REGISTRY``); ``run_strategy`` runs
-one by name.
+one by name, or ``auto`` (``remat.strategies.auto``: the baselines, greedy eviction and a
+short exact solve; the default of the CLI, the API and the workers).
 
 Adding a strategy is one module (in ``baselines/``, ``heuristics/`` or ``exact/``) and one
 entry: here, or for a baseline in ``baselines.TABLE_1``; or a call to ``register``.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from remat.errors import StrategyError
+from remat.strategies.auto import AUTO, auto
 from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
@@ -106,11 +108,14 @@ def register(
 
 
 def run_strategy(name: str, problem: Problem, device: str | None = None) -> StrategyResult:
-    """Run strategy ``name`` on one device, or on each device of the cost model (None) and
-    return the cheapest feasible result, else the infeasible one needing the least memory."""
+    """Run strategy ``name`` (or ``auto``) on one device, or on each device of the cost
+    model (None) and return the cheapest feasible result, else the infeasible one needing
+    the least memory."""
+    if name == AUTO:
+        return auto(problem, device)
     strategy = STRATEGIES.get(name)
     if strategy is None:
-        known = ", ".join(STRATEGIES)
+        known = ", ".join([AUTO, *STRATEGIES])
         raise StrategyError(f"unknown strategy {name!r}; known strategies: {known}")
     info = REGISTRY.get(name)
     if info is not None and info.places_over_devices:

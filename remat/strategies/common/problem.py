@@ -111,7 +111,10 @@ class StrategyResult:
     """The best plan a strategy found within the budgets, or why it found none.
 
     ``min_budget_bytes``: when infeasible, the smallest peak (per device) among the
-    strategy's own candidates: the budget this strategy would need."""
+    strategy's own candidates: the budget this strategy would need.
+    ``proven_infeasible``: without a plan, whether no plan exists at these budgets (the
+    memory floor or a solver proved it), rather than that the strategy found none
+    (``remat.strategies.auto`` says "infeasible" only then)."""
 
     strategy: str
     plan: Plan | None
@@ -119,6 +122,7 @@ class StrategyResult:
     message: str = ""
     min_budget_bytes: dict[str, int] | None = None
     schedule: Schedule | None = None
+    proven_infeasible: bool = False
 
     @property
     def feasible(self) -> bool:

@@ -76,7 +76,9 @@ def unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyResu
     """Infeasible without a solve: some node needs more than every budget
     (``floor.shortfall``)."""
     short = shortfall(problem, names)
-    return None if short is None else StrategyResult(strategy, None, None, short.message(strategy))
+    if short is None:
+        return None
+    return StrategyResult(strategy, None, None, short.message(strategy), proven_infeasible=True)
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
@@ -289,13 +291,14 @@ def _finish(
 
 
 def _no_plan(strategy: str, solved: SolveResult, chosen: StrategyResult | None) -> StrategyResult:
-    if solved.status is SolveStatus.INFEASIBLE:
+    proven = solved.status is SolveStatus.INFEASIBLE
+    if proven:
         message = f"infeasible at this budget: {strategy} proved that no schedule fits"
     elif chosen is not None and chosen.message:
         message = chosen.message
     else:
         message = f"{strategy}: no schedule found ({solved.status.value}) {solved.message}"
-    return StrategyResult(strategy, None, None, message.strip())
+    return StrategyResult(strategy, None, None, message.strip(), proven_infeasible=proven)
 
 
 def _decomposed(

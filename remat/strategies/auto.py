@@ -1,0 +1,190 @@
+"""``auto``, the default strategy: the baselines on each device, then greedy eviction, then,
+on a graph small enough, a short exact solve; the cheapest plan the simulator accepts wins.
+
+The phases share the problem's time limit (``SolveOptions.time_limit_s``), counted from the
+call:
+
+1. every applicable baseline (Checkmate's Table 1) on each device: fast, and often enough;
+2. greedy eviction (``heuristics.evict.greedy_evict``) on each device, for at most
+   ``SearchConfig.evict_time_s`` (less where the limit is short); where no baseline fits it
+   may run on to find a first plan (``fit_share`` of the limit);
+3. where the graph has at most ``auto_exact_max_nodes`` nodes and the best plan so far is
+   more than ``auto_skip_gap`` above the ideal, ``checkmate_milp`` (one device) or
+   ``xengine`` (several) for at most ``auto_exact_s`` of the time left. Its own warm start
+   (the best baseline and greedy eviction, ``exact.search.warm_start``) gives the solver
+   the incumbent found so far.
+
+Only a proof says "infeasible": the memory floor (``common.floor``: a node that fits on no
+device) or an exact solve over the whole problem that its solver proved infeasible; the
+result then has ``proven_infeasible``. Otherwise the message is "no plan found by auto at
+this budget (tried: ...)" with the least memory any phase needed (``min_budget_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from remat.devices import format_bytes
+from remat.errors import RematError
+from remat.strategies.baselines import TABLE_1
+from remat.strategies.common.floor import shortfall
+from remat.strategies.common.problem import Problem, StrategyResult
+from remat.strategies.exact.checkmate import checkmate_milp
+from remat.strategies.exact.xengine import xengine
+from remat.strategies.heuristics.evict import greedy_evict
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+DESCRIPTION = (
+    "Every applicable baseline on each device, then greedy eviction, then on graphs small "
+    "enough a short exact solve (checkmate_milp, or xengine on several devices); the "
+    "cheapest plan that fits wins."
+)
+
+
+@dataclass
+class _Tried:
+    """What auto ran, for the message, and every result."""
+
+    phases: list[str] = field(default_factory=list)
+    results: list[StrategyResult] = field(default_factory=list)
+
+    def add(self, result: StrategyResult | None) -> None:
+        if result is not None:
+            self.results.append(result)
+
+
+def auto(
+    problem: Problem, device: str | None = None, *, good_enough_ms: float | None = None
+) -> StrategyResult:
+    """The cheapest plan of the baselines, greedy eviction and (graphs of at most
+    ``auto_exact_max_nodes`` nodes) a short exact solve, on ``device`` or on each device
+    (None); see the module docstring for the phases, the time they get and the wording of
+    a result without a plan. ``good_enough_ms``: no exact solve once a plan costs at most
+    this (the max-batch search only asks whether a plan is within its bound)."""
+    start = time.monotonic()
+    config, options = problem.solver.search, problem.solver.options
+    if device is not None:
+        problem.costs.device_index(device)  # an unknown device is a clear error
+    names = (device,) if device is not None else tuple(d.name for d in problem.costs.devices)
+    tried = _Tried()
+
+    def left() -> float:
+        return options.time_limit_s - (time.monotonic() - start)
+
+    floor = shortfall(problem, names)
+    _baselines(problem, names, tried)
+    if floor is not None:  # no plan exists: the baselines only say what a plan would need
+        return _no_plan(tried, floor.message(AUTO), proven=True)
+
+    if not problem.cancelled:
+        fit_s = options.time_limit_s * config.fit_share / len(names)
+        for name in names:
+            seconds = max(0.0, min(config.evict_time_s, left() / len(names)))
+            logger.debug("auto: greedy eviction on %s for %.3g s", name, seconds)
+            tried.add(_attempt(greedy_evict, problem, name, seconds, fit_s))
+        tried.phases.append(f"greedy_evict on {', '.join(names)}")
+
+    best = _cheapest(tried.results)
+    seconds = min(config.auto_exact_s, left())
+    exact = "xengine" if len(names) > 1 else "checkmate_milp"
+    if (
+        not problem.cancelled
+        and len(problem.graph) <= config.auto_exact_max_nodes
+        and seconds >= config.min_solve_s
+        and not _near_ideal(problem, best, names)
+        and not (best is not None and good_enough_ms is not None and _ms(best) <= good_enough_ms)
+    ):
+        short = replace(problem.solver, options=replace(options, time_limit_s=seconds))
+        within = replace(problem, solver=short)
+        logger.debug("auto: %s for %.3g s", exact, seconds)
+        if len(names) > 1:
+            solved = _attempt(xengine, within, None)
+        else:
+            solved = _attempt(checkmate_milp, within, names[0])
+        tried.add(solved)
+        tried.phases.append(f"{exact} {seconds:.3g} s")
+        if solved is not None and _proved(solved):  # over every device auto plans on
+            message = solved.message.replace(f": {exact} proved", f": auto ({exact}) proved", 1)
+            return _no_plan(tried, message, proven=True)
+
+    best = _cheapest(tried.results)
+    if best is not None:
+        return best
+    text = f"no plan found by auto at this budget (tried: {', '.join(tried.phases)})"
+    if problem.cancelled:
+        text += "; cancelled"
+    return _no_plan(tried, text, proven=False)
+
+
+def _baselines(problem: Problem, names: Sequence[str], tried: _Tried) -> None:
+    """Every baseline of Checkmate's Table 1 on each device (one that does not apply to
+    the graph, a chain-only heuristic on a non-chain, is skipped)."""
+    for name in names:
+        for baseline, _ in TABLE_1.values():
+            tried.add(_attempt(baseline, problem, name))
+    tried.phases.append(f"baselines on {', '.join(names)}")
+
+
+def _attempt(
+    strategy: Callable[..., StrategyResult], problem: Problem, *args: object
+) -> StrategyResult | None:
+    """``strategy(problem, *args)``, or None where it does not apply to the graph."""
+    try:
+        return strategy(problem, *args)
+    except RematError as exc:
+        logger.debug("auto: %s does not apply: %s", getattr(strategy, "__name__", strategy), exc)
+        return None
+
+
+def _ms(result: StrategyResult) -> float:
+    assert result.simulation is not None
+    return result.simulation.total_ms
+
+
+def _cheapest(results: Sequence[StrategyResult]) -> StrategyResult | None:
+    feasible = [r for r in results if r.feasible and r.simulation is not None]
+    return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
+
+
+def _near_ideal(problem: Problem, best: StrategyResult | None, names: Sequence[str]) -> bool:
+    """The best plan is within ``auto_skip_gap`` of the ideal (every node once on its
+    fastest device): no exact solve can gain more."""
+    if best is None or best.simulation is None:
+        return False
+    ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
+    return best.simulation.total_ms <= ideal * (1 + problem.solver.search.auto_skip_gap)
+
+
+def _proved(result: StrategyResult) -> bool:
+    return not result.feasible and result.proven_infeasible
+
+
+def _no_plan(tried: _Tried, message: str, proven: bool) -> StrategyResult:
+    """Auto's result without a plan: ``message`` (a proof, or what was tried) and the least
+    memory any phase's schedule needed (``min_budget_bytes``), with its simulation."""
+    needing = [r for r in tried.results if r.min_budget_bytes]
+    least = min(needing, key=lambda r: max(r.min_budget_bytes.values()), default=None)  # type: ignore[union-attr]
+    if least is None or least.min_budget_bytes is None:
+        if not proven:
+            message += "; none of them produced a correct schedule"
+        return StrategyResult(AUTO, None, None, message, proven_infeasible=proven)
+    need = least.min_budget_bytes
+    amounts = ", ".join(f"{format_bytes(v)} ({v} B) on {d}" for d, v in need.items())
+    if proven:
+        message += f"; the least any plan found needs is {amounts} ({least.strategy})"
+    else:
+        message += f"; the least any of them needed is {amounts} ({least.strategy})"
+    return StrategyResult(
+        AUTO,
+        None,
+        least.simulation,
+        message,
+        dict(need),
+        least.schedule,
+        proven_infeasible=proven,
+    )

@@ -73,6 +73,38 @@ def test_an_upload_that_is_not_a_model_is_refused(api: InProcessApi) -> None:
     assert api.client.get("/v1/models").json()["items"] == []
 
 
+def test_an_upload_with_control_flow_is_refused_naming_every_such_node(
+    api: InProcessApi,
+) -> None:
+    """Two ``If`` nodes: one 422 whose detail names both, and nothing stored."""
+    from onnx import TensorProto, helper
+
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])],
+    )
+    nodes = [
+        helper.make_node("If", ["c"], [f"y{i}"], then_branch=branch, else_branch=branch, name=n)
+        for i, n in enumerate(("gate_a", "gate_b"))
+    ]
+    nodes.append(helper.make_node("Add", ["y0", "y1"], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "two_ifs",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    detail = problem(upload(api.client, model.SerializeToString()), 422)["detail"]
+    assert "If x2" in detail and "gate_a" in detail and "gate_b" in detail
+    assert api.client.get("/v1/models").json()["items"] == []
+
+
 def test_an_upload_without_a_file_is_refused(api: InProcessApi) -> None:
     form = api.client.post("/v1/models", data={"file": "not a file"})
     assert "multipart/form-data" in problem(form, 415)["detail"]

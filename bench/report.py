@@ -239,12 +239,51 @@ def _targets(row: dict[str, str]) -> str:
     return f"missed ({', '.join(misses)})"
 
 
+def _models(rows: Rows) -> str:
+    """Real exports: ingest, the ``auto`` plan at 50% and the executor's check, or the
+    first error on the way (one line)."""
+
+    def ingest(r: dict[str, str]) -> str:
+        if r.get("export", "ok") != "ok":
+            return f"export failed: {_cell(r['export'])}"
+        return _cell(r.get("ingest", ""))
+
+    def plan(r: dict[str, str]) -> str:
+        if r.get("overhead"):
+            return f"{r['plan']} {_pct(r, 'overhead')}"
+        return _cell(r.get("plan", ""))
+
+    def check(r: dict[str, str]) -> str:
+        error = r.get("rel_error", "")
+        text = _cell(r.get("check", ""))
+        return f"{text} {float(error):.1e}" if error not in ("", "None") else text
+
+    columns: list[Column] = [
+        ("model", lambda r: r["model"]),
+        ("source", lambda r: r["source"]),
+        ("exporter", lambda r: f"{r['exporter']} {r.get('opset', '')}".strip()),
+        ("mode", lambda r: r["mode"]),
+        ("ONNX nodes", lambda r: r.get("onnx_nodes", "")),
+        ("graph nodes", lambda r: r.get("nodes", "")),
+        ("ingest", ingest),
+        ("plan@50% (auto) vs ideal", plan),
+        ("executor: grad (output) error", check),
+        ("s", lambda r: _f(r, "seconds", ".1f")),
+    ]
+    return _table(rows, columns, ("ONNX nodes", "graph nodes", "s"))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 RENDERERS: dict[str, Callable[[Rows], str]] = {
     "baselines": _baselines,
     "ingestion": _ingestion,
     "api": _api,
     "solvers": _solvers,
     "agent": _agent,
+    "models": _models,
 }
 
 

@@ -848,6 +848,29 @@ def _dropout(spec: OpSpec, args: Args) -> Outputs:
     return x * keep.to(x.dtype) * (1.0 / (1.0 - ratio)), keep
 
 
+def _random_like(normal: bool) -> Callable[[OpSpec, Args], Outputs]:
+    """RandomUniformLike / RandomNormalLike: values of the input's shape (its dtype unless
+    ``dtype`` says otherwise), drawn like Dropout's mask from the node's own seed, so that
+    every run of a check (planned, recomputed, float64, reference) sees the same values
+    (stochastic depth in torchvision's EfficientNet exports). No gradient flows through."""
+
+    def kernel(spec: OpSpec, args: Args) -> Outputs:
+        x = args[0]
+        assert x is not None
+        dtype = DTYPES[spec.attr("dtype")] if spec.attr("dtype") is not None else x.dtype
+        generator = torch.Generator().manual_seed(spec.seed)
+        if normal:
+            draw = torch.randn(tuple(x.shape), generator=generator, dtype=torch.float64)
+            values = draw * float(spec.attr("scale", 1.0)) + float(spec.attr("mean", 0.0))
+        else:
+            low, high = float(spec.attr("low", 0.0)), float(spec.attr("high", 1.0))
+            draw = torch.rand(tuple(x.shape), generator=generator, dtype=torch.float64)
+            values = draw * (high - low) + low
+        return (values.to(dtype=dtype, device=x.device),)
+
+    return kernel
+
+
 # --- Resize ------------------------------------------------------------------------------------
 
 
@@ -1298,6 +1321,8 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "Size": _size,
     "Identity": _identity,
     "Dropout": _dropout,
+    "RandomUniformLike": _random_like(normal=False),
+    "RandomNormalLike": _random_like(normal=True),
     "Resize": _resize,
     "Upsample": _resize,
     # recurrent layers

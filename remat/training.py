@@ -66,11 +66,12 @@ def _ops(names: str, needs: Needs) -> dict[str, Needs]:
     return dict.fromkeys(names.split(), needs)
 
 
-# Operators whose outputs carry no gradient (booleans, indices, shapes, rounding).
+# Operators whose outputs carry no gradient (booleans, indices, shapes, rounding, random
+# draws).
 NO_GRADIENT_OPS = frozenset(
     _ops(
         "Equal Less LessOrEqual Greater GreaterOrEqual And Or Xor Not IsNaN IsInf Shape Size "
-        "ArgMax ArgMin ConstantOfShape Floor Ceil Round Sign",
+        "ArgMax ArgMin ConstantOfShape Floor Ceil Round Sign RandomUniformLike RandomNormalLike",
         Needs.NEITHER,
     )
 )

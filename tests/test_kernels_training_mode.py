@@ -706,3 +706,45 @@ def test_exported_lstm_and_gru_train_like_pytorch() -> None:
     (0.5 * (net(leaf) ** 2).mean()).backward()
     assert leaf.grad is not None
     torch.testing.assert_close(ours[name], leaf.grad, rtol=1e-4, atol=1e-6)
+
+
+# --- random draws (stochastic depth) -------------------------------------------------------------
+
+
+def _stochastic_depth_model() -> onnx.ModelProto:
+    """y = x W, kept where a RandomUniformLike draw of y's shape is under 0.8 (torchvision's
+    StochasticDepth in EfficientNet exports draws its noise like this)."""
+    w = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y"], "mm"),
+        helper.make_node("RandomUniformLike", ["y"], ["noise"], "noise"),
+        helper.make_node("Less", ["noise", "survive"], ["keep"], "keep"),
+        helper.make_node("Cast", ["keep"], ["keepf"], "keepf", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["y", "keepf"], ["out"], "drop"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "stochastic_depth",
+        [helper.make_tensor_value_info("x", F32, [4, 8])],
+        [helper.make_tensor_value_info("out", F32, [4, 16])],
+        initializer=[
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(np.array(0.8, np.float32), "survive"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_random_draws_are_seeded_per_node_and_plans_train_through_them() -> None:
+    model = _stochastic_depth_model()
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    spec = OpSpec("RandomUniformLike", "noise", inputs=("y",), outputs=("noise",), seed=7)
+    like = torch.zeros(4, 16)
+    [first] = kernels.KERNELS["RandomUniformLike"](spec, (like,))
+    [again] = kernels.KERNELS["RandomUniformLike"](spec, (like,))
+    assert torch.equal(first, again) and 0.0 <= float(first.min()) < float(first.max()) < 1.0
+    for strategy in ("checkpoint_all", "ap_sqrt"):
+        report = execute(model, graph, _plan(graph, strategy), [CPU0])
+        assert report.gradients_match is True, (strategy, report.max_rel_error)
+    gradients = build_program(model, graph).reference_gradients()
+    assert float(gradients["w"].abs().max()) > 0  # the kept elements still train W

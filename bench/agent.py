@@ -48,11 +48,10 @@ from remat.costs import CostTable
 from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import RematError
 from remat.graph import Graph
-from remat.max_batch import plan_with
 from remat.plan import Compute, Copy, Plan
 from remat.problem import model_graph, problem_from_graph
 from remat.solvers.model import SolveOptions
-from remat.strategies import SolverSettings, StrategyResult
+from remat.strategies import SolverSettings, StrategyResult, run_strategy
 from remat.strategies.heuristics.placed import placed_greedy
 
 DEVICES = [
@@ -207,9 +206,9 @@ def _plan(
     except RematError as error:
         raise NoPlan(f"no problem at {budget}: {error}") from None
     attempts: list[Callable[[], StrategyResult]] = [
-        lambda: plan_with("xengine", problem),
+        lambda: run_strategy("xengine", problem),
         lambda: placed_greedy(problem),
-        lambda: plan_with("auto", problem),
+        lambda: run_strategy("auto", problem),
     ]
     messages = []
     for attempt in attempts:

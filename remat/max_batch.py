@@ -91,12 +91,6 @@ def problems_by_batch(
     return build
 
 
-def plan_with(strategy: str, problem: Problem) -> StrategyResult:
-    """``run_strategy(strategy, problem)`` on every device it applies to; ``auto`` is
-    ``remat.strategies.auto`` (kept here for callers of the old home)."""
-    return run_strategy(strategy, problem)
-
-
 def one_extra_forward_ms(graph: Graph, costs: CostModel) -> float:
     """Checkmate eq. (10): ``2 * sum_fwd C_i + sum_bwd C_i`` (the loss counts once), C_i
     the node's time on its fastest device."""

@@ -46,8 +46,7 @@ from app.planning import summarize
 from app.schemas import JobSpec
 from app.settings import Settings
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, now
-from remat.max_batch import plan_with
-from remat.strategies import Problem, StrategyResult
+from remat.strategies import Problem, StrategyResult, run_strategy
 from workers import solve
 from workers.context import WorkerContext
 from workers.dispatch import CeleryDispatcher
@@ -128,12 +127,12 @@ def test_a_plan_with_a_number_that_is_not_finite_fails_the_job_with_the_reason(c
     could not serve it. Either way the job must fail, saying why, and store nothing."""
 
     def nan_plan(strategy: str, problem: Problem) -> StrategyResult:
-        result = plan_with(strategy, problem)
+        result = run_strategy(strategy, problem)
         assert result.plan is not None and result.plan.predicted is not None
         predicted = replace(result.plan.predicted, total_ms=math.nan)
         return replace(result, plan=replace(result.plan, predicted=predicted))
 
-    monkeypatch.setattr(solve, "plan_with", nan_plan)
+    monkeypatch.setattr(solve, "run_strategy", nan_plan)
     job_id = _job(ctx)
     solve.solve_job(ctx, job_id)
     job = _row(ctx, job_id)

@@ -38,11 +38,10 @@ from app.schemas import BaselinesOut, JobSpec, ScheduleOut
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
 from remat.errors import RematError
-from remat.max_batch import plan_with
 from remat.plan import plan_to_json
 from remat.plan_view import stage_matrices
 from remat.solvers.model import Progress
-from remat.strategies import Problem, StrategyResult
+from remat.strategies import Problem, StrategyResult, run_strategy
 from workers.context import WorkerContext
 from workers.costs import Cancelled, job_costs
 
@@ -82,7 +81,7 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
         settings = replace(solver_settings(claim.spec), on_progress=progress, cancel=cancel)
         problem = build_problem(claim.spec, claim.model_path, settings, table)
-        result = plan_with(claim.spec.strategy, problem)
+        result = run_strategy(claim.spec.strategy, problem)
     except Cancelled:
         message = "cancelled while waiting for a profile"
         _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message=message)

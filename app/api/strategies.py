@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from app.api.deps import require_key
 from app.planning import AUTO
-from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
+from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND, PACKAGES
 from remat.strategies import REGISTRY
 from remat.strategies.auto import DESCRIPTION as AUTO_DESCRIPTION
 
@@ -96,7 +96,6 @@ def list_strategies() -> StrategiesOut:
 
 # --- solver backends ------------------------------------------------------------------------
 
-PACKAGES = {"highs": "highspy", "cpsat": "ortools", "scip": "pyscipopt", "gurobi": "gurobipy"}
 _found: list[BackendInfo] | None = None
 _lock = threading.Lock()
 

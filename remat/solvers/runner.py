@@ -17,9 +17,10 @@ As with any ``spawn``, the caller's ``__main__`` must be importable without side
 (scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.
 
 The backends are ``SOLVERS``, one module each (``highs``, ``cpsat``, ``scip``, ``gurobi``),
-whose ``solve`` follows ``remat.solvers.backend.Backend``; adding one is a module and an
-entry there. The backend modules import their solver library only inside ``solve``, in the
-child, so neither this module nor they import one here.
+whose ``solve`` follows ``remat.solvers.backend.Backend``; adding one is a module, an
+entry there and its package in ``PACKAGES``. The backend modules import their solver
+library only inside ``solve``, in the child, so neither this module nor they import one
+here.
 """
 
 from __future__ import annotations
@@ -59,8 +60,16 @@ SOLVERS: dict[str, Backend] = {
 }
 """Every backend by name: what ``solve`` accepts and what the CLI, the API and the bench
 list. Called in the solve's subprocess only."""
+PACKAGES: dict[str, str] = {
+    "highs": "highspy",
+    "cpsat": "ortools",
+    "scip": "pyscipopt",
+    "gurobi": "gurobipy",
+}
+"""The Python package each backend's ``solve`` imports: a backend whose package is not
+installed is unavailable (``GET /v1/strategies``)."""
 BACKENDS: tuple[str, ...] = tuple(SOLVERS)
-DEFAULT_BACKEND = "highs"  # ahead or level on every row of bench/solvers.py (README)
+DEFAULT_BACKEND = "highs"  # ahead or level on every row of bench/solvers.py (docs/benchmarks.md)
 
 # After a stop request the child gets this long to return its own result (with the
 # incumbent) before it is terminated; terminate + kill fit in the rest of the 2 s budget.

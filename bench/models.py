@@ -1,7 +1,7 @@
 """Real exports end to end: export -> ingest -> plan at 50% with ``auto`` -> execute.
 
 A corpus of models exported from torch at small sizes (``torch.nn`` modules, a hand-built
-CNN, torchvision's classifiers through ``bench/torchvision_models.py`` when installed
+CNN, torchvision's classifiers through ``agents/pytorch/torchvision_models.py`` when installed
 there), at opset 17 by the TorchScript exporter (``dynamo=False``) and by the dynamo
 exporter, in training mode (and evaluation mode for the small ones). Per export: ONNX
 nodes, the training (or inference) graph's nodes, whether remat ingests it (else the
@@ -22,10 +22,8 @@ measured (``bench/report.py`` renders them).
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +33,7 @@ import torch
 from results import Writer, add_run_argument
 
 from agents.executor import execute
+from agents.pytorch.export import EXPORTERS, export
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
 from remat.onnx_ingest import load_model
@@ -92,7 +91,7 @@ class Entry:
 
 def _torchvision(name: str) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
-        from torchvision_models import load  # only when asked for
+        from agents.pytorch.torchvision_models import load  # only when asked for
 
         return getattr(load().models, name)(weights=None)
 
@@ -208,32 +207,11 @@ def _measure(
 def _export(
     module: torch.nn.Module, shape: tuple[int, ...], exporter: str, mode: Mode
 ) -> onnx.ModelProto:
+    if exporter not in EXPORTERS:
+        raise SystemExit(f"unknown exporter {exporter!r}: one of {', '.join(EXPORTERS)}")
     torch.manual_seed(0)
-    train = mode is Mode.TRAINING
-    module.train(train)
     args = (torch.randn(*shape),)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if exporter == "torchscript":
-            buffer = io.BytesIO()
-            training = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
-            torch.onnx.export(
-                module,
-                args,
-                buffer,  # type: ignore[arg-type]
-                dynamo=False,
-                opset_version=OPSET,
-                training=training,
-                do_constant_folding=not train,
-            )
-            return onnx.load_from_string(buffer.getvalue())
-        if exporter == "dynamo":
-            program = torch.onnx.export(
-                module, args, dynamo=True, opset_version=OPSET, verbose=False
-            )
-            assert program is not None
-            return program.model_proto
-    raise SystemExit(f"unknown exporter {exporter!r}")
+    return export(module, args, exporter=exporter, opset=OPSET, train=mode is Mode.TRAINING)  # type: ignore[arg-type]
 
 
 def _shape(entry: Entry) -> str:

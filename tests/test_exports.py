@@ -6,13 +6,13 @@ running statistics)."""
 from __future__ import annotations
 
 import importlib.util
-import io
-import warnings
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
+from agents.pytorch.export import export
 from remat.graph import Mode
 from remat.onnx_ingest import load_model
 from remat.problem import model_graph
@@ -39,27 +39,13 @@ def _encoder() -> torch.nn.Module:
     return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
 
 
-def _export(module: torch.nn.Module, args: tuple, opset: int, train: bool) -> bytes:
+def _export(module: torch.nn.Module, args: tuple, opset: int, train: bool) -> onnx.ModelProto:
     torch.manual_seed(0)
-    module.train(train)
-    mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
-    buffer = io.BytesIO()  # the TorchScript exporter writes to a file object too
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module,
-            args,
-            buffer,  # type: ignore[arg-type]
-            dynamo=False,
-            opset_version=opset,
-            training=mode,
-            do_constant_folding=not train,
-        )
-    return buffer.getvalue()
+    return export(module, args, exporter="torchscript", opset=opset, train=train)
 
 
-def _check(data: bytes) -> None:
-    model = load_model(data)
+def _check(model: onnx.ModelProto) -> None:
+    model = load_model(model.SerializeToString())
     graph = model_graph(model, mode=Mode.TRAINING)
     ops = {n.op for n in graph.nodes}
     assert "Loss" in ops and len(graph) > 2
@@ -87,11 +73,6 @@ def test_dynamo_exports(tmp_path: Path, train: bool) -> None:
         ("cnn", SmallCNN(), (torch.randn(2, 3, 8, 8),)),
         ("encoder", _encoder(), (torch.randn(2, 16, 128),)),
     ]:
-        module.train(train)
         path = tmp_path / f"{name}.onnx"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(module, args, dynamo=True, verbose=False)
-        assert program is not None
-        program.save(str(path))
-        _check(path.read_bytes())
+        onnx.save(export(module, args, exporter="dynamo", train=train), path)
+        _check(onnx.load(path))

@@ -13,12 +13,12 @@ but the compiled ops works: ``torchvision.models`` builds every classification m
 (``weights=None``); ``torchvision.ops`` (nms, roi_align, ...) raise when called, so the
 detection models do not run.
 
-    .venv/bin/python bench/torchvision_models.py --install   # once: pip install --no-deps --target
-    .venv/bin/python bench/torchvision_models.py             # check: build the models
+    .venv/bin/python -m agents.pytorch.torchvision_models --install   # once: pip install --target
+    .venv/bin/python -m agents.pytorch.torchvision_models             # check: build the models
 
-In code (``bench/`` on the path)::
+In code::
 
-    from torchvision_models import load
+    from agents.pytorch.torchvision_models import load
     models = load().models
     net = models.resnet18(weights=None)
 
@@ -34,7 +34,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERSION = "0.28.0"  # the torchvision release that pins torch 2.13
 FOLDER = Path(
     os.environ.get("REMAT_TORCHVISION", ROOT / ".venv" / "vendor" / f"torchvision-{VERSION}")
@@ -63,8 +63,8 @@ def load() -> types.ModuleType:
         return sys.modules["torchvision"]
     if not (FOLDER / "torchvision" / "__init__.py").exists():
         raise Unavailable(
-            f"torchvision is not in {FOLDER}; run .venv/bin/python bench/torchvision_models.py "
-            "--install"
+            f"torchvision is not in {FOLDER}; run .venv/bin/python -m "
+            "agents.pytorch.torchvision_models --install"
         )
     sys.path.insert(0, str(FOLDER))
     for name in SKIPPED:

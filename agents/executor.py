@@ -104,6 +104,9 @@ class ExecutionReport:
     # CUDA devices: the allocator's peak, with its block rounding and slack.
     allocator_peak_bytes: dict[str, int] = field(default_factory=dict)
     tolerance: float = TOLERANCE  # what max_rel_error / outputs_rel_error were held to
+    # Training: the run's parameter and input gradients, summed over devices, on the host
+    # (not part of to_json; e.g. for a check against the framework the model came from).
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -163,6 +166,7 @@ def execute(
     if training:
         return _with(
             report,
+            gradients={name: g.cpu() for name, g in measured_values.items()},
             gradients_match=check.matches,
             max_rel_error=check.error,
             gradients_vanish=check.vanish,

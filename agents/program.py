@@ -9,9 +9,10 @@ evaluates any one node from the values of its dependencies, exactly the ones the
 lists, so that an executor can run the nodes in any order a plan gives:
 
 * a forward node's value is one tensor per ONNX output;
-* the loss is ``L = sum over model outputs y of 0.5 * mean(y**2)``; its value is ``dL/dy``
-  for each output of each node it reads (zeros for outputs that are not model outputs), so
-  its size is the graph's loss ``output_bytes``;
+* the loss is the graph's (``remat.loss``: by default ``L = sum over model outputs y of
+  0.5 * mean(y**2)``; or a cross-entropy of one output against labels, or the model's own
+  scalar loss output); its value is ``dL/dy`` for each output of each node it reads (zeros
+  for outputs it does not read), so its size is the graph's loss ``output_bytes``;
 * a backward node's value is the gradient with respect to every output of every node its
   forward node reads (in ``deps`` order, zeros where none flows), so that it has the
   graph's ``output_bytes``; the gradients of parameters and model inputs accumulate into
@@ -24,10 +25,8 @@ Every value owns its storage (a kernel result that aliases an input, or is a vie
 larger buffer, is copied), so a value's bytes are exactly what it keeps allocated, as the
 simulator counts them.
 
-Parameters whose gradient needs an activation the backward node does not receive (the
-factor of a ``Mul`` or the divisor of a ``Div`` by a parameter: the training graph models
-those gradients as reading no activation) are not trained, in scheduled and plain training
-alike; their gradient buffers are still allocated, as the simulator accounts for them.
+Every float parameter and model input read at a differentiable position is trained
+(``FixedTensor.has_gradient``; constants are not).
 """
 
 from __future__ import annotations
@@ -41,10 +40,10 @@ import torch
 from onnx import helper, numpy_helper
 
 from agents import kernels
-from agents.errors import TaskError
+from agents.errors import TaskError, UnsupportedOpError
 from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
-from remat.training import GRADIENT_NEEDS, Needs
+from remat.loss import LossKind
 
 Value = tuple[Tensor, ...]
 # Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
@@ -76,6 +75,66 @@ class Upstream:
     count: int
 
 
+@dataclass(frozen=True)
+class LossOf:
+    """The training graph's loss (the loss node's attributes, see ``remat.loss``)."""
+
+    kind: LossKind
+    output: str | None = None
+    axis: int = -1
+    labels: str | None = None  # cross_entropy: the fixed tensor of labels
+
+    @classmethod
+    def of(cls, graph: Graph) -> LossOf:
+        node = next((n for n in graph.nodes if n.kind is NodeKind.LOSS), None)
+        if node is None:
+            return cls(LossKind.MEAN_SQUARE)
+        attrs = node.attrs
+        output, axis, labels = (attrs.get(k) for k in ("loss_output", "loss_axis", "loss_labels"))
+        return cls(
+            LossKind(str(attrs.get("loss", LossKind.MEAN_SQUARE.value))),
+            str(output) if output is not None else None,
+            axis if isinstance(axis, int) else -1,
+            str(labels) if labels is not None else None,
+        )
+
+    def value(
+        self, name: str, y: Tensor, fixed: Mapping[str, Tensor], model_outputs: frozenset[str]
+    ) -> Tensor | None:
+        """Output ``name``'s term of the loss (None: it adds nothing)."""
+        if not y.is_floating_point():
+            return None
+        if self.kind is LossKind.MEAN_SQUARE:
+            return 0.5 * (y * y).mean() if name in model_outputs else None
+        if name != self.output:
+            return None
+        if self.kind is LossKind.OUTPUT:
+            return y.sum()
+        assert self.labels is not None
+        logits = y.movedim(self.axis, -1).reshape(-1, y.shape[self.axis])
+        target = fixed[self.labels].reshape(-1).to(device=y.device, dtype=torch.int64)
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    def gradient(
+        self, name: str, y: Tensor, fixed: Mapping[str, Tensor], model_outputs: frozenset[str]
+    ) -> Tensor:
+        """``dL/dy`` for output ``name`` (zeros where the loss does not read it)."""
+        if not y.is_floating_point():
+            return torch.zeros_like(y)
+        if self.kind is LossKind.MEAN_SQUARE:
+            return y / y.numel() if name in model_outputs else torch.zeros_like(y)
+        if name != self.output:
+            return torch.zeros_like(y)
+        if self.kind is LossKind.OUTPUT:
+            return torch.ones_like(y)
+        assert self.labels is not None
+        classes = y.shape[self.axis]
+        labels = fixed[self.labels].to(device=y.device, dtype=torch.int64).unsqueeze(self.axis)
+        grad = torch.softmax(y, dim=self.axis)
+        grad.scatter_add_(self.axis, labels, torch.full_like(labels, -1, dtype=y.dtype))
+        return grad / (y.numel() // classes)
+
+
 @dataclass
 class Program:
     graph: Graph
@@ -87,6 +146,7 @@ class Program:
     model_outputs: frozenset[str]
     types: dict[str, torch.dtype]  # element type of every activation tensor
     output_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    loss: LossOf = field(default_factory=lambda: LossOf(LossKind.MEAN_SQUARE))
 
     # --- layout --------------------------------------------------------------------------
 
@@ -139,7 +199,7 @@ class Program:
             result = kernels.run_forward(self.specs[index], args)
             return _owned(result, args)
         if node.kind is NodeKind.LOSS:
-            return self._loss(node, values)
+            return self._loss(node, values, fixed)
         return self._backward(node, values, fixed, grads, device)
 
     def _args(
@@ -163,16 +223,13 @@ class Program:
                 args.append(kernels.placeholder(shape, dtype, device))
         return args
 
-    def _loss(self, node: Node, values: Mapping[int, Value]) -> Value:
+    def _loss(self, node: Node, values: Mapping[int, Value], fixed: Mapping[str, Tensor]) -> Value:
         result = []
         for dep in node.deps:
             names = self.graph.nodes[dep].attrs["onnx_outputs"]
             assert isinstance(names, list)
             for name, y in zip(names, values[dep], strict=True):
-                if name in self.model_outputs and y.is_floating_point():
-                    result.append(y / y.numel())  # d/dy of 0.5 * mean(y**2)
-                else:
-                    result.append(torch.zeros_like(y))
+                result.append(self.loss.gradient(name, y, fixed, self.model_outputs))
         return tuple(result)
 
     def _backward(
@@ -279,7 +336,7 @@ class Program:
                 if node.kind is NodeKind.FORWARD:
                     args = self._args(node.id, outputs, fixed, torch.device("cpu"), None)
                     outputs[node.id] = kernels.run_forward(self.specs[node.id], args)
-            loss = self._plain_loss(outputs)
+            loss = self._plain_loss(outputs, fixed)
             if not names or not loss.requires_grad:
                 return {}
             found = torch.autograd.grad(loss, [fixed[n] for n in names], allow_unused=True)
@@ -288,14 +345,15 @@ class Program:
             for name, grad in zip(names, found, strict=True)
         }
 
-    def _plain_loss(self, outputs: Mapping[int, Value]) -> Tensor:
+    def _plain_loss(self, outputs: Mapping[int, Value], fixed: Mapping[str, Tensor]) -> Tensor:
         terms = []
         for node in self.graph.forward_nodes():
             names = node.attrs["onnx_outputs"]
             assert isinstance(names, list)
             for name, y in zip(names, outputs[node.id], strict=True):
-                if name in self.model_outputs and y.is_floating_point():
-                    terms.append(0.5 * (y * y).mean())
+                term = self.loss.value(name, y, fixed, self.model_outputs)
+                if term is not None:
+                    terms.append(term)
         return torch.stack(terms).sum() if terms else torch.zeros(())
 
     def model_output_values(self, values: Mapping[int, Value]) -> dict[str, Tensor]:
@@ -358,7 +416,8 @@ def build_program(
     shapes = _tensor_shapes(graph)
     types = _tensor_types(model)
     forward = [n for n in graph.nodes if n.kind is NodeKind.FORWARD]
-    fixed = _fixed_values(model, graph, shapes, types, inputs or {}, seed)
+    loss = LossOf.of(graph)
+    fixed = _fixed_values(model, graph, shapes, types, inputs or {}, seed, loss)
     opsets = {
         (o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
         for o in model.opset_import
@@ -394,6 +453,7 @@ def build_program(
         model_outputs=frozenset(o.name for o in model.graph.output),
         types=types,
         output_shapes={n.id: [tuple(s) for s in _shapes(n, "output_shapes")] for n in forward},
+        loss=loss,
     )
 
 
@@ -479,25 +539,19 @@ def _trainable(
     sources: Mapping[int, list[Source]],
     fixed: Mapping[str, Tensor],
 ) -> frozenset[str]:
-    """Float parameters and inputs that a backward node can differentiate: read at a
-    differentiable position, and not the factor of a Mul / divisor of a Div whose
-    activation operand the backward node does not receive."""
+    """Float parameters and model inputs that a backward node differentiates: read at a
+    differentiable position of its forward node."""
     reachable: set[str] = set()
-    blocked: set[str] = set()
     for node in graph.nodes:
         if node.kind is not NodeKind.BACKWARD or node.forward is None:
             continue
         f = graph.nodes[node.forward]
-        spec = specs[f.id]
-        missing = any(s.node is not None and s.node not in node.deps for s in sources[f.id])
-        partial = GRADIENT_NEEDS.get(f.op) in (Needs.MUL, Needs.DIV) and missing
         for position, source in enumerate(sources[f.id]):
-            if source.fixed is None or not kernels.differentiable(spec, position):
-                continue
-            (blocked if partial else reachable).add(source.fixed)
+            if source.fixed is not None and kernels.differentiable(specs[f.id], position):
+                reachable.add(source.fixed)
     return frozenset(
         name
-        for name in reachable - blocked
+        for name in reachable
         if graph.fixed[name].has_gradient and fixed[name].is_floating_point()
     )
 
@@ -512,13 +566,16 @@ def _fixed_values(
     types: Mapping[str, torch.dtype],
     inputs: Mapping[str, np.ndarray],
     seed: int,
+    loss: LossOf,
 ) -> dict[str, Tensor]:
     initializers = {t.name: t for t in model.graph.initializer}
     values: dict[str, Tensor] = {}
     folded: list[str] = []
     generator = torch.Generator().manual_seed(seed)
     for name, tensor in graph.fixed.items():
-        if tensor.kind is FixedKind.INPUT:
+        if name == loss.labels:
+            values[name] = _labels(name, inputs, shapes, loss, generator)
+        elif tensor.kind is FixedKind.INPUT:
             values[name] = _input_value(name, inputs, shapes, types, model, generator)
         elif name in initializers:
             values[name] = _tensor(numpy_helper.to_array(initializers[name]))
@@ -545,6 +602,30 @@ def _input_value(
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
     return torch.zeros(shape, dtype=dtype)
+
+
+def _labels(
+    name: str,
+    given: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    loss: LossOf,
+    generator: torch.Generator,
+) -> Tensor:
+    """A cross-entropy's labels: given with the inputs, else uniform over the classes."""
+    assert loss.output is not None
+    logits = shapes[loss.output]
+    shape = logits[: loss.axis] + logits[loss.axis + 1 :]
+    if name not in given:
+        return torch.randint(0, logits[loss.axis], shape, generator=generator)
+    labels = _tensor(given[name])
+    if tuple(labels.shape) != shape or labels.is_floating_point() or labels.is_complex():
+        raise TaskError(
+            f"labels {name!r} must be integers of shape {shape}, got {labels.dtype} "
+            f"of shape {tuple(labels.shape)}"
+        )
+    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < logits[loss.axis]:
+        raise TaskError(f"labels {name!r} must lie in [0, {logits[loss.axis]})")
+    return labels.to(torch.int64)
 
 
 def _tensor(array: np.ndarray) -> Tensor:
@@ -625,3 +706,98 @@ def _shape_constant(proto: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]]
     return helper.make_node(
         "Constant", [], [proto.output[0]], value=numpy_helper.from_array(value, proto.output[0])
     )
+
+
+# --- gradients of the model's own initializers ---------------------------------------------
+
+
+def initializer_gradients(
+    model: onnx.ModelProto, program: Program, grads: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """The gradients of ``model``'s initializers, from ``grads`` (the trained fixed tensors'
+    gradients of a run of ``program``): an initializer the graph reads has its own; a weight
+    folded from initializers by a constant subgraph (a recurrent layer's gates packed and
+    reordered by the exporter, a weight transposed or reshaped before use) passes its
+    gradient back to them through that subgraph, evaluated with the kernels under autograd.
+    Initializers whose path to a folded weight holds an operator without a kernel get
+    nothing from it."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    result = {name: g for name, g in grads.items() if name in initializers}
+    folded = [n for n in grads if n not in initializers]
+    producers = {o: p for p in model.graph.node for o in p.output if o}
+    depends = _depends_on_initializers(folded, producers, initializers)
+    nodes = [p for p in model.graph.node if any(o in depends for o in p.output)]
+    if not nodes:
+        return result
+    leaves = {
+        name: _tensor(numpy_helper.to_array(initializers[name])).requires_grad_(True)
+        for name in depends
+        if name in initializers and initializers[name].data_type in _FLOAT_TYPES
+    }
+    others = sorted(
+        {i for p in nodes for i in p.input if i and i not in depends and i not in initializers}
+    )
+    opsets = {(o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
+              for o in model.opset_import}  # fmt: skip
+    shapes = _tensor_shapes(program.graph)
+    values = {n: _tensor(numpy_helper.to_array(t)) for n, t in initializers.items()} | leaves
+    try:
+        if others:
+            evaluated = _evaluate_constants(model, program.graph, others, shapes)
+            values |= {n: _tensor(v) for n, v in evaluated.items()}
+        with torch.enable_grad():
+            for proto in nodes:
+                consts = {
+                    k: values[i].detach().numpy()
+                    for k, i in enumerate(proto.input)
+                    if i and values[i].numel() <= _HOST_CONSTANT_ELEMENTS
+                }
+                spec = kernels.spec_of(proto, proto.name, opsets, consts)
+                outputs = kernels.run_forward(spec, [values[i] if i else None for i in proto.input])
+                values.update(zip([o for o in proto.output if o], outputs, strict=False))
+            targets = [n for n in folded if n in values and values[n].requires_grad]
+            if not targets:
+                return result
+            pulled = torch.autograd.grad(
+                [values[n] for n in targets],
+                list(leaves.values()),
+                grad_outputs=[grads[n].to(values[n].dtype) for n in targets],
+                allow_unused=True,
+            )
+    except (TaskError, UnsupportedOpError):
+        return result
+    for name, grad in zip(leaves, pulled, strict=True):
+        if grad is not None:
+            result[name] = result[name] + grad if name in result else grad.detach()
+    return result
+
+
+_FLOAT_TYPES = frozenset(
+    (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+     onnx.TensorProto.BFLOAT16)
+)  # fmt: skip
+
+
+def _depends_on_initializers(
+    names: Sequence[str],
+    producers: Mapping[str, onnx.NodeProto],
+    initializers: Mapping[str, onnx.TensorProto],
+) -> set[str]:
+    """The tensors on a path from a float initializer to one of ``names`` (both ends
+    included), not through a Shape or Size (whose values do not depend on their input's)."""
+    memo: dict[str, bool] = {}
+
+    def reaches(name: str) -> bool:
+        if name in memo:
+            return memo[name]
+        memo[name] = False  # a cycle (an invalid model) reaches nothing
+        if name in initializers:
+            memo[name] = initializers[name].data_type in _FLOAT_TYPES
+        elif name in producers and producers[name].op_type not in ("Shape", "Size"):
+            found = [reaches(i) for i in producers[name].input if i]
+            memo[name] = any(found)
+        return memo[name]
+
+    for name in names:
+        reaches(name)
+    return {name for name, reached in memo.items() if reached}

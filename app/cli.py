@@ -36,6 +36,7 @@ from remat import samples
 from remat.agent_protocol import LOCAL_NODE
 from remat.devices import format_bytes
 from remat.errors import InvalidInputError
+from remat.onnx_external import archive_with_external_data, is_zip, model_in_directory
 
 if TYPE_CHECKING:
     from remat.solvers.model import Progress
@@ -292,9 +293,22 @@ def _upload(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
     if args.sample:
         name, data = f"{args.sample}.onnx", samples.ZOO[args.sample]().SerializeToString()
     else:
-        name, data = args.model.name, _read(args.model)
+        name, data = _model_upload(args.model)
     files = {"file": (name, data, "application/octet-stream")}
     return _call(client, "POST", "/v1/models", files=files)
+
+
+def _model_upload(path: Path) -> tuple[str, bytes]:
+    """The name and bytes to upload for ``path``: a zip archive as it is; an ONNX file
+    (or a directory's one ``.onnx`` file) as it is when self-contained, else packed in
+    memory into a zip archive with the data files its initializers name."""
+    if path.is_dir():
+        path = model_in_directory(path)
+    data = _read(path)
+    if is_zip(data[:4]):
+        return path.name, data
+    archive = archive_with_external_data(path)
+    return (path.name, data) if archive is None else (f"{path.stem}.zip", archive)
 
 
 def _read(path: Path) -> bytes:

@@ -1,27 +1,30 @@
 """Real exports end to end: export -> ingest -> plan at 50% with ``auto`` -> execute.
 
 A corpus of models exported from torch at small sizes (``torch.nn`` modules, a hand-built
-CNN, torchvision's classifiers through ``agents/pytorch/torchvision_models.py`` when installed
-there), at opset 17 by the TorchScript exporter (``dynamo=False``) and by the dynamo
-exporter, in training mode (and evaluation mode for the small ones). Per export: ONNX
-nodes, the training (or inference) graph's nodes, whether remat ingests it (else the
-error's first line), the ``auto`` plan at 50% of the checkpoint-all peak on one CPU
-(analytical costs; its overhead vs the ideal, or why there is none) and the agent's
-executor running that plan: the gradients' worst relative error against plain autograd
-(the outputs' in evaluation mode). Models with more than ``--max-check-params``
-parameters skip the execution (said in the row).
+CNN, torchvision's classifiers and segmentation models through
+``agents/pytorch/torchvision_models.py`` when installed there, Hugging Face transformers'
+GPT-2, BERT and T5 built from small configs on token ids, nothing downloaded), at opset 17
+by the TorchScript exporter (``dynamo=False``) and by the dynamo exporter, in training
+mode (and evaluation mode for the small ones). Per export: ONNX nodes, the training (or
+inference) graph's nodes, whether remat ingests it (else the error's first line), the
+``auto`` plan at 50% of the checkpoint-all peak on one CPU (analytical costs; its overhead
+vs the ideal, or why there is none) and the agent's executor running that plan: the
+gradients' worst relative error against plain autograd (the outputs' in evaluation mode).
+Models with more than ``--max-check-params`` parameters skip the execution (said in the
+row).
 
 Prints a markdown table and appends its rows to ``bench/results/models.csv`` as they are
 measured (``bench/report.py`` renders them).
 
     .venv/bin/python bench/models.py [--models small_cnn,resnet18,...]
         [--exporters torchscript,dynamo] [--time-limit 10]
-        [--max-check-params 20000000] [--no-eval] [--run LABEL]
+        [--max-check-params 40000000] [--no-eval] [--run LABEL]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -83,10 +86,21 @@ def _encoder() -> torch.nn.Module:
 
 @dataclass(frozen=True)
 class Entry:
+    """A model and its example inputs: ``shape`` is the first (float) input's shape, for
+    the row; ``inputs`` builds the example args (after ``torch.manual_seed(0)``; default:
+    one standard normal tensor of ``shape``)."""
+
     source: str
     build: Callable[[], torch.nn.Module]
     shape: tuple[int, ...]
     eval_too: bool = False  # also export in evaluation mode (cheap models)
+    inputs: Callable[[tuple[int, ...]], tuple[torch.Tensor, ...]] | None = None
+
+    def example(self) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        if self.inputs is not None:
+            return self.inputs(self.shape)
+        return (torch.randn(*self.shape),)
 
 
 def _torchvision(name: str) -> Callable[[], torch.nn.Module]:
@@ -96,6 +110,120 @@ def _torchvision(name: str) -> Callable[[], torch.nn.Module]:
         return getattr(load().models, name)(weights=None)
 
     return build
+
+
+class SegmentationOut(torch.nn.Module):
+    """A segmentation model's ``'out'`` tensor (the models return a dict)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.model(x)["out"]
+        return out
+
+
+def _segmentation(name: str) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        from agents.pytorch.torchvision_models import load  # only when asked for
+
+        models = load().models.segmentation
+        return SegmentationOut(getattr(models, name)(weights=None, weights_backbone=None))
+
+    return build
+
+
+def _small_vit() -> torch.nn.Module:
+    """torchvision's ``VisionTransformer`` (``vit_b_16``'s class) at 2 layers, width 64."""
+    from agents.pytorch.torchvision_models import load  # only when asked for
+
+    vision_transformer = load().models.vision_transformer
+    return vision_transformer.VisionTransformer(
+        image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
+    )
+
+
+def _no_aux(name: str) -> Callable[[], torch.nn.Module]:
+    """googlenet and inception_v3 without their auxiliary heads (which make training
+    mode's output a tuple)."""
+
+    def build() -> torch.nn.Module:
+        from agents.pytorch.torchvision_models import load  # only when asked for
+
+        return getattr(load().models, name)(weights=None, aux_logits=False, init_weights=True)
+
+    return build
+
+
+VOCAB = 1000
+TOKENS = (4, 16)  # batch, sequence
+
+
+class LanguageModel(torch.nn.Module):
+    """A Hugging Face transformers model on token ids, returning its first output tensor
+    (logits or the last hidden state) without caches."""
+
+    def __init__(self, model: torch.nn.Module, seq2seq: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.seq2seq = seq2seq
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.seq2seq:
+            out = self.model(input_ids=ids, decoder_input_ids=ids, use_cache=False)
+        else:
+            out = self.model(input_ids=ids, use_cache=False)
+        first: torch.Tensor = out[0]
+        return first
+
+
+def _transformers(name: str) -> Callable[[], torch.nn.Module]:
+    """A small configuration (2 layers, width 64, a 1000-token vocabulary) of a Hugging
+    Face model, built from its config: nothing is downloaded."""
+
+    def build() -> torch.nn.Module:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import transformers  # only when asked for
+
+        if name == "gpt2":
+            config = transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=64,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+            return LanguageModel(transformers.GPT2LMHeadModel(config))
+        if name == "bert":
+            bert = transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=64,
+            )
+            return LanguageModel(transformers.BertForMaskedLM(bert))
+        t5 = transformers.T5Config(
+            vocab_size=VOCAB,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
+        return LanguageModel(transformers.T5ForConditionalGeneration(t5), seq2seq=True)
+
+    return build
+
+
+def _token_ids(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, shape, dtype=torch.int64),)
 
 
 IMAGE = (8, 3, 64, 64)
@@ -112,6 +240,20 @@ CORPUS: dict[str, Entry] = {
     "shufflenet_v2_x0_5": Entry("torchvision", _torchvision("shufflenet_v2_x0_5"), IMAGE),
     "regnet_y_400mf": Entry("torchvision", _torchvision("regnet_y_400mf"), IMAGE),
     "vgg11": Entry("torchvision", _torchvision("vgg11"), IMAGE),
+    "mobilenet_v3_small": Entry("torchvision", _torchvision("mobilenet_v3_small"), IMAGE),
+    "googlenet": Entry("torchvision", _no_aux("googlenet"), IMAGE),
+    "inception_v3": Entry("torchvision", _no_aux("inception_v3"), (4, 3, 80, 80)),
+    "convnext_tiny": Entry("torchvision", _torchvision("convnext_tiny"), IMAGE),
+    "vit_small": Entry("torchvision", _small_vit, IMAGE),
+    "swin_t": Entry("torchvision", _torchvision("swin_t"), IMAGE),
+    "resnet50": Entry("torchvision", _torchvision("resnet50"), IMAGE),
+    "deeplabv3_mobilenet_v3_large": Entry(
+        "torchvision", _segmentation("deeplabv3_mobilenet_v3_large"), IMAGE
+    ),
+    "fcn_resnet50": Entry("torchvision", _segmentation("fcn_resnet50"), IMAGE),
+    "gpt2": Entry("transformers", _transformers("gpt2"), TOKENS, inputs=_token_ids),
+    "bert": Entry("transformers", _transformers("bert"), TOKENS, inputs=_token_ids),
+    "t5": Entry("transformers", _transformers("t5"), TOKENS, inputs=_token_ids),
 }
 
 
@@ -123,7 +265,7 @@ def main() -> None:
     parser.add_argument(
         "--max-check-params",
         type=int,
-        default=20_000_000,
+        default=40_000_000,
         help="skip the executor's check on models with more parameters",
     )
     parser.add_argument("--no-eval", action="store_true", help="training mode only")
@@ -140,7 +282,7 @@ def main() -> None:
         entry = CORPUS[name]
         try:
             module = entry.build()
-        except ImportError as error:  # torchvision not installed beside the venv
+        except ImportError as error:  # torchvision (beside the venv) or transformers missing
             print(f"... {name}: {_line(error)}", file=sys.stderr, flush=True)
             continue
         modes = [Mode.TRAINING] + ([Mode.INFERENCE] if entry.eval_too and not args.no_eval else [])
@@ -165,7 +307,7 @@ def _measure(
     row |= {"opset": OPSET, "mode": mode.value, "params": params, "input": _shape(entry)}
     row |= {"budget": "50%", "devices": CPU.name, "time_limit_s": args.time_limit}
     try:
-        model = _export(module, entry.shape, exporter, mode)
+        model = _export(module, entry.example(), exporter, mode)
     except Exception as error:
         return row | {"export": _line(error), "seconds": time.monotonic() - start}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -205,12 +347,10 @@ def _measure(
 
 
 def _export(
-    module: torch.nn.Module, shape: tuple[int, ...], exporter: str, mode: Mode
+    module: torch.nn.Module, args: tuple[torch.Tensor, ...], exporter: str, mode: Mode
 ) -> onnx.ModelProto:
     if exporter not in EXPORTERS:
         raise SystemExit(f"unknown exporter {exporter!r}: one of {', '.join(EXPORTERS)}")
-    torch.manual_seed(0)
-    args = (torch.randn(*shape),)
     return export(module, args, exporter=exporter, opset=OPSET, train=mode is Mode.TRAINING)  # type: ignore[arg-type]
 
 

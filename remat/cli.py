@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
+import onnx
+
 from remat.budgets import reference
 from remat.costs import analytical_costs, load_cost_table
 from remat.devices import Device, DeviceKind, format_bytes, parse_device
@@ -33,7 +35,8 @@ from remat.max_batch import (
     max_batch_to_json,
     problems_by_batch,
 )
-from remat.onnx_ingest import parse_input_shape
+from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
+from remat.onnx_ingest import load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
 from remat.problem import build_problem, cost_model, model_graph
 from remat.simulator import simulate
@@ -284,7 +287,7 @@ def _positive_int(text: str) -> int:
 
 def _load_graph(args: argparse.Namespace) -> Graph:
     return model_graph(
-        args.model,
+        _model(args),
         batch=args.batch,
         inputs=_inputs(args),
         mode=Mode(args.mode),
@@ -296,9 +299,23 @@ def _inputs(args: argparse.Namespace) -> dict[str, tuple[int, ...]] | None:
     return dict(parse_input_shape(text) for text in args.input) or None
 
 
+def _model(args: argparse.Namespace) -> Path | onnx.ModelProto:
+    """The model ``args.model`` names: an ONNX file; a directory holding one ``.onnx``
+    file with its external data files; or a zip archive of them, loaded here with its
+    external data read from the archive only and embedded."""
+    path = Path(args.model)
+    if path.is_dir():
+        return model_in_directory(path)
+    if path.is_file() and starts_like_zip(path):
+        return load_model(load_archive(path).model.SerializeToString())
+    return path
+
+
 def _model_dir(args: argparse.Namespace) -> Path:
-    """The directory a model file's external data may be read from: its own."""
-    return Path(args.model).parent
+    """The directory a model file's external data may be read from: its own (a directory
+    given as the model: that directory)."""
+    path = Path(args.model)
+    return path if path.is_dir() else path.parent
 
 
 def _devices(args: argparse.Namespace) -> list[Device] | None:
@@ -356,7 +373,7 @@ class ProgressLine:
 def _problem(args: argparse.Namespace) -> Problem:
     """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
     return build_problem(
-        args.model,
+        _model(args),
         batch=args.batch,
         inputs=_inputs(args),
         mode=Mode(args.mode),
@@ -486,7 +503,7 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 def _max_batch_command(args: argparse.Namespace) -> int:
     build = problems_by_batch(
-        args.model,
+        _model(args),
         devices=_devices(args),
         budgets=_budgets(args),
         inputs=_inputs(args),

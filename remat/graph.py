@@ -27,15 +27,21 @@ class NodeKind(StrEnum):
 
 
 class FixedKind(StrEnum):
-    PARAMETER = "parameter"
+    PARAMETER = "parameter"  # an initializer, or a tensor folded from constants
+    CONSTANT = "constant"  # a scalar folded from Constant nodes alone: not trained
     INPUT = "input"
     HELD = "held"  # a value computed outside this graph (a part of a decomposed graph)
 
 
 @dataclass(frozen=True)
 class FixedTensor:
-    """A tensor resident for the whole step: a parameter (initializer or folded constant),
-    a model input, or (in a part of a decomposed graph) a value another part computed."""
+    """A tensor resident for the whole step: a parameter (an initializer, or a tensor
+    folded from constants: some exporters make weights with constant subgraphs), a
+    constant (a scalar folded from ``Constant`` nodes alone: scale factors, epsilons; and a
+    cross-entropy's labels), a model input, or (in a part of a decomposed graph) a value
+    another part computed. ONNX does not say which tensors are trained: Remat trains
+    parameters and model inputs; exporters write a module's scalar hyperparameters as
+    ``Constant`` nodes."""
 
     name: str
     kind: FixedKind
@@ -43,8 +49,9 @@ class FixedTensor:
 
     @property
     def has_gradient(self) -> bool:
-        """Training keeps a gradient buffer for it; a held value's gradient is a value."""
-        return self.kind is not FixedKind.HELD
+        """Training keeps a gradient buffer for it; a held value's gradient is a value,
+        and a constant has none."""
+        return self.kind in (FixedKind.PARAMETER, FixedKind.INPUT)
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,9 @@ class Graph:
 
     @property
     def param_bytes(self) -> int:
-        return sum(t.nbytes for t in self.fixed.values() if t.kind is FixedKind.PARAMETER)
+        """Parameters and constants: the model's own tensors."""
+        kinds = (FixedKind.PARAMETER, FixedKind.CONSTANT)
+        return sum(t.nbytes for t in self.fixed.values() if t.kind in kinds)
 
     @property
     def input_bytes(self) -> int:

@@ -19,12 +19,14 @@ nowhere but the model's own directory (``remat.onnx_external``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -36,6 +38,9 @@ from remat.devices import MAX_BYTES, format_bytes
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.onnx_external import check_external_data
+
+if TYPE_CHECKING:
+    from onnx.reference.op_run import OpRun
 
 Dim = int | str | None  # int: known; str: symbolic name; None: unknown
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -561,6 +566,22 @@ class _Folder:
             return reads[0] in self.constants or self._is_static(reads[0])
         return all(name in self.constants for name in reads)
 
+    def from_params(self, name: str) -> bool:
+        """Whether a constant is an initializer or folded from one (a weight), rather
+        than from ``Constant`` nodes alone."""
+        seen: set[str] = set()
+        stack = [name]
+        while stack:
+            tensor = stack.pop()
+            if tensor in self.params:
+                return True
+            node = self.producers.get(tensor)
+            if node is None or tensor in seen:
+                continue  # a Constant node's output, or one already followed
+            seen.add(tensor)
+            stack.extend(i for i in node.input if i)
+        return False
+
     def fold(self, node: NodeProto) -> None:
         # Values are computed later, and only if a scheduled node's shape needs them.
         outputs = [o for o in node.output if o]
@@ -702,8 +723,6 @@ class _Folder:
     def _run(self, node: NodeProto) -> list[np.ndarray]:
         if node.op_type in _SHAPE_OPS:
             return [self._shape_value(node)]
-        if node.op_type == "GatherElements":
-            return [_gather_elements(node, self.values[node.input[0]], self.values[node.input[1]])]
         from onnx.reference import ReferenceEvaluator  # slow import, rarely needed
 
         feeds = {n: self.values[n] for n in node.input if n}
@@ -714,7 +733,7 @@ class _Folder:
         outputs = [helper.make_empty_tensor_value_info(o) for o in node.output if o]
         # A graph (not a bare node) so that the model's opset picks the operator version.
         graph = helper.make_graph([node], "fold", inputs, outputs)
-        evaluator = ReferenceEvaluator(graph, opsets=self.opsets)
+        evaluator = ReferenceEvaluator(graph, opsets=self.opsets, new_ops=list(reference_ops()))
         return list(evaluator.run(None, feeds))
 
     def _shape_value(self, node: NodeProto) -> np.ndarray:
@@ -769,14 +788,31 @@ class _Folder:
         return info is None or not info.static or math.prod(info.dims) <= _MAX_DATA_ELEMENTS
 
 
-def _gather_elements(node: NodeProto, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    # onnx.reference's GatherElements goes wrong past 32 (numpy 1) or 64 choices along
-    # the axis ("cannot reshape array of size 1 into shape (1,32)" on BERT).
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axis = int(attrs.get("axis", 0))
+def gather_elements(data: np.ndarray, indices: np.ndarray, axis: int = 0) -> np.ndarray:
+    """ONNX GatherElements (negative indices count from the end of ``axis``)."""
+    axis = axis + data.ndim if axis < 0 else axis
     size = data.shape[axis]
     indices = np.where(indices < 0, indices + size, indices).astype(np.int64)
     return np.take_along_axis(data, indices, axis=axis)
+
+
+@functools.cache
+def reference_ops() -> tuple[type[OpRun], ...]:
+    """Implementations that replace ``onnx.reference``'s own wherever remat evaluates
+    constants with it (pass as ``ReferenceEvaluator(..., new_ops=list(reference_ops()))``):
+    its GatherElements uses ``np.choose``, which fails past 64 choices along the axis
+    ("cannot reshape array of size 1 into shape (1,16)" on BERT's token type ids)."""
+    from onnx.reference.op_run import OpRun  # slow import, rarely needed
+
+    class GatherElements(OpRun):
+        op_domain = ""
+
+        def _run(
+            self, data: np.ndarray, indices: np.ndarray, axis: int | None = None
+        ) -> tuple[np.ndarray]:
+            return (gather_elements(data, indices, 0 if axis is None else int(axis)),)
+
+    return (GatherElements,)
 
 
 def _optional_output_info(
@@ -855,8 +891,9 @@ def forward_graph(
 
     Nodes are named by their ONNX name, or ``{op_type}_{i}`` with ``i`` their position in
     ``model.graph.node``. ``fixed`` holds every real graph input (kind INPUT) and every
-    constant a scheduled node reads (kind PARAMETER); constants read only by folded nodes
-    (shape arithmetic) take no memory during the step and are left out. The caller's model
+    constant a scheduled node reads (kind CONSTANT for a scalar folded from ``Constant``
+    nodes alone, else PARAMETER); constants read only by folded nodes (shape arithmetic) take no
+    memory during the step and are left out. The caller's model
     is not modified.
     """
     if not model.graph.node:
@@ -1004,12 +1041,18 @@ def _build(
             if tensor in folder.constants and tensor not in fixed:
                 info = folder.infos[tensor]
                 _check_tensor_size(info, f"constant {tensor!r}")
-                fixed[tensor] = FixedTensor(tensor, FixedKind.PARAMETER, info.nbytes)
+                weight = math.prod(info.dims) > 1 or folder.from_params(tensor)
+                kind = FixedKind.PARAMETER if weight else FixedKind.CONSTANT
+                fixed[tensor] = FixedTensor(tensor, kind, info.nbytes)
         outputs = [o for o in proto.output if o and o not in folder.dropped]
         nodes.append(_node(node_id, proto, name, reads, outputs, producer, fixed, folder.infos))
         producer.update((out, node_id) for out in proto.output if out)
-    graph_outputs = {v.name for v in model.graph.output}
-    outputs = sorted({producer[o] for o in graph_outputs if o in producer})
+    outputs = sorted({producer[v.name] for v in model.graph.output if v.name in producer})
+    for value in model.graph.output:  # what a loss may read, in the model's order
+        if value.name in producer:
+            written = nodes[producer[value.name]].attrs.setdefault("model_outputs", [])
+            assert isinstance(written, list)
+            written.append(value.name)
     return Graph(Mode.INFERENCE, tuple(nodes), fixed, tuple(outputs))
 
 

@@ -28,6 +28,7 @@ from remat.costs import CostModel, CostTable, analytical_costs, profiled_costs
 from remat.devices import MAX_BYTES, Device, DeviceKind, Size, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode
+from remat.loss import MEAN_SQUARE, Loss
 from remat.onnx_ingest import forward_graph, load_model
 from remat.strategies import Problem, SolverSettings
 from remat.training import for_mode
@@ -45,14 +46,15 @@ def model_graph(
     batch: int | None = None,
     inputs: Mapping[str, Sequence[int]] | None = None,
     mode: Mode = Mode.TRAINING,
+    loss: Loss = MEAN_SQUARE,
     external_data_dir: Path | None = None,
 ) -> Graph:
     """The graph to plan for a model (a checked ``ModelProto`` or a file, loaded with
     ``load_model``; external data only from ``external_data_dir``): its forward graph at
-    ``batch`` / ``inputs``, made a training graph in training ``mode``."""
+    ``batch`` / ``inputs``, made a training graph for ``loss`` in training ``mode``."""
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model, external_data_dir=external_data_dir)
-    return for_mode(forward_graph(model, batch=batch, inputs=inputs), mode)
+    return for_mode(forward_graph(model, batch=batch, inputs=inputs), mode, loss)
 
 
 def build_problem(
@@ -61,6 +63,7 @@ def build_problem(
     batch: int | None = None,
     inputs: Mapping[str, Sequence[int]] | None = None,
     mode: Mode = Mode.TRAINING,
+    loss: Loss = MEAN_SQUARE,
     devices: Sequence[Device] | None = None,
     budgets: Mapping[str, Budget] | None = None,
     table: CostTable | None = None,
@@ -74,7 +77,12 @@ def build_problem(
     before the model is loaded."""
     _checked_sizes(_device_names(devices, table), budgets or {})
     graph = model_graph(
-        model, batch=batch, inputs=inputs, mode=mode, external_data_dir=external_data_dir
+        model,
+        batch=batch,
+        inputs=inputs,
+        mode=mode,
+        loss=loss,
+        external_data_dir=external_data_dir,
     )
     return problem_from_graph(
         graph,

@@ -1,15 +1,16 @@
 """Forward graph -> training graph (Checkmate section 4, XEngine section 3).
 
-The training graph is the forward nodes, one loss node, and one backward node per forward
-node on a path to the loss, in that order: forward nodes keep their indices, the loss comes
-next, then backward nodes in reverse order of their forward node. Node index is the stage
+The training graph is the forward nodes, one loss node (``remat.loss``: what it reads and
+computes), and one backward node per forward node on a path to the loss, in that order:
+forward nodes keep their indices, the loss comes next, then backward nodes in reverse order
+of their forward node. Node index is the stage
 of frontier-advancing schedules.
 
 A backward node computes the gradient with respect to its forward node's inputs (and
 accumulates weight gradients into fixed buffers). It depends on
 
 * the upstream gradient(s): the backward nodes of the forward node's users on a path to the
-  loss, and the loss itself when the forward node is a model output;
+  loss, and the loss itself when the loss reads the forward node;
 * the forward values the op's gradient really needs, by op type (``GRADIENT_NEEDS``):
 
 | needs            | op types                                                             |
@@ -25,8 +26,9 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | ReduceMean, ReduceSum, Slice, Neg, Expand, and every operator        |
 |                  | without a gradient (Equal, IsNaN, ...)                               |
 | other operand    | Mul (each input's gradient needs the other: the activation inputs    |
-|                  | are needed only when two of them are activations), Div (the divisor, |
-|                  | and the dividend too, when the divisor is an activation)             |
+|                  | are read when another operand is an activation or a trained fixed    |
+|                  | tensor), Div (dividend and divisor, when the divisor is an           |
+|                  | activation or trained; nothing when it is a constant)                |
 | some inputs      | Where (the condition), GatherElements (the indices), Resize (roi,    |
 |                  | scales, sizes), Dropout (ratio, training mode; and its output)       |
 
@@ -45,11 +47,13 @@ Conv/ConvTranspose/Gemm/MatMul (input and weight gradients), times 1 otherwise.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from enum import Enum
 
 from remat.errors import InvalidInputError
-from remat.graph import Graph, Mode, Node, NodeKind
+from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
+from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
 
 
 class Needs(Enum):
@@ -106,11 +110,15 @@ _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
 def gradient_needs(
-    node: Node, producer: Mapping[str, int] | None = None
+    node: Node,
+    producer: Mapping[str, int] | None = None,
+    fixed: Mapping[str, FixedTensor] | None = None,
 ) -> tuple[tuple[int, ...], bool]:
     """(activation inputs the gradient reads, whether it reads the node's output).
     ``producer`` maps tensor names to the forward nodes writing them: without it (or
-    without the node's ``onnx_inputs``) a ``Needs.SOME`` operator reads all its inputs."""
+    without the node's ``onnx_inputs``) a ``Needs.SOME`` operator reads all its inputs.
+    ``fixed`` tells trained fixed tensors from constants (``FixedTensor.has_gradient``):
+    without it every fixed operand of a Mul or Div is taken as trained."""
     needs = GRADIENT_NEEDS.get(node.op, Needs.BOTH)
     deps = node.deps
     if needs is Needs.SOME:
@@ -123,11 +131,29 @@ def gradient_needs(
     if needs is Needs.BOTH:
         return deps, True
     if needs is Needs.MUL:
-        return (deps if len(deps) >= 2 else ()), False
+        # d(a*b)/db = a: an activation operand is read when another operand is trained.
+        trained_operand = len(deps) >= 2 or any(_trained(t, fixed) for t in node.fixed)
+        return (deps if trained_operand else ()), False
     if needs is Needs.DIV:
-        divisor_is_value = _input_is_value(node, 1)
-        return (deps if divisor_is_value else ()), False
+        # d(a/b)/da = 1/b, d(a/b)/db = -a/b^2: both when the divisor is an activation, the
+        # dividend when the divisor is trained.
+        divisor = _input_at(node, 1)
+        if divisor is None or divisor not in node.fixed or _trained(divisor, fixed):
+            return deps, False
+        return (), False
     return (), False
+
+
+def _trained(name: str, fixed: Mapping[str, FixedTensor] | None) -> bool:
+    return fixed is None or name not in fixed or fixed[name].has_gradient
+
+
+def _input_at(node: Node, position: int) -> str | None:
+    """The name of the node's ONNX input at ``position`` (None when unknown)."""
+    onnx_inputs = node.attrs.get("onnx_inputs")
+    if not isinstance(onnx_inputs, list) or position >= len(onnx_inputs):
+        return None
+    return str(onnx_inputs[position])
 
 
 def _deps_at(
@@ -146,34 +172,32 @@ def _deps_at(
     return tuple(d for d in node.deps if d in found)
 
 
-def _input_is_value(node: Node, position: int) -> bool:
-    """Whether the ONNX input at ``position`` is an activation (not a fixed tensor)."""
-    onnx_inputs = node.attrs.get("onnx_inputs")
-    if not isinstance(onnx_inputs, list) or position >= len(onnx_inputs):
-        return len(node.deps) > 1
-    return onnx_inputs[position] not in node.fixed
-
-
-def training_graph(forward: Graph) -> Graph:
-    """The training graph of a forward graph (see the module docstring)."""
+def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
+    """The training graph of a forward graph (see the module docstring) for ``loss``."""
     if forward.mode is not Mode.INFERENCE:
         raise InvalidInputError("training_graph expects a forward graph")
     if not forward.outputs:
         raise InvalidInputError("the forward graph has no outputs to compute a loss from")
-    on_path = _on_path_to_loss(forward)
+    fixed = dict(forward.fixed)
+    reads, attrs = _loss_reads(forward, loss, fixed)
+    on_path = _on_path_to_loss(forward, reads)
     names = _Names(n.name for n in forward.nodes)
     nodes = list(forward.nodes)
-    loss = len(nodes)
+    loss_id = len(nodes)
+    read_bytes = sum(forward.nodes[o].output_bytes for o in reads)
+    labels = tuple(t for t in fixed if t not in forward.fixed)
     nodes.append(
         Node(
-            id=loss,
+            id=loss_id,
             name=names.unique("loss"),
             op="Loss",
             kind=NodeKind.LOSS,
-            deps=tuple(sorted(forward.outputs)),
-            output_bytes=sum(forward.nodes[o].output_bytes for o in forward.outputs),
-            flops=float(sum(forward.nodes[o].output_bytes for o in forward.outputs)),
-            input_bytes=sum(forward.nodes[o].output_bytes for o in forward.outputs),
+            deps=reads,
+            output_bytes=read_bytes,
+            flops=float(read_bytes),
+            input_bytes=read_bytes + sum(fixed[t].nbytes for t in labels),
+            fixed=labels,
+            attrs=attrs,
         )
     )
     backward_of: dict[int, int] = {}
@@ -183,7 +207,6 @@ def training_graph(forward: Graph) -> Graph:
         if isinstance(written, list):
             producer.update((str(name), n.id) for name in written)
     users = forward.users()
-    outputs = set(forward.outputs)
     for f in reversed(range(len(forward))):
         if not on_path[f]:
             continue
@@ -191,10 +214,65 @@ def training_graph(forward: Graph) -> Graph:
         index = len(nodes)
         backward_of[f] = index
         upstream = [backward_of[u] for u in users[f] if u in backward_of]
-        if f in outputs:
-            upstream.append(loss)
-        nodes.append(_backward_node(node, index, upstream, nodes, names, producer))
-    return Graph(Mode.TRAINING, tuple(nodes), dict(forward.fixed), ())
+        if f in reads:
+            upstream.append(loss_id)
+        nodes.append(_backward_node(node, index, upstream, nodes, names, producer, fixed))
+    return Graph(Mode.TRAINING, tuple(nodes), fixed, ())
+
+
+def _loss_reads(
+    forward: Graph, loss: Loss, fixed: dict[str, FixedTensor]
+) -> tuple[tuple[int, ...], dict[str, object]]:
+    """The forward nodes the loss node reads and its attributes; a cross-entropy's labels
+    are added to ``fixed``."""
+    attrs: dict[str, object] = {"loss": loss.kind.value}
+    if loss.kind is LossKind.MEAN_SQUARE:
+        return tuple(sorted(forward.outputs)), attrs
+    written = {
+        str(name): node.id for node in forward.nodes for name in _listed(node, "model_outputs")
+    }
+    output = loss.output
+    if output is None:
+        if len(written) != 1:
+            raise InvalidInputError(
+                f"the {loss.kind.value} loss must name the output it reads: the model has "
+                f"{len(written)} outputs ({_quoted(written)})"
+            )
+        output = next(iter(written))
+    if output not in written:
+        raise InvalidInputError(
+            f"the {loss.kind.value} loss reads output {output!r}, which the model does not "
+            f"have; its outputs: {_quoted(written)}"
+        )
+    node = forward.nodes[written[output]]
+    shape = _listed(node, "output_shapes")[_listed(node, "onnx_outputs").index(output)]
+    assert isinstance(shape, (list, tuple))
+    dims = [int(d) for d in shape]
+    attrs |= {"loss_output": output}
+    if loss.kind is LossKind.OUTPUT:
+        if math.prod(dims) != 1:
+            raise InvalidInputError(
+                f"the output loss reads {output!r}, which is not a scalar: shape {tuple(dims)}"
+            )
+        return (node.id,), attrs
+    if not -len(dims) <= loss.axis < len(dims):
+        raise InvalidInputError(
+            f"the cross_entropy loss's class axis {loss.axis} is out of range for output "
+            f"{output!r} of shape {tuple(dims)}"
+        )
+    axis = loss.axis % len(dims)
+    labels = labels_name(output)
+    fixed[labels] = FixedTensor(labels, FixedKind.CONSTANT, 8 * math.prod(dims) // dims[axis])
+    return (node.id,), attrs | {"loss_axis": axis, "loss_labels": labels}
+
+
+def _listed(node: Node, key: str) -> list[object]:
+    value = node.attrs.get(key, [])
+    return value if isinstance(value, list) else []
+
+
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names) or "none"
 
 
 def _backward_node(
@@ -204,8 +282,9 @@ def _backward_node(
     nodes: list[Node],
     names: _Names,
     producer: Mapping[str, int],
+    fixed: Mapping[str, FixedTensor],
 ) -> Node:
-    values, needs_output = gradient_needs(node, producer)
+    values, needs_output = gradient_needs(node, producer, fixed)
     deps = set(upstream) | set(values)
     if needs_output:
         deps.add(node.id)
@@ -228,9 +307,9 @@ def _backward_node(
     )
 
 
-def _on_path_to_loss(forward: Graph) -> list[bool]:
+def _on_path_to_loss(forward: Graph, reads: Iterable[int]) -> list[bool]:
     on_path = [False] * len(forward)
-    for output in forward.outputs:
+    for output in reads:
         on_path[output] = True
     for node in reversed(forward.nodes):
         if on_path[node.id]:
@@ -254,7 +333,7 @@ class _Names:
         return candidate
 
 
-def for_mode(forward: Graph, mode: Mode) -> Graph:
+def for_mode(forward: Graph, mode: Mode, loss: Loss = MEAN_SQUARE) -> Graph:
     """The graph to schedule: the forward graph itself in inference, else its training
-    graph."""
-    return forward if mode is Mode.INFERENCE else training_graph(forward)
+    graph for ``loss``."""
+    return forward if mode is Mode.INFERENCE else training_graph(forward, loss)

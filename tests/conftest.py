@@ -34,6 +34,7 @@ LAYERS: dict[str, set[str]] = {
         "test_api_fuzz",
         "test_api_validation",
         "test_embedded",
+        "test_external_data_upload",
         "test_faults",
         "test_serve_lifecycle",
         "test_service",

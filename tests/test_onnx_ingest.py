@@ -31,6 +31,7 @@ from remat.onnx_ingest import (
     load_forward_graph,
     load_model,
     parse_input_shape,
+    reference_ops,
 )
 
 F32 = TensorProto.FLOAT
@@ -851,6 +852,32 @@ def test_gather_elements_folds_past_the_reference_evaluators_limit() -> None:
     graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 2)], inits))
     assert ops_of(graph) == ["Reshape"]
     assert graph.nodes[0].attrs["output_shapes"] == [(6, 64)]
+
+
+@pytest.mark.parametrize("axis", [None, 1, -1])
+def test_reference_ops_gather_elements_matches_numpy_past_the_limit(axis: int | None) -> None:
+    """What remat hands ``onnx.reference`` (the agent's constant evaluation too) gathers
+    from 100 choices, negative indices included, with the attribute's default of 0."""
+    from onnx.reference import ReferenceEvaluator
+
+    table = np.arange(200, dtype=np.int64).reshape(2, 100)
+    idx = np.array([[3, -1, 70], [99, 0, -100]], dtype=np.int64)
+    attrs = {} if axis is None else {"axis": axis}
+    if axis is None:
+        table, idx = table.T.copy(), np.array([[3, 1], [-1, 0], [70, 99]], dtype=np.int64)
+    node = helper.make_node("GatherElements", ["t", "i"], ["g"], **attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [],
+        [helper.make_empty_tensor_value_info("g")],
+        initializer=[numpy_helper.from_array(table, "t"), numpy_helper.from_array(idx, "i")],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (got,) = ReferenceEvaluator(m, new_ops=list(reference_ops())).run(None, {})
+    dim = 0 if axis is None else axis
+    want = np.take_along_axis(table, np.where(idx < 0, idx + table.shape[dim], idx), axis=dim)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_huge_declared_input_is_refused_with_its_bytes() -> None:

@@ -9,9 +9,9 @@ are installed, without dependencies, into a folder of their own that is *not* on
 environment's path (so ``import torchvision`` elsewhere, e.g. ``torch.onnx``'s probe for
 it, sees no torchvision), and ``load()`` imports it from there with the two modules that
 register fake and autograd kernels for the compiled ops replaced by empty ones. Everything
-but the compiled ops works: ``torchvision.models`` builds every classification model
-(``weights=None``); ``torchvision.ops`` (nms, roi_align, ...) raise when called, so the
-detection models do not run.
+but the compiled ops works: ``torchvision.models`` builds every classification and
+segmentation model (``weights=None``); ``torchvision.ops`` (nms, roi_align, ...) raise when
+called, so the detection models do not run.
 
     .venv/bin/python -m agents.pytorch.torchvision_models --install   # once: pip install --target
     .venv/bin/python -m agents.pytorch.torchvision_models             # check: build the models
@@ -50,7 +50,16 @@ CLASSIFIERS = (
     "shufflenet_v2_x0_5",
     "regnet_y_400mf",
     "vgg11",
+    "mobilenet_v3_small",
+    "googlenet",
+    "inception_v3",
+    "convnext_tiny",
+    "vit_b_16",
+    "swin_t",
+    "resnet50",
 )
+# Segmentation models (``torchvision.models.segmentation``): they return a dict of tensors.
+SEGMENTATION = ("deeplabv3_mobilenet_v3_large", "fcn_resnet50")
 
 
 class Unavailable(ImportError):
@@ -91,6 +100,9 @@ def main() -> None:
     print(f"compiled ops: {'loaded' if torchvision.extension._has_ops() else 'not loaded'}")
     for name in CLASSIFIERS:
         net = getattr(torchvision.models, name)(weights=None)
+        print(f"{name}: {sum(p.numel() for p in net.parameters()):,} parameters")
+    for name in SEGMENTATION:
+        net = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None)
         print(f"{name}: {sum(p.numel() for p in net.parameters()):,} parameters")
 
 

@@ -27,9 +27,11 @@ VALIDATIONS_AT_ONCE = 2  # uploads validated at once per process (CPU and memory
 async def upload_model(
     request: Request, response: Response, ctx: ServicesDep, session: SessionDep
 ) -> ModelOut:
-    """Multipart upload of an ONNX file in the field ``file``. The same bytes again give
-    the same model (200 instead of 201). The body is counted as it arrives; validation
-    runs off the event loop, a few uploads at a time."""
+    """Multipart upload of an ONNX file in the field ``file``, or of a zip archive holding
+    one with its external data files (told apart by their first bytes; the archive is
+    stored as the self-contained model it unpacks to). The same model again gives the
+    same model (200 instead of 201). The body is counted as it arrives; validation runs
+    off the event loop, a few uploads at a time."""
     uploaded = await receive_file(request, ctx.store.staging(ctx.settings.max_upload_bytes))
     try:
         row, created = await to_thread.run_sync(

@@ -1,5 +1,6 @@
 """Models: an upload registered once per content (validated, moved into the store,
-recorded), and deleted only while no job uses it."""
+recorded), and deleted only while no job uses it. A zip archive (a model with its
+external data files) is stored as the one self-contained model it unpacks to."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from sqlalchemy.orm import Session
 from app.planning import summarize
 from app.problem_details import ApiError
 from app.services import Services, get_or_404
+from app.storage import TooLarge
 from app.tables import JobRow, ModelRow
 from app.upload_stream import Uploaded
-from remat.errors import RematError
+from remat.errors import ModelLoadError, RematError
+from remat.onnx_external import load_archive, starts_like_zip
 
 
 def load_model(session: Session, model_id: str) -> ModelRow:
@@ -23,8 +26,48 @@ def load_model(session: Session, model_id: str) -> ModelRow:
 
 def register(session: Session, ctx: Services, uploaded: Uploaded) -> tuple[ModelRow, bool]:
     """The model row of these bytes, and whether it is new: validated, moved into the
-    store and recorded if it was not there yet. Each read and write is its own short
-    transaction: validating a model takes a while and holds no connection."""
+    store and recorded if it was not there yet. A zip archive is unpacked first
+    (``unpack``): the model stored, hashed and deduplicated is the self-contained one.
+    Each read and write is its own short transaction: validating a model takes a while
+    and holds no connection."""
+    if not starts_like_zip(uploaded.staged.path):
+        return _register(session, ctx, uploaded)
+    unpacked = unpack(ctx, uploaded)
+    try:
+        return _register(session, ctx, unpacked)
+    finally:
+        ctx.store.discard(unpacked.staged)
+
+
+def unpack(ctx: Services, uploaded: Uploaded) -> Uploaded:
+    """The model of an uploaded zip archive with its external data embedded, staged as an
+    upload of its own (named as the archive's ``.onnx`` member). 422 for an archive
+    ``remat.onnx_external.load_archive`` refuses, or whose model, embedded, passes the
+    upload limit; nothing is staged then."""
+    limit = ctx.settings.max_upload_bytes
+    try:
+        archived = load_archive(uploaded.staged.path, limit)
+        name, data = archived.name, archived.model.SerializeToString()
+    except (ModelLoadError, ValueError) as exc:  # ValueError: protobuf's 2 GiB limit
+        raise ApiError(422, f"not a usable model archive: {exc}") from None
+    del archived  # the parsed model: only its bytes are needed from here
+    staging = ctx.store.staging(limit)
+    try:
+        staging.write(data)
+    except TooLarge:
+        staging.abort()
+        raise ApiError(
+            422,
+            "not a usable model archive: the model with its external data embedded is "
+            f"larger than the limit of {limit} bytes",
+        ) from None
+    except BaseException:
+        staging.abort()
+        raise
+    return Uploaded(staging.finish(), name)
+
+
+def _register(session: Session, ctx: Services, uploaded: Uploaded) -> tuple[ModelRow, bool]:
     staged = uploaded.staged
     by_content = select(ModelRow).where(ModelRow.sha256 == staged.sha256)
     found = session.scalar(by_content)

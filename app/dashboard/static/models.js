@@ -1,5 +1,6 @@
-// Models: the list, uploading an ONNX file (drag and drop or the file picker, with the
-// upload's progress), one model's graph summary, and the form that submits a job for it.
+// Models: the list, uploading an ONNX file or a .zip of one with its external data (drag
+// and drop or the file picker, with the upload's progress), one model's graph summary,
+// and the form that submits a job for it.
 
 import { api, uploadModel } from "./api.js";
 import { facts, h, replace, table } from "./dom.js";
@@ -44,14 +45,16 @@ function modelRow(model) {
 }
 
 function uploadPanel(onUploaded) {
-  const input = h("input", { id: "model-file", name: "file", type: "file", accept: ".onnx" });
+  // A .zip holds a model with its external data files; the server embeds them.
+  const input = h("input", { id: "model-file", name: "file", type: "file", accept: ".onnx,.zip" });
   const bar = h("progress", { id: "upload-progress", max: "100", value: "0", "aria-labelledby": "upload-label" });
   const percentText = h("span", { id: "upload-percent" }, "0%");
   const label = h("span", { id: "upload-label" }, "Upload");
   const state = h("div", { class: "upload-state", hidden: true }, label, bar, percentText);
   const result = h("p", { id: "upload-result", class: "muted" });
   const zone = h("div", { class: "dropzone", id: "dropzone" },
-    h("p", {}, h("strong", {}, "Drop an ONNX file here"), " or choose one:"),
+    h("p", {}, h("strong", {}, "Drop an ONNX file here"),
+      " (or a .zip of one with its external data files) or choose one:"),
     h("label", { for: "model-file" }, "ONNX model file"), input);
 
   async function send(file) {

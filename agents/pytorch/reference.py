@@ -1,0 +1,199 @@
+"""The executor's gradients against the autograd of the PyTorch module a model was
+exported from: the check that a gradient rule is right, not only self-consistent (the
+executor's own check compares a planned run with a plain run of the same ONNX program
+through the same kernels, so a wrong rule would pass both).
+
+``compare_with_module`` runs a plan of ``graph`` (built by remat from the export of
+``module`` at ``args``) on the agent's executor with the same inputs, and ``module``'s
+autograd for the same loss, and compares the gradient of every parameter of the module:
+
+* the run's gradients are taken back to the model's initializers
+  (``agents.program.initializer_gradients``: weights the exporter packs or reorders with
+  constant subgraphs, as for LSTM and GRU gates, pass theirs back through them);
+* parameters are paired with initializers by name (both exporters name an initializer
+  after its parameter), else by identical value (``perturb`` first, so that no two
+  parameters are equal); a parameter that receives a gradient in PyTorch and pairs with
+  no initializer is reported (``unpaired``), and the check fails;
+* the loss is the graph's (``remat.loss``); the module side computes it on the module's
+  outputs flattened in order (``cross_entropy`` and ``output`` read the first), with the
+  same labels;
+* the error is ``max|a - b| / max|b|`` per parameter, the worst over parameters
+  (``agents.executor.max_relative_error``), held to ``TOLERANCE``.
+
+Randomness cannot be shared between the two sides (dropout masks come from different
+generators): compare modules with dropout off (``without_dropout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch.utils._pytree import tree_leaves
+
+from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
+from agents.program import build_program, initializer_gradients
+from remat.devices import Device
+from remat.graph import Graph, Mode, NodeKind
+from remat.loss import LossKind
+from remat.plan import Plan
+
+
+@dataclass(frozen=True)
+class ModuleComparison:
+    error: float  # worst relative error over the paired parameters
+    paired: int  # parameters compared
+    unpaired: tuple[str, ...]  # parameters with a PyTorch gradient and no tensor in the model
+    loss: str  # the loss both sides differentiated
+    report: ExecutionReport  # the executor's run (and its own gradient check)
+
+    @property
+    def matches(self) -> bool:
+        return self.error <= TOLERANCE and not self.unpaired and self.paired > 0
+
+
+def without_dropout(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every dropout (and torchvision's stochastic depth) at p = 0."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) or type(sub).__name__ in (
+            "StochasticDepth",
+        ):
+            sub.p = 0.0  # type: ignore[assignment]
+    return module
+
+
+@torch.no_grad()
+def perturb(module: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
+    """Add ``scale`` times the parameter's own spread (or ``scale``) of seeded noise to every
+    parameter, so that no two are equal (fresh norms are all ones, biases all zeros) and a
+    gradient that vanishes at initialisation does not vanish here."""
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in module.parameters():
+        spread = float(parameter.std()) if parameter.numel() > 1 else 0.0
+        noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+        parameter.add_(noise * scale * (spread or 1.0))
+    return module
+
+
+def compare_with_module(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    model: onnx.ModelProto,
+    graph: Graph,
+    plan: Plan,
+    devices: Sequence[Device] | None = None,
+    *,
+    seed: int = 0,
+) -> ModuleComparison:
+    """Run ``plan`` on the executor with ``args`` as the model's inputs and compare its
+    parameter gradients with ``module``'s autograd at ``args`` (see the module docstring).
+    ``module`` must be in the mode it was exported in."""
+    if graph.mode is not Mode.TRAINING:
+        raise ValueError("gradients need a training graph")
+    inputs = _model_inputs(model, args)
+    loss = next(n for n in graph.nodes if n.kind is NodeKind.LOSS).attrs
+    labels_name = loss.get("loss_labels")
+    labels = None
+    if isinstance(labels_name, str):
+        output = str(loss["loss_output"])
+        axis = int(str(loss["loss_axis"]))
+        shape = _output_shape(graph, output)
+        generator = torch.Generator().manual_seed(seed)
+        rest = shape[:axis] + shape[axis + 1 :]
+        labels = torch.randint(0, shape[axis], rest, generator=generator)
+        inputs[labels_name] = labels.numpy()
+    report = execute(model, graph, plan, devices, inputs=inputs, seed=seed, warmup=0)
+    kind = LossKind(str(loss.get("loss", LossKind.MEAN_SQUARE.value)))
+    expected = _module_gradients(module, args, kind, int(str(loss.get("loss_axis", -1))), labels)
+    gradients = initializer_gradients(model, build_program(model, graph), report.gradients)
+    paired, unpaired = _pair(module, model, expected)
+    missing = torch.zeros(0)  # a paired tensor the run did not train: an infinite error
+    measured = {name: gradients.get(other, missing) for name, other in paired.items()}
+    reference = {name: expected[name] for name in paired}
+    return ModuleComparison(
+        error=max_relative_error(measured, reference) if paired else float("inf"),
+        paired=len(paired),
+        unpaired=tuple(unpaired),
+        loss=kind.value,
+        report=report,
+    )
+
+
+def _model_inputs(model: onnx.ModelProto, args: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
+    initializers = {t.name for t in model.graph.initializer}
+    names = [v.name for v in model.graph.input if v.name not in initializers]
+    if len(names) != len(args):
+        raise ValueError(f"the model has {len(names)} inputs ({names}), got {len(args)} tensors")
+    return {name: arg.detach().cpu().numpy() for name, arg in zip(names, args, strict=True)}
+
+
+def _output_shape(graph: Graph, output: str) -> tuple[int, ...]:
+    for node in graph.forward_nodes():
+        names = node.attrs.get("onnx_outputs")
+        shapes = node.attrs.get("output_shapes")
+        if isinstance(names, list) and isinstance(shapes, list) and output in names:
+            return tuple(int(d) for d in shapes[names.index(output)])
+    raise ValueError(f"no node writes output {output!r}")
+
+
+def _module_gradients(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    kind: LossKind,
+    axis: int,
+    labels: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    parameters = dict(module.named_parameters())
+    with torch.enable_grad():
+        leaves = [t for t in tree_leaves(module(*args)) if isinstance(t, torch.Tensor)]
+        floats = [t for t in leaves if t.is_floating_point()]
+        if kind is LossKind.MEAN_SQUARE:
+            loss = torch.stack([0.5 * (y * y).mean() for y in floats]).sum()
+        elif kind is LossKind.OUTPUT:
+            loss = floats[0].sum()
+        else:
+            assert labels is not None
+            y = floats[0]
+            logits = y.movedim(axis, -1).reshape(-1, y.shape[axis])
+            loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
+        found = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+    pairs = zip(parameters, found, strict=True)
+    return {name: grad.detach() for name, grad in pairs if grad is not None}
+
+
+def _pair(
+    module: torch.nn.Module, model: onnx.ModelProto, expected: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, str], list[str]]:
+    """Module parameter -> model tensor, for the parameters with a gradient: by name, else
+    by an initializer of identical value (names the exporter changed, tied weights).
+    Returns the pairs and the parameters left unpaired."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    values = dict(module.named_parameters())
+    pairs: dict[str, str] = {}
+    unpaired: list[str] = []
+    taken: set[str] = set()
+    for name in expected:
+        if name in initializers:
+            pairs[name] = name
+            taken.add(name)
+    for name in expected:
+        if name in pairs:
+            continue
+        value = values[name].detach().cpu().numpy()
+        same = [
+            other
+            for other, tensor in initializers.items()
+            if other not in taken
+            and tuple(tensor.dims) == value.shape
+            and np.array_equal(numpy_helper.to_array(tensor), value)
+        ]
+        if len(same) == 1:
+            pairs[name] = same[0]
+            taken.add(same[0])
+        else:
+            unpaired.append(name)
+    return pairs, unpaired

@@ -298,13 +298,11 @@ class Agent:
         return execute(model, graph, plan, self.config.devices).to_json()
 
     def _model_and_graph(self, ref: ModelRef) -> tuple[Any, Any]:
-        from remat.onnx_ingest import forward_graph, load_model
-        from remat.training import for_mode
+        from remat.onnx_ingest import load_model
 
         path = self.client.model_file(ref.model_id, ref.sha256, self.config.cache_dir)
         model = load_model(path)
-        graph = for_mode(forward_graph(model, batch=ref.batch, inputs=ref.inputs), ref.mode)
-        return model, graph
+        return model, ref.graph(model)
 
     def _devices(self, names: Sequence[str]) -> list[Device]:
         from agents.errors import DeviceError

@@ -44,6 +44,7 @@ from agents.errors import TaskError, UnsupportedOpError
 from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
+from remat.onnx_ingest import reference_ops
 
 Value = tuple[Tensor, ...]
 # Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
@@ -687,7 +688,7 @@ def _evaluate_constants(
     sub_model.ir_version = model.ir_version
     sub_model.functions.extend(model.functions)
     try:
-        results = ReferenceEvaluator(sub_model).run(None, {})
+        results = ReferenceEvaluator(sub_model, new_ops=list(reference_ops())).run(None, {})
     except Exception as error:  # any failure of the reference implementation
         raise TaskError(f"cannot evaluate the model's constant tensors: {error}") from error
     return {name: np.asarray(value) for name, value in zip(names, results, strict=True)}

@@ -41,7 +41,9 @@ def summarize(path: Path) -> ModelSummary:
 
 
 def job_graph(spec: JobSpec, path: Path) -> Graph:
-    return model_graph(path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode)
+    return model_graph(
+        path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode, loss=spec.loss.to_loss()
+    )
 
 
 def build_problem(
@@ -65,6 +67,7 @@ def build_problem(
         batch=spec.batch,
         inputs=spec.inputs,
         mode=spec.mode,
+        loss=spec.loss.to_loss(),
         devices=[Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices],
         budgets=spec.budgets,
         table=table,

@@ -14,22 +14,26 @@ from sqlalchemy.orm import Session
 from app.schemas import JobSpec
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow
 from app.task_queue import active_task
-from remat.agent_protocol import AgentDevice, ModelRef, ProfilePayload, TaskKind
+from remat.agent_protocol import AgentDevice, LossSpec, ModelRef, ProfilePayload, TaskKind
 from remat.costs import CostTable, profiled_costs
 from remat.errors import InvalidInputError
 from remat.graph import Graph
-from remat.onnx_ingest import forward_graph, load_model
-from remat.training import for_mode
+from remat.onnx_ingest import load_model
 
 
 def graph_of(path: Path, ref: ModelRef) -> Graph:
     """The graph an agent rebuilds from the same reference (what the job schedules)."""
-    return for_mode(forward_graph(load_model(path), batch=ref.batch, inputs=ref.inputs), ref.mode)
+    return ref.graph(load_model(path))
 
 
 def model_ref(spec: JobSpec, model: ModelRow) -> ModelRef:
     return ModelRef(
-        model_id=model.id, sha256=model.sha256, mode=spec.mode, batch=spec.batch, inputs=spec.inputs
+        model_id=model.id,
+        sha256=model.sha256,
+        mode=spec.mode,
+        batch=spec.batch,
+        inputs=spec.inputs,
+        loss=spec.loss if spec.loss != LossSpec() else None,
     )
 
 
@@ -62,6 +66,8 @@ def profile_key(ref: ModelRef, devices: list[AgentDevice]) -> str:
         "inputs": ref.inputs,
         "devices": [d.model_dump(mode="json") for d in devices],
     }
+    if ref.loss is not None:  # the default loss keeps the keys of profiles made before losses
+        what["loss"] = ref.loss.model_dump(mode="json")
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 

@@ -20,7 +20,7 @@ from pydantic import (
     field_validator,
 )
 
-from remat.agent_protocol import AgentDevice, Name, Strict
+from remat.agent_protocol import AgentDevice, LossSpec, Name, Strict
 from remat.devices import DeviceKind
 from remat.graph import Mode
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -75,6 +75,7 @@ class JobSpec(Strict):
     mode: Mode = Mode.TRAINING
     batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     inputs: dict[InputName, Dims] | None = Field(default=None, max_length=MAX_INPUTS)
+    loss: LossSpec = Field(default_factory=LossSpec)  # training: what is differentiated
     devices: list[DeviceSpec] = Field(
         default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)],
         min_length=1,

@@ -24,6 +24,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
+import onnx
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -36,7 +37,8 @@ from pydantic import (
 
 from remat.devices import DeviceKind, check_option
 from remat.errors import InvalidInputError
-from remat.graph import Mode
+from remat.graph import Graph, Mode
+from remat.loss import MEAN_SQUARE, Loss, LossKind
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$", max_length=64)]
 
@@ -114,14 +116,38 @@ class LeaseRequest(Strict):
     wait_s: float = Field(default=20.0, ge=0, le=60)  # long-poll this long for a task
 
 
+class LossSpec(Strict):
+    """The training loss (``remat.loss``): its kind, the model output it reads
+    (cross_entropy, output; default the model's only output) and the class axis of a
+    cross-entropy's logits."""
+
+    kind: LossKind = LossKind.MEAN_SQUARE
+    output: str | None = Field(
+        default=None, min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$"
+    )
+    axis: int = Field(default=-1, ge=-32, le=31)
+
+    def to_loss(self) -> Loss:
+        return Loss(self.kind, self.output, self.axis)
+
+
 class ModelRef(Strict):
-    """What the agent needs to rebuild the job's graph exactly as the server did."""
+    """What the agent needs to rebuild the job's graph exactly as the server did
+    (``graph``)."""
 
     model_id: str
     sha256: str
     mode: Mode
     batch: int | None = None
     inputs: dict[str, list[int]] | None = None
+    loss: LossSpec | None = None  # None: the default loss
+
+    def graph(self, model: onnx.ModelProto) -> Graph:
+        """The job's graph of ``model`` (the file this reference names, loaded)."""
+        from remat.problem import model_graph  # the strategies' imports, only when used
+
+        loss = self.loss.to_loss() if self.loss is not None else MEAN_SQUARE
+        return model_graph(model, batch=self.batch, inputs=self.inputs, mode=self.mode, loss=loss)
 
 
 class ProfilePayload(Strict):

@@ -25,6 +25,7 @@ from remat.costs import analytical_costs, load_cost_table
 from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Graph, Mode
+from remat.loss import Loss, LossKind
 from remat.max_batch import (
     DEFAULT_CAP,
     CostBound,
@@ -193,6 +194,32 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=DIMS",
         help="shape of an input, e.g. x=1x3x224x224 (repeatable)",
     )
+    loss_arguments(parser)
+
+
+def loss_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--loss``, ``--loss-output``, ``--loss-axis``: the training loss (``remat.loss``)."""
+    parser.add_argument(
+        "--loss",
+        choices=[k.value for k in LossKind],
+        default=LossKind.MEAN_SQUARE.value,
+        help="training loss: 0.5 mean(y^2) over the outputs (default), cross-entropy of "
+        "logits against labels, or the model's own scalar loss output",
+    )
+    parser.add_argument(
+        "--loss-output", metavar="NAME", help="the output it reads (default: the only one)"
+    )
+    parser.add_argument(
+        "--loss-axis",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="cross_entropy: the class axis of the logits (default: -1, the last)",
+    )
+
+
+def loss_of(args: argparse.Namespace) -> Loss:
+    return Loss(LossKind(args.loss), args.loss_output, args.loss_axis)
 
 
 def _cost_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,6 +318,7 @@ def _load_graph(args: argparse.Namespace) -> Graph:
         batch=args.batch,
         inputs=_inputs(args),
         mode=Mode(args.mode),
+        loss=loss_of(args),
         external_data_dir=_model_dir(args),
     )
 
@@ -377,6 +405,7 @@ def _problem(args: argparse.Namespace) -> Problem:
         batch=args.batch,
         inputs=_inputs(args),
         mode=Mode(args.mode),
+        loss=loss_of(args),
         devices=_devices(args),
         budgets=_budgets(args),
         table=None if args.costs is None else load_cost_table(args.costs),

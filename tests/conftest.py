@@ -54,6 +54,7 @@ LAYERS: dict[str, set[str]] = {
         "test_max_batch",
         "test_optimal",
         "test_placed",
+        "test_pytorch_gradients",
         "test_restrict",
         "test_solvers",
         "test_strategy_properties",

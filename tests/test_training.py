@@ -1,8 +1,13 @@
+import re
+
 import numpy as np
+import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from remat.errors import InvalidInputError
-from remat.graph import Graph, Mode, NodeKind
+from remat.graph import FixedKind, Graph, Mode, NodeKind
+from remat.loss import Loss, LossKind, labels_name
 from remat.onnx_ingest import forward_graph
 from remat.training import for_mode, gradient_needs, training_graph
 
@@ -128,3 +133,73 @@ def test_selected_operators_read_only_what_their_gradient_needs():
 def test_some_inputs_without_onnx_names_read_every_input():
     base = forward([(), (0,), (0, 1)], op="Where")
     assert gradient_needs(base.nodes[2]) == ((0, 1), False)
+
+
+def _scaled_model(scale_is_parameter: bool) -> onnx.ModelProto:
+    """y = (x @ W) * s / d: ``s`` a parameter (initializer) or a scalar Constant, ``d`` a
+    scalar Constant; logits (4, 5) and a scalar output."""
+    f32 = TensorProto.FLOAT
+    inits = [numpy_helper.from_array(np.ones((3, 5), np.float32), "W")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], "mm")]
+    if scale_is_parameter:
+        inits.append(numpy_helper.from_array(np.full((5,), 2.0, np.float32), "s"))
+    else:
+        nodes.append(helper.make_node("Constant", [], ["s"], value_float=2.0))
+    nodes += [
+        helper.make_node("Constant", [], ["d"], value_float=4.0),
+        helper.make_node("Mul", ["h", "s"], ["m"], "mul"),
+        helper.make_node("Div", ["m", "d"], ["logits"], "div"),
+        helper.make_node("ReduceSum", ["logits"], ["total"], "sum", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "scaled",
+        [helper.make_tensor_value_info("x", f32, [4, 3])],
+        [
+            helper.make_tensor_value_info("logits", f32, [4, 5]),
+            helper.make_tensor_value_info("total", f32, []),
+        ],
+        initializer=inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_mul_by_a_parameter_reads_the_activation_and_by_a_constant_does_not():
+    for parameter in (True, False):
+        g = training_graph(forward_graph(_scaled_model(parameter)))
+        mul = g.nodes[g.index("mul:grad")]
+        reads = {g.nodes[d].name for d in mul.deps if g.nodes[d].kind is NodeKind.FORWARD}
+        assert reads == ({"mm"} if parameter else set())
+        assert g.fixed["s"].kind is (FixedKind.PARAMETER if parameter else FixedKind.CONSTANT)
+        assert g.fixed["s"].has_gradient is parameter
+        div = g.nodes[g.index("div:grad")]  # by a constant: reads nothing
+        assert not any(g.nodes[d].kind is NodeKind.FORWARD for d in div.deps)
+
+
+def test_a_loss_reads_only_its_output_and_holds_its_labels():
+    forward = forward_graph(_scaled_model(True))
+    default = training_graph(forward)
+    assert len(default.nodes[default.index("loss")].deps) == 2  # both outputs
+    ce = training_graph(forward, Loss(LossKind.CROSS_ENTROPY, "logits"))
+    loss = ce.nodes[ce.index("loss")]
+    assert [ce.nodes[d].name for d in loss.deps] == ["div"]
+    assert loss.fixed == (labels_name("logits"),)
+    assert ce.fixed[labels_name("logits")].nbytes == 4 * 8  # int64 per row of (4, 5)
+    assert ce.fixed[labels_name("logits")].kind is FixedKind.CONSTANT
+    assert "sum:grad" not in {n.name for n in ce.nodes}  # not on the path to the loss
+    own = training_graph(forward, Loss(LossKind.OUTPUT, "total"))
+    assert [own.nodes[d].name for d in own.nodes[own.index("loss")].deps] == ["sum"]
+
+
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (Loss(LossKind.CROSS_ENTROPY), "must name the output it reads: the model has 2"),
+        (Loss(LossKind.CROSS_ENTROPY, "nope"), "does not have; its outputs: 'logits', 'total'"),
+        (Loss(LossKind.CROSS_ENTROPY, "logits", axis=2), "class axis 2 is out of range"),
+        (Loss(LossKind.OUTPUT, "logits"), "not a scalar: shape (4, 5)"),
+    ],
+)
+def test_a_loss_that_does_not_fit_the_model_is_refused(loss: Loss, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        training_graph(forward_graph(_scaled_model(True)), loss)

@@ -11,8 +11,8 @@ autograd for the same loss, and compares the gradient of every parameter of the 
   (``agents.program.initializer_gradients``: weights the exporter packs or reorders with
   constant subgraphs, as for LSTM and GRU gates, pass theirs back through them);
 * parameters are paired with initializers by name (both exporters name an initializer
-  after its parameter), else by identical value (``perturb`` first, so that no two
-  parameters are equal); a parameter that receives a gradient in PyTorch and pairs with
+  after its parameter), else by identical value or transpose (``perturb`` first, so that
+  no two parameters are equal); a parameter that receives a gradient in PyTorch and pairs with
   no initializer is reported (``unpaired``), and the check fails;
 * the loss is the graph's (``remat.loss``); the module side computes it on the module's
   outputs flattened in order (``cross_entropy`` and ``output`` read the first), with the
@@ -26,6 +26,7 @@ generators): compare modules with dropout off (``without_dropout``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,12 +58,18 @@ class ModuleComparison:
 
 
 def without_dropout(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with every dropout (and torchvision's stochastic depth) at p = 0."""
+    """``module`` with every dropout off: dropout modules and torchvision's stochastic
+    depth at p = 0, and every float attribute named like a dropout probability (attention
+    dropout is a float in ``torch.nn.MultiheadAttention`` and in Hugging Face's attention
+    modules) at 0."""
     for sub in module.modules():
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) or type(sub).__name__ in (
             "StochasticDepth",
         ):
             sub.p = 0.0  # type: ignore[assignment]
+        for name, value in vars(sub).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(sub, name, 0.0)
     return module
 
 
@@ -112,7 +119,14 @@ def compare_with_module(
     gradients = initializer_gradients(model, build_program(model, graph), report.gradients)
     paired, unpaired = _pair(module, model, expected)
     missing = torch.zeros(0)  # a paired tensor the run did not train: an infinite error
-    measured = {name: gradients.get(other, missing) for name, other in paired.items()}
+    measured = {
+        name: sum(
+            (gradients.get(other, missing).T if transposed else gradients.get(other, missing)
+             for other, transposed in held),
+            start=torch.zeros(()),
+        )
+        for name, held in paired.items()
+    }  # fmt: skip
     reference = {name: expected[name] for name in paired}
     return ModuleComparison(
         error=max_relative_error(measured, reference) if paired else float("inf"),
@@ -167,33 +181,30 @@ def _module_gradients(
 
 def _pair(
     module: torch.nn.Module, model: onnx.ModelProto, expected: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, str], list[str]]:
-    """Module parameter -> model tensor, for the parameters with a gradient: by name, else
-    by an initializer of identical value (names the exporter changed, tied weights).
-    Returns the pairs and the parameters left unpaired."""
+) -> tuple[dict[str, list[tuple[str, bool]]], list[str]]:
+    """Module parameter -> the initializers holding it, each with whether it is stored
+    transposed, for the parameters with a gradient. An initializer is a parameter's when it
+    has its name, or its value (names the exporter changed), or for a matrix its transpose
+    (the dynamo exporter stores a ``Linear``'s weight transposed for its MatMul); a tied
+    weight (an embedding reused by a language model's head) may be held by several, whose
+    gradients add up. Returns the pairs and the parameters no initializer holds."""
     initializers = {t.name: t for t in model.graph.initializer}
     values = dict(module.named_parameters())
-    pairs: dict[str, str] = {}
-    unpaired: list[str] = []
-    taken: set[str] = set()
+    arrays: dict[str, np.ndarray] = {}
+    pairs: dict[str, list[tuple[str, bool]]] = {n: [] for n in expected}
+    taken = {n for n in expected if n in initializers}
     for name in expected:
         if name in initializers:
-            pairs[name] = name
-            taken.add(name)
-    for name in expected:
-        if name in pairs:
-            continue
+            pairs[name].append((name, False))
         value = values[name].detach().cpu().numpy()
-        same = [
-            other
-            for other, tensor in initializers.items()
-            if other not in taken
-            and tuple(tensor.dims) == value.shape
-            and np.array_equal(numpy_helper.to_array(tensor), value)
-        ]
-        if len(same) == 1:
-            pairs[name] = same[0]
-            taken.add(same[0])
-        else:
-            unpaired.append(name)
-    return pairs, unpaired
+        for other, tensor in initializers.items():
+            if other in taken or math.prod(tensor.dims) != value.size:
+                continue
+            array = arrays.setdefault(other, numpy_helper.to_array(tensor))
+            if array.shape == value.shape and np.array_equal(array, value):
+                pairs[name].append((other, False))
+            elif value.ndim == 2 and np.array_equal(array, value.T):
+                pairs[name].append((other, True))
+        taken.update(other for other, _ in pairs[name])
+    unpaired = [name for name, held in pairs.items() if not held]
+    return {name: held for name, held in pairs.items() if held}, unpaired

@@ -83,9 +83,16 @@ def load() -> types.ModuleType:
     return torchvision
 
 
-def install() -> None:
+def ensure_installed() -> None:
+    """``install`` quietly, unless ``FOLDER`` already holds torchvision."""
+    if not (FOLDER / "torchvision" / "__init__.py").exists():
+        install(quiet=True)
+
+
+def install(quiet: bool = False) -> None:
     """``pip install --no-deps --target FOLDER`` torchvision and pillow: torch stays as it is."""
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(FOLDER)]
+    command += ["--quiet", "--disable-pip-version-check"] if quiet else []
     subprocess.run([*command, f"torchvision=={VERSION}", "pillow"], check=True)
 
 

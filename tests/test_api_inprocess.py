@@ -161,6 +161,18 @@ def test_a_job_is_solved_and_its_plan_served(api: InProcessApi) -> None:
     assert "event: progress" in text and text.rstrip().endswith('{"status": "succeeded"}')
 
 
+def test_a_job_differentiates_the_loss_it_names(api: InProcessApi) -> None:
+    client = api.client
+    body = quick_job(uploaded(client)) | {"loss": {"kind": "cross_entropy", "axis": 1}}
+    job = client.post("/v1/jobs", json=body)
+    assert job.status_code == 202, job.text
+    assert job.json()["spec"]["loss"] == {"kind": "cross_entropy", "output": None, "axis": 1}
+    api.dispatcher.run()
+    assert client.get(f"/v1/jobs/{job.json()['id']}").json()["status"] == "succeeded"
+    plan = client.get(f"/v1/jobs/{job.json()['id']}/plan").json()
+    assert plan["steps"]
+
+
 def test_a_queued_job_is_cancelled_at_once(api: InProcessApi) -> None:
     client = api.client
     job = submitted(client, uploaded(client))
@@ -194,6 +206,9 @@ def test_the_same_idempotency_key_gives_the_same_job(api: InProcessApi) -> None:
         ({"budgets": {"gpu7": "50%"}}, "gpu7"),
         ({"strategy": "no_such_strategy"}, "strategy"),
         ({"solver": {"backend": "highs", "time_limit_s": 1e9}}, "time_limit_s"),
+        ({"loss": {"kind": "cross_entropy", "output": "nope"}}, "does not have; its outputs"),
+        ({"loss": {"kind": "output"}}, "not a scalar"),
+        ({"loss": {"kind": "hinge"}}, "loss.kind"),
     ],
 )
 def test_a_job_the_server_cannot_run_is_refused(

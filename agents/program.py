@@ -106,14 +106,20 @@ class LossOf:
         if not y.is_floating_point():
             return None
         if self.kind is LossKind.MEAN_SQUARE:
-            return 0.5 * (y * y).mean() if name in model_outputs else None
+            return self.term(y) if name in model_outputs else None
         if name != self.output:
             return None
+        return self.term(y, fixed[self.labels] if self.labels is not None else None)
+
+    def term(self, y: Tensor, labels: Tensor | None = None) -> Tensor:
+        """The loss of one output ``y`` it reads (a cross-entropy's with ``labels``)."""
+        if self.kind is LossKind.MEAN_SQUARE:
+            return 0.5 * (y * y).mean()
         if self.kind is LossKind.OUTPUT:
             return y.sum()
-        assert self.labels is not None
+        assert labels is not None
         logits = y.movedim(self.axis, -1).reshape(-1, y.shape[self.axis])
-        target = fixed[self.labels].reshape(-1).to(device=y.device, dtype=torch.int64)
+        target = labels.reshape(-1).to(device=y.device, dtype=torch.int64)
         return torch.nn.functional.cross_entropy(logits, target)
 
     def gradient(
@@ -741,7 +747,8 @@ def initializer_gradients(
     opsets = {(o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
               for o in model.opset_import}  # fmt: skip
     shapes = _tensor_shapes(program.graph)
-    values = {n: _tensor(numpy_helper.to_array(t)) for n, t in initializers.items()} | leaves
+    read = {i for p in nodes for i in p.input if i in initializers}
+    values = {n: _tensor(numpy_helper.to_array(initializers[n])) for n in read} | leaves
     try:
         if others:
             evaluated = _evaluate_constants(model, program.graph, others, shapes)

@@ -37,9 +37,9 @@ from onnx import numpy_helper
 from torch.utils._pytree import tree_leaves
 
 from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
-from agents.program import build_program, initializer_gradients
+from agents.program import LossOf, build_program, initializer_gradients
 from remat.devices import Device
-from remat.graph import Graph, Mode, NodeKind
+from remat.graph import Graph, Mode
 from remat.loss import LossKind
 from remat.plan import Plan
 
@@ -102,21 +102,15 @@ def compare_with_module(
     if graph.mode is not Mode.TRAINING:
         raise ValueError("gradients need a training graph")
     inputs = _model_inputs(model, args)
-    loss = next(n for n in graph.nodes if n.kind is NodeKind.LOSS).attrs
-    labels_name = loss.get("loss_labels")
+    program = build_program(model, graph, inputs, seed)
+    loss = program.loss
     labels = None
-    if isinstance(labels_name, str):
-        output = str(loss["loss_output"])
-        axis = int(str(loss["loss_axis"]))
-        shape = _output_shape(graph, output)
-        generator = torch.Generator().manual_seed(seed)
-        rest = shape[:axis] + shape[axis + 1 :]
-        labels = torch.randint(0, shape[axis], rest, generator=generator)
-        inputs[labels_name] = labels.numpy()
+    if loss.labels is not None:  # the program's labels, given to the run and the module
+        labels = program.fixed[loss.labels]
+        inputs[loss.labels] = labels.numpy()
     report = execute(model, graph, plan, devices, inputs=inputs, seed=seed, warmup=0)
-    kind = LossKind(str(loss.get("loss", LossKind.MEAN_SQUARE.value)))
-    expected = _module_gradients(module, args, kind, int(str(loss.get("loss_axis", -1))), labels)
-    gradients = initializer_gradients(model, build_program(model, graph), report.gradients)
+    expected = _module_gradients(module, args, loss, labels)
+    gradients = initializer_gradients(model, program, report.gradients)
     paired, unpaired = _pair(module, model, expected)
     missing = torch.zeros(0)  # a paired tensor the run did not train: an infinite error
     measured = {
@@ -132,7 +126,7 @@ def compare_with_module(
         error=max_relative_error(measured, reference) if paired else float("inf"),
         paired=len(paired),
         unpaired=tuple(unpaired),
-        loss=kind.value,
+        loss=loss.kind.value,
         report=report,
     )
 
@@ -145,36 +139,18 @@ def _model_inputs(model: onnx.ModelProto, args: Sequence[torch.Tensor]) -> dict[
     return {name: arg.detach().cpu().numpy() for name, arg in zip(names, args, strict=True)}
 
 
-def _output_shape(graph: Graph, output: str) -> tuple[int, ...]:
-    for node in graph.forward_nodes():
-        names = node.attrs.get("onnx_outputs")
-        shapes = node.attrs.get("output_shapes")
-        if isinstance(names, list) and isinstance(shapes, list) and output in names:
-            return tuple(int(d) for d in shapes[names.index(output)])
-    raise ValueError(f"no node writes output {output!r}")
-
-
 def _module_gradients(
-    module: torch.nn.Module,
-    args: Sequence[torch.Tensor],
-    kind: LossKind,
-    axis: int,
-    labels: torch.Tensor | None,
+    module: torch.nn.Module, args: Sequence[torch.Tensor], loss: LossOf, labels: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
+    """The module's parameter gradients for ``loss`` on its outputs flattened in order
+    (mean_square: every float output; the others: the first)."""
     parameters = dict(module.named_parameters())
     with torch.enable_grad():
         leaves = [t for t in tree_leaves(module(*args)) if isinstance(t, torch.Tensor)]
         floats = [t for t in leaves if t.is_floating_point()]
-        if kind is LossKind.MEAN_SQUARE:
-            loss = torch.stack([0.5 * (y * y).mean() for y in floats]).sum()
-        elif kind is LossKind.OUTPUT:
-            loss = floats[0].sum()
-        else:
-            assert labels is not None
-            y = floats[0]
-            logits = y.movedim(axis, -1).reshape(-1, y.shape[axis])
-            loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
-        found = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+        read = floats if loss.kind is LossKind.MEAN_SQUARE else floats[:1]
+        value = torch.stack([loss.term(y, labels) for y in read]).sum()
+        found = torch.autograd.grad(value, list(parameters.values()), allow_unused=True)
     pairs = zip(parameters, found, strict=True)
     return {name: grad.detach() for name, grad in pairs if grad is not None}
 

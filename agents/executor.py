@@ -81,6 +81,8 @@ from remat.simulator import Simulation, simulate
 TOLERANCE = 1e-4
 # Against the float64 reference: how many times the host's own fp32 error is allowed.
 CUDA_ALLOWANCE = 10.0
+FP32_EPS = torch.finfo(torch.float32).eps
+FP64_EPS = torch.finfo(torch.float64).eps
 
 
 @dataclass(frozen=True)
@@ -249,9 +251,19 @@ def _max_abs_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
 
 def noise_floor(reference: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor]) -> float:
     """The smallest scale a tensor is measured against: ``CUDA_ALLOWANCE / TOLERANCE``
-    times the host fp32 run's largest absolute error against float64 (its rounding noise),
-    so that a deviation within ``CUDA_ALLOWANCE`` times that noise is within tolerance."""
-    return CUDA_ALLOWANCE / TOLERANCE * _max_abs_difference(reference, exact)
+    times fp32's rounding noise, so that a deviation within ``CUDA_ALLOWANCE`` times that
+    noise is within tolerance. The noise is the host fp32 run's largest absolute error
+    against float64; where every exact value is itself float64 rounding noise (the
+    gradients vanish) and the fp32 run happens to round to exactly zero, it is at least
+    that float64 noise at fp32's precision (another fp32 computation of a zero need not
+    round to zero)."""
+    noise = _max_abs_difference(reference, exact)
+    if gradients_vanish(reference, exact):
+        largest = max(
+            (float(t.detach().abs().max()) for t in exact.values() if t.numel()), default=0.0
+        )
+        noise = max(noise, largest * FP32_EPS / FP64_EPS)
+    return CUDA_ALLOWANCE / TOLERANCE * noise
 
 
 def gradients_vanish(
@@ -322,7 +334,8 @@ def max_relative_error(
     arithmetic (a key bias before a softmax, a conv bias before an instance norm) holds
     rounding noise, not a scale, while a wrong tensor is still off by about its own size.
     ``floor``: a further absolute floor (``noise_floor``), for when every entry of the
-    reference may be noise. A missing tensor or a shape mismatch is an infinite error."""
+    reference may be noise. A missing tensor, a shape mismatch, or any difference from a
+    reference that is exactly zero everywhere with no floor is an infinite error."""
     expected = {name: t.detach().double().cpu() for name, t in reference.items()}
     scales = {name: float(t.abs().max()) if t.numel() else 0.0 for name, t in expected.items()}
     floor = max(floor, 1e-3 * max(scales.values(), default=0.0))
@@ -335,7 +348,7 @@ def max_relative_error(
             continue
         diff = float((got.detach().double().cpu() - b).abs().max())
         scale = max(scales[name], floor)
-        worst = max(worst, diff / scale if scale > 0 else diff)
+        worst = max(worst, diff / scale if scale > 0 else (float("inf") if diff else 0.0))
     return worst
 
 

@@ -240,8 +240,9 @@ def _targets(row: dict[str, str]) -> str:
 
 
 def _models(rows: Rows) -> str:
-    """Real exports: ingest, the ``auto`` plan at 50% and the executor's check, or the
-    first error on the way (one line)."""
+    """Real exports: ingest, the ``auto`` plan (at 50%, or the budget it was made at), the
+    executor's own check and its gradients against PyTorch's, or the first error on the way
+    (one line)."""
 
     def ingest(r: dict[str, str]) -> str:
         if r.get("export", "ok") != "ok":
@@ -249,14 +250,26 @@ def _models(rows: Rows) -> str:
         return _cell(r.get("ingest", ""))
 
     def plan(r: dict[str, str]) -> str:
-        if r.get("overhead"):
-            return f"{r['plan']} {_pct(r, 'overhead')}"
-        return _cell(r.get("plan", ""))
+        if not r.get("overhead"):
+            return _cell(r.get("plan", ""))
+        budget = r.get("budget", "50%")
+        at = "" if budget == "50%" else f" at {budget}"
+        return f"{r['plan']} {_pct(r, 'overhead')}{at}"
 
     def check(r: dict[str, str]) -> str:
         error = r.get("rel_error", "")
         text = _cell(r.get("check", ""))
         return f"{text} {float(error):.1e}" if error not in ("", "None") else text
+
+    def against_torch(r: dict[str, str]) -> str:
+        if r.get("torch_error", "") == "":
+            return ""
+        unpaired = r.get("unpaired", "").split()
+        text = f"{float(r['torch_error']):.1e} ({r.get('paired', '')} parameters)"
+        if unpaired:
+            text += f"; {len(unpaired)} not in the export: {', '.join(unpaired[:2])}"
+            text += ", ..." if len(unpaired) > 2 else ""
+        return text
 
     columns: list[Column] = [
         ("model", lambda r: r["model"]),
@@ -268,6 +281,7 @@ def _models(rows: Rows) -> str:
         ("ingest", ingest),
         ("plan@50% (auto) vs ideal", plan),
         ("executor: grad (output) error", check),
+        ("grad error vs PyTorch", against_torch),
         ("s", lambda r: _f(r, "seconds", ".1f")),
     ]
     return _table(rows, columns, ("ONNX nodes", "graph nodes", "s"))

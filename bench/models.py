@@ -13,10 +13,11 @@ at 50% of the checkpoint-all peak, or where 50% is under the least any schedule 
 the midpoint between that floor and the peak (``agents.pytorch.check.plan_for_check``), its
 overhead vs the ideal; then the agent's executor runs that plan: its own check (planned vs
 plain run of the same program: gradients in training, outputs in evaluation) and, in
-training, the gradient of every parameter against the module's autograd for the entry's
-loss (``agents.pytorch.reference.compare_with_module``: worst relative error, and the
-parameters the export holds no tensor for). Models with more than ``--max-check-params``
-parameters skip the execution (said in the row).
+training, the gradient of every parameter against the module's autograd in float64 for
+the entry's loss (``agents.pytorch.reference.compare_with_module``: worst relative error,
+PyTorch's own fp32 error beside it, and the parameters the export holds no tensor for).
+Models with more than ``--max-check-params`` parameters skip the execution (said in the
+row).
 
 Prints a markdown table and appends its rows to ``bench/results/models.csv`` as they are
 measured (``bench/report.py`` renders them).
@@ -137,6 +138,8 @@ def _measure(
             )
             report = comparison.report
             row |= {"torch_error": comparison.error, "paired": comparison.paired}
+            row |= {"torch_fp32_error": comparison.torch_error}
+            row["torch_check"] = "match" if comparison.matches else "MISMATCH"
             row["unpaired"] = " ".join(comparison.unpaired)
         else:
             report = execute(model, graph, result.plan, [CPU], warmup=0, repeats=1)

@@ -265,7 +265,11 @@ def _models(rows: Rows) -> str:
         if r.get("torch_error", "") == "":
             return ""
         unpaired = r.get("unpaired", "").split()
-        text = f"{float(r['torch_error']):.1e} ({r.get('paired', '')} parameters)"
+        verdict = r.get("torch_check", "")
+        text = f"{verdict} {float(r['torch_error']):.1e}".strip()
+        if r.get("torch_fp32_error", "") != "":
+            text += f" (PyTorch fp32: {float(r['torch_fp32_error']):.1e})"
+        text += f", {r.get('paired', '')} parameters"
         if unpaired:
             text += f"; {len(unpaired)} not in the export: {', '.join(unpaired[:2])}"
             text += ", ..." if len(unpaired) > 2 else ""
@@ -281,7 +285,7 @@ def _models(rows: Rows) -> str:
         ("ingest", ingest),
         ("plan@50% (auto) vs ideal", plan),
         ("executor: grad (output) error", check),
-        ("grad error vs PyTorch", against_torch),
+        ("grad error vs PyTorch (float64)", against_torch),
         ("s", lambda r: _f(r, "seconds", ".1f")),
     ]
     return _table(rows, columns, ("ONNX nodes", "graph nodes", "s"))

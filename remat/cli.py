@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypedDict
 
 import onnx
 
@@ -52,6 +52,10 @@ AUTO_HELP = (
 )
 
 
+MODEL_HELP = (
+    "ONNX model: a .onnx file, a directory holding one with its external data files, "
+    "or a zip archive of them"
+)
 Commands = argparse._SubParsersAction  # the ``add_parser`` of ``remat``'s subcommands
 
 
@@ -133,7 +137,7 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
         "predicted time is at most one extra forward pass above the ideal (Checkmate eq. 10), "
         "or --max-overhead PCT above it: batch 1, doubling, then bisection.",
     )
-    search.add_argument("model", type=Path, help="ONNX model file (symbolic batch dimension)")
+    search.add_argument("model", type=Path, help=MODEL_HELP + " (symbolic batch dimension)")
     search.add_argument(
         "--input",
         action="append",
@@ -175,6 +179,7 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
         metavar="B",
         help=f"largest batch size to try (default {DEFAULT_CAP})",
     )
+    loss_arguments(search)
     _solver_arguments(search, time_limit_s=MAX_BATCH_TIME_LIMIT_S, per="per batch size tried")
     search.add_argument("--json", action="store_true", help="print the result as JSON")
     search.add_argument(
@@ -184,7 +189,7 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", type=Path, help="ONNX model file")
+    parser.add_argument("model", type=Path, help=MODEL_HELP)
     parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TRAINING.value)
     parser.add_argument("--batch", type=_positive_int, help="value of the leading dimension")
     parser.add_argument(
@@ -313,14 +318,29 @@ def _positive_int(text: str) -> int:
 
 
 def _load_graph(args: argparse.Namespace) -> Graph:
-    return model_graph(
-        _model(args),
-        batch=args.batch,
-        inputs=_inputs(args),
-        mode=Mode(args.mode),
-        loss=loss_of(args),
-        external_data_dir=_model_dir(args),
-    )
+    return model_graph(**_model_options(args))
+
+
+class ModelOptions(TypedDict):
+    model: Path | onnx.ModelProto
+    batch: int | None
+    inputs: dict[str, tuple[int, ...]] | None
+    mode: Mode
+    loss: Loss
+    external_data_dir: Path
+
+
+def _model_options(args: argparse.Namespace) -> ModelOptions:
+    """What ``_model_arguments`` says about the model, as ``model_graph`` and
+    ``build_problem`` take it."""
+    return {
+        "model": _model(args),
+        "batch": args.batch,
+        "inputs": _inputs(args),
+        "mode": Mode(args.mode),
+        "loss": loss_of(args),
+        "external_data_dir": _model_dir(args),
+    }
 
 
 def _inputs(args: argparse.Namespace) -> dict[str, tuple[int, ...]] | None:
@@ -401,16 +421,11 @@ class ProgressLine:
 def _problem(args: argparse.Namespace) -> Problem:
     """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
     return build_problem(
-        _model(args),
-        batch=args.batch,
-        inputs=_inputs(args),
-        mode=Mode(args.mode),
-        loss=loss_of(args),
+        **_model_options(args),
         devices=_devices(args),
         budgets=_budgets(args),
         table=None if args.costs is None else load_cost_table(args.costs),
         solver=_solver_settings(args),
-        external_data_dir=_model_dir(args),
     )
 
 
@@ -538,6 +553,7 @@ def _max_batch_command(args: argparse.Namespace) -> int:
         inputs=_inputs(args),
         solver=_solver_settings(args),
         external_data_dir=_model_dir(args),
+        loss=loss_of(args),
     )
     bound = CostBound(None if args.max_overhead is None else args.max_overhead / 100.0)
 

@@ -33,6 +33,7 @@ from remat.costs import CostModel
 from remat.devices import Device, Size, format_bytes, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode, NodeKind
+from remat.loss import MEAN_SQUARE, Loss
 from remat.onnx_ingest import load_model
 from remat.problem import Budget, build_problem
 from remat.strategies import AUTO, Problem, SolverSettings, StrategyResult, run_strategy
@@ -52,9 +53,11 @@ def problems_by_batch(
     inputs: Mapping[str, Sequence[int]] | None = None,
     solver: SolverSettings | None = None,
     external_data_dir: Path | None = None,
+    loss: Loss = MEAN_SQUARE,
 ) -> Callable[[int], Problem]:
     """``build`` for ``max_batch``: the training problem of ``model`` at each batch size
-    (``remat.problem.build_problem``, analytical costs on ``devices``). Budgets must be in
+    (``remat.problem.build_problem``, analytical costs on ``devices``, differentiating
+    ``loss``). Budgets must be in
     bytes, for at least one device: a percentage of the checkpoint-all peak would move with
     the batch, and without a limit every batch fits. Budgets below the fixed memory are a
     batch that does not fit (the strategy says what it needs), not an error."""
@@ -82,6 +85,7 @@ def problems_by_batch(
             batch=batch,
             inputs=inputs,
             mode=Mode.TRAINING,
+            loss=loss,
             devices=devices,
             budgets=sizes,
             solver=solver,

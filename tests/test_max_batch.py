@@ -11,6 +11,7 @@ from remat import samples
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
 from remat.graph import NodeKind
+from remat.loss import Loss, LossKind
 from remat.max_batch import (
     CostBound,
     max_batch,
@@ -150,6 +151,26 @@ def test_cli_finds_writes_and_checks_the_plan(vgg, tmp_path):
     assert text.stdout.startswith("max batch:  ")
     assert int(text.stdout.split()[2]) <= document["max_batch"]
     assert "at most 0.0% above the ideal" in text.stdout and "cpu0:       peak" in text.stdout
+
+
+def test_cli_differentiates_the_loss_it_is_given(vgg, tmp_path):
+    """``--loss cross_entropy``: the problems carry the loss node and its labels, the plan
+    checks against the cross-entropy graph; a loss the model cannot have is one line."""
+    out = tmp_path / "plan.json"
+    loss = ["--loss", "cross_entropy"]
+    result = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", *loss, "--json", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    batch = json.loads(result.stdout)["max_batch"]
+    problem = problems_by_batch(
+        VGG, devices=[CPU], budgets={"cpu0": VGG_BUDGET}, loss=Loss(LossKind.CROSS_ENTROPY)
+    )(batch)
+    (node,) = [n for n in problem.graph.nodes if n.kind is NodeKind.LOSS]
+    assert node.attrs["loss"] == "cross_entropy"
+    check = remat("check", str(vgg), str(out), "--batch", str(batch), *loss)
+    assert check.returncode == 0 and check.stdout.startswith("valid"), check.stdout
+    bad = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", "--loss", "output")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "output" in bad.stderr
 
 
 def test_two_devices_with_xengine_fit_at_least_the_best_single_device(tmp_path):

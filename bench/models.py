@@ -5,26 +5,26 @@ The corpus is ``agents/pytorch/corpus.py`` (``torch.nn`` modules, a hand-built C
 torchvision's classifiers and segmentation models through
 ``agents/pytorch/torchvision_models.py``, Hugging Face transformers' GPT-2, BERT and T5
 from small configs on token ids; nothing downloaded) at its ``bench`` scale (``--scale
-test``: the tests' sizes), exported by the TorchScript exporter (``dynamo=False``, opset 17)
-and by the dynamo exporter (opset 18), in training mode (and evaluation mode for the small
-ones). Per export: ONNX nodes, the training (or inference) graph's nodes, whether remat
-ingests it (else the error's first line), the ``auto`` plan on one CPU (analytical costs)
-at 50% of the checkpoint-all peak, or where 50% is under the least any schedule needs, at
-the midpoint between that floor and the peak (``agents.pytorch.check.plan_for_check``), its
-overhead vs the ideal; then the agent's executor runs that plan: its own check (planned vs
-plain run of the same program: gradients in training, outputs in evaluation) and, in
+test``: the tests' sizes), exported by the TorchScript exporter (``dynamo=False``, opset
+17) and by the dynamo exporter (opset 18), in training and in evaluation mode. Per
+export: ONNX nodes, the training (or inference) graph's nodes, whether remat ingests it
+(else the error's first line), the ``auto`` plan on one CPU (analytical costs) at 50% of
+the checkpoint-all peak, or where 50% is under the least any schedule needs, at the
+midpoint between that floor and the peak (``agents.pytorch.check.plan_for_check``), its
+overhead vs the ideal; then the agent's executor runs that plan: its own check (planned
+vs plain run of the same program: gradients in training, outputs in evaluation) and, in
 training, the gradient of every parameter against the module's autograd in float64 for
-the entry's loss (``agents.pytorch.reference.compare_with_module``: worst relative error,
-PyTorch's own fp32 error beside it, and the parameters the export holds no tensor for).
-Models with more than ``--max-check-params`` parameters skip the execution (said in the
-row).
+the entry's loss (``agents.pytorch.reference.compare_with_module``: worst relative
+error, PyTorch's own fp32 error beside it, and the parameters the export holds no tensor
+for). Models with more than ``--max-check-params`` parameters skip the execution (said
+in the row).
 
 Prints a markdown table and appends its rows to ``bench/results/models.csv`` as they are
 measured (``bench/report.py`` renders them).
 
     .venv/bin/python bench/models.py [--models small_cnn,resnet18,...] [--scale bench|test]
         [--exporters torchscript,dynamo] [--time-limit 10]
-        [--max-check-params 40000000] [--no-eval] [--run LABEL]
+        [--max-check-params 40000000] [--modes training,inference] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -64,10 +64,13 @@ def main() -> None:
         default=40_000_000,
         help="skip the executor's check on models with more parameters",
     )
-    parser.add_argument("--no-eval", action="store_true", help="training mode only")
+    parser.add_argument(
+        "--modes", default="training,inference", help="export in these modes (train / eval)"
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     exporters = args.exporters.split(",")
+    modes = [Mode(mode) for mode in args.modes.split(",")]
     for name in [n for n in args.models.split(",") if n not in CORPUS] + [
         e for e in exporters if e not in EXPORTERS
     ]:
@@ -77,7 +80,6 @@ def main() -> None:
     rows: list[dict[str, str]] = []
     for name in args.models.split(","):
         entry = CORPUS[name]
-        modes = [Mode.TRAINING] + ([Mode.INFERENCE] if entry.eval_too and not args.no_eval else [])
         for exporter in exporters:
             for mode in modes:
                 try:

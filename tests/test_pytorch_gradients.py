@@ -1,17 +1,17 @@
 """Gradients that are right, not only self-consistent: real exports of the corpus's PyTorch
-modules (``agents.pytorch.corpus`` at its ``test`` scale), planned with checkpoint-all and
-at 50% of its peak, run by the agent's executor, and compared with the module's own
+modules (``agents.pytorch.corpus`` at its ``test`` scale), planned with checkpoint-all
+and at 50% of its peak, run by the agent's executor, and compared with the module's own
 autograd for the same weights, inputs and loss (``agents.pytorch.reference``), at most
 1e-4 relative error in fp32.
 
 The subset covers what a gradient rule can get wrong: BatchNorm in training mode, a
 LayerNorm decomposed into Mul/Add by a parameter (opset 14), attention, recurrent layers
-whose gates the exporter packs with constant subgraphs, residual CNNs, hard-swish and
-squeeze-excitation blocks, a segmentation head's Resize under a per-pixel cross-entropy
-(torchvision, installed beside the venv by ``scripts/test``), Hugging Face transformers
-(GPT-2, BERT, T5) from small configurations, and each loss a job can choose. The module
-side differentiates an ``Embedding`` with its ``padding_idx`` off (BERT's pad token), since
-the exported ``Gather`` has no such rule."""
+whose gates the exporter packs with constant subgraphs, residual CNNs, a segmentation
+model's hard-swish and squeeze-excitation blocks and its head's Resize under a per-pixel
+cross-entropy (torchvision, installed beside the venv by ``scripts/test``), Hugging Face
+transformers (GPT-2, BERT, T5) from small configurations, and each loss a job can
+choose. The module side differentiates an ``Embedding`` with its ``padding_idx`` off
+(BERT's pad token), since the exported ``Gather`` has no such rule."""
 
 from __future__ import annotations
 
@@ -68,12 +68,10 @@ def test_cnn_with_batch_norm_in_training_mode(opset: int, loss: Loss) -> None:
     assert full.loss == loss.kind.value
 
 
-@pytest.mark.parametrize(
-    ("exporter", "opset"), [("torchscript", 14), ("torchscript", 17), ("dynamo", 18)]
-)
+@pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 14), ("dynamo", 18)])
 def test_transformer_encoder(exporter: Exporter, opset: int) -> None:
     """Opset 14 has no LayerNormalization: the exporter writes ``x * weight + bias``, whose
-    weight's gradient needs the normalised activation."""
+    weight's gradient needs the normalised activation; dynamo at 18 writes the operator."""
     _check("transformer_encoder", exporter=exporter, opset=opset)
 
 
@@ -82,7 +80,7 @@ def test_recurrent_layers_with_packed_gates(name: str) -> None:
     _check(name)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "deeplabv3_mobilenet_v3_large"])
+@pytest.mark.parametrize("name", ["resnet18", "deeplabv3_mobilenet_v3_large"])
 def test_torchvision_models(name: str) -> None:
     _check(name)
 

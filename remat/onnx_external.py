@@ -66,18 +66,26 @@ def _location(tensor: TensorProto) -> str:
     return entries.get("location", "")
 
 
+def _is_plain_relative(location: str) -> bool:
+    """Whether ``location`` is a non-empty relative path without a NUL, a drive or ``..``,
+    read as a POSIX and as a Windows path."""
+    if not location or "\0" in location:
+        return False
+    return not any(
+        flavour.is_absolute() or flavour.drive or ".." in flavour.parts
+        for flavour in (PurePosixPath(location), PureWindowsPath(location))
+    )
+
+
 def _check_location(owner: str, location: str, base_dir: Path) -> None:
     """``location`` must be a plain relative path that stays inside ``base_dir`` once
     symbolic links are followed."""
-    shown = location if len(location) <= 120 else location[:117] + "..."
     refusal = ModelLoadError(
-        f"{owner}: external data location {shown!r} is not a file inside the model's directory"
+        f"{owner}: external data location {_shown(location)} is not a file inside the "
+        "model's directory"
     )
-    if not location or "\0" in location:
+    if not _is_plain_relative(location):
         raise refusal
-    for flavour in (PurePosixPath(location), PureWindowsPath(location)):
-        if flavour.is_absolute() or flavour.drive or ".." in flavour.parts:
-            raise refusal
     root = os.path.realpath(base_dir)
     target = os.path.realpath(os.path.join(root, location))
     if os.path.commonpath([root, target]) != root or target == root:
@@ -300,11 +308,8 @@ def _member(owner: str, location: str, folder: str, files: dict[str, zipfile.Zip
     refusal = ModelLoadError(
         f"{owner}: external data location {_shown(location)} is not a file in the archive"
     )
-    if not location or "\0" in location:
+    if not _is_plain_relative(location):
         raise refusal
-    for flavour in (PurePosixPath(location), PureWindowsPath(location)):
-        if flavour.is_absolute() or flavour.drive or ".." in flavour.parts:
-            raise refusal
     name = posixpath.normpath(posixpath.join(folder, location))
     if name not in files:
         raise refusal

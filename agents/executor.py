@@ -224,7 +224,9 @@ def accuracy(
     if exact is None:
         exact = _reference(program.in_float64(), training)
     floored = Accuracy(
-        max_relative_error(measured, exact, noise_floor(reference, exact)), TOLERANCE, vanish
+        max_relative_error(measured, exact, noise_floor(reference, exact, vanish)),
+        TOLERANCE,
+        vanish,
     )
     if floored.matches or not uses_cuda:
         return floored
@@ -249,16 +251,18 @@ def _max_abs_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
     return worst
 
 
-def noise_floor(reference: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor]) -> float:
+def noise_floor(
+    reference: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor], vanish: bool | None
+) -> float:
     """The smallest scale a tensor is measured against: ``CUDA_ALLOWANCE / TOLERANCE``
     times fp32's rounding noise, so that a deviation within ``CUDA_ALLOWANCE`` times that
     noise is within tolerance. The noise is the host fp32 run's largest absolute error
-    against float64; where every exact value is itself float64 rounding noise (the
-    gradients vanish) and the fp32 run happens to round to exactly zero, it is at least
+    against float64; where every exact value is itself float64 rounding noise (``vanish``,
+    from ``gradients_vanish``) and the fp32 run happens to round to exactly zero, it is at least
     that float64 noise at fp32's precision (another fp32 computation of a zero need not
     round to zero)."""
     noise = _max_abs_difference(reference, exact)
-    if gradients_vanish(reference, exact):
+    if vanish:
         largest = max(
             (float(t.detach().abs().max()) for t in exact.values() if t.numel()), default=0.0
         )

@@ -30,6 +30,7 @@ measured (``bench/report.py`` renders them).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any
@@ -49,6 +50,7 @@ from remat.strategies import SolverSettings
 
 render_models = RENDERERS["models"]
 MESSAGE_CHARS = 140
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 PROVED = "infeasible at this budget: auto proved that no schedule fits: "
 
 
@@ -165,6 +167,7 @@ def _line(error: BaseException | str) -> str:
         text = f"{type(error).__name__}: {first.strip()}"
     else:
         text = error.splitlines()[0] if error else ""
+    text = ANSI_ESCAPE.sub("", text)  # the dynamo exporter colours its messages
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 

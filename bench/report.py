@@ -182,7 +182,7 @@ def _solvers(rows: Rows) -> str:
         ("model (stages)", lambda r: _named(r, "model")),
         ("budget", lambda r: r["budget"]),
         ("devices", lambda r: r["devices"]),
-        ("backend", lambda r: r["backend"]),
+        ("backend", _solver_backend),
         ("status", lambda r: r["status"]),
         ("first plan s", lambda r: _f(r, "first_plan_s", ".1f", "-")),
         ("final plan s", lambda r: _f(r, "final_plan_s", ".1f", "-")),
@@ -193,6 +193,14 @@ def _solvers(rows: Rows) -> str:
         ("total s", lambda r: _f(r, "seconds", ".1f", "-")),
     ]
     return _table(rows, columns)
+
+
+def _solver_backend(row: dict[str, str]) -> str:
+    """The backend of the exact search, or the strategy where another one ran (``moccasin``
+    always solves with CP-SAT)."""
+    if row.get("strategy", "") in ("", "checkmate_milp", "xengine"):
+        return row["backend"]
+    return f"{row['strategy']} ({row['backend']})"
 
 
 def _agent(rows: Rows) -> str:

@@ -2,18 +2,22 @@
 a 1% gap (or the gap at the time limit), objective vs the best baseline and vs the ideal.
 
 Models in training mode at 100, 50 and 25% of the checkpoint-all peak, on one device
-(``checkmate_milp`` on the device with the lower ideal) and on cpu+cuda (``xengine``, each
-device with that budget). Analytical costs in XEngine's regime (section 4.2: CPU and GPU
-comparably fast, each winning on some operators): a 12-thread CPU and an integrated-GPU-like
-device (2 TFLOP/s, 60 GB/s, 10 us launches). The gap is against the bound of the whole
-problem (the solver's bound or the ideal, whichever is larger).
+(``checkmate_milp``, or the ``--strategies`` named, on the device with the lower ideal)
+and on cpu+cuda (``xengine``, each device with that budget). Analytical costs in XEngine's
+regime (section 4.2: CPU and GPU comparably fast, each winning on some operators): a
+12-thread CPU and an integrated-GPU-like device (2 TFLOP/s, 60 GB/s, 10 us launches). The
+gap is against the bound of the whole problem (the solver's bound or the ideal, whichever
+is larger).
 
 Prints a markdown table and appends its rows to ``bench/results/solvers.csv`` as they are
 measured (``bench/report.py`` renders them).
 
     .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet,large8]
         [--budgets 100,50,25] [--setups one,two] [--backends highs,cpsat,scip,gurobi]
-        [--run LABEL]
+        [--strategies checkmate_milp,moccasin] [--run LABEL]
+
+``--models`` takes the sample zoo's names, ``large<blocks>`` and ``torch:NAME`` (a model of
+the PyTorch corpus, exported at its bench scale: ``torch:resnet50``, ``torch:densenet121``).
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import onnx
 from results import Writer, add_run_argument
 
 from remat import samples
 from remat.budgets import reference
 from remat.costs import CostModel, analytical_costs
 from remat.devices import Device, DeviceKind, Size
+from remat.graph import Graph
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import Progress, SolveOptions
@@ -79,6 +83,11 @@ def main() -> None:
     parser.add_argument("--budgets", default="100,50,25")
     parser.add_argument("--setups", default="one,two")
     parser.add_argument("--backends", default=",".join(runner.BACKENDS))
+    parser.add_argument(
+        "--strategies",
+        default="checkmate_milp",
+        help="one-device strategies (moccasin solves with CP-SAT whatever the backend)",
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("solvers", args.run)
@@ -88,7 +97,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        graph = training_graph(forward_graph(_model(name), batch=args.batch))
+        graph = _graph(name, args.batch)
         costs = analytical_costs(graph, [CPU, IGPU])
         ref = reference(graph, costs)
         for percent in (float(p) for p in args.budgets.split(",")):
@@ -97,19 +106,37 @@ def main() -> None:
                 devices = _devices(costs, setup)
                 problem = Problem(graph, costs, dict.fromkeys(devices, budget))
                 baseline = _best_baseline(problem, devices)
-                for backend in args.backends.split(","):
-                    row, result = _run(problem, devices, backend, args.time_limit, baseline)
+                strategies = args.strategies.split(",") if len(devices) == 1 else ["xengine"]
+                for strategy, backend in _solvers(strategies, args.backends.split(",")):
+                    row, result = _run(
+                        problem, devices, strategy, backend, args.time_limit, baseline
+                    )
                     print(f"| {name} ({len(graph)}) | {percent:.0f}% | {row}", flush=True)
                     what = {"model": name, "nodes": len(graph), "budget": f"{percent:.0f}%"}
                     setting = {"batch": args.batch, "time_limit_s": args.time_limit}
                     out.add(what | result | setting)
 
 
-def _model(name: str) -> onnx.ModelProto:
-    """A zoo model, or ``large<blocks>``: the deep transformer stack that is decomposed."""
+def _solvers(strategies: list[str], backends: list[str]) -> list[tuple[str, str]]:
+    return [
+        (strategy, backend)
+        for strategy in strategies
+        for backend in (["cpsat"] if strategy == "moccasin" else backends)
+    ]
+
+
+def _graph(name: str, batch: int) -> Graph:
+    """The training graph of a zoo model, of ``large<blocks>`` (the deep transformer stack
+    that is decomposed), or of ``torch:NAME``: the PyTorch corpus's model (its ``bench``
+    scale, TorchScript export in training mode; ``agents/pytorch/corpus.py``)."""
+    if name.startswith("torch:"):
+        from agents.pytorch.check import export_entry
+        from agents.pytorch.corpus import CORPUS
+
+        return training_graph(forward_graph(export_entry(CORPUS[name[6:]], "bench").model))
     if name.startswith("large"):
-        return samples.large(blocks=int(name[len("large") :] or 8))
-    return samples.ZOO[name]()
+        return training_graph(forward_graph(samples.large(blocks=int(name[5:] or 8)), batch=batch))
+    return training_graph(forward_graph(samples.ZOO[name](), batch=batch))
 
 
 def _devices(costs: CostModel, setup: str) -> tuple[str, ...]:
@@ -124,20 +151,25 @@ def _best_baseline(problem: Problem, devices: tuple[str, ...]) -> float | None:
 
 
 def _run(
-    problem: Problem, devices: tuple[str, ...], backend: str, limit: float, baseline: float | None
+    problem: Problem,
+    devices: tuple[str, ...],
+    strategy: str,
+    backend: str,
+    limit: float,
+    baseline: float | None,
 ) -> tuple[str, dict[str, Any]]:
     ideal = problem.costs.ideal_ms(devices[0] if len(devices) == 1 else None)
     clock = _Clock(time.monotonic(), ideal)
     options = SolveOptions(time_limit_s=limit, gap=1e-4, threads=2)
     settings = SolverSettings(backend=backend, options=options, on_progress=clock)
     problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
-    strategy = "checkmate_milp" if len(devices) == 1 else "xengine"
     if len(devices) == 1:
         result = run_strategy(strategy, problem, devices[0])
     else:
         result = run_strategy(strategy, problem)
     clock.elapsed = time.monotonic() - clock.start
-    text = _row(result, devices, backend, clock, baseline, ideal)
+    label = backend if strategy in ("checkmate_milp", "xengine") else f"{strategy} ({backend})"
+    text = _row(result, devices, label, clock, baseline, ideal)
     row: dict[str, Any] = {"devices": "+".join(devices), "backend": backend, "strategy": strategy}
     row["seconds"] = clock.elapsed
     solver = result.plan.solver if result.feasible and result.plan is not None else None

@@ -9,12 +9,14 @@ in stage t, so R and S are lower triangular (S strictly).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from remat.errors import ScheduleError
 from remat.graph import Graph
+from remat.plan import Compute, Copy, Free
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,38 @@ class Schedule:
                 raise ScheduleError(
                     f"stage {t}: node {node.id} is computed without dependency {node.deps[k]}"
                 )
+
+
+def schedule_of_steps(
+    steps: Iterable[Compute | Copy | Free], n: int, device: str
+) -> Schedule | None:
+    """The one-device schedule whose stages a plan's steps follow (the inverse of
+    ``remat.compiler`` on one device), or None if they do not follow Checkmate's stage
+    order: the first computations in node order, without copies. A computation belongs to the
+    stage of the next first computation; S[t, i] = 1 where value i is resident just before
+    stage t's first computation."""
+    R = np.zeros((n, n), dtype=bool)
+    S = np.zeros((n, n), dtype=bool)
+    resident: set[int] = set()
+    at_start: list[int] | None = None  # resident when the current stage's first step ran
+    pending: list[int] = []  # recomputations of the current stage
+    stage = 0
+    for step in steps:
+        if isinstance(step, Free):
+            resident.discard(step.node)
+            continue
+        if not isinstance(step, Compute) or step.device != device:
+            return None
+        if at_start is None:
+            at_start = [i for i in resident if i < stage]
+        if step.node < stage:
+            pending.append(step.node)
+        elif step.node == stage:
+            S[stage, at_start] = True
+            R[stage, [*pending, stage]] = True
+            at_start, pending = None, []
+            stage += 1
+        else:
+            return None
+        resident.add(step.node)
+    return Schedule.single(device, R, S) if stage == n else None

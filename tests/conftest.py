@@ -52,6 +52,7 @@ LAYERS: dict[str, set[str]] = {
         "test_floor",
         "test_formulations",
         "test_max_batch",
+        "test_moccasin",
         "test_optimal",
         "test_placed",
         "test_pytorch_gradients",

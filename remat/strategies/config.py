@@ -65,6 +65,11 @@ class SearchConfig:
     proven_gap: float = 1e-9
     """Relative: an objective this close to a proven bound is optimal."""
 
+    # --- Moccasin (``remat.strategies.exact.moccasin``) -----------------------------------
+    moccasin_computations: int = 2
+    """Most computations of one node in Moccasin's model (the paper's C_v): the first and
+    this many minus one recomputations."""
+
     # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
     coarse_min_nodes: int = 40
     """Graphs with fewer nodes are not coarsened: they solve well as they are."""
@@ -76,12 +81,17 @@ class SearchConfig:
 
     # --- decomposition (``remat.strategies.exact.decompose``) -----------------------------
     decompose_min_nodes: int = 250
-    """Graphs with more nodes are decomposed: the whole model is not built."""
+    """Graphs with more nodes are decomposed: the whole MILP is not built. On one device
+    the stitched plan then warm-starts Moccasin's interval model of the whole graph
+    (``intervals.solve_intervals``)."""
     segment_forward_nodes: int = 50
     """Forward nodes per segment of a decomposed graph (parts of about twice as many)."""
     min_part_s: float = 1.0
     """A part whose share of the time left is below this gets its best baseline, no
     solve."""
+    parts_share: float = 0.5
+    """Of the time left on one device: the most the parts may take; the whole graph's
+    interval model has the rest."""
     one_device_share: float = 0.25
     """Of the time left: a decomposed graph on several devices is first solved on its best
     single device, so that using a second device never leaves a more expensive plan."""

@@ -18,6 +18,7 @@ from remat.strategies.auto import AUTO, auto
 from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
+from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
 
@@ -75,6 +76,14 @@ REGISTRY |= {
             False,
             "Checkmate's LP relaxation, rounded and checked, swept over budget reductions.",
             checkmate_lp_rounding,
+        ),
+        StrategyInfo(
+            "moccasin",
+            "exact",
+            False,
+            "Moccasin's retention-interval constraint program on one device (CP-SAT): "
+            "plans for graphs of thousands of nodes.",
+            moccasin,
         ),
         StrategyInfo(
             "xengine",

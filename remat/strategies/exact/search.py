@@ -24,7 +24,7 @@ import numpy as np
 from remat.errors import ScheduleError
 from remat.formulations import Formulation
 from remat.plan import SolverInfo
-from remat.schedule import Schedule
+from remat.schedule import Schedule, schedule_of_steps
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
@@ -38,6 +38,7 @@ from remat.strategies.common.problem import (
     select_best,
 )
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
+from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import Search, SideTask
 from remat.strategies.heuristics.evict import greedy_evict
@@ -130,7 +131,7 @@ def optimize(
     problem, warm, ideal = search.problem, search.best, search.ideal
     if _reaches(warm, ideal, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the ideal, no solve", strategy)
-        return _finish(problem, strategy, _no_solve(), None, warm, ideal)
+        return finish(problem, strategy, _no_solve(), None, warm, ideal)
     if variants.decomposes(problem):
         return _decomposed(problem, strategy, names, variants, search)
     # Built and encoded before the threads beside it start: beside numpy-heavy threads the
@@ -162,7 +163,7 @@ def optimize(
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
-    return _finish(problem, strategy, solved, evaluation, search.best, search.bound)
+    return finish(problem, strategy, solved, evaluation, search.best, search.bound)
 
 
 def start_coarse(
@@ -255,7 +256,7 @@ def _no_solve() -> SolveResult:
     return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
 
 
-def _finish(
+def finish(
     problem: Problem,
     strategy: str,
     solved: SolveResult,
@@ -321,6 +322,8 @@ def _decomposed(
 
     solvers = PartSolvers(variants.on_part, quick)
     seconds = search.time_left()
+    if len(names) == 1:  # the rest for the whole graph's interval model (``_polished``)
+        seconds *= problem.solver.search.parts_share
     logger.debug("%s: decomposed, parts solved in %.3g s", strategy, seconds)
     stitched = solve_parts(problem, strategy, names, solvers, search.heartbeat, seconds)
     search.offer(stitched)
@@ -328,10 +331,30 @@ def _decomposed(
         message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"
     else:
         message = stitched.message
+    if len(names) == 1 and search.time_left() >= problem.solver.search.min_solve_s:
+        message += _polished(search, names[0], strategy)
     solved = SolveResult(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
-    return _finish(problem, strategy, solved, None, search.best, search.bound)
+    return finish(problem, strategy, solved, None, search.best, search.bound)
+
+
+def _polished(search: Search, device: str, strategy: str) -> str:
+    """The whole graph's interval model for the time left, from the incumbent (the
+    stitched plan, or the warm start): the parts fix where the graph is cut and what
+    crosses each cut, the whole graph's model does not."""
+    best = search.best
+    warm = None
+    if best is not None and best.plan is not None:
+        warm = best.schedule or schedule_of_steps(
+            best.plan.steps, len(search.problem.graph), device
+        )
+    before = search.best_ms
+    solve_intervals(search, device, warm, strategy)
+    after = search.best_ms
+    if after is None or (before is not None and after >= before):
+        return "; the whole graph's interval model found no better plan"
+    return f"; the whole graph's interval model improved it to {after:.4g} ms"
 
 
 def _solve_on_one_device(

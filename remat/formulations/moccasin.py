@@ -1,0 +1,207 @@
+"""Moccasin (Bartan et al., ICML 2023): rematerialization on one device as retention
+intervals in a constraint program (CP-SAT), O(n) integer variables instead of Checkmate's
+O(n^2) binaries.
+
+Node i has up to C_i computations j = 0..C_i-1. Computation j happens at time s_ij and its
+value is retained over the interval [s_ij, e_ij); a_ij says whether it happens (a_i0 = 1:
+every node is computed once). The paper's constraints:
+
+* precedence: every present computation of v finds each dependency u retained, i.e. some
+  present interval of u with s_ul < s_vj < e_ul;
+* memory: the retained values never exceed the budget (a cumulative constraint over the
+  intervals, demand M_i);
+* objective: the total compute time, sum_i C_i sum_j a_ij.
+
+The time axis is Checkmate's stage order (``remat.compiler`` emits it): the slot of
+computing node k in stage t is ``n t + k``, and stage t first computes node t (eq. 8a), so
+s_ij = n t_ij + i with an integer stage t_ij (t_i0 = i), and two computations never share a
+slot. A solution is then a Checkmate schedule (``decode``): R[t_ij, i] = 1, and S[t, i] = 1
+where an interval of i covers the start of stage t. Like Checkmate's MILP the model is
+conservative for the compiled plan: the compiler frees a value after its last reader unless
+it is kept for the next stage, never later than its interval ends (an interval ends no
+later than the stage of the next computation of its node starts), so the simulated memory
+never exceeds the cumulative profile.
+
+With C_i below the number of stages where i can matter, this is a restriction of
+Checkmate's model: its solutions are plans, but its bound is not a bound of the whole
+problem (the strategy reports the ideal's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from remat.costs import CostModel
+from remat.formulations.common import Structure, memory_unit
+from remat.graph import Graph
+from remat.schedule import Schedule
+
+COST_SCALE = 1e6  # integer objective units per ms (ns): CP-SAT's objective is integral
+
+
+@dataclass(frozen=True)
+class Computation:
+    """The CP-SAT variables of computation j of node i."""
+
+    node: int
+    stage: Any  # IntVar or int: t_ij
+    end: Any  # IntVar or int: e_ij, exclusive
+    present: Any  # BoolVar or True: a_ij
+
+
+@dataclass(frozen=True)
+class MoccasinModel:
+    """The CP model and its variables, per node the list of its computations."""
+
+    model: Any  # cp_model.CpModel
+    graph: Graph
+    device: str
+    n: int
+    computations: tuple[tuple[Computation, ...], ...]
+    offset_ms: float  # sum_i C_i: the first computations' time, outside the objective
+
+    def objective_ms(self, value: float) -> float:
+        return self.offset_ms + value / COST_SCALE
+
+    def decode(self, value: Any) -> Schedule:
+        """R and S of a solution; ``value(var)`` reads a variable (a solver's ``Value``)."""
+        n = self.n
+        R = np.zeros((n, n), dtype=bool)
+        S = np.zeros((n, n), dtype=bool)
+        for i, computations in enumerate(self.computations):
+            for c in computations:
+                if not _read(value, c.present):
+                    continue
+                t = int(_read(value, c.stage))
+                R[t, i] = True
+                end = int(_read(value, c.end))
+                # kept into stage u when the interval covers the slot n u, u > t
+                last = min(n - 1, (end - 1) // n)
+                S[t + 1 : last + 1, i] = True
+        return Schedule.single(self.device, R, S)
+
+    def hint(self, schedule: Schedule) -> None:
+        """Hint the solver with ``schedule`` (a warm start): each node's computations in
+        stage order with the retention the schedule's S gives them; computations beyond
+        C_i are left out of the hint."""
+        R, S = schedule.R[0], schedule.S[0]
+        n = self.n
+        users = [sorted(set(u)) for u in self.graph.users()]
+        for i, computations in enumerate(self.computations):
+            stages = [int(t) for t in np.flatnonzero(R[:, i])]
+            for j, c in enumerate(computations):
+                if j >= len(stages):
+                    _hint(self.model, c.present, 0)
+                    continue
+                t = stages[j]
+                last = t
+                while last + 1 < n and S[last + 1, i] and not R[last + 1, i]:
+                    last += 1
+                readers = [k for k in users[i] if k <= last and R[last, k]]
+                end = n * last + (max(readers) if readers and last > t else i) + 1
+                if last == t:
+                    later = [k for k in users[i] if R[t, k] and k > i]
+                    end = n * t + (max(later) if later else i) + 1
+                _hint(self.model, c.present, 1)
+                _hint(self.model, c.stage, t)
+                _hint(self.model, c.end, end)
+
+
+def build_moccasin(
+    graph: Graph,
+    costs: CostModel,
+    device: str,
+    budget_bytes: int | None,
+    fixed_bytes: int,
+    computations: int | np.ndarray = 2,
+) -> MoccasinModel:
+    """The CP model for ``graph`` on ``device``: at most ``computations`` computations of
+    each node (the paper's C_v; one number or one per node), memory within
+    ``budget_bytes`` of which ``fixed_bytes`` are fixed (parameters, inputs, gradient
+    buffers)."""
+    from ortools.sat.python import cp_model
+
+    st = Structure.of(graph)
+    n = st.n
+    C_v = np.broadcast_to(np.asarray(computations, dtype=np.int64), (n,))
+    C = np.asarray(costs.compute_ms[:, costs.device_index(device)], dtype=float)
+    M = np.asarray(costs.output_bytes, dtype=np.int64)
+    unit = memory_unit(M)
+    m = M // unit
+    model = cp_model.CpModel()
+    horizon = n * n
+    nodes: list[tuple[Computation, ...]] = []
+    intervals: list[Any] = []
+    demands: list[int] = []
+    for i in range(n):
+        last = int(st.last_desc[i])  # the last stage in which value i can matter
+        end_max = horizon if st.is_output[i] else n * max(last, i) + max(last, i) + 1
+        extra = 0 if st.is_output[i] or last <= i else min(int(C_v[i]) - 1, last - i)
+        first_end: Any = (
+            horizon if st.is_output[i] else model.new_int_var(n * i + i + 1, end_max, f"e[{i},0]")
+        )
+        own = [Computation(i, i, first_end, True)]
+        if int(m[i]) > 0:
+            intervals.append(
+                model.new_interval_var(n * i + i, first_end - (n * i + i), first_end, f"I[{i},0]")
+            )
+            demands.append(int(m[i]))
+        for j in range(1, extra + 1):
+            a = model.new_bool_var(f"a[{i},{j}]")
+            t = model.new_int_var(i + 1, last, f"t[{i},{j}]")
+            e = model.new_int_var(n * (i + 1) + i + 1, end_max, f"e[{i},{j}]")
+            start = n * t + i
+            model.add(e >= start + 1).only_enforce_if(a)
+            prev = own[-1]
+            model.add(t >= prev.stage + 1).only_enforce_if(a)
+            model.add(prev.end <= n * t).only_enforce_if(a)  # ends before the next stage
+            if j > 1:
+                model.add_implication(a, prev.present)
+            if int(m[i]) > 0:
+                size = model.new_int_var(0, end_max, f"d[{i},{j}]")
+                model.add(size == e - start).only_enforce_if(a)
+                intervals.append(model.new_optional_interval_var(start, size, e, a, f"I[{i},{j}]"))
+                demands.append(int(m[i]))
+            own.append(Computation(i, t, e, a))
+        nodes.append(tuple(own))
+    _precedence(model, st, nodes, n)
+    if budget_bytes is not None:
+        capacity = (budget_bytes - fixed_bytes) // unit
+        model.add_cumulative(intervals, demands, max(0, int(capacity)))
+    weights = np.rint(C * COST_SCALE).astype(np.int64)
+    model.minimize(sum(int(weights[c.node]) * c.present for own in nodes for c in own[1:]))
+    return MoccasinModel(model, graph, device, n, tuple(nodes), float(C.sum()))
+
+
+def _precedence(model: Any, st: Structure, nodes: list[tuple[Computation, ...]], n: int) -> None:
+    """Every present computation of v finds each dependency u retained at its slot: one
+    of u's present computations in the same or an earlier stage whose interval covers it
+    (u < v, so u's slot precedes v's within a stage)."""
+    for u, v in zip(st.edge_u.tolist(), st.edge_v.tolist(), strict=True):
+        for cv in nodes[v]:
+            slot = n * cv.stage + v
+            enforced = [] if cv.present is True else [cv.present]
+            if len(nodes[u]) == 1:  # u's first computation, in stage u <= v's stage
+                model.add(nodes[u][0].end >= slot + 1).only_enforce_if(enforced)
+                continue
+            options = []
+            for cu in nodes[u]:
+                b = model.new_bool_var(f"b[{u},{v}]")
+                if cu.present is not True:
+                    model.add_implication(b, cu.present)
+                    model.add(cu.stage <= cv.stage).only_enforce_if(b)
+                model.add(cu.end >= slot + 1).only_enforce_if(b)
+                options.append(b)
+            model.add_bool_or(options).only_enforce_if(enforced)
+
+
+def _read(value: Any, var: Any) -> int:
+    return int(var) if isinstance(var, (int, bool, np.integer)) else int(value(var))
+
+
+def _hint(model: Any, var: Any, value: int) -> None:
+    if not isinstance(var, (int, bool, np.integer)):
+        model.add_hint(var, value)

@@ -1,0 +1,25 @@
+"""Moccasin's strategy on one device (Bartan et al., ICML 2023): the retention-interval
+constraint program for the whole graph at any size (``intervals.solve_intervals``),
+warm-started from the best baseline and greedy eviction. The bound is the ideal."""
+
+from __future__ import annotations
+
+import time
+
+from remat.strategies.common.problem import Problem, StrategyResult
+from remat.strategies.exact.intervals import solve_intervals
+from remat.strategies.exact.search import StrategyVariants, finish, unfit, warm_start
+from remat.strategies.exact.state import Search
+
+
+def moccasin(problem: Problem, device: str) -> StrategyResult:
+    """Moccasin's model on ``device`` for the time limit left after the warm start,
+    hinted with the warm start's plan."""
+    start = time.monotonic()
+    if (unfit_result := unfit(problem, "moccasin", (device,))) is not None:
+        return unfit_result
+    search = Search(problem, problem.costs.ideal_ms(device), start)
+    warm_start(search, (device,), StrategyVariants(moccasin, coarse=False, decompose=False))
+    warm = search.best.schedule if search.best is not None else None
+    solved = solve_intervals(search, device, warm, "moccasin")
+    return finish(problem, "moccasin", solved, None, search.best, search.ideal)

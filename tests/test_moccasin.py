@@ -1,0 +1,124 @@
+"""Moccasin's retention-interval model (``remat.formulations.moccasin``), the strategy on
+it (``moccasin``) and its use after a decomposed graph's stitched plan: the model holds
+the plans the compiler makes at their simulated cost, and its plans are valid."""
+
+import numpy as np
+import pytest
+from ortools.sat.python import cp_model
+from regime import budgeted
+
+from remat import samples
+from remat.compiler import compile_plan
+from remat.formulations.moccasin import COST_SCALE, build_moccasin
+from remat.onnx_ingest import forward_graph
+from remat.plan import Compute, Copy, Free
+from remat.schedule import schedule_of_steps
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import SolverSettings, run_strategy
+from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.config import SearchConfig
+from remat.strategies.heuristics.evict import greedy_evict
+from remat.training import training_graph
+
+QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2))
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
+    return budgeted(graph, 50, ("cuda0",), QUICK)
+
+
+@pytest.fixture(scope="module")
+def evicted(resnet):
+    result = greedy_evict(resnet, "cuda0", 5)
+    assert result.feasible and result.schedule is not None
+    assert result.schedule.R[0].sum() > len(resnet.graph)  # it recomputes
+    return result
+
+
+def test_a_compiled_plan_gives_back_its_schedule(resnet, evicted):
+    plan = evicted.plan
+    schedule = schedule_of_steps(plan.steps, len(resnet.graph), "cuda0")
+    assert schedule is not None
+    assert (schedule.R == evicted.schedule.R).all()
+    devices = resnet.plan_devices(("cuda0",))
+    again = compile_plan(resnet.graph, schedule, devices, "x", resnet.costs)
+    assert again.steps == plan.steps
+
+
+def test_steps_out_of_stage_order_or_with_copies_have_no_schedule():
+    first = [Compute(0, 0, "d"), Compute(1, 1, "d")]
+    assert schedule_of_steps(first, 2, "d") is not None
+    assert schedule_of_steps(list(reversed(first)), 2, "d") is None
+    assert schedule_of_steps([first[0], Copy(0, 0, "d", "e"), first[1]], 2, "d") is None
+    assert schedule_of_steps([first[0], Free(0, 0, "d")], 2, "d") is None  # node 1 missing
+
+
+def test_the_model_holds_a_plan_at_its_simulated_cost(resnet, evicted):
+    """The warm start fixed as the solution: feasible under the budget, with the
+    simulator's compute time as the objective."""
+    computations = np.maximum(2, evicted.schedule.R[0].sum(axis=0))
+    model = build_moccasin(
+        resnet.graph,
+        resnet.costs,
+        "cuda0",
+        resnet.budgets["cuda0"],
+        device_fixed_bytes(resnet, "cuda0"),
+        computations,
+    )
+    model.hint(evicted.schedule)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = 30
+    status = solver.solve(model.model)
+    assert status == cp_model.OPTIMAL, solver.status_name(status)
+    objective = model.objective_ms(solver.objective_value)
+    rounding = len(resnet.graph) / COST_SCALE  # each weight rounded to an integer
+    assert objective == pytest.approx(evicted.simulation.compute_ms, abs=rounding)
+    decoded = model.decode(solver.value)
+    assert (decoded.R == evicted.schedule.R).all()
+
+
+def test_the_model_refuses_a_plan_over_its_budget(resnet, evicted):
+    computations = np.maximum(2, evicted.schedule.R[0].sum(axis=0))
+    peak = evicted.simulation.peak_bytes["cuda0"]
+    fixed = device_fixed_bytes(resnet, "cuda0")
+    tight = fixed + (peak - fixed) // 2
+    model = build_moccasin(resnet.graph, resnet.costs, "cuda0", tight, fixed, computations)
+    model.hint(evicted.schedule)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = 30
+    assert solver.solve(model.model) == cp_model.INFEASIBLE
+
+
+def test_moccasin_plans_within_the_budget_no_worse_than_its_warm_start(resnet, evicted):
+    result = run_strategy("moccasin", resnet, "cuda0")
+    assert result.feasible and result.plan is not None and result.plan.strategy == "moccasin"
+    simulation = simulate(result.plan, resnet.graph, resnet.costs, resnet.budgets)
+    assert simulation.valid
+    assert simulation.peak_bytes["cuda0"] <= resnet.budgets["cuda0"]
+    assert simulation.total_ms <= evicted.simulation.total_ms * (1 + 1e-9)
+    solver = result.plan.solver
+    assert solver is not None  # the restriction's bound is not the problem's: the ideal
+    assert solver.bound == pytest.approx(resnet.costs.ideal_ms("cuda0"))
+
+
+def test_a_decomposed_graph_is_solved_whole_after_its_parts(resnet):
+    """Past ``decompose_min_nodes`` the parts' stitched plan is the interval model's
+    warm start for the time left."""
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=8, gap=1e-4, threads=2),
+        search=SearchConfig(decompose_min_nodes=100),
+    )
+    problem = budgeted(resnet.graph, 50, ("cuda0",), settings)
+    result = run_strategy("checkmate_milp", problem, "cuda0")
+    assert result.feasible and result.plan is not None
+    assert "decomposed: stitched plan" in result.message
+    assert "interval model" in result.message
+    stitched = float(result.message.split("stitched plan ")[1].split(" ms")[0])
+    simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert simulation.valid
+    assert simulation.total_ms <= stitched * (1 + 1e-3)

@@ -182,7 +182,7 @@ def _solvers(rows: Rows) -> str:
         ("model (stages)", lambda r: _named(r, "model")),
         ("budget", lambda r: r["budget"]),
         ("devices", lambda r: r["devices"]),
-        ("backend", _solver_backend),
+        ("backend", lambda r: solver_label(r.get("strategy", ""), r["backend"])),
         ("status", lambda r: r["status"]),
         ("first plan s", lambda r: _f(r, "first_plan_s", ".1f", "-")),
         ("final plan s", lambda r: _f(r, "final_plan_s", ".1f", "-")),
@@ -195,12 +195,12 @@ def _solvers(rows: Rows) -> str:
     return _table(rows, columns)
 
 
-def _solver_backend(row: dict[str, str]) -> str:
+def solver_label(strategy: str, backend: str) -> str:
     """The backend of the exact search, or the strategy where another one ran (``moccasin``
     always solves with CP-SAT)."""
-    if row.get("strategy", "") in ("", "checkmate_milp", "xengine"):
-        return row["backend"]
-    return f"{row['strategy']} ({row['backend']})"
+    if strategy in ("", "checkmate_milp", "xengine"):
+        return backend
+    return f"{strategy} ({backend})"
 
 
 def _agent(rows: Rows) -> str:

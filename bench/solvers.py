@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from report import solver_label
 from results import Writer, add_run_argument
 
 from remat import samples
@@ -133,9 +134,11 @@ def _graph(name: str, batch: int) -> Graph:
         from agents.pytorch.check import export_entry
         from agents.pytorch.corpus import CORPUS
 
-        return training_graph(forward_graph(export_entry(CORPUS[name[6:]], "bench").model))
+        entry = CORPUS[name.removeprefix("torch:")]
+        return training_graph(forward_graph(export_entry(entry, "bench").model))
     if name.startswith("large"):
-        return training_graph(forward_graph(samples.large(blocks=int(name[5:] or 8)), batch=batch))
+        blocks = int(name.removeprefix("large") or 8)
+        return training_graph(forward_graph(samples.large(blocks=blocks), batch=batch))
     return training_graph(forward_graph(samples.ZOO[name](), batch=batch))
 
 
@@ -168,8 +171,7 @@ def _run(
     else:
         result = run_strategy(strategy, problem)
     clock.elapsed = time.monotonic() - clock.start
-    label = backend if strategy in ("checkmate_milp", "xengine") else f"{strategy} ({backend})"
-    text = _row(result, devices, label, clock, baseline, ideal)
+    text = _row(result, devices, solver_label(strategy, backend), clock, baseline, ideal)
     row: dict[str, Any] = {"devices": "+".join(devices), "backend": backend, "strategy": strategy}
     row["seconds"] = clock.elapsed
     solver = result.plan.solver if result.feasible and result.plan is not None else None

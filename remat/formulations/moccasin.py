@@ -100,11 +100,9 @@ class MoccasinModel:
                 last = t
                 while last + 1 < n and S[last + 1, i] and not R[last + 1, i]:
                     last += 1
-                readers = [k for k in users[i] if k <= last and R[last, k]]
-                end = n * last + (max(readers) if readers and last > t else i) + 1
-                if last == t:
-                    later = [k for k in users[i] if R[t, k] and k > i]
-                    end = n * t + (max(later) if later else i) + 1
+                # retained to its last reader in stage ``last`` (after its own slot in t)
+                readers = [k for k in users[i] if R[last, k] and (last > t or k > i)]
+                end = n * last + max(readers, default=i) + 1
                 _hint(self.model, c.present, 1)
                 _hint(self.model, c.stage, t)
                 _hint(self.model, c.end, end)
@@ -140,14 +138,14 @@ def build_moccasin(
         last = int(st.last_desc[i])  # the last stage in which value i can matter
         end_max = horizon if st.is_output[i] else n * max(last, i) + max(last, i) + 1
         extra = 0 if st.is_output[i] or last <= i else min(int(C_v[i]) - 1, last - i)
+        first_start = n * i + i
         first_end: Any = (
-            horizon if st.is_output[i] else model.new_int_var(n * i + i + 1, end_max, f"e[{i},0]")
+            horizon if st.is_output[i] else model.new_int_var(first_start + 1, end_max, f"e[{i},0]")
         )
         own = [Computation(i, i, first_end, True)]
         if int(m[i]) > 0:
-            intervals.append(
-                model.new_interval_var(n * i + i, first_end - (n * i + i), first_end, f"I[{i},0]")
-            )
+            size = first_end - first_start
+            intervals.append(model.new_interval_var(first_start, size, first_end, f"I[{i},0]"))
             demands.append(int(m[i]))
         for j in range(1, extra + 1):
             a = model.new_bool_var(f"a[{i},{j}]")
@@ -198,10 +196,16 @@ def _precedence(model: Any, st: Structure, nodes: list[tuple[Computation, ...]],
             model.add_bool_or(options).only_enforce_if(enforced)
 
 
+def _is_constant(var: Any) -> bool:
+    """A fixed field of a computation (the first one's stage and presence, an output's
+    end) rather than a CP-SAT variable."""
+    return isinstance(var, (int, bool, np.integer))
+
+
 def _read(value: Any, var: Any) -> int:
-    return int(var) if isinstance(var, (int, bool, np.integer)) else int(value(var))
+    return int(var) if _is_constant(var) else int(value(var))
 
 
 def _hint(model: Any, var: Any, value: int) -> None:
-    if not isinstance(var, (int, bool, np.integer)):
+    if not _is_constant(var):
         model.add_hint(var, value)

@@ -324,14 +324,7 @@ def solve(
     unscale = _Unscale(model, scaled)
     solver.best_bound_callback = lambda b: reporter.update(bound=unscale.bound(b))
     callback = _callback(cp_model, model, scaled, reporter)
-    done = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(solver, should_stop, reporter, done))
-    watcher.start()
-    try:
-        status = solver.solve(cp, callback)
-    finally:
-        done.set()
-        watcher.join()
+    status = solve_watched(solver, cp, callback, should_stop, reporter.tick)
     return _result(cp_model, solver, status, cp, model, scaled, unscale, reporter, options)
 
 
@@ -408,13 +401,32 @@ def _callback(cp_model: Any, model: MILPModel, scaled: ScaledModel, reporter: Re
     return _Callback()
 
 
-def _watch(solver: Any, should_stop: Callable[[], bool], reporter: Reporter, done: Any) -> None:
-    # CP-SAT has no interrupt callback: poll should_stop here and ask the search to stop.
-    while not done.wait(_STOP_POLL_S):
-        if should_stop():
-            solver.stop_search()
-            return
-        reporter.tick()
+def solve_watched(
+    solver: Any,
+    cp: Any,
+    callback: Any,
+    should_stop: Callable[[], bool],
+    tick: Callable[[], None],
+) -> Any:
+    """``solver.solve(cp, callback)`` with a thread beside it that polls ``should_stop``
+    and asks the search to stop (CP-SAT has no interrupt callback), calling ``tick``
+    between polls; the solve's status."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_STOP_POLL_S):
+            if should_stop():
+                solver.stop_search()
+                return
+            tick()
+
+    watcher = threading.Thread(target=watch, name="remat-cpsat-watch", daemon=True)
+    watcher.start()
+    try:
+        return solver.solve(cp, callback)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _result(

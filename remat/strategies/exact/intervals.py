@@ -8,7 +8,6 @@ is a restriction's and is not reported."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -17,13 +16,12 @@ import numpy as np
 from remat.formulations.moccasin import MoccasinModel, build_moccasin
 from remat.schedule import Schedule
 from remat.solvers.backend import SolverUnavailable
+from remat.solvers.cpsat import solve_watched
 from remat.solvers.model import SolveResult, SolveStatus
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.exact.state import Search
 
 logger = logging.getLogger(__name__)
-
-_STOP_POLL_S = 0.05
 
 
 def solve_intervals(
@@ -68,22 +66,10 @@ def _solve(
         def on_solution_callback(self) -> None:
             search.judge(formulation.decode(self.value), strategy)
 
-    done = threading.Event()
-
-    def watch() -> None:  # CP-SAT has no interrupt callback: poll the cancel flag
-        while not done.wait(_STOP_POLL_S):
-            if search.problem.cancelled:
-                solver.stop_search()
-                return
-            search.heartbeat()
-
-    watcher = threading.Thread(target=watch, name="remat-intervals-watch", daemon=True)
-    watcher.start()
-    try:
-        return solver.solve(formulation.model, _Incumbents())
-    finally:
-        done.set()
-        watcher.join()
+    problem = search.problem
+    return solve_watched(
+        solver, formulation.model, _Incumbents(), lambda: problem.cancelled, search.heartbeat
+    )
 
 
 def _status(cp_model: Any, status: Any) -> SolveStatus:

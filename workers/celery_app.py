@@ -26,7 +26,13 @@ HANG_MARGIN_S = 600  # past the longest allowed solve, a task is stopped as hung
 
 def make_celery(settings: Settings) -> Celery:
     app = Celery("remat", broker=settings.broker_url)
-    transport = {"visibility_timeout": settings.broker_visibility_timeout_s}
+    # kombu sweeps the unacked messages of dead workers back to the queue every
+    # interval x throttle seconds (100 s by default); one scan per 10 s interval is cheap
+    # and puts a message back within 10 s of its visibility timeout.
+    transport = {
+        "visibility_timeout": settings.broker_visibility_timeout_s,
+        "unacked_restore_throttle": 1,
+    }
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -192,6 +192,9 @@ def _solvers(rows: Rows) -> str:
         ("vs ideal", lambda r: _pct(r, "vs_ideal", "-")),
         ("total s", lambda r: _f(r, "seconds", ".1f", "-")),
     ]
+    if any("peak_mib" in r for r in rows):  # runs since the 5% gap and the memory were kept
+        columns[7:7] = [("5% gap s", lambda r: _f(r, "gap_5pct_s", ".1f", "-"))]
+        columns.append(("peak MiB", lambda r: _f(r, "peak_mib", ".0f", "-")))
     return _table(rows, columns)
 
 

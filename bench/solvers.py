@@ -1,13 +1,14 @@
-"""The optimal strategies per backend: seconds to the first plan, to the final plan and to
-a 1% gap (or the gap at the time limit), objective vs the best baseline and vs the ideal.
+"""The optimal strategies per backend: seconds to the first plan, to the final plan, to a
+5% and a 1% gap (or the gap at the time limit), objective vs the best baseline and vs the
+ideal, and the peak memory of the bench and its solver subprocesses together.
 
 Models in training mode at 100, 50 and 25% of the checkpoint-all peak, on one device
 (``checkmate_milp``, or the ``--strategies`` named, on the device with the lower ideal)
 and on cpu+cuda (``xengine``, each device with that budget). Analytical costs in XEngine's
 regime (section 4.2: CPU and GPU comparably fast, each winning on some operators): a
 12-thread CPU and an integrated-GPU-like device (2 TFLOP/s, 60 GB/s, 10 us launches). The
-gap is against the bound of the whole problem (the solver's bound or the ideal, whichever
-is larger).
+gap is against the bound of the whole problem (the solver's, the recomputation cover's or
+the ideal, whichever is largest).
 
 Prints a markdown table and appends its rows to ``bench/results/solvers.csv`` as they are
 measured (``bench/report.py`` renders them).
@@ -23,9 +24,12 @@ the PyTorch corpus, exported at its bench scale: ``torch:resnet50``, ``torch:den
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from report import solver_label
@@ -47,12 +51,14 @@ CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
 IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
 MODELS = ("vgg16", "resnet18", "unet", "mobilenet_v1", "transformer")
 TARGET_GAP = 0.01
+NEAR_GAP = 0.05
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
 class _Clock:
     """Wall-clock times of the first plan, of the final plan (when the incumbent last
-    improved) and of the first 1% gap, from progress events."""
+    improved) and of the first 5% and 1% gaps, from progress events."""
 
     start: float
     ideal: float
@@ -60,6 +66,7 @@ class _Clock:
     final_plan: float | None = None
     best: float | None = None
     first_gap: float | None = None
+    near_gap: float | None = None
     elapsed: float | None = None  # the whole strategy call
 
     def __call__(self, progress: Progress) -> None:
@@ -74,6 +81,56 @@ class _Clock:
         gap = (progress.objective - bound) / progress.objective if progress.objective else 0
         if self.first_gap is None and gap <= TARGET_GAP:
             self.first_gap = now
+        if self.near_gap is None and gap <= NEAR_GAP:
+            self.near_gap = now
+
+
+class _MemoryPeak:
+    """The largest resident memory of this process and its descendants (the solver
+    subprocesses) together, sampled from /proc every 0.1 s while the ``with`` block runs;
+    None where /proc is not there."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> _MemoryPeak:
+        if Path("/proc/self/stat").exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            rss = _tree_rss(os.getpid())
+            self.peak = rss if self.peak is None else max(self.peak, rss)
+            if self._done.wait(0.1):
+                return
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and every descendant (Linux /proc)."""
+    parent: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while listed
+        pid = int(stat.parent.name)
+        parent[pid], rss[pid] = int(fields[1]), int(fields[21]) * PAGE
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, up in parent.items() if up == pid and child not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(rss.get(pid, 0) for pid in tree)
 
 
 def main() -> None:
@@ -94,9 +151,10 @@ def main() -> None:
     out = Writer("solvers", args.run)
     print(
         "| model (stages) | budget | devices | backend | status | first plan s | final plan s "
-        "| 1% gap s | objective ms | vs best baseline | vs ideal | total s |"
+        "| 5% gap s | 1% gap s | objective ms | vs best baseline | vs ideal | total s "
+        "| peak MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         graph = _graph(name, args.batch)
         costs = analytical_costs(graph, [CPU, IGPU])
@@ -166,21 +224,24 @@ def _run(
     options = SolveOptions(time_limit_s=limit, gap=1e-4, threads=2)
     settings = SolverSettings(backend=backend, options=options, on_progress=clock)
     problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
-    if len(devices) == 1:
-        result = run_strategy(strategy, problem, devices[0])
-    else:
-        result = run_strategy(strategy, problem)
+    with _MemoryPeak() as memory:
+        if len(devices) == 1:
+            result = run_strategy(strategy, problem, devices[0])
+        else:
+            result = run_strategy(strategy, problem)
     clock.elapsed = time.monotonic() - clock.start
+    peak_mib = None if memory.peak is None else memory.peak / 2**20
     text = _row(result, devices, solver_label(strategy, backend), clock, baseline, ideal)
+    text += f" {_f(peak_mib, '.0f')} |"
     row: dict[str, Any] = {"devices": "+".join(devices), "backend": backend, "strategy": strategy}
-    row["seconds"] = clock.elapsed
+    row |= {"seconds": clock.elapsed, "peak_mib": peak_mib}
     solver = result.plan.solver if result.feasible and result.plan is not None else None
     if solver is None:
         row["status"] = "infeasible" if "infeasible" in result.message else "no plan"
         return text, row
     row |= {"status": solver.status, "objective": solver.objective, "gap": solver.gap}
     row |= {"first_plan_s": clock.first_plan, "final_plan_s": clock.final_plan}
-    row["gap_1pct_s"] = clock.first_gap
+    row |= {"gap_5pct_s": clock.near_gap, "gap_1pct_s": clock.first_gap}
     if baseline is not None:
         row["vs_baseline"] = solver.objective / baseline - 1
     row["vs_ideal"] = solver.objective / ideal - 1
@@ -199,22 +260,28 @@ def _row(
     if not result.feasible or result.plan is None or result.plan.solver is None:
         status = "infeasible" if "infeasible" in result.message else "no plan"
         print(f"{where} {backend}: {result.message}", file=sys.stderr)  # why, off the table
-        return f"{where} | {backend} | {status} | - | - | - | - | - | - | {_s(clock.elapsed)} |"
+        return f"{where} | {backend} | {status} | - | - | - | - | - | - | - | {_s(clock.elapsed)} |"
     solver = result.plan.solver
     objective = solver.objective
     if clock.first_gap is None and solver.gap <= TARGET_GAP:
         clock.first_gap = clock.elapsed  # the final result is the first report within the gap
+    if clock.near_gap is None and solver.gap <= NEAR_GAP:
+        clock.near_gap = clock.elapsed
     gap = f"{_s(clock.first_gap)}" if clock.first_gap is not None else f"gap {solver.gap:.1%}"
     versus = "-" if baseline is None else f"{objective / baseline - 1:+.1%}"
     return (
         f"{where} | {backend} | {solver.status} | {_s(clock.first_plan)} | "
-        f"{_s(clock.final_plan)} | {gap} | "
+        f"{_s(clock.final_plan)} | {_s(clock.near_gap)} | {gap} | "
         f"{objective:.3f} | {versus} | {objective / ideal - 1:+.1%} | {_s(clock.elapsed)} |"
     )
 
 
 def _s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}"
+    return _f(seconds, ".1f")
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

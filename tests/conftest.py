@@ -47,6 +47,7 @@ LAYERS: dict[str, set[str]] = {
     "slow": {
         "test_cli",
         "test_coarsen",
+        "test_cover",
         "test_decompose",
         "test_evict",
         "test_floor",

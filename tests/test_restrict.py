@@ -25,7 +25,7 @@ from remat.strategies import SearchConfig
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import Problem, SolverSettings, StrategyResult, evaluate
 from remat.strategies.exact import restrict, rins
-from remat.strategies.exact import xengine as xengine_module
+from remat.strategies.exact import search as search_module
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.search import offer_incumbent
 from remat.strategies.exact.state import Search
@@ -196,7 +196,7 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
     cancel = threading.Event()
     from_bands: list[StrategyResult] = []
     warm: list[float] = []
-    evict_bands, warm_start = restrict.evict_bands, xengine_module.warm_start
+    evict_bands, warm_start = restrict.evict_bands, search_module.warm_start
 
     def bands(problem: Problem, names: tuple[str, ...], seconds: float, offer: Offer) -> None:
         def offered(result: StrategyResult) -> None:
@@ -214,7 +214,7 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
             cancel.set()
 
     monkeypatch.setattr(restrict, "evict_bands", bands)
-    monkeypatch.setattr(xengine_module, "warm_start", recorded_warm_start)
+    monkeypatch.setattr(search_module, "warm_start", recorded_warm_start)
     settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)

@@ -64,6 +64,10 @@ class SearchConfig:
     not check their limit during presolve."""
     proven_gap: float = 1e-9
     """Relative: an objective this close to a proven bound is optimal."""
+    cover_s: float = 3.0
+    """At most this long for the recomputation cover's bound (``exact.cover``), after the
+    warm start and before the full solve; its LP bound comes within a second on graphs of
+    thousands of nodes, the rest is branch and bound."""
 
     # --- Moccasin (``remat.strategies.exact.moccasin``) -----------------------------------
     moccasin_computations: int = 2

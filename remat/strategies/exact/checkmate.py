@@ -27,8 +27,8 @@ from remat.strategies.exact.search import (
     StrategyVariants,
     optimize,
     solve_alone,
+    start_search,
     unfit,
-    warm_start,
 )
 from remat.strategies.exact.state import Search
 
@@ -62,8 +62,7 @@ def checkmate_milp(
 
     variant = partial(checkmate_milp, device=device, restrict=False)
     variants = StrategyVariants(variant, coarse, decompose, restricted)
-    search = Search(problem, problem.costs.ideal_ms(device), start)
-    warm_start(search, (device,), variants)
+    search = start_search(problem, (device,), variants, start)
     return optimize(search, "checkmate_milp", (device,), build, variants)
 
 

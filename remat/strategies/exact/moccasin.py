@@ -1,6 +1,7 @@
 """Moccasin's strategy on one device (Bartan et al., ICML 2023): the retention-interval
 constraint program for the whole graph at any size (``intervals.solve_intervals``),
-warm-started from the best baseline and greedy eviction. The bound is the ideal."""
+warm-started from the best baseline and greedy eviction. The bound is the recomputation
+cover's (``exact.cover``): the computation cap makes CP-SAT's own a restriction's."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import time
 
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.intervals import solve_intervals
-from remat.strategies.exact.search import StrategyVariants, finish, unfit, warm_start
-from remat.strategies.exact.state import Search
+from remat.strategies.exact.search import StrategyVariants, finish, start_search, unfit
 
 
 def moccasin(problem: Problem, device: str) -> StrategyResult:
@@ -18,8 +18,8 @@ def moccasin(problem: Problem, device: str) -> StrategyResult:
     start = time.monotonic()
     if (unfit_result := unfit(problem, "moccasin", (device,))) is not None:
         return unfit_result
-    search = Search(problem, problem.costs.ideal_ms(device), start)
-    warm_start(search, (device,), StrategyVariants(moccasin, coarse=False, decompose=False))
+    variants = StrategyVariants(moccasin, coarse=False, decompose=False)
+    search = start_search(problem, (device,), variants, start)
     warm = search.best.schedule if search.best is not None else None
     solved = solve_intervals(search, device, warm, "moccasin")
-    return finish(problem, "moccasin", solved, None, search.best, search.ideal)
+    return finish(problem, "moccasin", solved, None, search.best, search.bound)

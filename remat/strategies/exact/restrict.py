@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) -> None:
     """Greedy eviction on each device alone and on the warm start's placement, keep_all,
     then, if it found no plan, greedy eviction on band placements (where eviction is
-    quick), then, if keep_all found no plan or the search has no bound yet, the whole
-    model's LP relaxation (its optimum a bound of the whole problem, reported to the
+    quick), then, if keep_all found no plan or no solve has reported a bound yet, the
+    whole model's LP relaxation (its optimum a bound of the whole problem, reported to the
     search) and RINS from its optimum, then, if keep_all found no plan, the model
     restricted to the LP's placement where enough time is left, node moves from the
     incumbent where not."""
@@ -70,7 +70,7 @@ def solve_restrictions(search: Search, formulation: XEngineModel, offer: Offer) 
     logger.debug("restrictions: placement only (keep_all)")
     kept = solve_beside(search, formulation.keep_all(), offer, limit * config.restricted_share)
     logger.debug("restrictions: keep_all %s", "found a plan" if kept.x is not None else "none")
-    if kept.x is not None and search.bound > search.ideal:
+    if kept.x is not None and search.bound > search.start_bound:
         return
     if kept.x is None:
         _evict_on_bands(search, formulation.devices, took)

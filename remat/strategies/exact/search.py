@@ -37,6 +37,7 @@ from remat.strategies.common.problem import (
     evaluate,
     select_best,
 )
+from remat.strategies.exact.cover import cover_bound
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
@@ -82,6 +83,23 @@ def unfit(problem: Problem, strategy: str, names: Sequence[str]) -> StrategyResu
     return StrategyResult(strategy, None, None, short.message(strategy), proven_infeasible=True)
 
 
+def start_search(
+    problem: Problem, names: Sequence[str], variants: StrategyVariants, start: float
+) -> Search:
+    """The search of a strategy called at ``start`` on ``names``: its warm start
+    (``warm_start``), then the recomputation cover's bound (``cover.cover_bound``) where
+    ``min_solve_s`` is left, so that the first plan does not wait for the bound."""
+    ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
+    search = Search(problem, ideal, start)
+    warm_start(search, names, variants)
+    config = problem.solver.search
+    if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
+        bound = cover_bound(problem, names, min(config.cover_s, search.time_left() / 4))
+        if bound is not None:
+            search.start_from_cover(bound)
+    return search
+
+
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
     """The best baseline on any of ``names`` and a heuristic's plans, offered to the search
     as they are found (the first plan does not wait for the heuristic's local search).
@@ -124,14 +142,14 @@ def optimize(
     variants: StrategyVariants,
 ) -> StrategyResult:
     """What the exact strategies share: stop if the warm start (``search.best``, offered
-    as it was found) costs the ideal; on a large graph solve its parts (``solve_parts``),
+    as it was found) costs the lower bound; on a large graph solve its parts (``solve_parts``),
     else solve the full model from the warm start while the coarse graph's solve and the
     strategy's restrictions (if it has them) run beside it; the best plan found, with the
     whole problem's bound."""
-    problem, warm, ideal = search.problem, search.best, search.ideal
-    if _reaches(warm, ideal, problem.solver.search.proven_gap):
-        logger.debug("%s: the warm start costs the ideal, no solve", strategy)
-        return finish(problem, strategy, _no_solve(), None, warm, ideal)
+    problem, warm = search.problem, search.best
+    if _reaches(warm, search.bound, problem.solver.search.proven_gap):
+        logger.debug("%s: the warm start costs the bound, no solve", strategy)
+        return finish(problem, strategy, _no_solve(), None, warm, search.bound)
     if variants.decomposes(problem):
         return _decomposed(problem, strategy, names, variants, search)
     # Built and encoded before the threads beside it start: beside numpy-heavy threads the
@@ -244,15 +262,16 @@ def solve_alone(problem: Problem, model: MILPModel, seconds: float) -> SolveResu
     )
 
 
-def _reaches(warm: StrategyResult | None, ideal: float, proven_gap: float) -> bool:
-    """The warm start already costs the ideal (a lower bound): it is optimal, no solve."""
+def _reaches(warm: StrategyResult | None, bound: float, proven_gap: float) -> bool:
+    """The warm start already costs a lower bound (the ideal, the cover's): it is optimal,
+    no solve."""
     if warm is None or warm.simulation is None:
         return False
-    return warm.simulation.total_ms <= ideal * (1 + proven_gap)
+    return warm.simulation.total_ms <= bound * (1 + proven_gap)
 
 
 def _no_solve() -> SolveResult:
-    reason = "the warm start costs the ideal"
+    reason = "the warm start costs the lower bound"
     return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
 
 

@@ -55,6 +55,7 @@ class Search:
         self.ideal = ideal
         self.best: StrategyResult | None = None
         self.bound = ideal  # the whole problem's best proven bound so far
+        self.start_bound = ideal  # the bound before any solve (``start_from_cover``)
         self.coarse_bound = -math.inf  # the coarse problem's (no coarse plan costs less)
         self.start = start
         self.gap_met = threading.Event()  # stops the full solve
@@ -138,6 +139,13 @@ class Search:
             self._report(objective)
             if objective != progress.objective:
                 self._stop_full_if_met()  # an incumbent the solver does not know meets it
+
+    def start_from_cover(self, bound: float) -> None:
+        """The recomputation cover's bound (``exact.cover``), known before any solve."""
+        with self._lock:
+            self.start_bound = max(self.start_bound, bound)
+            self.bound = max(self.bound, bound)
+            self._report()
 
     def on_bound(self, bound: float) -> None:
         """A bound of the whole problem found beside the full solve (its LP relaxation)."""

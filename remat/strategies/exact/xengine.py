@@ -12,7 +12,7 @@ from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.restrict import solve_restrictions
 from remat.strategies.exact.rins import Offer, relax_and_improve
-from remat.strategies.exact.search import StrategyVariants, optimize, unfit, warm_start
+from remat.strategies.exact.search import StrategyVariants, optimize, start_search, unfit
 from remat.strategies.exact.state import Search
 
 
@@ -51,6 +51,5 @@ def xengine(
 
     variant = partial(xengine, restrict=False)
     variants = StrategyVariants(variant, coarse, decompose, restricted, checkmate_milp)
-    search = Search(problem, problem.costs.ideal_ms(), start)
-    warm_start(search, names, variants)
+    search = start_search(problem, names, variants, start)
     return optimize(search, "xengine", names, build, variants)

@@ -1,0 +1,72 @@
+"""The recomputation cover (``remat.formulations.cover``) and the bound it gives every exact
+search (``remat.strategies.exact.cover``): it bounds every plan the strategies find, one
+device or several, lies between the ideal and a proven optimum, and is what a search on a
+decomposed graph reports as its bound."""
+
+import pytest
+from regime import budgeted
+
+from remat import samples
+from remat.formulations.cover import build_cover
+from remat.onnx_ingest import forward_graph
+from remat.simulator import held_fixed_bytes
+from remat.solvers.model import SolveOptions
+from remat.strategies import SolverSettings, run_strategy
+from remat.strategies.exact.cover import cover_bound
+from remat.training import training_graph
+
+QUICK = SolverSettings(options=SolveOptions(time_limit_s=3, gap=1e-4, threads=2))
+ONE_DEVICE = ("greedy_evict", "ap_sqrt", "checkpoint_all", "checkmate_milp", "moccasin")
+
+
+def _graph(name: str, batch: int = 4):
+    return training_graph(forward_graph(samples.ZOO[name](batch=batch)))
+
+
+@pytest.mark.parametrize(("name", "percent"), [("unet", 35), ("mobilenet_v1", 25)])
+def test_every_plan_on_one_device_costs_at_least_the_bound(name: str, percent: float) -> None:
+    problem = budgeted(_graph(name), percent, ("cuda0",), QUICK)
+    bound = cover_bound(problem, ("cuda0",), 10.0)
+    ideal = problem.costs.ideal_ms("cuda0")
+    assert bound is not None and bound > ideal * 1.05  # tight budgets: well above the ideal
+    costs = []
+    for strategy in ONE_DEVICE:
+        result = run_strategy(strategy, problem, "cuda0")
+        if result.feasible and result.simulation is not None:
+            costs.append(result.simulation.total_ms)
+    assert len(costs) >= 3
+    assert min(costs) >= bound * (1 - 1e-9)
+
+
+def test_the_bound_is_below_a_proven_optimum_and_above_the_ideal() -> None:
+    graph = training_graph(forward_graph(samples.chain(n=10, batch=2)))
+    settings = SolverSettings(options=SolveOptions(time_limit_s=60, gap=1e-9, threads=2))
+    problem = budgeted(graph, 40, ("cpu0",), settings)
+    result = run_strategy("checkmate_milp", problem, "cpu0")
+    assert result.plan is not None and result.plan.solver is not None
+    assert result.plan.solver.status == "optimal"
+    bound = cover_bound(problem, ("cpu0",), 10.0)
+    assert bound is not None
+    assert problem.costs.ideal_ms("cpu0") < bound <= result.plan.solver.objective * (1 + 1e-9)
+
+
+def test_pooled_budgets_bound_every_two_device_plan() -> None:
+    problem = budgeted(_graph("unet"), 25, ("cpu0", "cuda0"), QUICK)
+    bound = cover_bound(problem, ("cpu0", "cuda0"), 10.0)
+    assert bound is not None and bound > problem.costs.ideal_ms()
+    result = run_strategy("xengine", problem)
+    assert result.feasible and result.simulation is not None and result.plan is not None
+    assert result.simulation.total_ms >= bound * (1 - 1e-9)
+    assert result.plan.solver is not None and result.plan.solver.bound >= bound * (1 - 1e-9)
+
+
+def test_no_budget_or_ample_memory_leaves_the_ideal_and_a_node_over_it_is_named() -> None:
+    graph = _graph("resnet18")
+    problem = budgeted(graph, 100, ("cuda0",), QUICK)
+    costs = problem.costs
+    fixed = held_fixed_bytes(graph, range(len(graph)))
+    times = costs.compute_ms[:, 0]
+    assert build_cover(graph, times, costs.output_bytes, None, fixed).trivial
+    assert build_cover(graph, times, costs.output_bytes, 10 * fixed + 10**12, fixed).trivial
+    tiny = build_cover(graph, times, costs.output_bytes, fixed, fixed)
+    assert tiny.model is None and tiny.infeasible_at == 0  # the first node's output alone

@@ -2,6 +2,8 @@
 graph as the plan order needs, held values carry no gradient buffer, and the exact
 strategies stitch the parts' plans into one plan the simulator accepts."""
 
+from dataclasses import replace
+
 import pytest
 from regime import budgeted
 
@@ -99,7 +101,12 @@ def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
 
 def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_baseline(large):
     assert is_large(large.graph)
-    result = checkmate_milp(large, "cuda0")
+    found: list[StrategyResult] = []  # the parts' plans are not the whole problem's
+    listening = replace(large, solver=replace(large.solver, on_plan=found.append))
+    result = checkmate_milp(listening, "cuda0")
+    assert found and found[-1].simulation.total_ms == result.simulation.total_ms
+    for plan in found:
+        assert simulate(plan.plan, large.graph, large.costs, large.budgets).valid
     assert result.feasible and result.plan is not None
     simulation = simulate(result.plan, large.graph, large.costs, large.budgets)
     assert simulation.valid

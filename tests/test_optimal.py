@@ -201,3 +201,19 @@ def test_a_bound_found_beside_the_full_solve_is_the_results_bound(monkeypatch):
     solver = result.plan.solver
     assert solver.bound == pytest.approx(reported)
     assert solver.gap == pytest.approx((solver.objective - reported) / solver.objective)
+
+
+@pytest.mark.parametrize("strategy", ["checkmate_milp", "xengine"])
+def test_a_time_limit_too_short_to_build_the_model_keeps_the_warm_start_and_says_why(strategy):
+    """resnet18's models take about 0.2 s (one device) and 0.4 s (two) to build: a 0.05 s
+    limit gets the warm start's plan and the time the build would need, not a solve."""
+    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
+    settings = SolverSettings(options=SolveOptions(time_limit_s=0.05))
+    devices = ("cuda0",) if strategy == "checkmate_milp" else ("cpu0", "cuda0")
+    problem = budgeted(graph, 50, devices, settings)
+    result = run_strategy(strategy, problem, devices[0] if len(devices) == 1 else None)
+    assert result.feasible and result.plan is not None and result.plan.solver is not None
+    assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
+    assert "time limit (0.05 s) is shorter than building the model of" in result.message
+    assert "give a time limit of at least" in result.message
+    assert result.plan.solver.seconds == 0.0  # no solver ran

@@ -51,6 +51,9 @@ class SearchConfig:
     """At most this share of the time limit for a warm-start heuristic's descent to a first
     plan that fits: at tight budgets no baseline fits, and a heuristic cut short would
     leave the solvers without an incumbent."""
+    decomposed_fit_s: float = 10.0
+    """On a graph to be decomposed where no baseline fits one device: the most seconds of
+    greedy eviction's descent to a first plan, before the parts."""
     warm_start_share: float = 0.25
     """At most this share of the time limit for the warm-start heuristics (capped by their
     own time budgets)."""
@@ -59,6 +62,11 @@ class SearchConfig:
     min_solve_s: float = 1.0
     """The full model's solve gets at least this long (at most a quarter of a shorter
     limit), so that it reports a bound even after slow warm starts."""
+    build_us: float = 4.0
+    """Microseconds per unit of n (n + edges) x devices to build a full model (Checkmate's
+    and XEngine's, measured at 60 to 235 nodes: 2 to 4 us): a time limit shorter than
+    this estimate gets the warm start and a message saying how long the build takes,
+    not a solve that cannot start."""
     solve_grace_s: float = 0.5
     """A solve of the search is stopped this long after its time limit: some backends do
     not check their limit during presolve."""
@@ -96,9 +104,10 @@ class SearchConfig:
     parts_share: float = 0.5
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""
-    one_device_share: float = 0.25
+    one_device_share: float = 0.75
     """Of the time left: a decomposed graph on several devices is first solved on its best
-    single device, so that using a second device never leaves a more expensive plan."""
+    single device, so that using a second device never leaves a more expensive plan (the
+    parts' two-device plans reserve every fixed tensor on each device and seldom win)."""
 
     # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
     restricted_share: float = 0.25

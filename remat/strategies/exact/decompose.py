@@ -323,6 +323,7 @@ def _stitch(
             problem.solver,
             options=replace(problem.solver.options, time_limit_s=share),
             on_progress=lambda _progress: heartbeat(),
+            on_plan=None,  # a part's plans are not plans of the whole problem
         )
         sub = Problem(part.graph(graph, costs), part.costs(costs), budgets, settings)
         quick = share < problem.solver.search.min_part_s

@@ -108,8 +108,10 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     local search on Chen's checkpoints on this device: eviction's plans are the cheaper
     where both fit. On several devices the multi-device heuristic only: its plans are the
     cheaper there and come sooner; eviction on its placement runs later, beside the full
-    solve (``restrict.solve_restrictions``). Not on a graph to be decomposed: the
-    heuristics are slow on large graphs, and each part runs them.
+    solve (``restrict.solve_restrictions``). On a graph to be decomposed only where no
+    baseline fits on one device, greedy eviction for at most ``decomposed_fit_s``: the
+    heuristics are slow on large graphs and each part runs them, but the parts' stitched
+    plan comes late.
 
     The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
     up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
@@ -118,10 +120,14 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     config = problem.solver.search
     logger.debug("warm start: best baseline on %s", ", ".join(names))
     search.offer(best_baseline(problem, names))
-    if variants.decomposes(problem):
-        return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
+    if variants.decomposes(problem):
+        if search.best is None and len(names) == 1:
+            fit_s = min(limit * config.fit_share, config.decomposed_fit_s)
+            logger.debug("warm start: no baseline fits, greedy eviction for %.3g s", fit_s)
+            search.offer(greedy_evict(problem, names[0], min(seconds, fit_s), fit_s))
+        return
     if len(names) == 1:
         logger.debug("warm start: greedy eviction on %s for %.3g s", names[0], seconds)
         evicted = greedy_evict(problem, names[0], seconds, fit_budget_s=limit * config.fit_share)
@@ -152,6 +158,10 @@ def optimize(
         return finish(problem, strategy, _no_solve(), None, warm, search.bound)
     if variants.decomposes(problem):
         return _decomposed(problem, strategy, names, variants, search)
+    if (short := _too_short_to_build(problem, len(names))) is not None:
+        logger.debug("%s: %s", strategy, short)
+        solved = SolveResult(SolveStatus.UNKNOWN, None, None, None, None, 0.0, short)
+        return finish(problem, strategy, solved, None, search.best, search.bound)
     # Built and encoded before the threads beside it start: beside numpy-heavy threads the
     # encoding would wait for the GIL at each of its many short releases.
     formulation = build(problem)
@@ -270,6 +280,21 @@ def _reaches(warm: StrategyResult | None, bound: float, proven_gap: float) -> bo
     return warm.simulation.total_ms <= bound * (1 + proven_gap)
 
 
+def _too_short_to_build(problem: Problem, devices: int) -> str | None:
+    """Why the full model is not built: the time limit is shorter than building it takes
+    (``SearchConfig.build_us``); None when it is not."""
+    graph, limit = problem.graph, problem.solver.options.time_limit_s
+    edges = sum(len(set(node.deps)) for node in graph.nodes)
+    build_s = len(graph) * (len(graph) + edges) * devices * problem.solver.search.build_us * 1e-6
+    if limit >= build_s:
+        return None
+    return (
+        f"no solve: the time limit ({limit:.3g} s) is shorter than building the model of "
+        f"{len(graph)} nodes takes (about {build_s:.2g} s); give a time limit of at least "
+        f"{build_s + problem.solver.search.min_solve_s:.2g} s"
+    )
+
+
 def _no_solve() -> SolveResult:
     reason = "the warm start costs the lower bound"
     return SolveResult(SolveStatus.OPTIMAL, None, None, None, None, 0.0, reason)
@@ -383,8 +408,8 @@ def _solve_on_one_device(
     device with the lowest ideal that the memory floor admits alone, for
     ``SearchConfig.one_device_share`` of the time left: the parts' plans on several devices
     reserve every fixed tensor on each device and copy between parts, so they can cost
-    more than a plan on one device. Its bound bounds one device only, so its progress is
-    not reported."""
+    more than a plan on one device. Its plans are offered as found; its bound bounds one
+    device only, so its progress is not reported."""
     admitted = [name for name in names if shortfall(problem, (name,)) is None]
     if not admitted:
         return None
@@ -393,7 +418,7 @@ def _solve_on_one_device(
     seconds = search.time_left() * settings.search.one_device_share
     options = replace(settings.options, time_limit_s=seconds)
     quiet = replace(
-        settings, options=options, on_progress=lambda _: search.heartbeat(), on_plan=None
+        settings, options=options, on_progress=lambda _: search.heartbeat(), on_plan=search.offer
     )
     logger.debug("decomposed: solved on %s alone first, for %.3g s", device, seconds)
     return one_device(replace(problem, solver=quiet), device)

@@ -23,7 +23,7 @@ def _graph(name: str, batch: int = 4):
     return training_graph(forward_graph(samples.ZOO[name](batch=batch)))
 
 
-@pytest.mark.parametrize(("name", "percent"), [("unet", 35), ("mobilenet_v1", 25)])
+@pytest.mark.parametrize(("name", "percent"), [("unet", 35)])
 def test_every_plan_on_one_device_costs_at_least_the_bound(name: str, percent: float) -> None:
     problem = budgeted(_graph(name), percent, ("cuda0",), QUICK)
     bound = cover_bound(problem, ("cuda0",), 10.0)

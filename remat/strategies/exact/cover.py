@@ -1,7 +1,8 @@
 """The bound of the whole problem that every exact search starts from: the ideal plus the
-recomputation cover's bound (``remat.formulations.cover``), a relaxation small enough for
-any graph, so that a search on a graph too large for its full model still reports a gap
-against a bound above the ideal.
+recomputation cover's bound on what every plan pays beyond it
+(``remat.formulations.cover``), a relaxation small enough for any graph, so that a search
+on a graph too large for its full model still reports a gap against a bound above the
+ideal.
 
 The cover is solved in this process by SciPy's HiGHS (``scipy.optimize.milp``), not in a
 solver subprocess (``remat.solvers.runner``): it takes a fraction of a second, less than a
@@ -22,11 +23,11 @@ from remat.strategies.common.problem import Problem
 logger = logging.getLogger(__name__)
 
 
-def cover_bound(problem: Problem, names: Sequence[str], seconds: float) -> float | None:
-    """A lower bound on the cost of every plan of ``problem`` on ``names``: the ideal on
-    them plus the cover's bound, solved for at most ``seconds`` (a stopped solve's bound
-    still bounds). None when no memory constraint binds (the ideal is the bound) or the
-    solve gives none."""
+def cover_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> float | None:
+    """A lower bound on what every plan of ``problem`` on ``names`` costs beyond the ideal
+    on them (``CostModel.ideal_ms``): the cover's bound, solved for at most ``seconds`` (a
+    stopped solve's bound still bounds). None when no memory constraint binds (the ideal
+    is the bound) or the solve gives none."""
     costs, graph = problem.costs, problem.graph
     budgets = [problem.budgets.get(name) for name in names]
     pooled = None if any(b is None for b in budgets) else sum(b for b in budgets if b)
@@ -48,4 +49,4 @@ def cover_bound(problem: Problem, names: Sequence[str], seconds: float) -> float
         logger.debug("recomputation cover: no bound (%s)", solved.message)
         return None
     logger.debug("recomputation cover: %d rows, bound +%.6g ms", model.n_rows, bound)
-    return float(sum(fastest.tolist())) + bound  # the ideal summed as ideal_ms sums
+    return float(bound)

@@ -37,7 +37,7 @@ from remat.strategies.common.problem import (
     evaluate,
     select_best,
 )
-from remat.strategies.exact.cover import cover_bound
+from remat.strategies.exact.cover import cover_extra_ms
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
@@ -87,16 +87,16 @@ def start_search(
     problem: Problem, names: Sequence[str], variants: StrategyVariants, start: float
 ) -> Search:
     """The search of a strategy called at ``start`` on ``names``: its warm start
-    (``warm_start``), then the recomputation cover's bound (``cover.cover_bound``) where
+    (``warm_start``), then the recomputation cover's bound (``cover.cover_extra_ms``) where
     ``min_solve_s`` is left, so that the first plan does not wait for the bound."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
     warm_start(search, names, variants)
     config = problem.solver.search
     if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
-        bound = cover_bound(problem, names, min(config.cover_s, search.time_left() / 4))
-        if bound is not None:
-            search.start_from_cover(bound)
+        extra = cover_extra_ms(problem, names, min(config.cover_s, search.time_left() / 4))
+        if extra is not None:
+            search.start_from_cover(ideal + extra)
     return search
 
 
@@ -148,10 +148,10 @@ def optimize(
     variants: StrategyVariants,
 ) -> StrategyResult:
     """What the exact strategies share: stop if the warm start (``search.best``, offered
-    as it was found) costs the lower bound; on a large graph solve its parts (``solve_parts``),
-    else solve the full model from the warm start while the coarse graph's solve and the
-    strategy's restrictions (if it has them) run beside it; the best plan found, with the
-    whole problem's bound."""
+    as it was found) costs the lower bound; on a large graph solve its parts
+    (``solve_parts``), else solve the full model from the warm start while the coarse
+    graph's solve and the strategy's restrictions (if it has them) run beside it; the best
+    plan found, with the whole problem's bound."""
     problem, warm = search.problem, search.best
     if _reaches(warm, search.bound, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the bound, no solve", strategy)

@@ -124,7 +124,7 @@ def test_clean_drops_unread_recomputations_and_checkpoints():
 def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
     seen: list[Progress] = []
     settings = SolverSettings(
-        options=SolveOptions(time_limit_s=20, gap=0.01, threads=2), on_progress=seen.append
+        options=SolveOptions(time_limit_s=10, gap=0.01, threads=2), on_progress=seen.append
     )
     problem = _problem("resnet18", 25, settings)
     heuristic = placed_greedy(problem, ["cpu0", "cuda0"])

@@ -46,9 +46,9 @@ def test_every_plan_on_one_device_costs_at_least_the_bound(name: str, percent: f
 
 
 def test_the_bound_is_below_a_proven_optimum_and_above_the_ideal() -> None:
-    graph = training_graph(forward_graph(samples.chain(n=10, batch=2)))
+    graph = training_graph(forward_graph(samples.chain(n=8, batch=2)))
     settings = SolverSettings(options=SolveOptions(time_limit_s=60, gap=1e-9, threads=2))
-    problem = budgeted(graph, 40, ("cpu0",), settings)
+    problem = budgeted(graph, 50, ("cpu0",), settings)
     result = run_strategy("checkmate_milp", problem, "cpu0")
     assert result.plan is not None and result.plan.solver is not None
     assert result.plan.solver.status == "optimal"

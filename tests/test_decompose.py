@@ -29,7 +29,7 @@ from remat.strategies.exact.decompose import (
 from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
 
-FAST = SolverSettings(options=SolveOptions(time_limit_s=20, gap=0.01, threads=2))
+FAST = SolverSettings(options=SolveOptions(time_limit_s=12, gap=0.01, threads=2))
 
 
 def _problem(blocks, percent, devices=("cuda0",), mode=Mode.TRAINING, settings=FAST):

@@ -19,12 +19,13 @@ from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.cover import cover_extra_ms
 from remat.strategies.exact.decompose import (
     PartSolvers,
+    _fits,
     crossing_bytes,
     is_large,
     parts,
     segments,
     solve_parts,
-    stored_values,
+    stored_choices,
 )
 from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
@@ -59,7 +60,7 @@ def test_segments_are_contiguous_bounded_and_cut_where_little_crosses(large):
 def test_parts_compute_each_backward_node_once_and_read_only_what_is_resident(large):
     graph = large.graph
     cuts = segments(graph, large.costs)
-    for stored in (frozenset(), stored_values(graph, large.costs, cuts, None)):
+    for stored in (frozenset(), stored_choices(graph, large.costs, cuts, None)[0]):
         plan_parts = parts(graph, cuts, stored)
         seen = [0] * len(graph)
         resident: frozenset[int] = frozenset()
@@ -78,7 +79,7 @@ def test_parts_compute_each_backward_node_once_and_read_only_what_is_resident(la
 def test_storing_every_value_computes_each_forward_node_once(large):
     graph = large.graph
     cuts = segments(graph, large.costs)
-    plan_parts = parts(graph, cuts, stored_values(graph, large.costs, cuts, None))
+    plan_parts = parts(graph, cuts, stored_choices(graph, large.costs, cuts, None)[0])
     counts = [0] * len(graph)
     for part in plan_parts:
         for i in part.nodes:
@@ -87,6 +88,19 @@ def test_storing_every_value_computes_each_forward_node_once(large):
     # only forward nodes no backward node reads may be recomputed (to rebuild stored ones)
     assert all(graph.nodes[i].kind is NodeKind.FORWARD for i in recomputed)
     assert sum(counts) < len(graph) + len(recomputed) + 1
+
+
+def test_stored_choices_are_distinct_and_each_fits_the_memory_estimate(large):
+    graph, costs = large.graph, large.costs
+    cuts = segments(graph, costs)
+    reserved = held_fixed_bytes(graph, range(len(graph)))
+    room = large.budgets["cuda0"] - reserved
+    choices = stored_choices(graph, costs, cuts, room)
+    assert len(choices) >= 2 and len(set(choices)) == len(choices)
+    assert all(choices) and frozenset() not in choices  # room for some values
+    assert all(_fits(graph, costs, parts(graph, cuts, stored), room) for stored in choices)
+    everything = stored_choices(graph, costs, cuts, None)[0]
+    assert not _fits(graph, costs, parts(graph, cuts, everything), room)  # a real choice
 
 
 def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
@@ -179,7 +193,7 @@ def test_inference_graphs_decompose_into_forward_parts_and_keep_the_outputs():
 def test_an_impossible_budget_is_reported_not_stitched(large):
     tight = Problem(large.graph, large.costs, {"cuda0": 1}, large.solver)
     cuts = segments(tight.graph, tight.costs)
-    assert stored_values(tight.graph, tight.costs, cuts, 0) == frozenset()
+    assert stored_choices(tight.graph, tight.costs, cuts, 0) == [frozenset()]
     solvers = PartSolvers(_never_called, _never_called)
     result = solve_parts(tight, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60)
     assert result.plan is None

@@ -1,12 +1,12 @@
 """The real-model corpus: PyTorch modules as users export them, each at two scales.
 
-One definition serves the tests and the benchmark: ``test`` is small enough that CI
-exports, plans, executes and differentiates it in seconds (few channels, tiny images, a
-64-token vocabulary); ``bench`` is the size ``bench/models.py`` measures (torchvision's
-default classifier heads on 64x64 images, Hugging Face configurations of width 64 and a
-1000-token vocabulary). Nothing is downloaded: weights are random, torchvision comes from
-``agents.pytorch.torchvision_models`` (beside the venv) and Hugging Face models from their
-configurations.
+One definition serves the tests and the benchmark: ``test`` is small enough that CI exports,
+plans, executes and differentiates it in seconds (few channels, tiny images, a 64-token
+vocabulary); ``bench`` is the size ``bench/models.py`` measures (torchvision's default
+classifier heads on 64x64 images, Hugging Face configurations of width 64 and a 1000-token
+vocabulary; ``bert_base`` and ``gpt2_small`` at their base models' shape). Nothing is
+downloaded: weights are random, torchvision comes from ``agents.pytorch.torchvision_models``
+(beside the venv) and Hugging Face models from their configurations.
 
 Each entry names the loss its output calls for (cross-entropy on a classifier's or a
 language model's logits, per pixel on a segmentation map; the mean square elsewhere) and
@@ -178,24 +178,30 @@ def _small_vit(scale: Scale) -> torch.nn.Module:
     )
 
 
-def _transformers(name: str) -> Callable[[Scale], torch.nn.Module]:
-    """A Hugging Face model from a small configuration (2 layers)."""
+def _transformers(name: str, *, base: bool = False) -> Callable[[Scale], torch.nn.Module]:
+    """A Hugging Face model from a small configuration (2 layers); with ``base``, at its
+    bench scale the shape of BERT-base or GPT-2 small (12 layers of width 768, 12 heads,
+    128 positions), the transformers of issue-size graphs (about 1,000 training nodes)."""
 
     def build(scale: Scale) -> torch.nn.Module:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers  # only when asked for
 
         width, vocab = (32, 64) if scale == "test" else (64, VOCAB["bench"])
+        layers, heads, positions = 2, 4, 64
+        if base and scale == "bench":
+            width, layers, heads, positions = 768, 12, 12, 128
         if name == "gpt2":
             gpt2 = transformers.GPT2Config(
-                vocab_size=vocab, n_positions=64, n_embd=width, n_layer=2, n_head=4,
-                bos_token_id=0, eos_token_id=0,
+                vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers,
+                n_head=heads, bos_token_id=0, eos_token_id=0,
             )  # fmt: skip
             return LanguageModel(transformers.GPT2LMHeadModel(gpt2))
         if name == "bert":
             bert = transformers.BertConfig(
-                vocab_size=vocab, hidden_size=width, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=2 * width, max_position_embeddings=64,
+                vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
+                num_attention_heads=heads, intermediate_size=(4 if base else 2) * width,
+                max_position_embeddings=positions,
             )  # fmt: skip
             return LanguageModel(transformers.BertForMaskedLM(bert))
         t5 = transformers.T5Config(
@@ -210,6 +216,7 @@ def _transformers(name: str) -> Callable[[Scale], torch.nn.Module]:
 VOCAB: dict[Scale, int] = {"test": 64, "bench": 1000}
 IMAGE: dict[Scale, tuple[int, ...]] = {"test": (4, 3, 32, 32), "bench": (8, 3, 64, 64)}
 TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (4, 16)}
+LONG_TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (8, 128)}
 
 
 def _classifier(name: str, **kwargs: object) -> Entry:
@@ -218,6 +225,12 @@ def _classifier(name: str, **kwargs: object) -> Entry:
 
 def _language_model(name: str) -> Entry:
     return Entry(name, "transformers", _transformers(name), TOKENS, CROSS_ENTROPY, VOCAB)
+
+
+def _base_language_model(name: str, size: str) -> Entry:
+    """``name`` at the shape of its base model: 12 layers, 8 sequences of 128 tokens."""
+    build = _transformers(name, base=True)
+    return Entry(f"{name}_{size}", "transformers", build, LONG_TOKENS, CROSS_ENTROPY, VOCAB)
 
 
 _ENTRIES = [
@@ -277,6 +290,7 @@ _ENTRIES = [
     Entry("vit_small", "torchvision", _small_vit, IMAGE, CROSS_ENTROPY),
     _classifier("swin_t"),
     _classifier("resnet50"),
+    _classifier("mobilenet_v3_large"),
     Entry(
         "deeplabv3_mobilenet_v3_large",
         "torchvision",
@@ -288,5 +302,7 @@ _ENTRIES = [
     _language_model("gpt2"),
     _language_model("bert"),
     _language_model("t5"),
+    _base_language_model("bert", "base"),
+    _base_language_model("gpt2", "small"),
 ]
 CORPUS: dict[str, Entry] = {entry.name: entry for entry in _ENTRIES}

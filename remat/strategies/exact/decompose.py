@@ -231,20 +231,40 @@ def solve_parts(
 ) -> StrategyResult:
     """Each part solved in plan order (a part's budget depends on where the earlier parts
     left their values), for a share of ``seconds`` proportional to its size; the stitched
-    plan judged by the simulator. As many segments as the memory estimate allows keep
-    their forward values (``stored_values``); if a part then finds no plan, every segment
-    is recomputed instead, in the time left."""
+    plan judged by the simulator. Which forward values the segments keep is chosen among
+    ``stored_choices`` by their stitched plans of the parts' baselines (``_chosen``); if a
+    part then finds no plan, every segment is recomputed instead, in the time left."""
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
     room = _room(problem, names, reserved)
-    stored = stored_values(graph, costs, cuts, room)
     deadline = time.monotonic() + seconds
-    stitch = partial(_stitch, problem, strategy, names, reserved, solvers, heartbeat, deadline)
-    result = stitch(parts(graph, cuts, stored))
+    stitch = partial(_stitch, problem, strategy, names, reserved, heartbeat, deadline)
+    stored = _chosen(graph, stored_choices(graph, costs, cuts, room), cuts, stitch, solvers)
+    result = stitch(solvers, parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
-        result = stitch(parts(graph, cuts))
+        result = stitch(solvers, parts(graph, cuts))
     return result
+
+
+def _chosen(
+    graph: Graph,
+    choices: list[frozenset[int]],
+    cuts: Sequence[range],
+    stitch: Callable[[PartSolvers, list[Part]], StrategyResult],
+    solvers: PartSolvers,
+) -> frozenset[int]:
+    """The stored values whose stitched plan of the parts' baselines (``solvers.quick``)
+    the simulator finds cheapest; the first choice if none has one, or there is one."""
+    if len(choices) == 1:
+        return choices[0]
+    quick = PartSolvers(solvers.quick, solvers.quick)
+    best, best_ms = choices[0], float("inf")
+    for stored in choices:
+        result = stitch(quick, parts(graph, cuts, stored))
+        if result.simulation is not None and result.simulation.total_ms < best_ms:
+            best, best_ms = stored, result.simulation.total_ms
+    return best
 
 
 def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:
@@ -255,32 +275,52 @@ def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:
     return sum(b - reserved for b in budgets if b is not None)
 
 
-def stored_values(
+def stored_choices(
     graph: Graph, costs: CostModel, cuts: Sequence[range], room: int | None
-) -> frozenset[int]:
-    """The forward values kept from their F part for their B part: segment by segment from
-    the loss back (the later a segment, the shorter its values are held), within one those
-    whose recomputation costs the most per byte first, as many as the memory estimate allows
-    (``_fits``: every part's resident values, outputs and largest operation within
-    ``room``, the bytes all devices have for values)."""
+) -> list[frozenset[int]]:
+    """Sets of forward values to keep from their F part for their B part: of two orders of the
+    candidates, the longest prefix that the memory estimate admits (``_fits``: every part's
+    resident values, outputs and largest operation within ``room``, the bytes all devices
+    have for values), and its 3/4, 1/2 and 1/4. The estimate ignores the parts' working
+    memory: a part left little room recomputes inside it, which can cost more than
+    recomputing the segment. The orders: segment by segment from the loss back (the later a
+    segment, the shorter its values are held), and across segments by recomputation cost per
+    byte (a transformer's matrix products before its activations)."""
     users = graph.users()
     fastest = costs.compute_ms.min(axis=1)
-    candidates = [
-        i
-        for cut in reversed(cuts[:-1])
-        for i in sorted(cut, key=lambda i: -float(fastest[i]) / max(int(costs.output_bytes[i]), 1))
-        if any(graph.nodes[u].kind is NodeKind.BACKWARD for u in users[i])
+    segment = {i: k for k, cut in enumerate(cuts[:-1]) for i in cut}
+
+    def per_byte(i: int) -> float:
+        return -float(fastest[i]) / max(int(costs.output_bytes[i]), 1)
+
+    kept = [i for i in segment if any(graph.nodes[u].kind is NodeKind.BACKWARD for u in users[i])]
+    orders = [
+        sorted(kept, key=lambda i: (-segment[i], per_byte(i))),
+        sorted(kept, key=lambda i: (per_byte(i), -segment[i])),
     ]
     if room is None:
-        return frozenset(candidates)
-    low, high = 0, len(candidates)  # the longest prefix that fits (binary search)
+        return [frozenset(kept)]
+    choices: list[frozenset[int]] = []
+    for order in orders:
+        longest = _longest_fitting(graph, costs, cuts, order, room)
+        for length in (longest, longest * 3 // 4, longest // 2, longest // 4):
+            if (choice := frozenset(order[:length])) not in choices:
+                choices.append(choice)
+    return choices
+
+
+def _longest_fitting(
+    graph: Graph, costs: CostModel, cuts: Sequence[range], order: list[int], room: int
+) -> int:
+    """The longest prefix of ``order`` that ``_fits`` admits (binary search)."""
+    low, high = 0, len(order)
     while low < high:
         middle = (low + high + 1) // 2
-        if _fits(graph, costs, parts(graph, cuts, frozenset(candidates[:middle])), room):
+        if _fits(graph, costs, parts(graph, cuts, frozenset(order[:middle])), room):
             low = middle
         else:
             high = middle - 1
-    return frozenset(candidates[:low])
+    return low
 
 
 def _fits(graph: Graph, costs: CostModel, plan_parts: list[Part], room: int) -> bool:
@@ -304,9 +344,9 @@ def _stitch(
     strategy: str,
     names: Sequence[str],
     reserved: int,
-    solvers: PartSolvers,
     heartbeat: Callable[[], None],
     deadline: float,
+    solvers: PartSolvers,
     plan_parts: list[Part],
 ) -> StrategyResult:
     graph, costs = problem.graph, problem.costs

@@ -209,6 +209,25 @@ def test_a_spent_time_limit_stitches_the_parts_baselines_without_solving(large):
     assert simulation.peak_bytes["cuda0"] <= large.budgets["cuda0"]
 
 
+def test_the_baselines_stitched_plan_is_offered_before_any_part_is_solved(large):
+    offered: list[StrategyResult] = []
+    offers_before_solve: list[int] = []
+
+    def exact(part):
+        offers_before_solve.append(len(offered))
+        return _baseline(part)
+
+    solvers = PartSolvers(exact, _baseline)
+    result = solve_parts(
+        large, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60, offered.append
+    )
+    assert result.plan is not None and offers_before_solve and offers_before_solve[0] == 1
+    first = offered[0]
+    assert first.plan is not None
+    simulation = simulate(first.plan, large.graph, large.costs, large.budgets)
+    assert simulation.valid and simulation.peak_bytes["cuda0"] <= large.budgets["cuda0"]
+
+
 def _baseline(part):
     return best_baseline(part, ["cuda0"]) or StrategyResult("baseline", None, None, "none fits")
 

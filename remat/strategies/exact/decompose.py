@@ -228,19 +228,24 @@ def solve_parts(
     solvers: PartSolvers,
     heartbeat: Callable[[], None],
     seconds: float,
+    offer: Callable[[StrategyResult], None] | None = None,
 ) -> StrategyResult:
     """Each part solved in plan order (a part's budget depends on where the earlier parts
     left their values), for a share of ``seconds`` proportional to its size; the stitched
     plan judged by the simulator. Which forward values the segments keep is chosen among
-    ``stored_choices`` by their stitched plans of the parts' baselines (``_chosen``); if a
-    part then finds no plan, every segment is recomputed instead, in the time left."""
+    ``stored_choices`` by their stitched plans of the parts' baselines (``_chosen``), the
+    cheapest of which goes to ``offer`` at once (a plan seconds in, where the parts' solves
+    take most of the limit); if a part then finds no plan, every segment is recomputed
+    instead, in the time left."""
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
     room = _room(problem, names, reserved)
     deadline = time.monotonic() + seconds
     stitch = partial(_stitch, problem, strategy, names, reserved, heartbeat, deadline)
-    stored = _chosen(graph, stored_choices(graph, costs, cuts, room), cuts, stitch, solvers)
+    stored, quick = _chosen(graph, stored_choices(graph, costs, cuts, room), cuts, stitch, solvers)
+    if offer is not None and quick is not None:
+        offer(quick)
     result = stitch(solvers, parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(solvers, parts(graph, cuts))
@@ -253,18 +258,25 @@ def _chosen(
     cuts: Sequence[range],
     stitch: Callable[[PartSolvers, list[Part]], StrategyResult],
     solvers: PartSolvers,
-) -> frozenset[int]:
+) -> tuple[frozenset[int], StrategyResult | None]:
     """The stored values whose stitched plan of the parts' baselines (``solvers.quick``)
-    the simulator finds cheapest; the first choice if none has one, or there is one."""
+    the simulator finds cheapest, with that plan; the first choice (and no plan) if none
+    has one. A single choice is not stitched."""
     if len(choices) == 1:
-        return choices[0]
+        return choices[0], None
     quick = PartSolvers(solvers.quick, solvers.quick)
-    best, best_ms = choices[0], float("inf")
+    best, best_result = choices[0], None
     for stored in choices:
         result = stitch(quick, parts(graph, cuts, stored))
-        if result.simulation is not None and result.simulation.total_ms < best_ms:
-            best, best_ms = stored, result.simulation.total_ms
-    return best
+        if not result.feasible or result.simulation is None:
+            continue
+        if best_result is None or result.simulation.total_ms < _cost(best_result):
+            best, best_result = stored, result
+    return best, best_result
+
+
+def _cost(result: StrategyResult) -> float:
+    return float("inf") if result.simulation is None else result.simulation.total_ms
 
 
 def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from remat.errors import ScheduleError
 from remat.formulations import Formulation
-from remat.plan import SolverInfo
+from remat.plan import Compute, SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
@@ -354,8 +354,10 @@ def _decomposed(
     search: Search,
 ) -> StrategyResult:
     """The stitched plan of the parts, or the warm start if it is cheaper (or the parts
-    found none); the bound is the ideal: no part's bound bounds the whole. On several
-    devices the graph is first solved on one device (``_solve_on_one_device``)."""
+    found none), then the whole graph's interval model for the time left where the
+    incumbent computes on one device (``_polished``); the bound is the cover's: no part's
+    bound bounds the whole. On several devices the graph is first solved on one device
+    (``_solve_on_one_device``), so the interval model continues that device's search."""
     started = time.monotonic()
     if len(names) > 1 and variants.one_device is not None:
         search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
@@ -369,14 +371,17 @@ def _decomposed(
     if len(names) == 1:  # the rest for the whole graph's interval model (``_polished``)
         seconds *= problem.solver.search.parts_share
     logger.debug("%s: decomposed, parts solved in %.3g s", strategy, seconds)
-    stitched = solve_parts(problem, strategy, names, solvers, search.heartbeat, seconds)
+    stitched = solve_parts(
+        problem, strategy, names, solvers, search.heartbeat, seconds, offer=search.offer
+    )
     search.offer(stitched)
     if stitched.plan is not None and stitched.simulation is not None:
         message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"
     else:
         message = stitched.message
-    if len(names) == 1 and search.time_left() >= problem.solver.search.min_solve_s:
-        message += _polished(search, names[0], strategy)
+    device = names[0] if len(names) == 1 else _only_device(search.best)
+    if device is not None and search.time_left() >= problem.solver.search.min_solve_s:
+        message += _polished(search, device, strategy)
     solved = SolveResult(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
@@ -390,15 +395,23 @@ def _polished(search: Search, device: str, strategy: str) -> str:
     best = search.best
     warm = None
     if best is not None and best.plan is not None:
-        warm = best.schedule or schedule_of_steps(
-            best.plan.steps, len(search.problem.graph), device
-        )
+        warm = best.schedule
+        if warm is None or warm.devices != (device,):
+            warm = schedule_of_steps(best.plan.steps, len(search.problem.graph), device)
     before = search.best_ms
     solve_intervals(search, device, warm, strategy)
     after = search.best_ms
     if after is None or (before is not None and after >= before):
         return "; the whole graph's interval model found no better plan"
     return f"; the whole graph's interval model improved it to {after:.4g} ms"
+
+
+def _only_device(result: StrategyResult | None) -> str | None:
+    """The device of a plan that computes on one device only; None otherwise."""
+    if result is None or result.plan is None:
+        return None
+    devices = {step.device for step in result.plan.steps if isinstance(step, Compute)}
+    return devices.pop() if len(devices) == 1 else None
 
 
 def _solve_on_one_device(

@@ -265,18 +265,13 @@ def _chosen(
     if len(choices) == 1:
         return choices[0], None
     quick = PartSolvers(solvers.quick, solvers.quick)
-    best, best_result = choices[0], None
+    best, best_result, best_ms = choices[0], None, float("inf")
     for stored in choices:
         result = stitch(quick, parts(graph, cuts, stored))
-        if not result.feasible or result.simulation is None:
-            continue
-        if best_result is None or result.simulation.total_ms < _cost(best_result):
-            best, best_result = stored, result
+        cost = result.simulation.total_ms if result.feasible and result.simulation else None
+        if cost is not None and cost < best_ms:
+            best, best_result, best_ms = stored, result, cost
     return best, best_result
-
-
-def _cost(result: StrategyResult) -> float:
-    return float("inf") if result.simulation is None else result.simulation.total_ms
 
 
 def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:

@@ -51,9 +51,6 @@ class SearchConfig:
     """At most this share of the time limit for a warm-start heuristic's descent to a first
     plan that fits: at tight budgets no baseline fits, and a heuristic cut short would
     leave the solvers without an incumbent."""
-    decomposed_fit_s: float = 10.0
-    """On a graph to be decomposed where no baseline fits one device: the most seconds of
-    greedy eviction's descent to a first plan, before the parts."""
     warm_start_share: float = 0.25
     """At most this share of the time limit for the warm-start heuristics (capped by their
     own time budgets)."""
@@ -98,8 +95,12 @@ class SearchConfig:
     segment_forward_nodes: int = 50
     """Forward nodes per segment of a decomposed graph (parts of about twice as many)."""
     min_part_s: float = 1.0
-    """A part whose share of the time left is below this gets its best baseline, no
-    solve."""
+    """A part whose share of the time left is below this gets a quick plan, no solve: its
+    best baseline, or where none fits greedy eviction (``part_evict_s``)."""
+    part_evict_s: float = 0.02
+    part_fit_s: float = 1.0
+    """Greedy eviction on a part that no baseline fits: ``part_evict_s`` of descent past its
+    first plan that fits, which may take up to ``part_fit_s``."""
     parts_share: float = 0.5
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""

@@ -214,8 +214,9 @@ def _with_boundaries(graph: Graph, node_sets: list[list[int]]) -> list[Part]:
 @dataclass(frozen=True)
 class PartSolvers:
     """How a part is solved: ``exact``, the strategy itself for the part's share of the time
-    limit; ``quick``, once that share is under ``SearchConfig.min_part_s`` (the limit is spent): the
-    part's best baseline, so that a stitched plan still arrives near the limit."""
+    limit; ``quick``, a plan without a solve (a baseline, a heuristic) once that share is
+    under ``SearchConfig.min_part_s`` (the limit is spent), so that a stitched plan still
+    arrives near the limit, and for choosing the stored values (``_chosen``)."""
 
     exact: Callable[[Problem], StrategyResult]
     quick: Callable[[Problem], StrategyResult]
@@ -233,19 +234,19 @@ def solve_parts(
     """Each part solved in plan order (a part's budget depends on where the earlier parts
     left their values), for a share of ``seconds`` proportional to its size; the stitched
     plan judged by the simulator. Which forward values the segments keep is chosen among
-    ``stored_choices`` by their stitched plans of the parts' baselines (``_chosen``), the
-    cheapest of which goes to ``offer`` at once (a plan seconds in, where the parts' solves
-    take most of the limit); if a part then finds no plan, every segment is recomputed
-    instead, in the time left."""
+    ``stored_choices`` by their stitched plans of the parts' quick plans (``_chosen``),
+    each cheaper one going to ``offer`` as found (a plan within a second or two, where the
+    parts' solves take most of the limit); if a part then finds no plan, every segment is
+    recomputed instead, in the time left."""
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
     room = _room(problem, names, reserved)
     deadline = time.monotonic() + seconds
     stitch = partial(_stitch, problem, strategy, names, reserved, heartbeat, deadline)
-    stored, quick = _chosen(graph, stored_choices(graph, costs, cuts, room), cuts, stitch, solvers)
-    if offer is not None and quick is not None:
-        offer(quick)
+    choices = stored_choices(graph, costs, cuts, room)
+    quick = partial(stitch, replace(solvers, exact=solvers.quick))
+    stored = _chosen(graph, choices, cuts, quick, offer, deadline)
     result = stitch(solvers, parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(solvers, parts(graph, cuts))
@@ -256,22 +257,27 @@ def _chosen(
     graph: Graph,
     choices: list[frozenset[int]],
     cuts: Sequence[range],
-    stitch: Callable[[PartSolvers, list[Part]], StrategyResult],
-    solvers: PartSolvers,
-) -> tuple[frozenset[int], StrategyResult | None]:
-    """The stored values whose stitched plan of the parts' baselines (``solvers.quick``)
-    the simulator finds cheapest, with that plan; the first choice (and no plan) if none
-    has one. A single choice is not stitched."""
+    stitch: Callable[[list[Part]], StrategyResult],
+    offer: Callable[[StrategyResult], None] | None,
+    deadline: float,
+) -> frozenset[int]:
+    """The stored values whose stitched plan of quick part plans (``stitch``) the simulator
+    finds cheapest, each cheaper plan going to ``offer``; the first choice if none has
+    one. A single choice is not stitched; past ``deadline`` the choices left are not
+    tried once one has a plan."""
     if len(choices) == 1:
-        return choices[0], None
-    quick = PartSolvers(solvers.quick, solvers.quick)
-    best, best_result, best_ms = choices[0], None, float("inf")
+        return choices[0]
+    best, best_ms = choices[0], float("inf")
     for stored in choices:
-        result = stitch(quick, parts(graph, cuts, stored))
+        if best_ms < float("inf") and time.monotonic() > deadline:
+            break
+        result = stitch(parts(graph, cuts, stored))
         cost = result.simulation.total_ms if result.feasible and result.simulation else None
         if cost is not None and cost < best_ms:
-            best, best_result, best_ms = stored, result, cost
-    return best, best_result
+            best, best_ms = stored, cost
+            if offer is not None:
+                offer(result)
+    return best
 
 
 def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:

@@ -108,10 +108,9 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     local search on Chen's checkpoints on this device: eviction's plans are the cheaper
     where both fit. On several devices the multi-device heuristic only: its plans are the
     cheaper there and come sooner; eviction on its placement runs later, beside the full
-    solve (``restrict.solve_restrictions``). On a graph to be decomposed only where no
-    baseline fits on one device, greedy eviction for at most ``decomposed_fit_s``: the
-    heuristics are slow on large graphs and each part runs them, but the parts' stitched
-    plan comes late.
+    solve (``restrict.solve_restrictions``). On a graph to be decomposed the best baseline
+    only: the heuristics are slow on large graphs, and the parts' quick plans
+    (``quick_part``) come sooner.
 
     The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
     up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
@@ -120,14 +119,10 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     config = problem.solver.search
     logger.debug("warm start: best baseline on %s", ", ".join(names))
     search.offer(best_baseline(problem, names))
+    if variants.decomposes(problem):
+        return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
-    if variants.decomposes(problem):
-        if search.best is None and len(names) == 1:
-            fit_s = min(limit * config.fit_share, config.decomposed_fit_s)
-            logger.debug("warm start: no baseline fits, greedy eviction for %.3g s", fit_s)
-            search.offer(greedy_evict(problem, names[0], min(seconds, fit_s), fit_s))
-        return
     if len(names) == 1:
         logger.debug("warm start: greedy eviction on %s for %.3g s", names[0], seconds)
         evicted = greedy_evict(problem, names[0], seconds, fit_budget_s=limit * config.fit_share)
@@ -362,11 +357,7 @@ def _decomposed(
     if len(names) > 1 and variants.one_device is not None:
         search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
 
-    def quick(part: Problem) -> StrategyResult:
-        found = best_baseline(part, names)
-        return found or StrategyResult(strategy, None, None, "no baseline fits its budget")
-
-    solvers = PartSolvers(variants.on_part, quick)
+    solvers = PartSolvers(variants.on_part, partial(quick_part, names=names))
     seconds = search.time_left()
     if len(names) == 1:  # the rest for the whole graph's interval model (``_polished``)
         seconds *= problem.solver.search.parts_share
@@ -386,6 +377,19 @@ def _decomposed(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
     return finish(problem, strategy, solved, None, search.best, search.bound)
+
+
+def quick_part(part: Problem, names: Sequence[str]) -> StrategyResult:
+    """A part's plan without a solve: its best baseline on any of ``names``, or where none
+    fits greedy eviction on the device with the lowest ideal (``SearchConfig.part_evict_s``,
+    ``part_fit_s``): at tight budgets no baseline fits a part, and eviction finds a plan
+    for a part of a hundred nodes in a fraction of a second."""
+    found = best_baseline(part, names)
+    if found is not None:
+        return found
+    config = part.solver.search
+    device = min(names, key=part.costs.ideal_ms)
+    return greedy_evict(part, device, config.part_evict_s, config.part_fit_s)
 
 
 def _polished(search: Search, device: str, strategy: str) -> str:

@@ -230,16 +230,27 @@ def test_the_baselines_stitched_plan_is_offered_before_any_part_is_solved(large)
     assert simulation.valid and simulation.peak_bytes["cuda0"] <= large.budgets["cuda0"]
 
 
-def test_parts_no_baseline_fits_get_greedy_eviction_plans_without_a_solve():
+def test_parts_no_baseline_fits_get_greedy_eviction_plans_offered_before_any_solve():
     tight = _problem(8, 15)
     assert best_baseline(tight, ["cuda0"]) is None
     baselines = PartSolvers(_never_called, _baseline)
     assert solve_parts(tight, "checkmate_milp", ("cuda0",), baselines, lambda: None, 0).plan is None
-    quick = PartSolvers(_never_called, partial(quick_part, names=["cuda0"]))
-    result = solve_parts(tight, "checkmate_milp", ("cuda0",), quick, lambda: None, 0)
-    assert result.plan is not None, result.message
-    simulation = simulate(result.plan, tight.graph, tight.costs, tight.budgets)
-    assert simulation.valid and simulation.peak_bytes["cuda0"] <= tight.budgets["cuda0"]
+    quick = partial(quick_part, names=["cuda0"])
+    offered: list[StrategyResult] = []
+
+    def exact(part):
+        assert offered, "the quick plans' stitched plan comes before any part's solve"
+        return quick(part)
+
+    solvers = PartSolvers(exact, quick, judge=_baseline)  # no choice's baselines fit
+    result = solve_parts(
+        tight, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60, offered.append
+    )
+    assert result.plan is not None and len(offered) == 1, result.message
+    assert offered[0].feasible
+    for plan in (offered[0].plan, result.plan):
+        simulation = simulate(plan, tight.graph, tight.costs, tight.budgets)
+        assert simulation.valid and simulation.peak_bytes["cuda0"] <= tight.budgets["cuda0"]
 
 
 def _baseline(part):

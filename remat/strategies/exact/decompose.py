@@ -216,10 +216,12 @@ class PartSolvers:
     """How a part is solved: ``exact``, the strategy itself for the part's share of the time
     limit; ``quick``, a plan without a solve (a baseline, a heuristic) once that share is
     under ``SearchConfig.min_part_s`` (the limit is spent), so that a stitched plan still
-    arrives near the limit, and for choosing the stored values (``_chosen``)."""
+    arrives near the limit; ``judge`` (by default ``quick``), how the parts of each
+    stored-value choice are planned to compare the choices (``_chosen``)."""
 
     exact: Callable[[Problem], StrategyResult]
     quick: Callable[[Problem], StrategyResult]
+    judge: Callable[[Problem], StrategyResult] | None = None
 
 
 def solve_parts(
@@ -234,7 +236,7 @@ def solve_parts(
     """Each part solved in plan order (a part's budget depends on where the earlier parts
     left their values), for a share of ``seconds`` proportional to its size; the stitched
     plan judged by the simulator. Which forward values the segments keep is chosen among
-    ``stored_choices`` by their stitched plans of the parts' quick plans (``_chosen``),
+    ``stored_choices`` by the stitched plans of their parts' ``judge`` plans (``_chosen``),
     each cheaper one going to ``offer`` as found (a plan within a second or two, where the
     parts' solves take most of the limit); if a part then finds no plan, every segment is
     recomputed instead, in the time left."""
@@ -245,8 +247,10 @@ def solve_parts(
     deadline = time.monotonic() + seconds
     stitch = partial(_stitch, problem, strategy, names, reserved, heartbeat, deadline)
     choices = stored_choices(graph, costs, cuts, room)
+    judge = solvers.judge or solvers.quick
+    judged = partial(stitch, replace(solvers, exact=judge, quick=judge))
     quick = partial(stitch, replace(solvers, exact=solvers.quick))
-    stored = _chosen(graph, choices, cuts, quick, offer, deadline)
+    stored = _chosen(graph, choices, cuts, judged, quick, offer, deadline)
     result = stitch(solvers, parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(solvers, parts(graph, cuts))
@@ -257,26 +261,35 @@ def _chosen(
     graph: Graph,
     choices: list[frozenset[int]],
     cuts: Sequence[range],
-    stitch: Callable[[list[Part]], StrategyResult],
+    judged: Callable[[list[Part]], StrategyResult],
+    quick: Callable[[list[Part]], StrategyResult],
     offer: Callable[[StrategyResult], None] | None,
     deadline: float,
 ) -> frozenset[int]:
-    """The stored values whose stitched plan of quick part plans (``stitch``) the simulator
-    finds cheapest, each cheaper plan going to ``offer``; the first choice if none has
-    one. A single choice is not stitched; past ``deadline`` the choices left are not
-    tried once one has a plan."""
+    """The stored values whose stitched plan of judged part plans (``judged``) the simulator
+    finds cheapest, each cheaper plan going to ``offer``; past ``deadline`` the choices left
+    are not tried once one has a plan. Where none has one, the first choice whose stitched
+    plan of quick part plans (``quick``) fits, that plan offered. A single choice is not
+    stitched."""
     if len(choices) == 1:
         return choices[0]
     best, best_ms = choices[0], float("inf")
     for stored in choices:
         if best_ms < float("inf") and time.monotonic() > deadline:
             break
-        result = stitch(parts(graph, cuts, stored))
+        result = judged(parts(graph, cuts, stored))
         cost = result.simulation.total_ms if result.feasible and result.simulation else None
         if cost is not None and cost < best_ms:
             best, best_ms = stored, cost
             if offer is not None:
                 offer(result)
+    if best_ms < float("inf"):
+        return best
+    for stored in choices:  # the first whose quick part plans fit
+        if (result := quick(parts(graph, cuts, stored))).feasible:
+            if offer is not None:
+                offer(result)
+            return stored
     return best
 
 

@@ -357,7 +357,8 @@ def _decomposed(
     if len(names) > 1 and variants.one_device is not None:
         search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
 
-    solvers = PartSolvers(variants.on_part, partial(quick_part, names=names))
+    judge = partial(baseline_part, names=names)
+    solvers = PartSolvers(variants.on_part, partial(quick_part, names=names), judge)
     seconds = search.time_left()
     if len(names) == 1:  # the rest for the whole graph's interval model (``_polished``)
         seconds *= problem.solver.search.parts_share
@@ -379,13 +380,21 @@ def _decomposed(
     return finish(problem, strategy, solved, None, search.best, search.bound)
 
 
+def baseline_part(part: Problem, names: Sequence[str]) -> StrategyResult:
+    """A part's best baseline on any of ``names``: how the stored-value choices are judged
+    (``decompose.PartSolvers.judge``), the stitched baselines having ranked them better
+    than stitched heuristic plans."""
+    found = best_baseline(part, names)
+    return found or StrategyResult("baseline", None, None, "no baseline fits its budget")
+
+
 def quick_part(part: Problem, names: Sequence[str]) -> StrategyResult:
     """A part's plan without a solve: its best baseline on any of ``names``, or where none
     fits greedy eviction on the device with the lowest ideal (``SearchConfig.part_evict_s``,
     ``part_fit_s``): at tight budgets no baseline fits a part, and eviction finds a plan
     for a part of a hundred nodes in a fraction of a second."""
-    found = best_baseline(part, names)
-    if found is not None:
+    found = baseline_part(part, names)
+    if found.feasible:
         return found
     config = part.solver.search
     device = min(names, key=part.costs.ideal_ms)

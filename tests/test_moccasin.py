@@ -18,7 +18,7 @@ from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, run_strategy
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.config import SearchConfig
-from remat.strategies.exact.cover import cover_extra_ms
+from remat.strategies.exact.cover import covers_extra_ms
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.training import training_graph
 
@@ -103,8 +103,8 @@ def test_moccasin_plans_within_the_budget_no_worse_than_its_warm_start(resnet, e
     assert simulation.peak_bytes["cuda0"] <= resnet.budgets["cuda0"]
     assert simulation.total_ms <= evicted.simulation.total_ms * (1 + 1e-9)
     solver = result.plan.solver
-    assert solver is not None  # the restriction's bound is not the problem's: the cover's
-    extra = cover_extra_ms(resnet, ("cuda0",), 10.0)
+    assert solver is not None  # the restriction's bound is not the problem's: the covers'
+    extra = covers_extra_ms(resnet, ("cuda0",), 10.0)
     assert extra is not None and extra > 0
     assert solver.bound == pytest.approx(resnet.costs.ideal_ms("cuda0") + extra)
 

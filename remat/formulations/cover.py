@@ -61,39 +61,156 @@ def build_cover(
     ``budget_bytes`` (pooled over the devices) with ``fixed_bytes`` held throughout."""
     if budget_bytes is None:
         return CoverModel(None)
-    n = len(graph)
-    M = np.asarray(output_bytes, dtype=float)
-    last = np.full(n, -1, dtype=np.int64)  # the last reader of each value (n: the end)
-    for v, readers in enumerate(graph.users()):
-        if readers:
-            last[v] = max(readers)
-    last[list(graph.outputs)] = n
-    deps = [np.array(sorted(set(node.deps)), dtype=np.int64) for node in graph.nodes]
-    now = np.array([fixed_bytes + M[t] + M[d].sum() for t, d in enumerate(deps)])
-    if (now > budget_bytes).any():  # memory at stage t that no z lowers
-        return CoverModel(None, infeasible_at=int(np.argmax(now > budget_bytes)))
-    # sum of M over L_t and DEPS[t]: v is read after stage t for v < t < last[v]
-    starts = np.zeros(n + 1)
-    np.add.at(starts, np.arange(n) + 1, M)
-    np.add.at(starts, np.minimum(last, n), -M * (last > np.arange(n)))
-    spanning = np.cumsum(starts)[:n]
-    read_later = np.array([M[d[last[d] > t]].sum() for t, d in enumerate(deps)])
-    need = now + spanning - read_later - budget_bytes  # bytes the z must free at stage t
-    binding = np.nonzero(need > 0)[0]
+    stages = _Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
+    if stages.infeasible_at is not None:
+        return CoverModel(None, infeasible_at=stages.infeasible_at)
+    binding, n, M = stages.binding, len(graph), stages.M
     if binding.size == 0:
         return CoverModel(None)
-    index = np.arange(n)
-    cols = [np.setdiff1d(index[:t][last[:t] > t], deps[t]) for t in binding]
+    cols = [stages.dropped(t) for t in binding]
     rows = np.repeat(np.arange(binding.size), [c.size for c in cols])
     flat = np.concatenate(cols)
     A = sp.csr_array((M[flat] / MIB, (rows, flat)), shape=(binding.size, n))
     model = MILPModel(
         c=np.asarray(compute_ms, dtype=float),
         A=A,
-        row_lb=need[binding] / MIB,
+        row_lb=stages.need[binding] / MIB,
         row_ub=np.full(binding.size, np.inf),
         lb=np.zeros(n),
         ub=np.ones(n),
         integer=np.ones(n, dtype=bool),
     )
     return CoverModel(model)
+
+
+def build_closure(
+    graph: Graph,
+    compute_ms: np.ndarray,
+    output_bytes: np.ndarray,
+    budget_bytes: int,
+    fixed_bytes: int,
+    cells: int,
+    depth: int,
+) -> MILPModel | None:
+    """The closure cover: the cover made aware that a value recomputed needs its inputs
+    then. Its LP relaxation (all variables continuous) is the bound; None when no row
+    binds or some stage cannot fit.
+
+    At stage t (node t's first computation), for v in L_t - DEPS[t]: y_vt = 1 if v is
+    absent, w_vt = 1 if v is computed again after it; for a value u no node after t reads,
+    p_ut = 1 if u is present all the same; z_v = 1 if v is recomputed at all:
+
+        sum_v M_v y_vt - sum_u M_u p_ut >= need_t          (K_t: the cover's row C_t)
+        y_vt <= w_vt                                        (absent, then read: recomputed)
+        w_vt <= present_ut + w_ut     for u in DEPS[v]      (N: its inputs at that time)
+        w_vt <= z_v
+        min  sum_v C_v z_v
+
+    where present_ut = 1 - y_ut for u in L_t - DEPS[t] and p_ut otherwise (no row for u in
+    DEPS[t], present at stage t). (N) holds for every plan in the frontier order: v computed
+    at tau after stage t reads u at tau, so u was present throughout [t, tau] or computed
+    again within it. Rows (N) follow inputs ``depth`` steps back from L_t; the stages are
+    every k-th binding one, k the smallest keeping the y columns under ``cells`` (fewer
+    rows only weaken a relaxation)."""
+    stages = _Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
+    if stages.infeasible_at is not None or stages.binding.size == 0:
+        return None
+    dropped = {int(t): stages.dropped(t) for t in stages.binding}
+    total = sum(c.size for c in dropped.values())
+    stride = max(1, -(-total // max(cells, 1)))
+    deps, M = stages.deps, stages.M
+    index: dict[tuple[str, int, int], int] = {}
+    entries: list[tuple[int, int, float]] = []  # row, column, coefficient
+    row_lb: list[float] = []
+    row_ub: list[float] = []
+
+    def var(kind: str, v: int, t: int = -1) -> int:
+        return index.setdefault((kind, v, t), len(index))
+
+    def row(terms: list[tuple[int, float]], low: float, high: float) -> None:
+        entries.extend((len(row_lb), j, a) for j, a in terms)
+        row_lb.append(low)
+        row_ub.append(high)
+
+    for t in list(dropped)[::stride]:
+        L = {int(v) for v in dropped[t]}
+        inputs_of_t = set(deps[t].tolist())
+        memory = [(var("y", v, t), M[v] / MIB) for v in sorted(L)]
+        for v in sorted(L):
+            row([(var("y", v, t), 1.0), (var("w", v, t), -1.0)], -np.inf, 0.0)
+        present: set[int] = set()
+        frontier, seen = [(v, 0) for v in sorted(L)], set(L)
+        while frontier:
+            v, level = frontier.pop()
+            row([(var("w", v, t), 1.0), (var("z", v), -1.0)], -np.inf, 0.0)
+            if level >= depth:
+                continue
+            for u in deps[v].tolist():
+                if u in inputs_of_t:
+                    continue
+                if u in L:
+                    terms = [(var("w", v, t), 1.0), (var("w", u, t), -1.0), (var("y", u, t), 1.0)]
+                    row(terms, -np.inf, 1.0)
+                else:
+                    terms = [(var("w", v, t), 1.0), (var("w", u, t), -1.0), (var("p", u, t), -1.0)]
+                    row(terms, -np.inf, 0.0)
+                    present.add(u)
+                if u not in seen:
+                    seen.add(u)
+                    frontier.append((u, level + 1))
+        memory += [(var("p", u, t), -M[u] / MIB) for u in sorted(present)]
+        row(memory, float(stages.need[t]) / MIB, np.inf)
+    rows, cols, values = zip(*entries, strict=True)
+    c = np.zeros(len(index))
+    for (kind, v, _t), j in index.items():
+        if kind == "z":
+            c[j] = float(compute_ms[v])
+    return MILPModel(
+        c=c,
+        A=sp.csr_array((values, (rows, cols)), shape=(len(row_lb), len(index))),
+        row_lb=np.array(row_lb),
+        row_ub=np.array(row_ub),
+        lb=np.zeros(len(index)),
+        ub=np.ones(len(index)),
+        integer=np.zeros(len(index), dtype=bool),
+    )
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """What the covers share: each node's inputs, the last reader of each value (n: the
+    end), the bytes the z must free at each stage (``need``) and the stages where that is
+    positive (``binding``); ``infeasible_at``, a stage whose memory no z lowers fits not."""
+
+    M: np.ndarray
+    deps: list[np.ndarray]
+    last: np.ndarray
+    need: np.ndarray
+    binding: np.ndarray
+    infeasible_at: int | None
+
+    @classmethod
+    def of(cls, graph: Graph, output_bytes: np.ndarray, budget: int, fixed: int) -> _Stages:
+        n = len(graph)
+        M = np.asarray(output_bytes, dtype=float)
+        last = np.full(n, -1, dtype=np.int64)
+        for v, readers in enumerate(graph.users()):
+            if readers:
+                last[v] = max(readers)
+        last[list(graph.outputs)] = n
+        deps = [np.array(sorted(set(node.deps)), dtype=np.int64) for node in graph.nodes]
+        now = np.array([fixed + M[t] + M[d].sum() for t, d in enumerate(deps)])
+        infeasible_at = int(np.argmax(now > budget)) if (now > budget).any() else None
+        # sum of M over L_t and DEPS[t]: v is read after stage t for v < t < last[v]
+        starts = np.zeros(n + 1)
+        np.add.at(starts, np.arange(n) + 1, M)
+        np.add.at(starts, np.minimum(last, n), -M * (last > np.arange(n)))
+        spanning = np.cumsum(starts)[:n]
+        read_later = np.array([M[d[last[d] > t]].sum() for t, d in enumerate(deps)])
+        need = now + spanning - read_later - budget
+        return cls(M, deps, last, need, np.nonzero(need > 0)[0], infeasible_at)
+
+    def dropped(self, t: int) -> np.ndarray:
+        """L_t - DEPS[t]: the values before t that a node after t reads, not t's inputs."""
+        earlier = np.arange(t)
+        return np.setdiff1d(earlier[self.last[:t] > t], self.deps[t])

@@ -70,8 +70,13 @@ class SearchConfig:
     proven_gap: float = 1e-9
     """Relative: an objective this close to a proven bound is optimal."""
     cover_s: float = 3.0
-    """At most this long for the recomputation cover's bound (``exact.cover``), after the
-    warm start and before the full solve (0.1 s at 351 nodes)."""
+    """At most this long for each of the recomputation cover's and the closure cover's
+    bounds (``exact.cover``), after the warm start and before the full solve."""
+    closure_cells: int = 3000
+    closure_depth: int = 2
+    """The closure cover's LP (``exact.cover.closure_extra_ms``, beside the cover): its
+    binding stages are thinned until their dropped-value columns number at most
+    ``closure_cells``, and rows follow a value's inputs ``closure_depth`` steps back."""
 
     # --- Moccasin (``remat.strategies.exact.moccasin``) -----------------------------------
     moccasin_computations: int = 2

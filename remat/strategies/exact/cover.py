@@ -14,9 +14,10 @@ import logging
 import math
 from collections.abc import Sequence
 
+import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat.formulations.cover import build_cover
+from remat.formulations.cover import build_closure, build_cover
 from remat.simulator import held_fixed_bytes
 from remat.strategies.common.problem import Problem
 
@@ -28,12 +29,8 @@ def cover_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> fl
     on them (``CostModel.ideal_ms``): the cover's bound, solved for at most ``seconds`` (a
     stopped solve's bound still bounds). None when no memory constraint binds (the ideal
     is the bound) or the solve gives none."""
-    costs, graph = problem.costs, problem.graph
-    budgets = [problem.budgets.get(name) for name in names]
-    pooled = None if any(b is None for b in budgets) else sum(b for b in budgets if b)
-    fastest = costs.compute_ms[:, [costs.device_index(name) for name in names]].min(axis=1)
-    fixed = held_fixed_bytes(graph, range(len(graph)))
-    cover = build_cover(graph, fastest, costs.output_bytes, pooled, fixed)
+    pooled, fastest, fixed = _relaxed(problem, names)
+    cover = build_cover(problem.graph, fastest, problem.costs.output_bytes, pooled, fixed)
     if cover.model is None:
         return None
     model = cover.model
@@ -50,3 +47,48 @@ def cover_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> fl
         return None
     logger.debug("recomputation cover: %d rows, bound +%.6g ms", model.n_rows, bound)
     return float(bound)
+
+
+def closure_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> float | None:
+    """A lower bound on what every plan costs beyond the ideal on ``names``: the closure
+    cover's LP relaxation (``formulations.cover.build_closure``), which charges a dropped
+    value's inputs too. None when no memory constraint binds or the LP is not solved within
+    ``seconds`` (a stopped LP solve bounds nothing)."""
+    pooled, fastest, fixed = _relaxed(problem, names)
+    if pooled is None:
+        return None
+    config = problem.solver.search
+    cells, depth = config.closure_cells, config.closure_depth
+    output_bytes = problem.costs.output_bytes
+    model = build_closure(problem.graph, fastest, output_bytes, pooled, fixed, cells, depth)
+    if model is None:
+        return None
+    solved = milp(
+        model.c,
+        integrality=model.integer.astype(int),
+        bounds=Bounds(model.lb, model.ub),
+        constraints=LinearConstraint(model.A, model.row_lb, model.row_ub),
+        options={"time_limit": seconds},
+    )
+    if solved.status != 0 or solved.fun is None:
+        logger.debug("closure cover: no bound (%s)", solved.message)
+        return None
+    logger.debug("closure cover: %d variables, bound +%.6g ms", model.n_vars, solved.fun)
+    return float(solved.fun)
+
+
+def covers_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> float | None:
+    """The larger of the two covers' bounds beyond the ideal, each solved for at most
+    ``seconds``; None when neither gives one."""
+    extras = [extra(problem, names, seconds) for extra in (cover_extra_ms, closure_extra_ms)]
+    return max((e for e in extras if e is not None), default=None)
+
+
+def _relaxed(problem: Problem, names: Sequence[str]) -> tuple[int | None, np.ndarray, int]:
+    """What the covers relax ``problem`` on ``names`` to: the budgets pooled (None if one
+    is unlimited), each node's time on its fastest device, every fixed tensor held."""
+    costs, graph = problem.costs, problem.graph
+    budgets = [problem.budgets.get(name) for name in names]
+    pooled = None if any(b is None for b in budgets) else sum(b for b in budgets if b)
+    fastest = costs.compute_ms[:, [costs.device_index(name) for name in names]].min(axis=1)
+    return pooled, fastest, held_fixed_bytes(graph, range(len(graph)))

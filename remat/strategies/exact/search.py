@@ -37,7 +37,7 @@ from remat.strategies.common.problem import (
     evaluate,
     select_best,
 )
-from remat.strategies.exact.cover import cover_extra_ms
+from remat.strategies.exact.cover import covers_extra_ms
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
@@ -87,14 +87,15 @@ def start_search(
     problem: Problem, names: Sequence[str], variants: StrategyVariants, start: float
 ) -> Search:
     """The search of a strategy called at ``start`` on ``names``: its warm start
-    (``warm_start``), then the recomputation cover's bound (``cover.cover_extra_ms``) where
-    ``min_solve_s`` is left, so that the first plan does not wait for the bound."""
+    (``warm_start``), then the larger of the recomputation cover's and the closure cover's
+    bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is
+    left, so that the first plan does not wait for the bound."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
     warm_start(search, names, variants)
     config = problem.solver.search
     if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
-        extra = cover_extra_ms(problem, names, min(config.cover_s, search.time_left() / 4))
+        extra = covers_extra_ms(problem, names, min(config.cover_s, search.time_left() / 4))
         if extra is not None:
             search.start_from_cover(ideal + extra)
     return search

@@ -21,7 +21,8 @@ C_v is the fastest device's time: still a relaxation.
 
 It is weaker than the full models where a value is recomputed more than once or kept
 between recomputations, and where memory peaks inside a stage; it is exact for the
-values whose dropping it charges once.
+values whose dropping it charges once. It also charges nothing for a recomputation's
+inputs: the closure cover (``build_closure``) does, in a larger model solved as an LP.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(restrict, "evict_bands", bands)
     monkeypatch.setattr(search_module, "warm_start", recorded_warm_start)
-    settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel, on_plan=on_plan)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=60), cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)
     result = xengine(problem)

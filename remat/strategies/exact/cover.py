@@ -15,10 +15,11 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 
 from remat.formulations.cover import build_closure, build_cover
 from remat.simulator import held_fixed_bytes
+from remat.solvers.model import MILPModel
 from remat.strategies.common.problem import Problem
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,7 @@ def cover_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> fl
     if cover.model is None:
         return None
     model = cover.model
-    solved = milp(
-        model.c,
-        integrality=model.integer.astype(int),
-        bounds=Bounds(model.lb, model.ub),
-        constraints=LinearConstraint(model.A, model.row_lb, model.row_ub),
-        options={"time_limit": seconds, "mip_rel_gap": problem.solver.search.proven_gap},
-    )
+    solved = _solved(model, time_limit=seconds, mip_rel_gap=problem.solver.search.proven_gap)
     bound = getattr(solved, "mip_dual_bound", None)
     if bound is None or not math.isfinite(bound):
         logger.debug("recomputation cover: no bound (%s)", solved.message)
@@ -63,13 +58,7 @@ def closure_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> 
     model = build_closure(problem.graph, fastest, output_bytes, pooled, fixed, cells, depth)
     if model is None:
         return None
-    solved = milp(
-        model.c,
-        integrality=model.integer.astype(int),
-        bounds=Bounds(model.lb, model.ub),
-        constraints=LinearConstraint(model.A, model.row_lb, model.row_ub),
-        options={"time_limit": seconds},
-    )
+    solved = _solved(model, time_limit=seconds)
     if solved.status != 0 or solved.fun is None:
         logger.debug("closure cover: no bound (%s)", solved.message)
         return None
@@ -92,3 +81,14 @@ def _relaxed(problem: Problem, names: Sequence[str]) -> tuple[int | None, np.nda
     pooled = None if any(b is None for b in budgets) else sum(b for b in budgets if b)
     fastest = costs.compute_ms[:, [costs.device_index(name) for name in names]].min(axis=1)
     return pooled, fastest, held_fixed_bytes(graph, range(len(graph)))
+
+
+def _solved(model: MILPModel, **options: float) -> OptimizeResult:
+    """``model`` solved by SciPy's HiGHS with ``options`` (``scipy.optimize.milp``'s)."""
+    return milp(
+        model.c,
+        integrality=model.integer.astype(int),
+        bounds=Bounds(model.lb, model.ub),
+        constraints=LinearConstraint(model.A, model.row_lb, model.row_ub),
+        options=options,
+    )

@@ -88,8 +88,8 @@ def start_search(
 ) -> Search:
     """The search of a strategy called at ``start`` on ``names``: its warm start
     (``warm_start``), then the larger of the recomputation cover's and the closure cover's
-    bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is
-    left, so that the first plan does not wait for the bound."""
+    bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is left, so that the first
+    plan does not wait for the bound."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
     warm_start(search, names, variants)

@@ -49,6 +49,7 @@ LAYERS: dict[str, set[str]] = {
         "test_coarsen",
         "test_cover",
         "test_decompose",
+        "test_device_cover",
         "test_evict",
         "test_floor",
         "test_formulations",

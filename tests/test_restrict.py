@@ -192,7 +192,9 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
     placements runs beside the full solve, and one of its plans becomes the incumbent: it
     beats the warm start and eviction on the warm start's placement (the multi-device
     heuristic ranks placements by Chen's policies, which keep too much of the attention).
-    Cancelled as soon as a plan of the band search is the search's best."""
+    Cancelled as soon as a plan of the band search is the search's best. Without the
+    device cover, whose placement's plan comes sooner and would leave the bands none to
+    beat (tests/test_device_cover.py)."""
     cancel = threading.Event()
     from_bands: list[StrategyResult] = []
     warm: list[float] = []
@@ -215,6 +217,7 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(restrict, "evict_bands", bands)
     monkeypatch.setattr(search_module, "warm_start", recorded_warm_start)
+    monkeypatch.setattr(search_module, "start_from_devices", lambda *_args: None)
     settings = SolverSettings(options=SolveOptions(time_limit_s=60), cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
     problem = budgeted(graph, 25, settings=settings)

@@ -62,7 +62,7 @@ def build_cover(
     ``budget_bytes`` (pooled over the devices) with ``fixed_bytes`` held throughout."""
     if budget_bytes is None:
         return CoverModel(None)
-    stages = _Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
+    stages = Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
     if stages.infeasible_at is not None:
         return CoverModel(None, infeasible_at=stages.infeasible_at)
     binding, n, M = stages.binding, len(graph), stages.M
@@ -113,7 +113,7 @@ def build_closure(
     again within it. Rows (N) follow inputs ``depth`` steps back from L_t; the stages are
     every k-th binding one, k the smallest keeping the y columns under ``cells`` (fewer
     rows only weaken a relaxation)."""
-    stages = _Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
+    stages = Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
     if stages.infeasible_at is not None or stages.binding.size == 0:
         return None
     dropped = {int(t): stages.dropped(t) for t in stages.binding}
@@ -178,7 +178,7 @@ def build_closure(
 
 
 @dataclass(frozen=True)
-class _Stages:
+class Stages:
     """What the covers share: each node's inputs, the last reader of each value (n: the
     end), the bytes the z must free at each stage (``need``) and the stages where that is
     positive (``binding``); ``infeasible_at``, a stage whose memory no z lowers fits not."""
@@ -191,7 +191,7 @@ class _Stages:
     infeasible_at: int | None
 
     @classmethod
-    def of(cls, graph: Graph, output_bytes: np.ndarray, budget: int, fixed: int) -> _Stages:
+    def of(cls, graph: Graph, output_bytes: np.ndarray, budget: int, fixed: int) -> Stages:
         n = len(graph)
         M = np.asarray(output_bytes, dtype=float)
         last = np.full(n, -1, dtype=np.int64)

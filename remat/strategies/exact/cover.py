@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 
 from remat.formulations.cover import build_closure, build_cover
+from remat.formulations.device_cover import build_device_cover
 from remat.simulator import held_fixed_bytes
 from remat.solvers.model import MILPModel
 from remat.strategies.common.problem import Problem
@@ -71,6 +73,43 @@ def covers_extra_ms(problem: Problem, names: Sequence[str], seconds: float) -> f
     ``seconds``; None when neither gives one."""
     extras = [extra(problem, names, seconds) for extra in (cover_extra_ms, closure_extra_ms)]
     return max((e for e in extras if e is not None), default=None)
+
+
+@dataclass(frozen=True)
+class DeviceBound:
+    """The device cover's bound on every plan's cost (ms) and the placement of its best
+    solution (``home[v]``: the index in ``names`` of node v's device)."""
+
+    bound_ms: float
+    home: np.ndarray | None
+
+
+def device_cover(problem: Problem, names: Sequence[str], seconds: float) -> DeviceBound | None:
+    """The device cover (``formulations.device_cover``) of ``problem`` on two or more
+    devices ``names``, solved for at most ``seconds``: its dual bound (a stopped solve's
+    still bounds) and its incumbent's placement, if it has one."""
+    costs, graph = problem.costs, problem.graph
+    columns = [costs.device_index(name) for name in names]
+    copies = costs.copy_ms[:, columns][:, :, columns]
+    others = ~np.eye(len(columns), dtype=bool)
+    copy_in = np.where(others[None], copies, np.inf).min(axis=1)
+    cover = build_device_cover(
+        graph,
+        costs.compute_ms[:, columns],
+        copy_in,
+        costs.output_bytes,
+        [problem.budgets.get(name) for name in names],
+        held_fixed_bytes(graph, range(len(graph))),
+        problem.solver.search.closure_cells,
+    )
+    solved = _solved(cover.model, time_limit=seconds, mip_rel_gap=problem.solver.search.proven_gap)
+    bound = getattr(solved, "mip_dual_bound", None)
+    if bound is None or not math.isfinite(bound):
+        logger.debug("device cover: no bound (%s)", solved.message)
+        return None
+    home = None if solved.x is None else cover.placement(solved.x)
+    logger.debug("device cover: %d variables, bound %.6g ms", cover.model.n_vars, bound)
+    return DeviceBound(float(bound), home)
 
 
 def _relaxed(problem: Problem, names: Sequence[str]) -> tuple[int | None, np.ndarray, int]:

@@ -37,12 +37,12 @@ from remat.strategies.common.problem import (
     evaluate,
     select_best,
 )
-from remat.strategies.exact.cover import covers_extra_ms
+from remat.strategies.exact.cover import covers_extra_ms, device_cover
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import Search, SideTask
-from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.evict import evict_placed, greedy_evict
 from remat.strategies.heuristics.placed import placed_greedy
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,23 @@ def start_search(
     return search
 
 
+def start_from_devices(search: Search, names: Sequence[str]) -> None:
+    """The device cover's bound (``cover.device_cover``), and where its solution places
+    nodes on more than one device, greedy eviction's plan on that placement: the cover
+    moves a node off the accelerator where the memory its fixed tensors free is worth
+    more than its slower compute and copies, which no single-device search finds."""
+    config = search.problem.solver.search
+    found = device_cover(search.problem, names, min(config.device_cover_s, search.time_left() / 4))
+    if found is None:
+        return
+    search.on_bound(found.bound_ms)
+    if found.home is not None and len(set(found.home.tolist())) > 1:
+        seconds = min(config.evict_time_s, search.time_left() / 4)
+        logger.debug("device cover: greedy eviction on its placement for %.3g s", seconds)
+        search.offer(evict_placed(search.problem, names, found.home, seconds))
+        _log_incumbent(search, "device cover")
+
+
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
     """The best baseline on any of ``names`` and a heuristic's plans, offered to the search
     as they are found (the first plan does not wait for the heuristic's local search).
@@ -146,18 +163,40 @@ def optimize(
     """What the exact strategies share: stop if the warm start (``search.best``, offered
     as it was found) costs the lower bound; on a large graph solve its parts
     (``solve_parts``), else solve the full model from the warm start while the coarse
-    graph's solve and the strategy's restrictions (if it has them) run beside it; the best
+    graph's solve and the strategy's restrictions (if it has them) run beside it; on
+    several devices, the device cover beside all of it (``start_from_devices``). The best
     plan found, with the whole problem's bound."""
     problem, warm = search.problem, search.best
     if _reaches(warm, search.bound, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the bound, no solve", strategy)
         return finish(problem, strategy, _no_solve(), None, warm, search.bound)
-    if variants.decomposes(problem):
-        return _decomposed(problem, strategy, names, variants, search)
+    beside = None
+    if len(names) > 1:
+        beside = SideTask(partial(start_from_devices, search, names), "remat-devices")
+    try:
+        if variants.decomposes(problem):
+            solved, evaluation = _decomposed(problem, strategy, names, variants, search), None
+        else:
+            solved, evaluation = _solved_whole(search, strategy, names, build, variants)
+    finally:
+        if beside is not None:
+            beside.finish()
+    return finish(problem, strategy, solved, evaluation, search.best, search.bound)
+
+
+def _solved_whole(
+    search: Search,
+    strategy: str,
+    names: Sequence[str],
+    build: Callable[[Problem], Formulation],
+    variants: StrategyVariants,
+) -> tuple[SolveResult, Evaluation | None]:
+    """The full model's solve from the warm start, with the coarse graph's solve and the
+    strategy's restrictions beside it: what it ended with, and its plan judged."""
+    problem, warm = search.problem, search.best
     if (short := _too_short_to_build(problem, len(names))) is not None:
         logger.debug("%s: %s", strategy, short)
-        solved = SolveResult(SolveStatus.UNKNOWN, None, None, None, None, 0.0, short)
-        return finish(problem, strategy, solved, None, search.best, search.bound)
+        return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, 0.0, short), None
     # Built and encoded before the threads beside it start: beside numpy-heavy threads the
     # encoding would wait for the GIL at each of its many short releases.
     formulation = build(problem)
@@ -187,7 +226,7 @@ def optimize(
     evaluation = None
     if solved.x is not None:
         evaluation = evaluate(problem, formulation.decode(solved.x), strategy)
-    return finish(problem, strategy, solved, evaluation, search.best, search.bound)
+    return solved, evaluation
 
 
 def start_coarse(
@@ -348,12 +387,13 @@ def _decomposed(
     names: Sequence[str],
     variants: StrategyVariants,
     search: Search,
-) -> StrategyResult:
-    """The stitched plan of the parts, or the warm start if it is cheaper (or the parts
-    found none), then the whole graph's interval model for the time left where the
-    incumbent computes on one device (``_polished``); the bound is the cover's: no part's
-    bound bounds the whole. On several devices the graph is first solved on one device
-    (``_solve_on_one_device``), so the interval model continues that device's search."""
+) -> SolveResult:
+    """The stitched plan of the parts offered to the search (the warm start stays if it is
+    cheaper, or if the parts found none), then the whole graph's interval model for the
+    time left where the incumbent computes on one device (``_polished``); the bound is the
+    covers': no part's bound bounds the whole. On several devices the graph is first
+    solved on one device (``_solve_on_one_device``), so the interval model continues that
+    device's search."""
     started = time.monotonic()
     if len(names) > 1 and variants.one_device is not None:
         search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
@@ -375,10 +415,9 @@ def _decomposed(
     device = names[0] if len(names) == 1 else _only_device(search.best)
     if device is not None and search.time_left() >= problem.solver.search.min_solve_s:
         message += _polished(search, device, strategy)
-    solved = SolveResult(
+    return SolveResult(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
-    return finish(problem, strategy, solved, None, search.best, search.bound)
 
 
 def baseline_part(part: Problem, names: Sequence[str]) -> StrategyResult:

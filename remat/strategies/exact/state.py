@@ -148,7 +148,8 @@ class Search:
             self._report()
 
     def on_bound(self, bound: float) -> None:
-        """A bound of the whole problem found beside the full solve (its LP relaxation)."""
+        """A bound of the whole problem found beside the full solve (its LP relaxation, the
+        device cover)."""
         with self._lock:
             self.bound = max(self.bound, bound)
             self._report()

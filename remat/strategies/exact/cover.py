@@ -2,11 +2,14 @@
 recomputation cover's bound on what every plan pays beyond it
 (``remat.formulations.cover``), a relaxation small enough for any graph, so that a search
 on a graph too large for its full model still reports a gap against a bound above the
-ideal.
+ideal. On several devices, the device cover (``remat.formulations.device_cover``) budgets
+each device on its own, where the covers pool them.
 
-The cover is solved in this process by SciPy's HiGHS (``scipy.optimize.milp``), not in a
-solver subprocess (``remat.solvers.runner``): it takes a fraction of a second, less than a
-subprocess takes to start, and every exact search on every graph runs it."""
+The covers are solved in this process by SciPy's HiGHS (``scipy.optimize.milp``), not in a
+solver subprocess (``remat.solvers.runner``): the pooled covers take a fraction of a
+second, less than a subprocess takes to start, and every exact search on every graph runs
+them; the device cover's longer solve releases the GIL, so it runs in a thread beside the
+search."""
 
 from __future__ import annotations
 

@@ -197,8 +197,8 @@ def _solved_whole(
     if (short := _too_short_to_build(problem, len(names))) is not None:
         logger.debug("%s: %s", strategy, short)
         return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, 0.0, short), None
-    # Built and encoded before the threads beside it start: beside numpy-heavy threads the
-    # encoding would wait for the GIL at each of its many short releases.
+    # Built and encoded before the coarse and restricted threads start: beside numpy-heavy
+    # threads the encoding would wait for the GIL at each of its many short releases.
     formulation = build(problem)
     model = formulation.model
     if warm is not None and warm.schedule is not None:

@@ -27,6 +27,7 @@ inputs: the closure cover (``build_closure``) does, in a larger model solved as 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,34 +117,21 @@ def build_closure(
     stages = Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
     if stages.infeasible_at is not None or stages.binding.size == 0:
         return None
-    dropped = {int(t): stages.dropped(t) for t in stages.binding}
-    total = sum(c.size for c in dropped.values())
-    stride = max(1, -(-total // max(cells, 1)))
     deps, M = stages.deps, stages.M
-    index: dict[tuple[str, int, int], int] = {}
-    entries: list[tuple[int, int, float]] = []  # row, column, coefficient
-    row_lb: list[float] = []
-    row_ub: list[float] = []
-
-    def var(kind: str, v: int, t: int = -1) -> int:
-        return index.setdefault((kind, v, t), len(index))
-
-    def row(terms: list[tuple[int, float]], low: float, high: float) -> None:
-        entries.extend((len(row_lb), j, a) for j, a in terms)
-        row_lb.append(low)
-        row_ub.append(high)
-
-    for t in list(dropped)[::stride]:
-        L = {int(v) for v in dropped[t]}
+    rows = Rows()
+    var = rows.var
+    for t, dropped in stages.thinned(cells):
+        L = {int(v) for v in dropped}
         inputs_of_t = set(deps[t].tolist())
         memory = [(var("y", v, t), M[v] / MIB) for v in sorted(L)]
         for v in sorted(L):
-            row([(var("y", v, t), 1.0), (var("w", v, t), -1.0)], -np.inf, 0.0)
+            rows.add([(var("y", v, t), 1.0), (var("w", v, t), -1.0)], hi=0.0)
         present: set[int] = set()
         frontier, seen = [(v, 0) for v in sorted(L)], set(L)
         while frontier:
             v, level = frontier.pop()
-            row([(var("w", v, t), 1.0), (var("z", v), -1.0)], -np.inf, 0.0)
+            recomputed = var("z", v, cost=float(compute_ms[v]))
+            rows.add([(var("w", v, t), 1.0), (recomputed, -1.0)], hi=0.0)
             if level >= depth:
                 continue
             for u in deps[v].tolist():
@@ -151,30 +139,17 @@ def build_closure(
                     continue
                 if u in L:
                     terms = [(var("w", v, t), 1.0), (var("w", u, t), -1.0), (var("y", u, t), 1.0)]
-                    row(terms, -np.inf, 1.0)
+                    rows.add(terms, hi=1.0)
                 else:
                     terms = [(var("w", v, t), 1.0), (var("w", u, t), -1.0), (var("p", u, t), -1.0)]
-                    row(terms, -np.inf, 0.0)
+                    rows.add(terms, hi=0.0)
                     present.add(u)
                 if u not in seen:
                     seen.add(u)
                     frontier.append((u, level + 1))
         memory += [(var("p", u, t), -M[u] / MIB) for u in sorted(present)]
-        row(memory, float(stages.need[t]) / MIB, np.inf)
-    rows, cols, values = zip(*entries, strict=True)
-    c = np.zeros(len(index))
-    for (kind, v, _t), j in index.items():
-        if kind == "z":
-            c[j] = float(compute_ms[v])
-    return MILPModel(
-        c=c,
-        A=sp.csr_array((values, (rows, cols)), shape=(len(row_lb), len(index))),
-        row_lb=np.array(row_lb),
-        row_ub=np.array(row_ub),
-        lb=np.zeros(len(index)),
-        ub=np.ones(len(index)),
-        integer=np.zeros(len(index), dtype=bool),
-    )
+        rows.add(memory, lo=float(stages.need[t]) / MIB)
+    return rows.model()
 
 
 @dataclass(frozen=True)
@@ -215,3 +190,57 @@ class Stages:
         """L_t - DEPS[t]: the values before t that a node after t reads, not t's inputs."""
         earlier = np.arange(t)
         return np.setdiff1d(earlier[self.last[:t] > t], self.deps[t])
+
+    def thinned(self, cells: int) -> list[tuple[int, np.ndarray]]:
+        """Every k-th binding stage with its dropped values, k the smallest that leaves at
+        most ``cells`` of them in all (fewer rows only weaken a relaxation)."""
+        dropped = [(int(t), self.dropped(t)) for t in self.binding]
+        total = sum(values.size for _, values in dropped)
+        return dropped[:: max(1, -(-total // max(cells, 1)))]
+
+
+class Rows:
+    """A sparse model built one row at a time, for the covers' irregular rows: columns
+    named by a key (kind, then indices), each with its cost and integrality, in [0, 1];
+    rows ``lo <= sum a x <= hi`` over them. (The full models' ``common.Builder`` builds
+    whole constraint families from index arrays instead.)"""
+
+    def __init__(self) -> None:
+        self.index: dict[tuple[object, ...], int] = {}
+        self.cost: dict[int, float] = {}
+        self.integer: set[int] = set()
+        self.entries: list[tuple[int, int, float]] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def var(self, *key: object, cost: float = 0.0, integer: bool = False) -> int:
+        column = self.index.setdefault(key, len(self.index))
+        if cost:
+            self.cost[column] = cost
+        if integer:
+            self.integer.add(column)
+        return column
+
+    def add(
+        self, terms: Sequence[tuple[int, float]], lo: float = -np.inf, hi: float = np.inf
+    ) -> None:
+        self.entries.extend((len(self.lo), j, a) for j, a in terms)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def model(self) -> MILPModel:
+        N = len(self.index)
+        r, c, a = zip(*self.entries, strict=True)
+        costs = np.zeros(N)
+        costs[list(self.cost)] = list(self.cost.values())
+        integer = np.zeros(N, dtype=bool)
+        integer[list(self.integer)] = True
+        return MILPModel(
+            c=costs,
+            A=sp.csr_array((a, (r, c)), shape=(len(self.lo), N)),
+            row_lb=np.array(self.lo),
+            row_ub=np.array(self.hi),
+            lb=np.zeros(N),
+            ub=np.ones(N),
+            integer=integer,
+        )

@@ -43,9 +43,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 
-from remat.formulations.cover import MIB, Stages
+from remat.formulations.cover import MIB, Rows, Stages
 from remat.graph import Graph, Mode, NodeKind
 from remat.solvers.model import MILPModel
 
@@ -76,7 +75,7 @@ def build_device_cover(
     ``copy_in_ms[v, d]`` (the cheapest copy of v's value to d), ``budgets[d]`` (None:
     unlimited). Stages are those the pooled cover finds binding under the smallest
     budget with ``fixed_bytes`` held (a device holding every fixed tensor)."""
-    rows = _Rows()
+    rows = Rows()
     n, D = compute_ms.shape
     var = rows.var
     for v in range(n):
@@ -95,11 +94,11 @@ def build_device_cover(
     finite = [b for b in budgets if b is not None]
     if finite:
         _stage_rows(graph, output_bytes, budgets, fixed, min(finite), fixed_bytes, cells, rows)
-    first = np.array([[rows.index[("f", v, d, -1)] for d in range(D)] for v in range(n)])
+    first = np.array([[rows.index[("f", v, d)] for d in range(D)] for v in range(n)])
     return DeviceCoverModel(rows.model(), first)
 
 
-def _fixed_terms(graph: Graph, D: int, rows: _Rows) -> list[list[tuple[int, float]]]:
+def _fixed_terms(graph: Graph, D: int, rows: Rows) -> list[list[tuple[int, float]]]:
     """Each device's fixed memory in MiB as terms over g (the simulator's rule: a device
     holds the fixed tensors its nodes read, and a gradient buffer for those a backward
     node of its reads)."""
@@ -128,18 +127,15 @@ def _stage_rows(
     smallest: int,
     fixed_bytes: int,
     cells: int,
-    rows: _Rows,
+    rows: Rows,
 ) -> None:
     """Rows (D_td) and what forces h and a, at every k-th stage binding under
     ``smallest``."""
     stages = Stages.of(graph, output_bytes, smallest, fixed_bytes)
-    dropped = {int(t): stages.dropped(t) for t in stages.binding}
-    total = sum(c.size for c in dropped.values())
-    stride = max(1, -(-total // max(cells, 1)))
     users, outputs, M, var = graph.users(), set(graph.outputs), stages.M, rows.var
     D = len(budgets)
-    for t in list(dropped)[::stride]:
-        L = dropped[t].tolist()
+    for t, dropped in stages.thinned(cells):
+        L = dropped.tolist()
         for d, budget in enumerate(budgets):
             if budget is None:
                 continue
@@ -159,50 +155,3 @@ def _stage_rows(
             if v in outputs:
                 kept = [(var(kind, v, d, t), 1) for d in range(D) for kind in ("h", "a")]
                 rows.add(kept, lo=1)
-
-
-class _Rows:
-    """Columns named (kind, item, device, stage) with their cost and integrality, and rows
-    ``lo <= sum a x <= hi`` over them: a sparse model built one row at a time."""
-
-    def __init__(self) -> None:
-        self.index: dict[tuple[str, object, int, int], int] = {}
-        self.cost: dict[int, float] = {}
-        self.integer: set[int] = set()
-        self.entries: list[tuple[int, int, float]] = []
-        self.lo: list[float] = []
-        self.hi: list[float] = []
-
-    def var(
-        self, kind: str, item: object, d: int, t: int = -1, cost: float = 0.0, integer: bool = False
-    ) -> int:
-        column = self.index.setdefault((kind, item, d, t), len(self.index))
-        if cost:
-            self.cost[column] = cost
-        if integer:
-            self.integer.add(column)
-        return column
-
-    def add(
-        self, terms: Sequence[tuple[int, float]], lo: float = -np.inf, hi: float = np.inf
-    ) -> None:
-        self.entries.extend((len(self.lo), j, a) for j, a in terms)
-        self.lo.append(lo)
-        self.hi.append(hi)
-
-    def model(self) -> MILPModel:
-        N = len(self.index)
-        r, c, a = zip(*self.entries, strict=True)
-        costs = np.zeros(N)
-        costs[list(self.cost)] = list(self.cost.values())
-        integer = np.zeros(N, dtype=bool)
-        integer[list(self.integer)] = True
-        return MILPModel(
-            c=costs,
-            A=sp.csr_array((a, (r, c)), shape=(len(self.lo), N)),
-            row_lb=np.array(self.lo),
-            row_ub=np.array(self.hi),
-            lb=np.zeros(N),
-            ub=np.ones(N),
-            integer=integer,
-        )

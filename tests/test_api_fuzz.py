@@ -39,7 +39,7 @@ CHECKS = [
     "content_type_conformance",
     "response_schema_conformance",
 ]
-MAX_TIME_S = 12  # per shape: the fuzzing phase repeats until it is spent
+MAX_TIME_S = 8  # per shape: the fuzzing phase repeats until it is spent
 REDIS_DB = 8
 
 

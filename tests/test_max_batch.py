@@ -131,10 +131,12 @@ def test_budgets_below_the_fixed_memory_are_a_batch_that_does_not_fit():
 
 def test_cli_finds_writes_and_checks_the_plan(vgg, tmp_path):
     out = tmp_path / "plan.json"
-    result = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", "--json", "-o", str(out))
+    fast = ["--strategy", "chen_greedy"]  # the strategy matters not here; auto is slower
+    args = ["--budget", "cpu0=64MiB", *fast, "--json", "-o", str(out)]
+    result = remat("max-batch", str(vgg), *args)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
-    expected = max_batch(builder(VGG))
+    expected = max_batch(builder(VGG), "chen_greedy")
     assert document["max_batch"] == expected.batch
     assert document["bound"]["kind"] == "one_extra_forward"
     assert document["predicted_ms"] <= document["bound_ms"]
@@ -146,7 +148,7 @@ def test_cli_finds_writes_and_checks_the_plan(vgg, tmp_path):
     assert "too big" in result.stderr and "<= bound" in result.stderr
     check = remat("check", str(vgg), str(out), "--batch", str(document["max_batch"]))
     assert check.returncode == 0 and check.stdout.startswith("valid"), check.stdout
-    text = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", "--max-overhead", "0")
+    text = remat("max-batch", str(vgg), "--budget", "cpu0=64MiB", *fast, "--max-overhead", "0")
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("max batch:  ")
     assert int(text.stdout.split()[2]) <= document["max_batch"]

@@ -73,9 +73,10 @@ class SearchConfig:
     """At most this long for each of the recomputation cover's and the closure cover's
     bounds (``exact.cover``), after the warm start and before the full solve."""
     device_cover_s: float = 20.0
-    """At most this long for the device cover's MILP on several devices
-    (``exact.cover.device_cover``): its bound, and a placement that greedy eviction plans
-    on (for at most ``evict_time_s``)."""
+    """At most this long (and a quarter of the time left, but at least ``min_solve_s``: at
+    short limits its placement may be the only plan that fits) for the device cover's MILP
+    on several devices (``exact.cover.device_cover``): its bound, and a placement that
+    greedy eviction plans on (for at most ``evict_time_s``)."""
     closure_cells: int = 3000
     closure_depth: int = 2
     """The closure cover's LP (``exact.cover.closure_extra_ms``, beside the cover): its

@@ -107,7 +107,8 @@ def start_from_devices(search: Search, names: Sequence[str]) -> None:
     moves a node off the accelerator where the memory its fixed tensors free is worth
     more than its slower compute and copies, which no single-device search finds."""
     config = search.problem.solver.search
-    found = device_cover(search.problem, names, min(config.device_cover_s, search.time_left() / 4))
+    seconds = max(min(config.device_cover_s, search.time_left() / 4), config.min_solve_s)
+    found = device_cover(search.problem, names, seconds)
     if found is None:
         return
     search.on_bound(found.bound_ms)

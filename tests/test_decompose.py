@@ -15,6 +15,7 @@ from remat.simulator import held_fixed_bytes, simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult
 from remat.strategies.baselines import best_baseline
+from remat.strategies.common.floor import device_fixed_bytes, shortfall
 from remat.strategies.exact import xengine as xengine_module
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.cover import covers_extra_ms
@@ -138,24 +139,26 @@ def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_ba
     assert simulation.total_ms < baseline.simulation.total_ms
 
 
-def test_xengine_on_a_large_graph_stitches_a_valid_two_device_plan():
+def test_xengine_on_a_large_graph_says_when_no_device_holds_its_fixed_tensors_alone():
+    """A part's plan holds every fixed tensor on each device: where no device holds them
+    alone, no part fits, and the message says why instead of a part's shortfall."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=4, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
-    assert is_large(problem.graph)
+    budget = device_fixed_bytes(problem, "cuda0") - 1
+    problem = replace(problem, budgets={"cpu0": budget, "cuda0": budget})
+    assert is_large(problem.graph) and shortfall(problem, ("cpu0", "cuda0")) is None
+    assert all(shortfall(problem, (name,)) is not None for name in ("cpu0", "cuda0"))
     result = xengine(problem)
-    assert result.feasible and result.plan is not None
-    # the stitched plan came out within both budgets (else select_best gives no plan)
-    assert "decomposed: stitched plan" in result.message
-    simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
-    assert simulation.valid
-    assert all(peak <= problem.budgets[d] for d, peak in simulation.peak_bytes.items())
+    assert not result.feasible
+    assert "no single device holds every fixed tensor" in result.message
 
 
 def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone(monkeypatch):
     """The parts' plans on several devices reserve every fixed tensor on each device and
     copy between parts, so the stitched plan can cost more than one device's. ``xengine``
-    first solves the graph on the device
-    with the lowest ideal alone (``checkmate_milp``, decomposed too) and keeps the cheaper."""
+    solves the graph on the device with the lowest ideal alone (``checkmate_milp``,
+    decomposed too) for all its time, and keeps it unless the device cover's placement
+    plans cheaper."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=4, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
@@ -168,7 +171,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
 
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
     result = xengine(problem)
-    device, first = alone[-1]  # the parts' solves come first, then the whole graph's
+    [(device, first)] = alone  # the whole graph, once
     assert device == min(problem.budgets, key=problem.costs.ideal_ms) == "cpu0"
     assert first.feasible and result.feasible
     assert result.simulation.total_ms <= first.simulation.total_ms

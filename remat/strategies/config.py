@@ -114,10 +114,6 @@ class SearchConfig:
     parts_share: float = 0.5
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""
-    one_device_share: float = 0.75
-    """Of the time left: a decomposed graph on several devices is first solved on its best
-    single device, so that using a second device never leaves a more expensive plan (the
-    parts' two-device plans reserve every fixed tensor on each device and seldom win)."""
 
     # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
     restricted_share: float = 0.25

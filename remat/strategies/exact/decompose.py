@@ -25,7 +25,9 @@ In inference the parts are F_1 .. F_K. Each part is a graph of its own (``Part``
 So every part's plan fits its budget in the whole plan too; the simulator still judges the
 stitched plan. The price: segments 1..K-1 run forward twice (as in Chen's segments), and
 every device reserves all fixed tensors. The bound stays the whole problem's (the ideal):
-a part's bound is not a bound of the whole.
+a part's bound is not a bound of the whole. The exact search decomposes on one device
+(``search._decomposed``): reserving every fixed tensor on each device, the parts' plans
+over several devices cost more than one device's.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 
 from remat.errors import ScheduleError
 from remat.formulations import Formulation
-from remat.plan import Compute, SolverInfo
+from remat.plan import SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, SolveResult, SolveStatus
@@ -56,7 +56,7 @@ class StrategyVariants:
     coarse=..., decompose=...)`` is the strategy itself, run on the coarse graph (without
     coarsening) or on each part of a large graph (without decomposing); ``restricted``
     runs the strategy's restrictions beside the full solve; ``one_device`` (a multi-device
-    strategy) solves a large graph on its best single device before its parts."""
+    strategy) solves a large graph on its best single device (``_decomposed``)."""
 
     variant: Callable[..., StrategyResult]
     coarse: bool
@@ -392,18 +392,33 @@ def _decomposed(
     """The stitched plan of the parts offered to the search (the warm start stays if it is
     cheaper, or if the parts found none), then the whole graph's interval model for the
     time left where the incumbent computes on one device (``_polished``); the bound is the
-    covers': no part's bound bounds the whole. On several devices the graph is first
-    solved on one device (``_solve_on_one_device``), so the interval model continues that
-    device's search."""
+    covers': no part's bound bounds the whole.
+
+    On several devices the graph is solved for all the time left on the device with the
+    lowest ideal that the memory floor admits alone (``_solve_on_one_device``), as the
+    single-device strategy would on its own, so a second device never leaves a worse plan;
+    what a second device is worth, the device cover's placement finds beside
+    (``start_from_devices``). The parts are not solved over several devices: a part's plan
+    holds every fixed tensor on each device, so where no device holds them alone, no part
+    fits either, and where one does, the parts' plans cost more than that device's."""
     started = time.monotonic()
-    if len(names) > 1 and variants.one_device is not None:
-        search.offer(_solve_on_one_device(problem, names, search, variants.one_device))
+    if len(names) > 1:
+        alone = None
+        if variants.one_device is not None:
+            alone = _solve_on_one_device(problem, names, search, variants.one_device)
+        search.offer(alone)
+        message = (
+            alone.message
+            if alone is not None
+            else "decomposed: no single device holds every fixed tensor, and a part's plan "
+            "holds them on each device; only the device cover's placement can plan this graph"
+        )
+        elapsed = time.monotonic() - started
+        return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, elapsed, message)
 
     judge = partial(baseline_part, names=names)
     solvers = PartSolvers(variants.on_part, partial(quick_part, names=names), judge)
-    seconds = search.time_left()
-    if len(names) == 1:  # the rest for the whole graph's interval model (``_polished``)
-        seconds *= problem.solver.search.parts_share
+    seconds = search.time_left() * problem.solver.search.parts_share  # the rest: _polished
     logger.debug("%s: decomposed, parts solved in %.3g s", strategy, seconds)
     stitched = solve_parts(
         problem, strategy, names, solvers, search.heartbeat, seconds, offer=search.offer
@@ -413,9 +428,8 @@ def _decomposed(
         message = f"decomposed: stitched plan {stitched.simulation.total_ms:.4g} ms"
     else:
         message = stitched.message
-    device = names[0] if len(names) == 1 else _only_device(search.best)
-    if device is not None and search.time_left() >= problem.solver.search.min_solve_s:
-        message += _polished(search, device, strategy)
+    if search.time_left() >= problem.solver.search.min_solve_s:
+        message += _polished(search, names[0], strategy)
     return SolveResult(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
@@ -460,34 +474,25 @@ def _polished(search: Search, device: str, strategy: str) -> str:
     return f"; the whole graph's interval model improved it to {after:.4g} ms"
 
 
-def _only_device(result: StrategyResult | None) -> str | None:
-    """The device of a plan that computes on one device only; None otherwise."""
-    if result is None or result.plan is None:
-        return None
-    devices = {step.device for step in result.plan.steps if isinstance(step, Compute)}
-    return devices.pop() if len(devices) == 1 else None
-
-
 def _solve_on_one_device(
     problem: Problem, names: Sequence[str], search: Search, one_device: OneDevice
 ) -> StrategyResult | None:
     """A large graph on several devices, solved by ``one_device`` (decomposed too) on the
-    device with the lowest ideal that the memory floor admits alone, for
-    ``SearchConfig.one_device_share`` of the time left: the parts' plans on several devices
-    reserve every fixed tensor on each device and copy between parts, so they can cost
-    more than a plan on one device. Its plans are offered as found; its bound bounds one
-    device only, so its progress is not reported."""
+    device with the lowest ideal that the memory floor admits alone, for the time left, as
+    that strategy would solve it on its own; None where no device is admitted. Its plans
+    are offered as found; its bound bounds one device only, so its progress is not
+    reported."""
     admitted = [name for name in names if shortfall(problem, (name,)) is None]
     if not admitted:
         return None
     device = min(admitted, key=problem.costs.ideal_ms)
     settings = problem.solver
-    seconds = search.time_left() * settings.search.one_device_share
+    seconds = search.time_left()
     options = replace(settings.options, time_limit_s=seconds)
     quiet = replace(
         settings, options=options, on_progress=lambda _: search.heartbeat(), on_plan=search.offer
     )
-    logger.debug("decomposed: solved on %s alone first, for %.3g s", device, seconds)
+    logger.debug("decomposed: solved on %s alone, for %.3g s", device, seconds)
     return one_device(replace(problem, solver=quiet), device)
 
 

@@ -228,8 +228,8 @@ def test_only_the_named_devices_of_a_cost_table_are_used(vgg, tmp_path):
 def test_verbose_logs_each_phase_of_the_search(vgg):
     """``-v`` shows what an exact search did: its warm start and its full solve."""
     args = ["plan", str(vgg), "--batch", "8", "--budget", "cpu0=80%", "--strategy", "xengine"]
-    quiet = remat(*args, "--time-limit", "5")
-    verbose = remat(*args, "--time-limit", "5", "-v")
+    quiet = remat(*args, "--time-limit", "3")
+    verbose = remat(*args, "--time-limit", "3", "-v")
     assert quiet.returncode == verbose.returncode == 0, verbose.stderr
     assert "warm start" not in quiet.stderr
     assert "warm start: " in verbose.stderr and "full solve" in verbose.stderr

@@ -16,6 +16,7 @@ from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import device_fixed_bytes, shortfall
+from remat.strategies.exact import search as search_module
 from remat.strategies.exact import xengine as xengine_module
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.cover import covers_extra_ms
@@ -30,6 +31,7 @@ from remat.strategies.exact.decompose import (
     stored_choices,
 )
 from remat.strategies.exact.search import quick_part
+from remat.strategies.exact.state import Search
 from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
 
@@ -158,7 +160,8 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     copy between parts, so the stitched plan can cost more than one device's. ``xengine``
     solves the graph on the device with the lowest ideal alone (``checkmate_milp``,
     decomposed too) for all its time, and keeps it unless the device cover's placement
-    plans cheaper."""
+    plans cheaper. Beside it the device cover with closure rows bounds the whole graph,
+    its bound the result's where it is the best."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=4, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
@@ -169,8 +172,18 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
         alone.append((device, result))
         return result
 
+    closure_bounds: list[float] = []
+    bound_by_closure = search_module.bound_by_closure
+
+    def bounded(search: Search, names: tuple[str, ...]) -> None:
+        bound_by_closure(search, names)
+        closure_bounds.append(search.bound)
+
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
+    monkeypatch.setattr(search_module, "bound_by_closure", bounded)
     result = xengine(problem)
+    assert len(closure_bounds) == 1 and result.plan is not None and result.plan.solver
+    assert result.plan.solver.bound >= closure_bounds[0] > problem.costs.ideal_ms()
     [(device, first)] = alone  # the whole graph, once
     assert device == min(problem.budgets, key=problem.costs.ideal_ms) == "cpu0"
     assert first.feasible and result.feasible

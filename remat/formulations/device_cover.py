@@ -35,6 +35,19 @@ outputs are present at some device at every later stage, or arrive later. x, c, 
 a2 are binaries; h, a and e are continuous (their rows only force them up). Stages are
 thinned as the closure cover's are (every k-th binding stage, at most ``cells`` columns
 of h per device), which only weakens the bound.
+
+It charges a recomputation nothing for its inputs. The closure rows (``depth`` > 0) add
+the closure cover's (``cover.build_closure``) on each device: with w_vtd = 1 if v is
+computed on d after stage t and p_utd = 1 if u, which no node after t reads, is on d
+during stage t,
+
+    a_vtd <= w_vtd + c_vd                               (an arrival: computed, or copied)
+    w_vtd <= present_utd + a_utd   for u in DEPS[v]     (its inputs on d at that time)
+    e_vd >= a2_vd + f_vd - 1 - c_vd                     (first computed on d, never copied
+                                                         there: a second arrival is paid)
+
+where present_utd is h_utd for u in L_t - DEPS[t], f_td + p_utd for t's inputs and p_utd
+otherwise, with M_u p_utd charged in (D_td). Rows follow inputs ``depth`` steps back.
 """
 
 from __future__ import annotations
@@ -70,11 +83,14 @@ def build_device_cover(
     budgets: Sequence[int | None],
     fixed_bytes: int,
     cells: int,
+    depth: int = 0,
 ) -> DeviceCoverModel:
     """The device cover of ``graph`` on len(``budgets``) devices: ``compute_ms[v, d]``,
     ``copy_in_ms[v, d]`` (the cheapest copy of v's value to d), ``budgets[d]`` (None:
     unlimited). Stages are those the pooled cover finds binding under the smallest
-    budget with ``fixed_bytes`` held (a device holding every fixed tensor)."""
+    budget with ``fixed_bytes`` held (a device holding every fixed tensor). With
+    ``depth`` > 0, the closure rows (``_closure_rows``) follow a recomputation's inputs
+    that many steps back."""
     rows = Rows()
     n, D = compute_ms.shape
     var = rows.var
@@ -86,6 +102,9 @@ def build_device_cover(
             rows.add([(var("f", v, d, integer=True), 1), (var("x", v, d), -1)], hi=0)
             arrivals = [(var("a2", v, d, integer=True), -2), (var("x", v, d), 1)]
             rows.add([(var("e", v, d), 1), *arrivals, (var("c", v, d), 1)], lo=0)
+            if depth:
+                again = [(var("a2", v, d), -1), (var("f", v, d), -1), (var("c", v, d), 1)]
+                rows.add([(var("e", v, d), 1), *again], lo=-1)
         rows.add([(var("f", v, d), 1) for d in range(D)], lo=1, hi=1)
         for u in sorted(set(graph.nodes[v].deps)):
             for d in range(D):
@@ -93,7 +112,8 @@ def build_device_cover(
     fixed = _fixed_terms(graph, D, rows)
     finite = [b for b in budgets if b is not None]
     if finite:
-        _stage_rows(graph, output_bytes, budgets, fixed, min(finite), fixed_bytes, cells, rows)
+        stages = Stages.of(graph, output_bytes, min(finite), fixed_bytes)
+        _stage_rows(graph, stages, budgets, fixed, cells, depth, rows)
     first = np.array([[rows.index[("f", v, d)] for d in range(D)] for v in range(n)])
     return DeviceCoverModel(rows.model(), first)
 
@@ -121,17 +141,14 @@ def _fixed_terms(graph: Graph, D: int, rows: Rows) -> list[list[tuple[int, float
 
 def _stage_rows(
     graph: Graph,
-    output_bytes: np.ndarray,
+    stages: Stages,
     budgets: Sequence[int | None],
     fixed: list[list[tuple[int, float]]],
-    smallest: int,
-    fixed_bytes: int,
     cells: int,
+    depth: int,
     rows: Rows,
 ) -> None:
-    """Rows (D_td) and what forces h and a, at every k-th stage binding under
-    ``smallest``."""
-    stages = Stages.of(graph, output_bytes, smallest, fixed_bytes)
+    """Rows (D_td) and what forces h and a, at every k-th binding stage of ``stages``."""
     users, outputs, M, var = graph.users(), set(graph.outputs), stages.M, rows.var
     D = len(budgets)
     for t, dropped in stages.thinned(cells):
@@ -140,18 +157,63 @@ def _stage_rows(
             if budget is None:
                 continue
             held = [(var("h", v, d, t), M[v] / MIB) for v in L]
+            present = _closure_rows(graph, stages, t, L, d, depth, rows) if depth else []
+            held += [(var("p", u, d, t), M[u] / MIB) for u in present]
             inputs = (M[t] + M[stages.deps[t]].sum()) / MIB
             rows.add([*fixed[d], (var("f", t, d), inputs), *held], hi=budget / MIB)
         for v in L:
             for d in range(D):
                 arrived = [(var("x", v, d), -1), (var("c", v, d), -1)]
                 rows.add([(var("h", v, d, t), 1), *arrived], hi=0)
-                rows.add([(var("a", v, d, t), 1), *arrived], hi=0)
-                again = [(var("a2", v, d), -1), (var("f", v, d), 1)]
-                rows.add([(var("a", v, d, t), 1), *again], hi=1)
+                _arrival_rows(v, d, t, rows)
                 for r in (r for r in users[v] if r > t):
                     there = [(var("h", v, d, t), -1), (var("a", v, d, t), -1)]
                     rows.add([(var("f", r, d), 1), *there], hi=0)
             if v in outputs:
                 kept = [(var(kind, v, d, t), 1) for d in range(D) for kind in ("h", "a")]
                 rows.add(kept, lo=1)
+
+
+def _arrival_rows(v: int, d: int, t: int, rows: Rows) -> None:
+    """What v's arriving on d after stage t (a_vtd) costs: v was computed on or copied to
+    d, and if v was first computed on d, it arrives there twice."""
+    var = rows.var
+    arrived = [(var("x", v, d), -1), (var("c", v, d), -1)]
+    rows.add([(var("a", v, d, t), 1), *arrived], hi=0)
+    again = [(var("a2", v, d), -1), (var("f", v, d), 1)]
+    rows.add([(var("a", v, d, t), 1), *again], hi=1)
+
+
+def _closure_rows(
+    graph: Graph, stages: Stages, t: int, L: list[int], d: int, depth: int, rows: Rows
+) -> list[int]:
+    """The closure cover's rows on device d at stage t: a value arriving on d after t by a
+    computation there (w_vtd) needs each input u on d then, so u was on d at t (h_utd for
+    u in ``L``; f_td, t's device, or p_utd for t's inputs; p_utd for the rest) or arrived
+    there after t too. Rows follow inputs ``depth`` steps back from ``L``; returns the u
+    whose p_utd the memory row (D_td) must charge."""
+    var, inputs_of_t, dropped = rows.var, set(stages.deps[t].tolist()), set(L)
+    present: list[int] = []
+    frontier, seen = [(v, 0) for v in L], set(L)
+    while frontier:
+        v, level = frontier.pop()
+        if v not in dropped:
+            _arrival_rows(v, d, t, rows)
+        computed = [(var("w", v, d, t), -1), (var("c", v, d), -1)]
+        rows.add([(var("a", v, d, t), 1), *computed], hi=0)
+        if level >= depth:
+            continue
+        for u in sorted(set(graph.nodes[v].deps)):
+            if u in dropped:
+                there = [(var("h", u, d, t), -1)]
+            else:
+                there = [(var("p", u, d, t), -1)]
+                if u in inputs_of_t:
+                    there.append((var("f", t, d), -1))
+                if u not in present:
+                    present.append(u)
+            rows.add([(var("w", v, d, t), 1), *there, (var("a", u, d, t), -1)], hi=0)
+            if u not in seen:
+                seen.add(u)
+                frontier.append((u, level + 1))
+    return present

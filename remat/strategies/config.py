@@ -72,7 +72,7 @@ class SearchConfig:
     cover_s: float = 3.0
     """At most this long for each of the recomputation cover's and the closure cover's
     bounds (``exact.cover``), after the warm start and before the full solve."""
-    device_cover_s: float = 20.0
+    device_cover_s: float = 30.0
     """At most this long (and a quarter of the time left, but at least ``min_solve_s``: at
     short limits its placement may be the only plan that fits) for the device cover's MILP
     on several devices (``exact.cover.device_cover``): its bound, and a placement that
@@ -126,7 +126,8 @@ class SearchConfig:
     """Seconds that must be left to solve the model restricted to the LP relaxation's
     placement; with less, node moves from the incumbent run instead."""
     lp_backend: str = "highs"
-    """The backend of the LP relaxations, whatever the backend of the MILPs."""
+    """The backend of the LP relaxations and of the bound-only solves (the device cover
+    with closure rows), whatever the backend of the MILPs."""
     rins_one_device_backend: str = "cpsat"
     """The backend of RINS's sub-MIPs on one device, whatever the problem's backend."""
     rins_agree: float = 1e-6

@@ -9,7 +9,8 @@ The covers are solved in this process by SciPy's HiGHS (``scipy.optimize.milp``)
 solver subprocess (``remat.solvers.runner``): the pooled covers take a fraction of a
 second, less than a subprocess takes to start, and every exact search on every graph runs
 them; the device cover's longer solve releases the GIL, so it runs in a thread beside the
-search."""
+search. The device cover with closure rows (``device_closure_model``) is only built
+here."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 
 from remat.formulations.cover import build_closure, build_cover
-from remat.formulations.device_cover import build_device_cover
+from remat.formulations.device_cover import DeviceCoverModel, build_device_cover
 from remat.simulator import held_fixed_bytes
 from remat.solvers.model import MILPModel
 from remat.strategies.common.problem import Problem
@@ -91,20 +92,7 @@ def device_cover(problem: Problem, names: Sequence[str], seconds: float) -> Devi
     """The device cover (``formulations.device_cover``) of ``problem`` on two or more
     devices ``names``, solved for at most ``seconds``: its dual bound (a stopped solve's
     still bounds) and its incumbent's placement, if it has one."""
-    costs, graph = problem.costs, problem.graph
-    columns = [costs.device_index(name) for name in names]
-    copies = costs.copy_ms[:, columns][:, :, columns]
-    others = ~np.eye(len(columns), dtype=bool)
-    copy_in = np.where(others[None], copies, np.inf).min(axis=1)
-    cover = build_device_cover(
-        graph,
-        costs.compute_ms[:, columns],
-        copy_in,
-        costs.output_bytes,
-        [problem.budgets.get(name) for name in names],
-        held_fixed_bytes(graph, range(len(graph))),
-        problem.solver.search.closure_cells,
-    )
+    cover = _device_cover_model(problem, names, depth=0)
     solved = _solved(cover.model, time_limit=seconds, mip_rel_gap=problem.solver.search.proven_gap)
     bound = getattr(solved, "mip_dual_bound", None)
     if bound is None or not math.isfinite(bound):
@@ -113,6 +101,35 @@ def device_cover(problem: Problem, names: Sequence[str], seconds: float) -> Devi
     home = None if solved.x is None else cover.placement(solved.x)
     logger.debug("device cover: %d variables, bound %.6g ms", cover.model.n_vars, bound)
     return DeviceBound(float(bound), home)
+
+
+def device_closure_model(problem: Problem, names: Sequence[str]) -> MILPModel:
+    """The device cover of ``problem`` on two or more devices ``names`` with the closure
+    cover's rows on each device (a recomputation on d needs its inputs on d, ``closure_depth``
+    steps back). Its optimum bounds every plan's cost. Its LP relaxation is weak (a node
+    split over devices halves its memory on each), so the bound is the MILP's dual bound,
+    which a solve stopped early still gives; that solve takes longer than a solver
+    subprocess takes to start, and is solved in one (``search.start_from_devices``)."""
+    return _device_cover_model(problem, names, problem.solver.search.closure_depth).model
+
+
+def _device_cover_model(problem: Problem, names: Sequence[str], depth: int) -> DeviceCoverModel:
+    """The device cover of ``problem`` on ``names``, its closure rows ``depth`` steps deep."""
+    costs, graph = problem.costs, problem.graph
+    columns = [costs.device_index(name) for name in names]
+    copies = costs.copy_ms[:, columns][:, :, columns]
+    others = ~np.eye(len(columns), dtype=bool)
+    copy_in = np.where(others[None], copies, np.inf).min(axis=1)
+    return build_device_cover(
+        graph,
+        costs.compute_ms[:, columns],
+        copy_in,
+        costs.output_bytes,
+        [problem.budgets.get(name) for name in names],
+        held_fixed_bytes(graph, range(len(graph))),
+        problem.solver.search.closure_cells,
+        depth,
+    )
 
 
 def _relaxed(problem: Problem, names: Sequence[str]) -> tuple[int | None, np.ndarray, int]:

@@ -14,6 +14,7 @@ the phases beside the full solve), so that what a search did can be followed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from remat.formulations import Formulation
 from remat.plan import SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, SolveResult, SolveStatus
+from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
@@ -37,7 +38,7 @@ from remat.strategies.common.problem import (
     evaluate,
     select_best,
 )
-from remat.strategies.exact.cover import covers_extra_ms, device_cover
+from remat.strategies.exact.cover import covers_extra_ms, device_closure_model, device_cover
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import solve_intervals
 from remat.strategies.exact.rins import Offer
@@ -101,22 +102,53 @@ def start_search(
     return search
 
 
-def start_from_devices(search: Search, names: Sequence[str]) -> None:
+def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> None:
     """The device cover's bound (``cover.device_cover``), and where its solution places
     nodes on more than one device, greedy eviction's plan on that placement: the cover
     moves a node off the accelerator where the memory its fixed tensors free is worth
-    more than its slower compute and copies, which no single-device search finds."""
+    more than its slower compute and copies, which no single-device search finds. Then,
+    with ``closure`` and unless the gap is met, the device cover with closure rows
+    (``bound_by_closure``)."""
     config = search.problem.solver.search
     seconds = max(min(config.device_cover_s, search.time_left() / 4), config.min_solve_s)
     found = device_cover(search.problem, names, seconds)
-    if found is None:
-        return
-    search.on_bound(found.bound_ms)
-    if found.home is not None and len(set(found.home.tolist())) > 1:
+    if found is not None:
+        search.on_bound(found.bound_ms)
+    if found is not None and found.home is not None and len(set(found.home.tolist())) > 1:
         seconds = min(config.evict_time_s, search.time_left() / 4)
         logger.debug("device cover: greedy eviction on its placement for %.3g s", seconds)
         search.offer(evict_placed(search.problem, names, found.home, seconds))
         _log_incumbent(search, "device cover")
+    if closure and not search.side_stop().is_set() and not search.meets_gap():
+        bound_by_closure(search, names)
+
+
+def bound_by_closure(search: Search, names: Sequence[str]) -> None:
+    """The dual bound of the device cover with closure rows (``cover.device_closure_model``)
+    on ``names``, each rise reported as found: solved with ``lp_backend`` on one thread in
+    a subprocess for the time left, stopped with the solves beside the full one (its root
+    relaxation alone can take a quarter of a 120 s limit on 900 nodes)."""
+    config = search.problem.solver.search
+    seconds = search.remaining()
+    model = device_closure_model(search.problem, names)
+    logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
+
+    def on_progress(progress: Progress) -> None:
+        if progress.bound is not None and math.isfinite(progress.bound):
+            search.on_bound(progress.bound)
+
+    options = replace(search.problem.solver.options, time_limit_s=seconds, threads=1)
+    solved = runner.solve(
+        model,
+        backend=config.lp_backend,
+        options=options,
+        on_progress=on_progress,
+        cancel=search.side_stop(),
+        grace_s=config.solve_grace_s,
+    )
+    if solved.bound is not None and math.isfinite(solved.bound):
+        search.on_bound(solved.bound)
+    logger.debug("device closure cover: bound %s (%s)", solved.bound, solved.message)
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
@@ -165,22 +197,25 @@ def optimize(
     as it was found) costs the lower bound; on a large graph solve its parts
     (``solve_parts``), else solve the full model from the warm start while the coarse
     graph's solve and the strategy's restrictions (if it has them) run beside it; on
-    several devices, the device cover beside all of it (``start_from_devices``). The best
+    several devices, the device cover beside all of it (``start_from_devices``; with its
+    closure rows on a decomposed graph, where no full model bounds the whole). The best
     plan found, with the whole problem's bound."""
     problem, warm = search.problem, search.best
     if _reaches(warm, search.bound, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the bound, no solve", strategy)
         return finish(problem, strategy, _no_solve(), None, warm, search.bound)
-    beside = None
+    beside, decomposed = None, variants.decomposes(problem)
     if len(names) > 1:
-        beside = SideTask(partial(start_from_devices, search, names), "remat-devices")
+        devices = partial(start_from_devices, search, names, decomposed)
+        beside = SideTask(devices, "remat-devices")
     try:
-        if variants.decomposes(problem):
+        if decomposed:
             solved, evaluation = _decomposed(problem, strategy, names, variants, search), None
         else:
             solved, evaluation = _solved_whole(search, strategy, names, build, variants)
     finally:
         if beside is not None:
+            search.full_done.set()  # on a decomposed graph too: what is beside it stops
             beside.finish()
     return finish(problem, strategy, solved, evaluation, search.best, search.bound)
 

@@ -156,10 +156,11 @@ class Search:
             self._stop_full_if_met()
 
     def _stop_full_if_met(self) -> None:
-        if self._meets_gap():
+        if self.meets_gap():
             self.gap_met.set()
 
-    def _meets_gap(self) -> bool:
+    def meets_gap(self) -> bool:
+        """The incumbent is within the gap target of the best bound."""
         best = self.best_ms
         if best is None or best <= 0:
             return False

@@ -110,6 +110,8 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
     with ``closure`` and unless the gap is met, the device cover with closure rows
     (``bound_by_closure``)."""
     config = search.problem.solver.search
+    if search.side_stop().is_set():
+        return  # cancelled already: the device cover's solve could not be stopped
     seconds = max(min(config.device_cover_s, search.time_left() / 4), config.min_solve_s)
     found = device_cover(search.problem, names, seconds)
     if found is not None:

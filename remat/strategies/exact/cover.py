@@ -109,7 +109,7 @@ def device_closure_model(problem: Problem, names: Sequence[str]) -> MILPModel:
     steps back). Its optimum bounds every plan's cost. Its LP relaxation is weak (a node
     split over devices halves its memory on each), so the bound is the MILP's dual bound,
     which a solve stopped early still gives; that solve takes longer than a solver
-    subprocess takes to start, and is solved in one (``search.start_from_devices``)."""
+    subprocess takes to start, and is solved in one (``search.bound_by_closure``)."""
     return _device_cover_model(problem, names, problem.solver.search.closure_depth).model
 
 

@@ -116,11 +116,11 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
     found = device_cover(search.problem, names, seconds)
     if found is not None:
         search.on_bound(found.bound_ms)
-    if found is not None and found.home is not None and len(set(found.home.tolist())) > 1:
-        seconds = min(config.evict_time_s, search.time_left() / 4)
-        logger.debug("device cover: greedy eviction on its placement for %.3g s", seconds)
-        search.offer(evict_placed(search.problem, names, found.home, seconds))
-        _log_incumbent(search, "device cover")
+        if found.home is not None and len(set(found.home.tolist())) > 1:
+            seconds = min(config.evict_time_s, search.time_left() / 4)
+            logger.debug("device cover: greedy eviction on its placement for %.3g s", seconds)
+            search.offer(evict_placed(search.problem, names, found.home, seconds))
+            _log_incumbent(search, "device cover")
     if closure and not search.side_stop().is_set() and not search.meets_gap():
         bound_by_closure(search, names)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from scipy.optimize import linprog
 
 from remat.solvers import cpsat, runner
 from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
@@ -183,6 +184,20 @@ def test_time_limit_returns_incumbent_bound_and_progress(backend: str) -> None:
     for event in events:
         if event.objective is not None and event.bound is not None:
             assert event.bound <= event.objective + 1e-9
+
+
+def test_highs_stopped_without_a_solution_still_bounds() -> None:
+    """Market split as pure feasibility (no slacks), min sum x: no solution in a second,
+    but the dual bound, at least the LP relaxation's, bounds every solution; the device
+    cover's bound relies on it (``exact.cover.device_cover``)."""
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 100, (4, 40)).astype(float)
+    d = np.floor(a.sum(axis=1) / 2)
+    model = _model(np.ones(40), a, d, d, np.zeros(40), np.ones(40), np.ones(40))
+    result = runner.solve(model, "highs", SolveOptions(time_limit_s=1.0))
+    assert result.status == SolveStatus.UNKNOWN and result.x is None, result.message
+    lp = linprog(model.c, A_eq=a, b_eq=d, bounds=(0, 1))
+    assert result.bound is not None and result.bound >= lp.fun - 1e-6
 
 
 def _solve_in_thread(model: MILPModel, backend: str, cancel: threading.Event, **kw):

@@ -137,16 +137,17 @@ def _result(
     if has_solution:
         x = np.array(h.getSolution().col_value, dtype=float)[:n_original]
         objective = float(info.objective_function_value)
-        # An LP (no integers) has no MIP dual bound: its optimum is its own bound, but a
-        # solution stopped short of optimality bounds nothing.
-        if np.any(milp.integer):
-            bound = float(info.mip_dual_bound)
-        else:
-            bound = objective if name == "kOptimal" else None
-        if bound is None or not np.isfinite(bound):
-            bound = None
-        elif bound > objective:
-            bound = objective
+    # A MIP's dual bound bounds also when no solution was found. An LP (no integers) has
+    # none: its optimum is its own bound, but a solution stopped short of optimality
+    # bounds nothing.
+    if np.any(milp.integer):
+        bound = float(info.mip_dual_bound)
+    elif name == "kOptimal":
+        bound = objective
+    if bound is None or not np.isfinite(bound):
+        bound = None
+    elif objective is not None and bound > objective:
+        bound = objective
     gap = relative_gap(objective, bound)
 
     def make(status: SolveStatus, message: str = "") -> SolveResult:

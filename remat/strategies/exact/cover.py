@@ -5,12 +5,12 @@ on a graph too large for its full model still reports a gap against a bound abov
 ideal. On several devices, the device cover (``remat.formulations.device_cover``) budgets
 each device on its own, where the covers pool them.
 
-The covers are solved in this process by SciPy's HiGHS (``scipy.optimize.milp``), not in a
-solver subprocess (``remat.solvers.runner``): the pooled covers take a fraction of a
-second, less than a subprocess takes to start, and every exact search on every graph runs
-them; the device cover's longer solve releases the GIL, so it runs in a thread beside the
-search. The device cover with closure rows (``device_closure_model``) is only built
-here."""
+The pooled covers are solved in this process by SciPy's HiGHS (``scipy.optimize.milp``),
+not in a solver subprocess (``remat.solvers.runner``): they take a fraction of a second,
+less than a subprocess takes to start, and every exact search on every graph runs them.
+The device cover's MILP takes up to half a minute: it is solved in a subprocess, which a
+cancelled search stops. The device cover with closure rows (``device_closure_model``) is
+only built here."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 from remat.formulations.cover import build_closure, build_cover
 from remat.formulations.device_cover import DeviceCoverModel, build_device_cover
 from remat.simulator import held_fixed_bytes
-from remat.solvers.model import MILPModel
+from remat.solvers import runner
+from remat.solvers.model import MILPModel, SolveOptions, StopFlag
 from remat.strategies.common.problem import Problem
 
 logger = logging.getLogger(__name__)
@@ -88,19 +89,23 @@ class DeviceBound:
     home: np.ndarray | None
 
 
-def device_cover(problem: Problem, names: Sequence[str], seconds: float) -> DeviceBound | None:
+def device_cover(
+    problem: Problem, names: Sequence[str], seconds: float, cancel: StopFlag | None = None
+) -> DeviceBound | None:
     """The device cover (``formulations.device_cover``) of ``problem`` on two or more
-    devices ``names``, solved for at most ``seconds``: its dual bound (a stopped solve's
-    still bounds) and its incumbent's placement, if it has one."""
+    devices ``names``, solved with ``lp_backend`` on one thread in a solver subprocess for
+    at most ``seconds``, or until ``cancel``: its dual bound (a stopped solve's still
+    bounds) and its incumbent's placement, if it has one."""
     cover = _device_cover_model(problem, names, depth=0)
-    solved = _solved(cover.model, time_limit=seconds, mip_rel_gap=problem.solver.search.proven_gap)
-    bound = getattr(solved, "mip_dual_bound", None)
-    if bound is None or not math.isfinite(bound):
+    config = problem.solver.search
+    options = SolveOptions(time_limit_s=seconds, gap=config.proven_gap, threads=1)
+    solved = runner.solve(cover.model, backend=config.lp_backend, options=options, cancel=cancel)
+    if solved.bound is None or not math.isfinite(solved.bound):
         logger.debug("device cover: no bound (%s)", solved.message)
         return None
     home = None if solved.x is None else cover.placement(solved.x)
-    logger.debug("device cover: %d variables, bound %.6g ms", cover.model.n_vars, bound)
-    return DeviceBound(float(bound), home)
+    logger.debug("device cover: %d variables, bound %.6g ms", cover.model.n_vars, solved.bound)
+    return DeviceBound(solved.bound, home)
 
 
 def device_closure_model(problem: Problem, names: Sequence[str]) -> MILPModel:

@@ -110,10 +110,8 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
     with ``closure`` and unless the gap is met, the device cover with closure rows
     (``bound_by_closure``)."""
     config = search.problem.solver.search
-    if search.side_stop().is_set():
-        return  # cancelled already: the device cover's solve could not be stopped
     seconds = max(min(config.device_cover_s, search.time_left() / 4), config.min_solve_s)
-    found = device_cover(search.problem, names, seconds)
+    found = device_cover(search.problem, names, seconds, search.side_stop())
     if found is not None:
         search.on_bound(found.bound_ms)
         if found.home is not None and len(set(found.home.tolist())) > 1:

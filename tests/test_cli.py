@@ -154,7 +154,7 @@ def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):
 
 
 def test_demo_prints_a_comparison_table():
-    result = remat("demo", "--model", "chain", "--batch", "2", "--time-limit", "2")
+    result = remat("demo", "--model", "chain", "--batch", "2", "--time-limit", "1")
     assert result.returncode == 0, result.stderr
     for strategy in (
         "checkpoint_all",

@@ -16,7 +16,7 @@ from remat.plan import Compute
 from remat.schedule import Schedule
 from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import BASELINES, run_strategy
-from remat.strategies.common.problem import Problem, SolverSettings, evaluate
+from remat.strategies.common.problem import Problem, SolverSettings, StrategyResult, evaluate
 from remat.strategies.common.rsolve import clean_placed
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.coarsen import coarsen
@@ -122,13 +122,25 @@ def test_clean_drops_unread_recomputations_and_checkpoints():
 
 
 def test_xengine_improves_on_the_fine_heuristic_through_the_coarse_graph():
+    """Cancelled at its first plan cheaper than the heuristic's, which it keeps."""
     seen: list[Progress] = []
+    cancel = threading.Event()
+    heuristic_ms: list[float] = []
+
+    def on_plan(result: StrategyResult) -> None:
+        assert result.simulation is not None
+        if result.simulation.total_ms < heuristic_ms[0]:
+            cancel.set()
+
+    options = SolveOptions(time_limit_s=60, gap=0.01, threads=2)
     settings = SolverSettings(
-        options=SolveOptions(time_limit_s=10, gap=0.01, threads=2), on_progress=seen.append
+        options=options, on_progress=seen.append, cancel=cancel, on_plan=on_plan
     )
     problem = _problem("resnet18", 25, settings)
     heuristic = placed_greedy(problem, ["cpu0", "cuda0"])
+    heuristic_ms.append(heuristic.simulation.total_ms)
     result = xengine(problem)
+    assert cancel.is_set()
     assert result.feasible, result.message
     assert result.simulation.valid
     assert result.simulation.total_ms < heuristic.simulation.total_ms

@@ -3,6 +3,8 @@ on several devices that budgets each device on its own, and a placement to plan 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from regime import budgeted
 
@@ -29,6 +31,17 @@ def _cost(result: StrategyResult) -> float | None:
     return result.simulation.total_ms if result.feasible and result.simulation else None
 
 
+def _first_plan(name: str, percent: float) -> StrategyResult:
+    """xengine's first plan on two devices, the search cancelled once it is found: no
+    single device fits the transformer at 25%, and on a busy machine the multi-device
+    heuristic may need more than a short limit gives it."""
+    cancel = threading.Event()
+    graph = training_graph(forward_graph(samples.ZOO[name](batch=4)))
+    options = SolveOptions(time_limit_s=60, gap=1e-4, threads=2)
+    settings = SolverSettings(options=options, cancel=cancel, on_plan=lambda _: cancel.set())
+    return run_strategy("xengine", budgeted(graph, percent, NAMES, settings))
+
+
 @pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 25)])
 def test_the_device_cover_bounds_every_plan_on_two_devices(name: str, percent: float) -> None:
     """Also with closure rows: on the transformer both are solved to optimality, and the
@@ -45,7 +58,7 @@ def test_the_device_cover_bounds_every_plan_on_two_devices(name: str, percent: f
         assert closure.status is SolveStatus.OPTIMAL and closure.bound is not None
         assert closure.bound > found.bound_ms * 1.01
         bounds.append(closure.bound)
-    plans = [run_strategy("xengine", problem)]
+    plans = [_first_plan(name, percent)]
     plans += [run_strategy(s, problem, d) for s in ("greedy_evict", "ap_sqrt") for d in NAMES]
     plans.append(run_strategy("checkmate_milp", problem, "cuda0"))
     costs = [cost for cost in map(_cost, plans) if cost is not None]
@@ -55,7 +68,8 @@ def test_the_device_cover_bounds_every_plan_on_two_devices(name: str, percent: f
 def test_its_placement_plans_below_every_single_device_plan() -> None:
     """On ResNet-18 at 50% the cover runs the nodes that read the largest weights on the
     host, which frees the accelerator of them: greedy eviction on that placement beats
-    every plan on one device, and xengine, given the time to solve the cover, finds it."""
+    every plan on one device, and so does xengine, which solves the cover for a quarter of
+    its limit (its cover stopped sooner may place, and so cost, slightly otherwise)."""
     quick = _problem("resnet18", 50)
     found = device_cover(quick, NAMES, 10.0)
     assert found is not None and found.home is not None and len(set(found.home.tolist())) == 2
@@ -67,6 +81,6 @@ def test_its_placement_plans_below_every_single_device_plan() -> None:
     problem = _problem("resnet18", 50, seconds=8)
     result = run_strategy("xengine", problem)
     assert result.plan is not None and result.plan.solver is not None
-    assert _cost(result) is not None and _cost(result) <= placed * (1 + 1e-9)
+    assert _cost(result) is not None and _cost(result) < best_one
     pooled = problem.costs.ideal_ms() + (covers_extra_ms(problem, NAMES, 10.0) or 0.0)
     assert pooled < result.plan.solver.bound <= found.bound_ms * (1 + 1e-9)  # its own cover's

@@ -4,6 +4,7 @@ on several devices that budgets each device on its own, and a placement to plan 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 from regime import budgeted
@@ -12,7 +13,7 @@ from remat import samples
 from remat.onnx_ingest import forward_graph
 from remat.solvers import runner
 from remat.solvers.model import SolveOptions, SolveStatus
-from remat.strategies import SolverSettings, StrategyResult, run_strategy
+from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
 from remat.strategies.exact.cover import covers_extra_ms, device_closure_model, device_cover
 from remat.strategies.heuristics.evict import evict_placed
 from remat.training import training_graph
@@ -31,15 +32,14 @@ def _cost(result: StrategyResult) -> float | None:
     return result.simulation.total_ms if result.feasible and result.simulation else None
 
 
-def _first_plan(name: str, percent: float) -> StrategyResult:
-    """xengine's first plan on two devices, the search cancelled once it is found: no
-    single device fits the transformer at 25%, and on a busy machine the multi-device
-    heuristic may need more than a short limit gives it."""
+def _first_plan(problem: Problem) -> StrategyResult:
+    """xengine's first plan for ``problem`` on two devices, within 60 s, the search
+    cancelled once it is found: no single device fits the transformer at 25%, and on a
+    busy machine the multi-device heuristic may need more than a short limit gives it."""
     cancel = threading.Event()
-    graph = training_graph(forward_graph(samples.ZOO[name](batch=4)))
-    options = SolveOptions(time_limit_s=60, gap=1e-4, threads=2)
+    options = replace(problem.solver.options, time_limit_s=60)
     settings = SolverSettings(options=options, cancel=cancel, on_plan=lambda _: cancel.set())
-    return run_strategy("xengine", budgeted(graph, percent, NAMES, settings))
+    return run_strategy("xengine", replace(problem, solver=settings))
 
 
 @pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 25)])
@@ -58,7 +58,7 @@ def test_the_device_cover_bounds_every_plan_on_two_devices(name: str, percent: f
         assert closure.status is SolveStatus.OPTIMAL and closure.bound is not None
         assert closure.bound > found.bound_ms * 1.01
         bounds.append(closure.bound)
-    plans = [_first_plan(name, percent)]
+    plans = [_first_plan(problem)]
     plans += [run_strategy(s, problem, d) for s in ("greedy_evict", "ap_sqrt") for d in NAMES]
     plans.append(run_strategy("checkmate_milp", problem, "cuda0"))
     costs = [cost for cost in map(_cost, plans) if cost is not None]

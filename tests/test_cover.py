@@ -4,6 +4,7 @@ plan the strategies find, one device or several, lies between the ideal and a pr
 optimum, and is what a search on a decomposed graph reports as its bound."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 from regime import budgeted
@@ -48,6 +49,26 @@ def test_every_plan_on_one_device_costs_at_least_either_bound() -> None:
             costs.append(result.simulation.total_ms)
     assert len(costs) >= 3
     assert min(costs) >= closure * (1 - 1e-9)
+
+
+def test_closure_rows_deep_enough_for_attention_raise_the_bound_below_every_plan() -> None:
+    """A recomputed softmax needs its scores, the scores need Q and K, and those their
+    projections: on the transformer block rows that follow inputs ``closure_depth`` (8)
+    steps back charge that chain, where 2 steps stop at the scores."""
+    graph = training_graph(forward_graph(samples.transformer_block(batch=2)))
+    problem = budgeted(graph, 50, ("cpu0",), QUICK)
+    search = problem.solver.search
+    shallow_settings = replace(problem.solver, search=replace(search, closure_depth=2))
+    shallow = _bound(replace(problem, solver=shallow_settings), ("cpu0",), closure_extra_ms)
+    deep = _bound(problem, ("cpu0",), closure_extra_ms)
+    assert search.closure_depth == 8 and deep > shallow * 1.01
+    costs = []
+    for strategy in ONE_DEVICE:
+        result = run_strategy(strategy, problem, "cpu0")
+        if result.feasible and result.simulation is not None:
+            costs.append(result.simulation.total_ms)
+    assert len(costs) >= 3
+    assert min(costs) >= deep * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("extra_ms", BOUNDS)

@@ -78,7 +78,7 @@ class SearchConfig:
     on several devices (``exact.cover.device_cover``): its bound, and a placement that
     greedy eviction plans on (for at most ``evict_time_s``)."""
     closure_cells: int = 3000
-    closure_depth: int = 2
+    closure_depth: int = 8
     """The closure cover's LP (``exact.cover.closure_extra_ms``, beside the cover): its
     binding stages are thinned until their dropped-value columns number at most
     ``closure_cells``, and rows follow a value's inputs ``closure_depth`` steps back."""

@@ -12,13 +12,14 @@ their gradients) move only with the nodes that read them. With, per node v and d
     c_vd   v is copied to d at least once             (costs K_vd, the cheapest copy to d)
     f_vd   v is first computed on d                   sum_d f_vd = 1,  f_vd <= x_vd
     a2_vd  v arrives on d at least twice (computed or copied)
-    e_vd   arrivals on d beyond those x and c pay for (costs min(C_vd, K_vd))
+    e_vd   arrivals on d beyond those x and c pay for: computed again (costs C_vd)
+    k_vd   ... or copied again (costs K_vd)
     g_Fd   d holds fixed tensor F (and its gradient buffer, for a backward reader)
 
 every plan that first computes the nodes in the graph's order satisfies
 
     x_vd <= x_ud + c_ud            for u in DEPS[v]    (an input is on v's device)
-    e_vd >= 2 a2_vd - x_vd - c_vd                      (a second arrival is paid)
+    e_vd + k_vd >= 2 a2_vd - x_vd - c_vd               (a second arrival is paid)
     g_Fd >= x_vd                   for v reading F
 
 and at stage t (node t's first computation), for each value v < t that a node after t
@@ -31,8 +32,8 @@ v arrives on d after t:
     fixed_d(g) + f_td (M_t + M_DEPS[t]) + sum_v M_v h_vtd <= budget_d        (D_td)
 
 so its optimum is a lower bound on every such plan's compute and copy time. The graph's
-outputs are present at some device at every later stage, or arrive later. x, c, f and
-a2 are binaries; h, a and e are continuous (their rows only force them up). Stages are
+outputs are present at some device at every later stage, or arrive later. x, c, f and a2
+are binaries; h, a, e and k are continuous (their rows only force them up). Stages are
 thinned as the closure cover's are (every k-th binding stage, at most ``cells`` columns
 of h per device), which only weakens the bound.
 
@@ -43,11 +44,20 @@ during stage t,
 
     a_vtd <= w_vtd + c_vd                               (an arrival: computed, or copied)
     w_vtd <= present_utd + a_utd   for u in DEPS[v]     (its inputs on d at that time)
-    e_vd >= a2_vd + f_vd - 1 - c_vd                     (first computed on d, never copied
+    e_vd + k_vd >= a2_vd + f_vd - 1 - c_vd              (first computed on d, never copied
                                                          there: a second arrival is paid)
 
 where present_utd is h_utd for u in L_t - DEPS[t], f_td + p_utd for t's inputs and p_utd
 otherwise, with M_u p_utd charged in (D_td). Rows follow inputs ``depth`` steps back.
+Once a recomputation pays for its inputs, a copy must pay for its source, or a value
+that only the accelerator ever held comes back there at a copy's price. So the closure
+rows come with copy rows, which hold for every plan that copies a value to a device only
+for a node there that reads it (as the compiler does):
+
+    c_vd, k_vd <= sum_{o != d} (x_vo + c_vo)           (a copy has a source elsewhere)
+    c_vd, k_vd <= sum_{r reads v} x_rd                 (and a reader on d)
+
+Without the closure rows they raised no bound on the bench graphs, and slowed the MILP.
 """
 
 from __future__ import annotations
@@ -90,7 +100,7 @@ def build_device_cover(
     unlimited). Stages are those the pooled cover finds binding under the smallest
     budget with ``fixed_bytes`` held (a device holding every fixed tensor). With
     ``depth`` > 0, the closure rows (``_closure_rows``) follow a recomputation's inputs
-    that many steps back."""
+    that many steps back, and the copy rows (``_copy_rows``) come with them."""
     rows = Rows()
     n, D = compute_ms.shape
     var = rows.var
@@ -98,17 +108,21 @@ def build_device_cover(
         for d in range(D):
             var("x", v, d, cost=float(compute_ms[v, d]), integer=True)
             var("c", v, d, cost=float(copy_in_ms[v, d]), integer=True)
-            var("e", v, d, cost=float(min(compute_ms[v, d], copy_in_ms[v, d])))
+            var("e", v, d, cost=float(compute_ms[v, d]))
+            var("k", v, d, cost=float(copy_in_ms[v, d]))
+            beyond = [(var("e", v, d), 1), (var("k", v, d), 1)]
             rows.add([(var("f", v, d, integer=True), 1), (var("x", v, d), -1)], hi=0)
             arrivals = [(var("a2", v, d, integer=True), -2), (var("x", v, d), 1)]
-            rows.add([(var("e", v, d), 1), *arrivals, (var("c", v, d), 1)], lo=0)
+            rows.add([*beyond, *arrivals, (var("c", v, d), 1)], lo=0)
             if depth:
                 again = [(var("a2", v, d), -1), (var("f", v, d), -1), (var("c", v, d), 1)]
-                rows.add([(var("e", v, d), 1), *again], lo=-1)
+                rows.add([*beyond, *again], lo=-1)
         rows.add([(var("f", v, d), 1) for d in range(D)], lo=1, hi=1)
         for u in sorted(set(graph.nodes[v].deps)):
             for d in range(D):
                 rows.add([(var("x", v, d), 1), (var("x", u, d), -1), (var("c", u, d), -1)], hi=0)
+    if depth:
+        _copy_rows(graph, D, rows)
     fixed = _fixed_terms(graph, D, rows)
     finite = [b for b in budgets if b is not None]
     if finite:
@@ -116,6 +130,20 @@ def build_device_cover(
         _stage_rows(graph, stages, budgets, fixed, cells, depth, rows)
     first = np.array([[rows.index[("f", v, d)] for d in range(D)] for v in range(n)])
     return DeviceCoverModel(rows.model(), first)
+
+
+def _copy_rows(graph: Graph, D: int, rows: Rows) -> None:
+    """A copy of v to d (the first, c_vd, or one beyond those x and c pay for, k_vd) has
+    a source, v computed on or copied to another device, and a reader of v on d, for
+    which the compiler copies it."""
+    var = rows.var
+    for v, readers in enumerate(graph.users()):
+        for d in range(D):
+            elsewhere = [(var(kind, v, o), -1) for o in range(D) if o != d for kind in "xc"]
+            there = [(var("x", r, d), -1) for r in readers]
+            for copy in (var("c", v, d), var("k", v, d)):
+                rows.add([(copy, 1), *elsewhere], hi=0)
+                rows.add([(copy, 1), *there], hi=0)
 
 
 def _fixed_terms(graph: Graph, D: int, rows: Rows) -> list[list[tuple[int, float]]]:

@@ -32,6 +32,12 @@ def _bound(problem, names: tuple[str, ...], extra_ms=cover_extra_ms) -> float:
     return problem.costs.ideal_ms(names[0] if len(names) == 1 else None) + extra
 
 
+def _one_device_costs(problem, device: str) -> list[float]:
+    """The simulated cost of each ``ONE_DEVICE`` strategy's plan on ``device`` that fits."""
+    results = [run_strategy(strategy, problem, device) for strategy in ONE_DEVICE]
+    return [r.simulation.total_ms for r in results if r.feasible and r.simulation is not None]
+
+
 def _graph(name: str, batch: int = 4):
     return training_graph(forward_graph(samples.ZOO[name](batch=batch)))
 
@@ -42,11 +48,7 @@ def test_every_plan_on_one_device_costs_at_least_either_bound() -> None:
     ideal = problem.costs.ideal_ms("cuda0")
     assert cover > ideal * 1.05  # tight budgets: well above the ideal
     assert closure > cover  # a dropped value's inputs are charged too
-    costs = []
-    for strategy in ONE_DEVICE:
-        result = run_strategy(strategy, problem, "cuda0")
-        if result.feasible and result.simulation is not None:
-            costs.append(result.simulation.total_ms)
+    costs = _one_device_costs(problem, "cuda0")
     assert len(costs) >= 3
     assert min(costs) >= closure * (1 - 1e-9)
 
@@ -62,11 +64,7 @@ def test_closure_rows_deep_enough_for_attention_raise_the_bound_below_every_plan
     shallow = _bound(replace(problem, solver=shallow_settings), ("cpu0",), closure_extra_ms)
     deep = _bound(problem, ("cpu0",), closure_extra_ms)
     assert search.closure_depth == 8 and deep > shallow * 1.01
-    costs = []
-    for strategy in ONE_DEVICE:
-        result = run_strategy(strategy, problem, "cpu0")
-        if result.feasible and result.simulation is not None:
-            costs.append(result.simulation.total_ms)
+    costs = _one_device_costs(problem, "cpu0")
     assert len(costs) >= 3
     assert min(costs) >= deep * (1 - 1e-9)
 

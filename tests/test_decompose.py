@@ -2,9 +2,11 @@
 graph as the plan order needs, held values carry no gradient buffer, and the exact
 strategies stitch the parts' plans into one plan the simulator accepts."""
 
+import time
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import pytest
 from regime import budgeted
 
@@ -12,7 +14,7 @@ from remat import samples
 from remat.graph import Mode, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.simulator import held_fixed_bytes, simulate
-from remat.solvers.model import SolveOptions
+from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import device_fixed_bytes, shortfall
@@ -30,8 +32,8 @@ from remat.strategies.exact.decompose import (
     solve_parts,
     stored_choices,
 )
-from remat.strategies.exact.search import quick_part
-from remat.strategies.exact.state import Search
+from remat.strategies.exact.search import _Switch, quick_part
+from remat.strategies.exact.state import RelaxedPlacement, Search
 from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
 
@@ -159,10 +161,11 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     """The parts' plans on several devices reserve every fixed tensor on each device and
     copy between parts, so the stitched plan can cost more than one device's. ``xengine``
     solves the graph on the device with the lowest ideal alone (``checkmate_milp``,
-    decomposed too) for all its time, and keeps it unless the device cover's placement
-    plans cheaper. Beside it the device cover with closure rows bounds the whole graph,
-    its bound the result's where it is the best (its MILP's root relaxation takes a few
-    seconds: the limit leaves it those also on a busy machine)."""
+    decomposed too) until the device cover's placement takes over, and keeps its plan
+    unless the interval model on that placement plans cheaper. Beside it the device
+    cover with closure rows bounds the whole graph, its bound the result's where it is
+    the best (its MILP's root relaxation takes a few seconds: the limit leaves it those
+    also on a busy machine)."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=10, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
@@ -202,7 +205,7 @@ def test_inference_graphs_decompose_into_forward_parts_and_keep_the_outputs():
     assert set(graph.outputs) <= plan_parts[-1].needed_after
     exact = lambda part: checkmate_milp(part, "cuda0", decompose=False)  # noqa: E731
     solvers = PartSolvers(exact, _never_called)
-    result = solve_parts(problem, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60)
+    result = solve_parts(problem, "checkmate_milp", "cuda0", solvers, lambda: None, 60)
     assert result.plan is not None, result.message
     simulation = simulate(result.plan, graph, problem.costs, problem.budgets)
     assert simulation.valid  # the outputs are resident at the end
@@ -214,14 +217,14 @@ def test_an_impossible_budget_is_reported_not_stitched(large):
     cuts = segments(tight.graph, tight.costs)
     assert stored_choices(tight.graph, tight.costs, cuts, 0) == [frozenset()]
     solvers = PartSolvers(_never_called, _never_called)
-    result = solve_parts(tight, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60)
+    result = solve_parts(tight, "checkmate_milp", "cuda0", solvers, lambda: None, 60)
     assert result.plan is None
-    assert "exceed a budget" in result.message
+    assert "exceed the budget" in result.message
 
 
 def test_a_spent_time_limit_stitches_the_parts_baselines_without_solving(large):
     solvers = PartSolvers(_never_called, _baseline)
-    result = solve_parts(large, "checkmate_milp", ("cuda0",), solvers, lambda: None, 0)
+    result = solve_parts(large, "checkmate_milp", "cuda0", solvers, lambda: None, 0)
     assert result.plan is not None, result.message
     simulation = simulate(result.plan, large.graph, large.costs, large.budgets)
     assert simulation.valid
@@ -238,7 +241,7 @@ def test_the_baselines_stitched_plan_is_offered_before_any_part_is_solved(large)
 
     solvers = PartSolvers(exact, _baseline)
     result = solve_parts(
-        large, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60, offered.append
+        large, "checkmate_milp", "cuda0", solvers, lambda: None, 60, offered.append
     )
     assert result.plan is not None and offers_before_solve and offers_before_solve[0] >= 1
     first = offered[0]
@@ -251,8 +254,8 @@ def test_parts_no_baseline_fits_get_greedy_eviction_plans_offered_before_any_sol
     tight = _problem(8, 15)
     assert best_baseline(tight, ["cuda0"]) is None
     baselines = PartSolvers(_never_called, _baseline)
-    assert solve_parts(tight, "checkmate_milp", ("cuda0",), baselines, lambda: None, 0).plan is None
-    quick = partial(quick_part, names=["cuda0"])
+    assert solve_parts(tight, "checkmate_milp", "cuda0", baselines, lambda: None, 0).plan is None
+    quick = partial(quick_part, device="cuda0")
     offered: list[StrategyResult] = []
 
     def exact(part):
@@ -261,7 +264,7 @@ def test_parts_no_baseline_fits_get_greedy_eviction_plans_offered_before_any_sol
 
     solvers = PartSolvers(exact, quick, judge=_baseline)  # no choice's baselines fit
     result = solve_parts(
-        tight, "checkmate_milp", ("cuda0",), solvers, lambda: None, 60, offered.append
+        tight, "checkmate_milp", "cuda0", solvers, lambda: None, 60, offered.append
     )
     assert result.plan is not None and len(offered) == 1, result.message
     assert offered[0].feasible
@@ -276,3 +279,26 @@ def _baseline(part):
 
 def _never_called(problem):
     raise AssertionError("this part solver must not be called here")
+
+
+def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(large):
+    """On several devices the one-device search of a decomposed graph stops for the
+    interval model on the device cover's placement once its share of the time has passed,
+    where that placement uses both devices and its relaxed cost is below the one-device
+    search's bound; otherwise it goes on."""
+    problem = replace(large, budgets={"cpu0": None, "cuda0": large.budgets["cuda0"]})
+    n, now = len(problem.graph), time.monotonic()
+    search = Search(problem, problem.costs.ideal_ms(), now)
+    switch = _Switch(search, after=now - 1)
+    assert not switch.is_set()  # no placement yet
+    search.on_placement(RelaxedPlacement(np.ones(n, dtype=np.int64), 2.0))
+    switch.on_progress(Progress(1.0, 4.0, 3.0, 0.25))
+    assert not switch.is_set()  # every node on one device
+    search.on_placement(RelaxedPlacement(np.arange(n) % 2, 1.5))
+    assert switch.placement() is not None and switch.is_set()
+    later = _Switch(search, after=now + 3600)
+    later.on_progress(Progress(1.0, 4.0, 3.0, 0.25))
+    assert not later.is_set()  # its share of the time has not passed
+    dearer = _Switch(search, after=now - 1)
+    dearer.on_progress(Progress(1.0, 4.0, 1.2, 0.7))
+    assert dearer.placement() is None and not dearer.is_set()  # one device may reach it

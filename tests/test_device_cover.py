@@ -55,7 +55,7 @@ def test_the_device_cover_bounds_every_plan_on_two_devices(name: str, percent: f
     bounds = [found.bound_ms]
     if name == "transformer":
         options = SolveOptions(time_limit_s=60, gap=1e-6, threads=1)
-        closure = runner.solve(device_closure_model(problem, NAMES), options=options)
+        closure = runner.solve(device_closure_model(problem, NAMES).model, options=options)
         assert closure.status is SolveStatus.OPTIMAL and closure.bound is not None
         assert closure.bound > found.bound_ms * 1.01
         bounds.append(closure.bound)
@@ -79,7 +79,7 @@ def test_a_copy_needs_a_source_elsewhere_and_a_reader_there(
     for rows in (True, False):
         if not rows:
             monkeypatch.setattr(device_cover_module, "_copy_rows", lambda *_: None)
-        solved = runner.solve(device_closure_model(problem, NAMES), options=options)
+        solved = runner.solve(device_closure_model(problem, NAMES).model, options=options)
         assert solved.status is SolveStatus.OPTIMAL and solved.bound is not None
         bounds.append(solved.bound)
     with_rows, without = bounds

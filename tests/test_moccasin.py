@@ -9,7 +9,7 @@ from regime import budgeted
 
 from remat import samples
 from remat.compiler import compile_plan
-from remat.formulations.moccasin import COST_SCALE, build_moccasin
+from remat.formulations.moccasin import COST_SCALE, Placement, build_moccasin
 from remat.onnx_ingest import forward_graph
 from remat.plan import Compute, Copy, Free
 from remat.schedule import schedule_of_steps
@@ -17,8 +17,10 @@ from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, run_strategy
 from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.common.problem import evaluate
 from remat.strategies.config import SearchConfig
 from remat.strategies.exact.cover import covers_extra_ms
+from remat.strategies.exact.intervals import placed
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.training import training_graph
 
@@ -61,14 +63,9 @@ def test_the_model_holds_a_plan_at_its_simulated_cost(resnet, evicted):
     """The warm start fixed as the solution: feasible under the budget, with the
     simulator's compute time as the objective."""
     computations = np.maximum(2, evicted.schedule.R[0].sum(axis=0))
-    model = build_moccasin(
-        resnet.graph,
-        resnet.costs,
-        "cuda0",
-        resnet.budgets["cuda0"],
-        device_fixed_bytes(resnet, "cuda0"),
-        computations,
-    )
+    fixed = device_fixed_bytes(resnet, "cuda0")
+    placement = Placement.single("cuda0", len(resnet.graph), resnet.budgets["cuda0"], fixed)
+    model = build_moccasin(resnet.graph, resnet.costs, placement, computations)
     model.hint(evicted.schedule)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
@@ -87,7 +84,8 @@ def test_the_model_refuses_a_plan_over_its_budget(resnet, evicted):
     peak = evicted.simulation.peak_bytes["cuda0"]
     fixed = device_fixed_bytes(resnet, "cuda0")
     tight = fixed + (peak - fixed) // 2
-    model = build_moccasin(resnet.graph, resnet.costs, "cuda0", tight, fixed, computations)
+    placement = Placement.single("cuda0", len(resnet.graph), tight, fixed)
+    model = build_moccasin(resnet.graph, resnet.costs, placement, computations)
     model.hint(evicted.schedule)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
@@ -125,3 +123,31 @@ def test_a_decomposed_graph_is_solved_whole_after_its_parts(resnet):
     simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert simulation.valid
     assert simulation.total_ms <= stitched * (1 + 1e-3)
+
+
+def test_on_a_placement_every_plan_computes_each_node_on_its_device_within_each_budget(resnet):
+    """Nodes alternate between two devices, so nearly every value is read on the other
+    device: each incumbent's plan copies them there, and the simulator finds every one
+    within both budgets (the model charges each copy on its reader's device for the
+    reader's stage) and each node computed only on its device."""
+    names = ("cpu0", "cuda0")
+    problem = budgeted(resnet.graph, 50, names, QUICK)
+    home = np.arange(len(problem.graph)) % 2
+    placement = placed(problem, names, home)
+    model = build_moccasin(problem.graph, problem.costs, placement, 2)
+    plans = []
+
+    class _Plans(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            plans.append(evaluate(problem, model.decode(self.value), "moccasin"))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 10
+    solver.parameters.num_workers = 2
+    solver.solve(model.model, _Plans())
+    assert plans, "a plan within 10 s"
+    for evaluation in plans:
+        assert evaluation.fits, evaluation.simulation.violation
+        computes = [s for s in evaluation.plan.steps if isinstance(s, Compute)]
+        assert all(step.device == names[home[step.node]] for step in computes)
+        assert any(isinstance(s, Copy) for s in evaluation.plan.steps)

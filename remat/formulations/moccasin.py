@@ -25,6 +25,13 @@ never exceeds the cumulative profile.
 With C_i below the number of stages where i can matter, this is a restriction of
 Checkmate's model: its solutions are plans, but its bound is not a bound of the whole
 problem (the strategy reports the ideal's).
+
+On several devices the model takes a placement (``Placement``: node i computed only on
+device home_i, as XEngine's plans with a fixed placement): one cumulative constraint per
+device over the intervals of the nodes placed there. A value read on another device is
+copied there by the compiler for the stage of its reader and freed by that stage's end,
+so each such read charges the value's bytes on the reader's device for the reader's whole
+stage. Copies are not in the objective (the simulator charges them).
 """
 
 from __future__ import annotations
@@ -53,12 +60,28 @@ class Computation:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where each node is computed (``devices[home[i]]``), each device's budget (None:
+    unlimited) and the fixed tensors it holds (parameters, inputs, gradient buffers)."""
+
+    devices: tuple[str, ...]
+    home: np.ndarray  # int [n]
+    budgets: tuple[int | None, ...]
+    fixed_bytes: tuple[int, ...]
+
+    @classmethod
+    def single(cls, device: str, n: int, budget: int | None, fixed_bytes: int) -> Placement:
+        """Every one of ``n`` nodes on ``device``."""
+        return cls((device,), np.zeros(n, dtype=np.int64), (budget,), (fixed_bytes,))
+
+
+@dataclass(frozen=True)
 class MoccasinModel:
     """The CP model and its variables, per node the list of its computations."""
 
     model: Any  # cp_model.CpModel
     graph: Graph
-    device: str
+    placement: Placement
     n: int
     computations: tuple[tuple[Computation, ...], ...]
     offset_ms: float  # sum_i C_i: the first computations' time, outside the objective
@@ -68,26 +91,29 @@ class MoccasinModel:
 
     def decode(self, value: Any) -> Schedule:
         """R and S of a solution; ``value(var)`` reads a variable (a solver's ``Value``)."""
-        n = self.n
-        R = np.zeros((n, n), dtype=bool)
-        S = np.zeros((n, n), dtype=bool)
+        n, placement = self.n, self.placement
+        shape = (len(placement.devices), n, n)
+        R = np.zeros(shape, dtype=bool)
+        S = np.zeros(shape, dtype=bool)
         for i, computations in enumerate(self.computations):
+            d = int(placement.home[i])
             for c in computations:
                 if not _read(value, c.present):
                     continue
                 t = int(_read(value, c.stage))
-                R[t, i] = True
+                R[d, t, i] = True
                 end = int(_read(value, c.end))
                 # kept into stage u when the interval covers the slot n u, u > t
                 last = min(n - 1, (end - 1) // n)
-                S[t + 1 : last + 1, i] = True
-        return Schedule.single(self.device, R, S)
+                S[d, t + 1 : last + 1, i] = True
+        return Schedule(placement.devices, R, S)
 
     def hint(self, schedule: Schedule) -> None:
         """Hint the solver with ``schedule`` (a warm start): each node's computations in
         stage order with the retention the schedule's S gives them; computations beyond
-        C_i are left out of the hint."""
-        R, S = schedule.R[0], schedule.S[0]
+        C_i are left out of the hint. A node's computations and retention are read on
+        any device of ``schedule``."""
+        R, S = np.asarray(schedule.R.any(axis=0)), np.asarray(schedule.S.any(axis=0))
         n = self.n
         users = [sorted(set(u)) for u in self.graph.users()]
         for i, computations in enumerate(self.computations):
@@ -111,30 +137,30 @@ class MoccasinModel:
 def build_moccasin(
     graph: Graph,
     costs: CostModel,
-    device: str,
-    budget_bytes: int | None,
-    fixed_bytes: int,
+    placement: Placement,
     computations: int | np.ndarray = 2,
 ) -> MoccasinModel:
-    """The CP model for ``graph`` on ``device``: at most ``computations`` computations of
-    each node (the paper's C_v; one number or one per node), memory within
-    ``budget_bytes`` of which ``fixed_bytes`` are fixed (parameters, inputs, gradient
-    buffers)."""
+    """The CP model for ``graph`` on ``placement``: at most ``computations`` computations
+    of each node (the paper's C_v; one number or one per node), each device's memory
+    within its budget, of which its fixed bytes are fixed."""
     from ortools.sat.python import cp_model
 
     st = Structure.of(graph)
     n = st.n
+    home = placement.home
     C_v = np.broadcast_to(np.asarray(computations, dtype=np.int64), (n,))
-    C = np.asarray(costs.compute_ms[:, costs.device_index(device)], dtype=float)
+    columns = np.array([costs.device_index(name) for name in placement.devices])
+    C = np.asarray(costs.compute_ms[np.arange(n), columns[home]], dtype=float)
     M = np.asarray(costs.output_bytes, dtype=np.int64)
     unit = memory_unit(M)
     m = M // unit
     model = cp_model.CpModel()
     horizon = n * n
     nodes: list[tuple[Computation, ...]] = []
-    intervals: list[Any] = []
-    demands: list[int] = []
+    intervals: list[list[Any]] = [[] for _ in placement.devices]
+    demands: list[list[int]] = [[] for _ in placement.devices]
     for i in range(n):
+        d = int(home[i])
         last = int(st.last_desc[i])  # the last stage in which value i can matter
         end_max = horizon if st.is_output[i] else n * max(last, i) + max(last, i) + 1
         extra = 0 if st.is_output[i] or last <= i else min(int(C_v[i]) - 1, last - i)
@@ -145,8 +171,8 @@ def build_moccasin(
         own = [Computation(i, i, first_end, True)]
         if int(m[i]) > 0:
             size = first_end - first_start
-            intervals.append(model.new_interval_var(first_start, size, first_end, f"I[{i},0]"))
-            demands.append(int(m[i]))
+            intervals[d].append(model.new_interval_var(first_start, size, first_end, f"I[{i},0]"))
+            demands[d].append(int(m[i]))
         for j in range(1, extra + 1):
             a = model.new_bool_var(f"a[{i},{j}]")
             t = model.new_int_var(i + 1, last, f"t[{i},{j}]")
@@ -161,17 +187,48 @@ def build_moccasin(
             if int(m[i]) > 0:
                 size = model.new_int_var(0, end_max, f"d[{i},{j}]")
                 model.add(size == e - start).only_enforce_if(a)
-                intervals.append(model.new_optional_interval_var(start, size, e, a, f"I[{i},{j}]"))
-                demands.append(int(m[i]))
+                optional = model.new_optional_interval_var(start, size, e, a, f"I[{i},{j}]")
+                intervals[d].append(optional)
+                demands[d].append(int(m[i]))
             own.append(Computation(i, t, e, a))
         nodes.append(tuple(own))
     _precedence(model, st, nodes, n)
-    if budget_bytes is not None:
-        capacity = (budget_bytes - fixed_bytes) // unit
-        model.add_cumulative(intervals, demands, max(0, int(capacity)))
+    _copies(model, st, nodes, home, m, intervals, demands)
+    for d, budget in enumerate(placement.budgets):
+        if budget is not None:
+            capacity = (budget - placement.fixed_bytes[d]) // unit
+            model.add_cumulative(intervals[d], demands[d], max(0, int(capacity)))
     weights = np.rint(C * COST_SCALE).astype(np.int64)
     model.minimize(sum(int(weights[c.node]) * c.present for own in nodes for c in own[1:]))
-    return MoccasinModel(model, graph, device, n, tuple(nodes), float(C.sum()))
+    return MoccasinModel(model, graph, placement, n, tuple(nodes), float(C.sum()))
+
+
+def _copies(
+    model: Any,
+    st: Structure,
+    nodes: list[tuple[Computation, ...]],
+    home: np.ndarray,
+    m: np.ndarray,
+    intervals: list[list[Any]],
+    demands: list[list[int]],
+) -> None:
+    """Each computation of v that reads u from another device holds u's copy on v's
+    device for v's whole stage (the compiler frees it by the stage's end)."""
+    n = st.n
+    for u, v in zip(st.edge_u.tolist(), st.edge_v.tolist(), strict=True):
+        d = int(home[v])
+        if int(home[u]) == d or int(m[u]) == 0:
+            continue
+        for j, cv in enumerate(nodes[v]):
+            start = n * cv.stage
+            if cv.present is True:
+                copy = model.new_interval_var(start, n, start + n, f"K[{u},{v},{j}]")
+            else:
+                copy = model.new_optional_interval_var(
+                    start, n, start + n, cv.present, f"K[{u},{v},{j}]"
+                )
+            intervals[d].append(copy)
+            demands[d].append(int(m[u]))
 
 
 def _precedence(model: Any, st: Structure, nodes: list[tuple[Computation, ...]], n: int) -> None:

@@ -114,6 +114,10 @@ class SearchConfig:
     parts_share: float = 0.5
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""
+    alone_share: float = 0.5
+    """Of the time left on several devices: the least the one-device search takes before
+    it stops for the whole graph's interval model on the device cover's placement (where
+    one is worth it; otherwise it takes all the time)."""
 
     # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
     restricted_share: float = 0.25

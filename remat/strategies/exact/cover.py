@@ -108,14 +108,15 @@ def device_cover(
     return DeviceBound(solved.bound, home)
 
 
-def device_closure_model(problem: Problem, names: Sequence[str]) -> MILPModel:
+def device_closure_model(problem: Problem, names: Sequence[str]) -> DeviceCoverModel:
     """The device cover of ``problem`` on two or more devices ``names`` with the closure
     cover's rows on each device (a recomputation on d needs its inputs on d, ``closure_depth``
     steps back). Its optimum bounds every plan's cost. Its LP relaxation is weak (a node
     split over devices halves its memory on each), so the bound is the MILP's dual bound,
     which a solve stopped early still gives; that solve takes longer than a solver
-    subprocess takes to start, and is solved in one (``search.bound_by_closure``)."""
-    return _device_cover_model(problem, names, problem.solver.search.closure_depth).model
+    subprocess takes to start, and is solved in one (``search.bound_by_closure``). Its
+    incumbents' placements are where a placed search starts (``search._placed``)."""
+    return _device_cover_model(problem, names, problem.solver.search.closure_depth)
 
 
 def _device_cover_model(problem: Problem, names: Sequence[str], depth: int) -> DeviceCoverModel:

@@ -12,22 +12,21 @@ The parts, in plan order, are (``parts``):
 - B_{K-1} .. B_1: segment k's forward nodes recomputed from the checkpoints, then its
   backward nodes (a part whose segment has no backward node is left out).
 
-In inference the parts are F_1 .. F_K. Each part is a graph of its own (``Part``):
+In inference the parts are F_1 .. F_K. The exact search decomposes on one device
+(``search._decomposed``): a part's plan reserves every fixed tensor, so over several
+devices the parts would cost more than one device's. Each part is a graph of its own
+(``Part``):
 
-- a value it reads from another part is a *held* fixed tensor (``FixedKind.HELD``): the
-  part's own accounting holds it on every device that reads it, for the whole part; the
-  stitched plan copies it there when the part starts and frees it elsewhere;
+- a value it reads from another part is a *held* fixed tensor (``FixedKind.HELD``),
+  resident for the whole part;
 - a value a later part reads is one of its outputs: resident from its computation on;
-- parameters, inputs and their gradient buffers are reserved on every device for the
-  whole plan (a part cannot know where later parts read them), and values carried past the
-  part (read later, not by it) are reserved where they lie: both come off its budget.
+- parameters, inputs and their gradient buffers are reserved for the whole plan, and
+  values carried past the part (read later, not by it) are reserved too: both come off
+  its budget.
 
 So every part's plan fits its budget in the whole plan too; the simulator still judges the
-stitched plan. The price: segments 1..K-1 run forward twice (as in Chen's segments), and
-every device reserves all fixed tensors. The bound stays the whole problem's (the ideal):
-a part's bound is not a bound of the whole. The exact search decomposes on one device
-(``search._decomposed``): reserving every fixed tensor on each device, the parts' plans
-over several devices cost more than one device's.
+stitched plan. The price: segments 1..K-1 run forward twice (as in Chen's segments). The
+bound stays the whole problem's (the covers'): a part's bound is not a bound of the whole.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import numpy as np
 
 from remat.costs import CostModel
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
-from remat.plan import Compute, Copy, Free, Plan, Step
+from remat.plan import Compute, Free, Plan, Step
 from remat.simulator import held_fixed_bytes
 from remat.strategies.common.problem import Problem, StrategyResult, evaluate_plan, select_best
 from remat.strategies.config import DEFAULT_SEARCH, SearchConfig
@@ -229,15 +228,15 @@ class PartSolvers:
 def solve_parts(
     problem: Problem,
     strategy: str,
-    names: Sequence[str],
+    device: str,
     solvers: PartSolvers,
     heartbeat: Callable[[], None],
     seconds: float,
     offer: Callable[[StrategyResult], None] | None = None,
 ) -> StrategyResult:
-    """Each part solved in plan order (a part's budget depends on where the earlier parts
-    left their values), for a share of ``seconds`` proportional to its size; the stitched
-    plan judged by the simulator. Which forward values the segments keep is chosen among
+    """Each part solved on ``device`` in plan order (a part's budget depends on what the
+    earlier parts left resident), for a share of ``seconds`` proportional to its size; the
+    stitched plan judged by the simulator. Which forward values the segments keep is chosen among
     ``stored_choices`` by the stitched plans of their parts' ``judge`` plans (``_chosen``),
     each cheaper one going to ``offer`` as found (a plan within a second or two, where the
     parts' solves take most of the limit); if a part then finds no plan, every segment is
@@ -245,9 +244,10 @@ def solve_parts(
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
-    room = _room(problem, names, reserved)
+    budget = problem.budgets.get(device)
+    room = None if budget is None else budget - reserved
     deadline = time.monotonic() + seconds
-    stitch = partial(_stitch, problem, strategy, names, reserved, heartbeat, deadline)
+    stitch = partial(_stitch, problem, strategy, device, reserved, heartbeat, deadline)
     choices = stored_choices(graph, costs, cuts, room)
     judge = solvers.judge or solvers.quick
     judged = partial(stitch, replace(solvers, exact=judge, quick=judge))
@@ -295,21 +295,13 @@ def _chosen(
     return best
 
 
-def _room(problem: Problem, names: Sequence[str], reserved: int) -> int | None:
-    """The bytes all devices have for values, or None (unlimited)."""
-    budgets = [problem.budgets.get(name) for name in names]
-    if any(b is None for b in budgets):
-        return None
-    return sum(b - reserved for b in budgets if b is not None)
-
-
 def stored_choices(
     graph: Graph, costs: CostModel, cuts: Sequence[range], room: int | None
 ) -> list[frozenset[int]]:
     """Sets of forward values to keep from their F part for their B part: of two orders of the
     candidates, the longest prefix that the memory estimate admits (``_fits``: every part's
-    resident values, outputs and largest operation within ``room``, the bytes all devices
-    have for values), and its 3/4, 1/2 and 1/4. The estimate ignores the parts' working
+    resident values, outputs and largest operation within ``room``, the bytes the device
+    has for values), and its 3/4, 1/2 and 1/4. The estimate ignores the parts' working
     memory: a part left little room recomputes inside it, which can cost more than
     recomputing the segment. The orders: segment by segment from the loss back (the later a
     segment, the shorter its values are held), and across segments by recomputation cost per
@@ -370,7 +362,7 @@ def _fits(graph: Graph, costs: CostModel, plan_parts: list[Part], room: int) -> 
 def _stitch(
     problem: Problem,
     strategy: str,
-    names: Sequence[str],
+    device: str,
     reserved: int,
     heartbeat: Callable[[], None],
     deadline: float,
@@ -378,13 +370,13 @@ def _stitch(
     plan_parts: list[Part],
 ) -> StrategyResult:
     graph, costs = problem.graph, problem.costs
-    stitcher = _Stitcher(problem, names)
+    stitcher = _Stitcher(problem, device)
     left = sum(len(part.nodes) for part in plan_parts)
     for number, part in enumerate(plan_parts, start=1):
         where = f"part {number} of {len(plan_parts)} ({len(part.nodes)} nodes)"
-        budgets = stitcher.budgets(part, reserved)
-        if budgets is None:
-            return _failed(strategy, f"{where}: fixed memory and checkpoints exceed a budget")
+        budget = stitcher.budget(part, reserved)
+        if budget is not None and budget < 0:
+            return _failed(strategy, f"{where}: fixed memory and checkpoints exceed the budget")
         share = (deadline - time.monotonic()) * len(part.nodes) / left
         left -= len(part.nodes)
         settings = replace(
@@ -393,7 +385,7 @@ def _stitch(
             on_progress=lambda _progress: heartbeat(),
             on_plan=None,  # a part's plans are not plans of the whole problem
         )
-        sub = Problem(part.graph(graph, costs), part.costs(costs), budgets, settings)
+        sub = Problem(part.graph(graph, costs), part.costs(costs), {device: budget}, settings)
         quick = share < problem.solver.search.min_part_s
         result = solvers.quick(sub) if quick else solvers.exact(sub)
         if result.plan is None:
@@ -401,7 +393,7 @@ def _stitch(
         stitcher.add(part, result.plan)
         if problem.cancelled:
             return _failed(strategy, "cancelled")
-    plan = Plan(strategy, problem.plan_devices(names), tuple(stitcher.steps))
+    plan = Plan(strategy, problem.plan_devices([device]), tuple(stitcher.steps))
     return select_best(strategy, [evaluate_plan(problem, plan)])
 
 
@@ -410,81 +402,37 @@ def _failed(strategy: str, why: str) -> StrategyResult:
 
 
 class _Stitcher:
-    """The stitched plan as it grows, and which values it leaves resident where."""
+    """The stitched plan on one device as it grows, and which values it leaves resident."""
 
-    def __init__(self, problem: Problem, names: Sequence[str]) -> None:
+    def __init__(self, problem: Problem, device: str) -> None:
         self.problem = problem
-        self.names = tuple(names)
-        self.graph = problem.graph
-        self.resident: dict[int, list[str]] = {}  # value -> devices, in order of arrival
+        self.device = device
+        self.resident: set[int] = set()
         self.steps: list[Step] = []
         self.stage = 0
 
-    def budgets(self, part: Part, reserved: int) -> dict[str, int | None] | None:
-        """The part's budgets: the device's, less the reserved fixed memory and the values
-        carried past the part where they lie; None if one goes below zero."""
-        result: dict[str, int | None] = {}
-        for name in self.names:
-            budget = self.problem.budgets.get(name)
-            if budget is None:
-                result[name] = None
-                continue
-            carried = sum(
-                int(self.problem.costs.output_bytes[v])
-                for v, devices in self.resident.items()
-                if name in devices and v not in part.held
-            )
-            result[name] = budget - reserved - carried
-            if result[name] < 0:  # type: ignore[operator]
-                return None
-        return result
+    def budget(self, part: Part, reserved: int) -> int | None:
+        """The part's budget: the device's, less the reserved fixed memory and the values
+        carried past the part (None: unlimited; below zero: the part cannot fit)."""
+        budget = self.problem.budgets.get(self.device)
+        if budget is None:
+            return None
+        size = self.problem.costs.output_bytes
+        return budget - reserved - sum(int(size[v]) for v in self.resident - set(part.held))
 
     def add(self, part: Part, plan: Plan) -> None:
-        self._enter(part, plan)
+        """The part's plan in the whole graph's numbering, then what no later part reads
+        freed. Its held values are resident: earlier parts left every value a later
+        part reads."""
         for step in plan.steps:
             self.stage = max(self.stage, part.nodes[step.stage])
             self._emit(replace(step, stage=self.stage, node=part.nodes[step.node]))
-        self._leave(part.needed_after)
-
-    def _enter(self, part: Part, plan: Plan) -> None:
-        """Each held value onto every device that reads it in the part, off the others."""
-        readers: dict[int, set[str]] = {v: set() for v in part.held}
-        held = set(part.held)
-        for step in plan.steps:
-            if isinstance(step, Compute):
-                for d in self.graph.nodes[part.nodes[step.node]].deps:
-                    if d in held:
-                        readers[d].add(step.device)
-        for value in part.held:
-            for device in sorted(readers[value]):
-                if device not in self.resident.get(value, []):
-                    self._emit(Copy(self.stage, value, self._source(value, device), device))
-            for device in list(self.resident[value]):
-                if device not in readers[value]:
-                    self._emit(Free(self.stage, value, device))
-
-    def _source(self, value: int, device: str) -> str:
-        costs = self.problem.costs
-        to = costs.device_index(device)
-        return min(
-            self.resident[value],
-            key=lambda d: float(costs.copy_ms[value, costs.device_index(d), to]),
-        )
-
-    def _leave(self, keep: frozenset[int]) -> None:
-        """Free what no later part reads; of the rest keep the copy that arrived first."""
-        for value, devices in list(self.resident.items()):
-            for device in devices[1:] if value in keep else list(devices):
-                self._emit(Free(self.stage, value, device))
+        for value in sorted(self.resident - part.needed_after):
+            self._emit(Free(self.stage, value, self.device))
 
     def _emit(self, step: Step) -> None:
-        devices = self.resident.setdefault(step.node, [])
-        if isinstance(step, Compute) and step.device not in devices:
-            devices.append(step.device)
-        elif isinstance(step, Copy) and step.dst not in devices:
-            devices.append(step.dst)
+        if isinstance(step, Compute):
+            self.resident.add(step.node)
         elif isinstance(step, Free):
-            devices.remove(step.device)
-        if not devices:
-            del self.resident[step.node]
+            self.resident.discard(step.node)
         self.steps.append(step)

@@ -1,36 +1,54 @@
-"""The whole graph on one device as Moccasin's retention-interval constraint program
-(``remat.formulations.moccasin``) on CP-SAT, from a warm start: a search phase that scales
-to graphs of thousands of nodes (the model has O(n) intervals, built in well under a
-second at 1,000 nodes). Every solver incumbent is judged by the simulator and offered to
-the search as it is found. The model limits each node's computations, so CP-SAT's bound
-is a restriction's and is not reported."""
+"""The whole graph as Moccasin's retention-interval constraint program
+(``remat.formulations.moccasin``) on CP-SAT, from a warm start, on one device or on a
+placement over several: a search phase that scales to graphs of thousands of nodes (the
+model has O(n) intervals, built in well under a second at 1,000 nodes). Every solver
+incumbent is judged by the simulator and offered to the search as it is found. The model
+limits each node's computations (and fixes its device), so CP-SAT's bound is a
+restriction's and is not reported."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from remat.formulations.moccasin import MoccasinModel, build_moccasin
+from remat.formulations.moccasin import MoccasinModel, Placement, build_moccasin
 from remat.schedule import Schedule
+from remat.simulator import held_fixed_bytes
 from remat.solvers.backend import SolverUnavailable
 from remat.solvers.cpsat import solve_watched
 from remat.solvers.model import SolveResult, SolveStatus
 from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.common.problem import Problem
 from remat.strategies.exact.state import Search
 
 logger = logging.getLogger(__name__)
 
 
+def on_device(problem: Problem, device: str) -> Placement:
+    """Every node of ``problem`` on ``device``."""
+    fixed = device_fixed_bytes(problem, device)
+    return Placement.single(device, len(problem.graph), problem.budgets.get(device), fixed)
+
+
+def placed(problem: Problem, names: Sequence[str], home: np.ndarray) -> Placement:
+    """Node i of ``problem`` on ``names[home[i]]``, each device holding the fixed tensors
+    of the nodes placed there (the simulator's rule)."""
+    fixed = [held_fixed_bytes(problem.graph, np.flatnonzero(home == d)) for d in range(len(names))]
+    budgets = tuple(problem.budgets.get(name) for name in names)
+    return Placement(tuple(names), home, budgets, tuple(fixed))
+
+
 def solve_intervals(
-    search: Search, device: str, warm: Schedule | None, strategy: str
+    search: Search, placement: Placement, warm: Schedule | None, strategy: str
 ) -> SolveResult:
-    """Moccasin's model of the search's problem on ``device`` for the time the search has
-    left, with ``SearchConfig.moccasin_computations`` computations per node at most (more
-    where ``warm`` recomputes a node more often, so that ``warm`` is a solution), hinted
-    with ``warm``; plans are offered to the search under ``strategy``'s name."""
+    """Moccasin's model of the search's problem on ``placement`` for the time the search
+    has left, with ``SearchConfig.moccasin_computations`` computations per node at most
+    (more where ``warm`` recomputes a node more often, so that ``warm`` is a solution),
+    hinted with ``warm``; plans are offered to the search under ``strategy``'s name."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -38,15 +56,8 @@ def solve_intervals(
     problem = search.problem
     computations = np.full(len(problem.graph), problem.solver.search.moccasin_computations)
     if warm is not None:
-        computations = np.maximum(computations, warm.R[0].sum(axis=0))
-    formulation = build_moccasin(
-        problem.graph,
-        problem.costs,
-        device,
-        problem.budgets.get(device),
-        device_fixed_bytes(problem, device),
-        computations,
-    )
+        computations = np.maximum(computations, warm.R.any(axis=0).sum(axis=0))
+    formulation = build_moccasin(problem.graph, problem.costs, placement, computations)
     if warm is not None:
         formulation.hint(warm)
     solver = cp_model.CpSolver()

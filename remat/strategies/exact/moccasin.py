@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from remat.strategies.common.problem import Problem, StrategyResult
-from remat.strategies.exact.intervals import solve_intervals
+from remat.strategies.exact.intervals import on_device, solve_intervals
 from remat.strategies.exact.search import StrategyVariants, finish, start_search, unfit
 
 
@@ -21,5 +21,5 @@ def moccasin(problem: Problem, device: str) -> StrategyResult:
     variants = StrategyVariants(moccasin, coarse=False, decompose=False)
     search = start_search(problem, (device,), variants, start)
     warm = search.best.schedule if search.best is not None else None
-    solved = solve_intervals(search, device, warm, "moccasin")
+    solved = solve_intervals(search, on_device(problem, device), warm, "moccasin")
     return finish(problem, "moccasin", solved, None, search.best, search.bound)

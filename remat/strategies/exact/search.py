@@ -22,10 +22,13 @@ from functools import partial
 
 import numpy as np
 
+from remat.devices import format_bytes
 from remat.errors import ScheduleError
 from remat.formulations import Formulation
+from remat.formulations.moccasin import Placement
 from remat.plan import SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
+from remat.simulator import held_fixed_bytes
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
@@ -40,9 +43,9 @@ from remat.strategies.common.problem import (
 )
 from remat.strategies.exact.cover import covers_extra_ms, device_closure_model, device_cover
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
-from remat.strategies.exact.intervals import solve_intervals
+from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
-from remat.strategies.exact.state import Search, SideTask
+from remat.strategies.exact.state import RelaxedPlacement, Search, SideTask
 from remat.strategies.heuristics.evict import evict_placed, greedy_evict
 from remat.strategies.heuristics.placed import placed_greedy
 
@@ -103,12 +106,16 @@ def start_search(
 
 
 def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> None:
-    """The device cover's bound (``cover.device_cover``), and where its solution places
-    nodes on more than one device, greedy eviction's plan on that placement: the cover
-    moves a node off the accelerator where the memory its fixed tensors free is worth
-    more than its slower compute and copies, which no single-device search finds. Then,
-    with ``closure`` and unless the gap is met, the device cover with closure rows
-    (``bound_by_closure``)."""
+    """With ``closure`` (a decomposed graph), the device cover with closure rows
+    (``bound_by_closure``): its bound, and placements for the whole graph's interval model
+    (``_decomposed_on_devices``). Otherwise the device cover's bound
+    (``cover.device_cover``), and where its solution places nodes on more than one device,
+    greedy eviction's plan on that placement: the cover moves a node off the accelerator
+    where the memory its fixed tensors free is worth more than its slower compute and
+    copies, which no single-device search finds."""
+    if closure:
+        bound_by_closure(search, names)
+        return
     config = search.problem.solver.search
     seconds = max(min(config.device_cover_s, search.time_left() / 4), config.min_solve_s)
     found = device_cover(search.problem, names, seconds, search.side_stop())
@@ -119,23 +126,26 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
             logger.debug("device cover: greedy eviction on its placement for %.3g s", seconds)
             search.offer(evict_placed(search.problem, names, found.home, seconds))
             _log_incumbent(search, "device cover")
-    if closure and not search.side_stop().is_set() and not search.meets_gap():
-        bound_by_closure(search, names)
 
 
 def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     """The dual bound of the device cover with closure rows (``cover.device_closure_model``)
-    on ``names``, each rise reported as found: solved with ``lp_backend`` on one thread in
-    a subprocess for the time left, stopped with the solves beside the full one (its root
-    relaxation alone can take a quarter of a 120 s limit on 900 nodes)."""
+    on ``names``, each rise reported as found, and its incumbents' placements kept
+    (``Search.on_placement``): solved with ``lp_backend`` on one thread in a subprocess for
+    the time left, stopped with the solves beside the full one (its root relaxation alone
+    can take a quarter of a 120 s limit on 900 nodes)."""
     config = search.problem.solver.search
     seconds = search.remaining()
-    model = device_closure_model(search.problem, names)
+    cover = device_closure_model(search.problem, names)
+    model = cover.model
     logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
 
     def on_progress(progress: Progress) -> None:
         if progress.bound is not None and math.isfinite(progress.bound):
             search.on_bound(progress.bound)
+
+    def on_incumbent(x: np.ndarray, objective: float) -> None:
+        search.on_placement(RelaxedPlacement(cover.placement(x), objective))
 
     options = replace(search.problem.solver.options, time_limit_s=seconds, threads=1)
     solved = runner.solve(
@@ -145,9 +155,12 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         on_progress=on_progress,
         cancel=search.side_stop(),
         grace_s=config.solve_grace_s,
+        on_incumbent=on_incumbent,
     )
     if solved.bound is not None and math.isfinite(solved.bound):
         search.on_bound(solved.bound)
+    if solved.x is not None and solved.objective is not None:
+        on_incumbent(solved.x, solved.objective)
     logger.debug("device closure cover: bound %s (%s)", solved.bound, solved.message)
 
 
@@ -427,36 +440,21 @@ def _decomposed(
     """The stitched plan of the parts offered to the search (the warm start stays if it is
     cheaper, or if the parts found none), then the whole graph's interval model for the
     time left where the incumbent computes on one device (``_polished``); the bound is the
-    covers': no part's bound bounds the whole.
-
-    On several devices the graph is solved for all the time left on the device with the
-    lowest ideal that the memory floor admits alone (``_solve_on_one_device``), as the
-    single-device strategy would on its own, so a second device never leaves a worse plan;
-    what a second device is worth, the device cover's placement finds beside
-    (``start_from_devices``). The parts are not solved over several devices: a part's plan
-    holds every fixed tensor on each device, so where no device holds them alone, no part
-    fits either, and where one does, the parts' plans cost more than that device's."""
+    covers': no part's bound bounds the whole. On several devices,
+    ``_decomposed_on_devices``."""
     started = time.monotonic()
     if len(names) > 1:
-        alone = None
-        if variants.one_device is not None:
-            alone = _solve_on_one_device(problem, names, search, variants.one_device)
-        search.offer(alone)
-        message = (
-            alone.message
-            if alone is not None
-            else "decomposed: no single device holds every fixed tensor, and a part's plan "
-            "holds them on each device; only the device cover's placement can plan this graph"
-        )
+        message = _decomposed_on_devices(problem, strategy, names, variants, search)
         elapsed = time.monotonic() - started
         return SolveResult(SolveStatus.UNKNOWN, None, None, None, None, elapsed, message)
 
-    judge = partial(baseline_part, names=names)
-    solvers = PartSolvers(variants.on_part, partial(quick_part, names=names), judge)
+    device = names[0]
+    judge = partial(baseline_part, device=device)
+    solvers = PartSolvers(variants.on_part, partial(quick_part, device=device), judge)
     seconds = search.time_left() * problem.solver.search.parts_share  # the rest: _polished
     logger.debug("%s: decomposed, parts solved in %.3g s", strategy, seconds)
     stitched = solve_parts(
-        problem, strategy, names, solvers, search.heartbeat, seconds, offer=search.offer
+        problem, strategy, device, solvers, search.heartbeat, seconds, offer=search.offer
     )
     search.offer(stitched)
     if stitched.plan is not None and stitched.simulation is not None:
@@ -464,59 +462,148 @@ def _decomposed(
     else:
         message = stitched.message
     if search.time_left() >= problem.solver.search.min_solve_s:
-        message += _polished(search, names[0], strategy)
+        message += _polished(search, on_device(problem, device), strategy)
     return SolveResult(
         SolveStatus.UNKNOWN, None, None, None, None, time.monotonic() - started, message
     )
 
 
-def baseline_part(part: Problem, names: Sequence[str]) -> StrategyResult:
-    """A part's best baseline on any of ``names``: how the stored-value choices are judged
+def _decomposed_on_devices(
+    problem: Problem,
+    strategy: str,
+    names: Sequence[str],
+    variants: StrategyVariants,
+    search: Search,
+) -> str:
+    """A decomposed graph on several devices: solved on the device with the lowest ideal
+    that the memory floor admits alone (``_solve_on_one_device``), as the single-device
+    strategy would, so a second device never leaves a worse plan; beside it the device
+    cover with closure rows (``bound_by_closure``) finds placements. Once ``alone_share``
+    of the time left has passed and it has found one worth it (``_Switch``), the
+    one-device search stops and the whole graph's interval model runs on that placement
+    for the time left, from the incumbent moved onto it. The parts are not solved over
+    several devices: a part's plan holds every fixed tensor on each device, so where no
+    device holds them alone, no part fits either, and where one does, the parts' plans
+    cost more than that device's. Returns what happened."""
+    if variants.one_device is None:
+        return "decomposed: no strategy for one device"
+    switch = _Switch(
+        search, time.monotonic() + search.time_left() * problem.solver.search.alone_share
+    )
+    alone = _solve_on_one_device(problem, names, search, variants.one_device, switch)
+    if alone is None:
+        fixed = format_bytes(held_fixed_bytes(problem.graph, range(len(problem.graph))))
+        return (
+            "decomposed: no single device holds every fixed tensor, and a part's plan holds "
+            f"them on each device: one device needs a budget for all of them ({fixed}) and "
+            "its largest operation"
+        )
+    search.offer(alone)
+    relaxed = switch.placement()
+    if relaxed is None or search.time_left() < problem.solver.search.min_solve_s:
+        return alone.message
+    message = f"{alone.message}; stopped for the device cover's placement"
+    return message + _polished(search, placed(problem, names, relaxed.home), strategy)
+
+
+class _Switch:
+    """The stop flag of a decomposed graph's one-device search on several devices: set
+    once ``after`` (``time.monotonic()``) has passed and the device cover has found a
+    placement on several devices whose cost in its relaxation is below the one-device
+    search's bound (so that no plan on one device can reach it), or when the search is
+    cancelled."""
+
+    def __init__(self, search: Search, after: float) -> None:
+        self.search = search
+        self.after = after
+        self.bound = 0.0  # the one-device search's
+
+    def on_progress(self, progress: Progress) -> None:
+        if progress.bound is not None:
+            self.bound = max(self.bound, progress.bound)
+        self.search.heartbeat()
+
+    def placement(self) -> RelaxedPlacement | None:
+        relaxed = self.search.placement
+        if relaxed is None or len(set(relaxed.home.tolist())) < 2:
+            return None
+        return relaxed if relaxed.cost_ms < self.bound else None
+
+    def is_set(self) -> bool:
+        if self.search.problem.cancelled:
+            return True
+        return time.monotonic() >= self.after and self.placement() is not None
+
+
+def baseline_part(part: Problem, device: str) -> StrategyResult:
+    """A part's best baseline on ``device``: how the stored-value choices are judged
     (``decompose.PartSolvers.judge``), the stitched baselines having ranked them better
     than stitched heuristic plans."""
-    found = best_baseline(part, names)
+    found = best_baseline(part, [device])
     return found or StrategyResult("baseline", None, None, "no baseline fits its budget")
 
 
-def quick_part(part: Problem, names: Sequence[str]) -> StrategyResult:
-    """A part's plan without a solve: its best baseline on any of ``names``, or where none
-    fits greedy eviction on the device with the lowest ideal (``SearchConfig.part_evict_s``,
-    ``part_fit_s``): at tight budgets no baseline fits a part, and eviction finds a plan
-    for a part of a hundred nodes in a fraction of a second."""
-    found = baseline_part(part, names)
+def quick_part(part: Problem, device: str) -> StrategyResult:
+    """A part's plan on ``device`` without a solve: its best baseline, or where none fits
+    greedy eviction (``SearchConfig.part_evict_s``, ``part_fit_s``): at tight budgets no
+    baseline fits a part, and eviction finds a plan for a part of a hundred nodes in a
+    fraction of a second."""
+    found = baseline_part(part, device)
     if found.feasible:
         return found
     config = part.solver.search
-    device = min(names, key=part.costs.ideal_ms)
     return greedy_evict(part, device, config.part_evict_s, config.part_fit_s)
 
 
-def _polished(search: Search, device: str, strategy: str) -> str:
-    """The whole graph's interval model for the time left, from the incumbent (the
-    stitched plan, or the warm start): the parts fix where the graph is cut and what
-    crosses each cut, the whole graph's model does not."""
-    best = search.best
-    warm = None
-    if best is not None and best.plan is not None:
-        warm = best.schedule
-        if warm is None or warm.devices != (device,):
-            warm = schedule_of_steps(best.plan.steps, len(search.problem.graph), device)
+def _polished(search: Search, placement: Placement, strategy: str) -> str:
+    """The whole graph's interval model on ``placement`` for the time left, from the
+    incumbent (the stitched plan, or the warm start) moved onto it: the parts fix where the
+    graph is cut and what crosses each cut, the whole graph's model does not."""
+    warm = _moved(search, placement)
     before = search.best_ms
-    solve_intervals(search, device, warm, strategy)
+    solve_intervals(search, placement, warm, strategy)
     after = search.best_ms
+    where = "" if len(placement.devices) == 1 else " on the device cover's placement"
     if after is None or (before is not None and after >= before):
-        return "; the whole graph's interval model found no better plan"
-    return f"; the whole graph's interval model improved it to {after:.4g} ms"
+        return f"; the whole graph's interval model{where} found no better plan"
+    return f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
+
+
+def _moved(search: Search, placement: Placement) -> Schedule | None:
+    """The incumbent's schedule with each node's computations and retention moved to its
+    device of ``placement``; None without an incumbent on one device or a schedule."""
+    best = search.best
+    if best is None or best.plan is None:
+        return None
+    schedule = best.schedule
+    if schedule is None and len(best.plan.devices) == 1:
+        n, device = len(search.problem.graph), best.plan.devices[0].name
+        schedule = schedule_of_steps(best.plan.steps, n, device)
+    if schedule is None:
+        return None
+    if schedule.devices == placement.devices:
+        return schedule
+    D, home, n = len(placement.devices), placement.home, schedule.size
+    R = np.zeros((D, schedule.stages, n), dtype=bool)
+    S = np.zeros((D, schedule.stages, n), dtype=bool)
+    nodes = np.arange(n)
+    R[home, :, nodes] = schedule.R.any(axis=0).T
+    S[home, :, nodes] = schedule.S.any(axis=0).T
+    return Schedule(placement.devices, R, S)
 
 
 def _solve_on_one_device(
-    problem: Problem, names: Sequence[str], search: Search, one_device: OneDevice
+    problem: Problem,
+    names: Sequence[str],
+    search: Search,
+    one_device: OneDevice,
+    switch: _Switch,
 ) -> StrategyResult | None:
     """A large graph on several devices, solved by ``one_device`` (decomposed too) on the
-    device with the lowest ideal that the memory floor admits alone, for the time left, as
-    that strategy would solve it on its own; None where no device is admitted. Its plans
-    are offered as found; its bound bounds one device only, so its progress is not
-    reported."""
+    device with the lowest ideal that the memory floor admits alone, for the time left or
+    until ``switch`` is set, as that strategy would solve it on its own; None where no
+    device is admitted. Its plans are offered as found; its bound bounds one device only,
+    so its progress goes to ``switch``, not to the search's listener."""
     admitted = [name for name in names if shortfall(problem, (name,)) is None]
     if not admitted:
         return None
@@ -525,7 +612,11 @@ def _solve_on_one_device(
     seconds = search.time_left()
     options = replace(settings.options, time_limit_s=seconds)
     quiet = replace(
-        settings, options=options, on_progress=lambda _: search.heartbeat(), on_plan=search.offer
+        settings,
+        options=options,
+        on_progress=switch.on_progress,
+        on_plan=search.offer,
+        cancel=switch,
     )
     logger.debug("decomposed: solved on %s alone, for %.3g s", device, seconds)
     return one_device(replace(problem, solver=quiet), device)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from remat.schedule import Schedule
 from remat.solvers.model import Progress, StopFlag
 from remat.strategies.common.problem import Problem, StrategyResult, evaluate, select_best
@@ -42,6 +44,16 @@ class AnyOf:
 
     def is_set(self) -> bool:
         return any(flag is not None and flag.is_set() for flag in self.flags)
+
+
+@dataclass(frozen=True)
+class RelaxedPlacement:
+    """A solution of the device cover with closure rows: the device of each node's first
+    computation (``home[v]``, an index into the search's devices) and the solution's cost
+    in that relaxation."""
+
+    home: np.ndarray
+    cost_ms: float
 
 
 class Search:
@@ -62,6 +74,7 @@ class Search:
         self.coarse_done = threading.Event()  # stops the coarse solve
         self.full_done = threading.Event()  # the full solve ended: stops the solves beside it
         self.full_held = threading.Event()  # suspends the full solve's process while set
+        self.placement: RelaxedPlacement | None = None  # the device cover's best
         self._lock = threading.Lock()
 
     @property
@@ -154,6 +167,13 @@ class Search:
             self.bound = max(self.bound, bound)
             self._report()
             self._stop_full_if_met()
+
+    def on_placement(self, placement: RelaxedPlacement) -> None:
+        """A placement of the device cover with closure rows, kept if its relaxed cost is
+        the lowest so far."""
+        with self._lock:
+            if self.placement is None or placement.cost_ms < self.placement.cost_ms:
+                self.placement = placement
 
     def _stop_full_if_met(self) -> None:
         if self.meets_gap():

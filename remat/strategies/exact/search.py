@@ -224,6 +224,8 @@ def optimize(
     try:
         if decomposed:
             solved, evaluation = _decomposed(problem, strategy, names, variants, search), None
+            if beside is not None:
+                _await_bound(search, beside)
         else:
             solved, evaluation = _solved_whole(search, strategy, names, build, variants)
     finally:
@@ -231,6 +233,16 @@ def optimize(
             search.full_done.set()  # on a decomposed graph too: what is beside it stops
             beside.finish()
     return finish(problem, strategy, solved, evaluation, search.best, search.bound)
+
+
+def _await_bound(search: Search, beside: SideTask) -> None:
+    """On a decomposed graph the bound's solve beside (the device cover with closure rows)
+    is the only one that raises the bound: when the plans' search ends early, it keeps the
+    time left, unless the gap target is met or the search is cancelled."""
+    while beside.thread.is_alive() and search.time_left() > 0:
+        if search.meets_gap() or search.problem.cancelled:
+            return
+        beside.thread.join(0.1)
 
 
 def _solved_whole(

@@ -115,7 +115,8 @@ def device_closure_model(problem: Problem, names: Sequence[str]) -> DeviceCoverM
     split over devices halves its memory on each), so the bound is the MILP's dual bound,
     which a solve stopped early still gives; that solve takes longer than a solver
     subprocess takes to start, and is solved in one (``search.bound_by_closure``). Its
-    incumbents' placements are where a placed search starts (``search._placed``)."""
+    incumbents' placements are where the interval model on several devices runs
+    (``search._decomposed_on_devices``)."""
     return _device_cover_model(problem, names, problem.solver.search.closure_depth)
 
 

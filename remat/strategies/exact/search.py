@@ -569,9 +569,9 @@ def quick_part(part: Problem, device: str) -> StrategyResult:
 
 def _polished(search: Search, placement: Placement, strategy: str) -> str:
     """The whole graph's interval model on ``placement`` for the time left, from the
-    incumbent (the stitched plan, or the warm start) moved onto it: the parts fix where the
-    graph is cut and what crosses each cut, the whole graph's model does not."""
-    warm = _moved(search, placement)
+    incumbent (the stitched plan, or the warm start): the parts fix where the graph is cut
+    and what crosses each cut, the whole graph's model does not."""
+    warm = _incumbent_schedule(search)
     before = search.best_ms
     solve_intervals(search, placement, warm, strategy)
     after = search.best_ms
@@ -581,27 +581,17 @@ def _polished(search: Search, placement: Placement, strategy: str) -> str:
     return f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
 
 
-def _moved(search: Search, placement: Placement) -> Schedule | None:
-    """The incumbent's schedule with each node's computations and retention moved to its
-    device of ``placement``; None without an incumbent on one device or a schedule."""
+def _incumbent_schedule(search: Search) -> Schedule | None:
+    """The incumbent's schedule (its plan's, turned back into one where it computes on one
+    device), or None. The interval model reads each node's computations and retention on
+    any device of it, so a one-device schedule warm-starts a model on a placement too."""
     best = search.best
     if best is None or best.plan is None:
         return None
-    schedule = best.schedule
-    if schedule is None and len(best.plan.devices) == 1:
+    if best.schedule is None and len(best.plan.devices) == 1:
         n, device = len(search.problem.graph), best.plan.devices[0].name
-        schedule = schedule_of_steps(best.plan.steps, n, device)
-    if schedule is None:
-        return None
-    if schedule.devices == placement.devices:
-        return schedule
-    D, home, n = len(placement.devices), placement.home, schedule.size
-    R = np.zeros((D, schedule.stages, n), dtype=bool)
-    S = np.zeros((D, schedule.stages, n), dtype=bool)
-    nodes = np.arange(n)
-    R[home, :, nodes] = schedule.R.any(axis=0).T
-    S[home, :, nodes] = schedule.S.any(axis=0).T
-    return Schedule(placement.devices, R, S)
+        return schedule_of_steps(best.plan.steps, n, device)
+    return best.schedule
 
 
 def _solve_on_one_device(

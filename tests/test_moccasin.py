@@ -2,6 +2,9 @@
 it (``moccasin``) and its use after a decomposed graph's stitched plan: the model holds
 the plans the compiler makes at their simulated cost, and its plans are valid."""
 
+import logging
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from ortools.sat.python import cp_model
@@ -151,3 +154,31 @@ def test_on_a_placement_every_plan_computes_each_node_on_its_device_within_each_
         computes = [s for s in evaluation.plan.steps if isinstance(s, Compute)]
         assert all(step.device == names[home[step.node]] for step in computes)
         assert any(isinstance(s, Copy) for s in evaluation.plan.steps)
+
+
+def _interval_solves(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "remat.strategies.exact.intervals"]
+
+
+def test_from_a_hint_the_interval_model_improves_by_lns_alone(resnet, evicted, caplog):
+    """CP-SAT's LNS workers alone, from the warm start's hint, find plans (no solve with a
+    full-problem worker after them) no worse than the warm start."""
+    caplog.set_level(logging.DEBUG, logger="remat.strategies.exact.intervals")
+    result = run_strategy("moccasin", resnet, "cuda0")
+    assert result.feasible and result.simulation is not None
+    assert result.simulation.total_ms <= evicted.simulation.total_ms * (1 + 1e-9)
+    solves = _interval_solves(caplog)
+    lns = [m for m in solves if "by LNS from the hint" in m]
+    assert len(lns) == 1 and not lns[0].endswith(": 0 plans"), solves
+
+
+def test_without_patience_for_the_hint_the_default_portfolio_plans(resnet, evicted, caplog):
+    caplog.set_level(logging.DEBUG, logger="remat.strategies.exact.intervals")
+    settings = replace(QUICK, search=SearchConfig(moccasin_hint_share=0.0))
+    problem = replace(resnet, solver=settings)
+    result = run_strategy("moccasin", problem, "cuda0")
+    assert result.feasible and result.simulation is not None
+    assert result.simulation.total_ms <= evicted.simulation.total_ms * (1 + 1e-9)
+    solves = _interval_solves(caplog)
+    assert not any("by LNS" in m for m in solves), solves
+    assert any("intervals model" in m for m in solves), solves

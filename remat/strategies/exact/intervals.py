@@ -48,39 +48,79 @@ def solve_intervals(
     """Moccasin's model of the search's problem on ``placement`` for the time the search
     has left, with ``SearchConfig.moccasin_computations`` computations per node at most
     (more where ``warm`` recomputes a node more often, so that ``warm`` is a solution),
-    hinted with ``warm``; plans are offered to the search under ``strategy``'s name."""
+    hinted with ``warm``; plans are offered to the search under ``strategy``'s name.
+
+    From a hint, on two threads or more, CP-SAT runs its large neighbourhood search alone
+    (``use_lns_only``): its neighbourhoods of the incumbent improve a large graph's plan
+    faster than a portfolio that gives a worker to the full problem (on one thread CP-SAT
+    searches sequentially, LNS or not). LNS needs a first solution, which its
+    first-solution workers complete from the hint; where they have none after
+    ``SearchConfig.moccasin_hint_share`` of the time (none where it is 0), the default
+    portfolio takes the time left."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
         raise SolverUnavailable(f"ortools cannot be imported: {exc}") from exc
     problem = search.problem
-    computations = np.full(len(problem.graph), problem.solver.search.moccasin_computations)
+    config = problem.solver.search
+    computations = np.full(len(problem.graph), config.moccasin_computations)
     if warm is not None:
         computations = np.maximum(computations, warm.R.any(axis=0).sum(axis=0))
     formulation = build_moccasin(problem.graph, problem.costs, placement, computations)
+    began = time.monotonic()
+    status, found = None, 0
     if warm is not None:
         formulation.hint(warm)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.0, search.time_left())
-    solver.parameters.num_workers = max(1, problem.solver.options.threads)
-    began = time.monotonic()
-    status = _solve(cp_model, solver, formulation, search, strategy)
+    threads = problem.solver.options.threads
+    if warm is not None and config.moccasin_hint_share > 0 and threads > 1:
+        patience = began + max(0.0, search.time_left()) * config.moccasin_hint_share
+        status, found = _solve(cp_model, formulation, search, strategy, patience)
+        logger.debug("%s: intervals model by LNS from the hint: %d plans", strategy, found)
+    if (
+        not found
+        and status != cp_model.INFEASIBLE
+        and not problem.cancelled
+        and search.time_left() > 0
+    ):
+        status, found = _solve(cp_model, formulation, search, strategy, None)
     seconds = time.monotonic() - began
-    logger.debug("%s: intervals model %s in %.3g s", strategy, solver.status_name(status), seconds)
+    name = "not run" if status is None else cp_model.CpSolver().status_name(status)
+    logger.debug("%s: intervals model %s in %.3g s", strategy, name, seconds)
     return SolveResult(_status(cp_model, status), None, None, None, None, seconds, "", "cpsat")
 
 
 def _solve(
-    cp_model: Any, solver: Any, formulation: MoccasinModel, search: Search, strategy: str
-) -> Any:
+    cp_model: Any,
+    formulation: MoccasinModel,
+    search: Search,
+    strategy: str,
+    patience: float | None,
+) -> tuple[Any, int]:
+    """One CP-SAT solve of ``formulation`` for the time the search has left: by LNS alone
+    where ``patience`` is given, stopped at that ``time.monotonic()`` if it has found no
+    solution by then; the default portfolio where it is None. Its status and the number
+    of solutions it found."""
+    problem = search.problem
+
     class _Incumbents(cp_model.CpSolverSolutionCallback):
+        found = 0
+
         def on_solution_callback(self) -> None:
+            self.found += 1
             search.judge(formulation.decode(self.value), strategy)
 
-    problem = search.problem
-    return solve_watched(
-        solver, formulation.model, _Incumbents(), lambda: problem.cancelled, search.heartbeat
-    )
+    def stop() -> bool:
+        if problem.cancelled:
+            return True
+        return patience is not None and not incumbents.found and time.monotonic() > patience
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.0, search.time_left())
+    solver.parameters.num_workers = max(1, problem.solver.options.threads)
+    solver.parameters.use_lns_only = patience is not None
+    incumbents = _Incumbents()
+    status = solve_watched(solver, formulation.model, incumbents, stop, search.heartbeat)
+    return status, incumbents.found
 
 
 def _status(cp_model: Any, status: Any) -> SolveStatus:

@@ -116,7 +116,7 @@ class SearchConfig:
     part_fit_s: float = 1.0
     """Greedy eviction on a part that no baseline fits: ``part_evict_s`` of descent past its
     first plan that fits, which may take up to ``part_fit_s``."""
-    parts_share: float = 0.5
+    parts_share: float = 0.3
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""
     alone_share: float = 0.5

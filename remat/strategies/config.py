@@ -88,10 +88,10 @@ class SearchConfig:
     """Most computations of one node in Moccasin's model (the paper's C_v): the first and
     this many minus one recomputations."""
     moccasin_hint_share: float = 0.25
-    """From a warm start CP-SAT searches Moccasin's model by LNS alone; where its
-    first-solution workers have completed no solution from the hint after this share of
-    the time left, the default portfolio (with a full-problem worker) takes the rest; 0:
-    the default portfolio from the start."""
+    """From a warm start, on two threads or more, CP-SAT searches Moccasin's model by LNS
+    alone (``intervals.solve_intervals``); where its first-solution workers have completed
+    no solution from the hint after this share of the time left, the default portfolio
+    (with a full-problem worker) takes the rest; 0: the default portfolio from the start."""
 
     # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
     coarse_min_nodes: int = 40

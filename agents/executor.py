@@ -320,7 +320,13 @@ def _step_devices(step: Step) -> tuple[str, ...]:
 
 def check_plan(plan: Plan, graph: Graph) -> Simulation:
     """The simulator's replay of ``plan`` under its own budgets; PlanRejectedError with the
-    violation if it rejects it."""
+    violation if it rejects it, or if it has transfers to host memory (plan version 2),
+    which this executor does not run yet."""
+    if plan.transfers:
+        raise PlanRejectedError(
+            "the plan offloads to host memory (offload, prefetch and wait steps, plan "
+            "version 2); this agent does not execute transfers yet"
+        )
     devices = [Device(d.name, d.kind, dict(d.options)) for d in plan.devices]
     simulation = simulate(plan, graph, analytical_costs(graph, devices))
     if simulation.violation is not None:

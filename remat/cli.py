@@ -22,7 +22,14 @@ import onnx
 
 from remat.budgets import reference
 from remat.costs import analytical_costs, load_cost_table
-from remat.devices import Device, DeviceKind, format_bytes, parse_device
+from remat.devices import (
+    Device,
+    DeviceKind,
+    format_bytes,
+    parse_device,
+    parse_rate,
+    with_option,
+)
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Graph, Mode
 from remat.loss import Loss, LossKind
@@ -39,7 +46,7 @@ from remat.max_batch import (
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
 from remat.onnx_ingest import load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
-from remat.problem import build_problem, cost_model, model_graph
+from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -98,6 +105,13 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
         default=AUTO,
         choices=[AUTO, *STRATEGIES],
         help=AUTO_HELP,
+    )
+    plan.add_argument(
+        "--host-bandwidth",
+        metavar="RATE",
+        help="each device's link to its host memory, e.g. 12GB/s, for the offloading "
+        "strategies (default: the cost table's measurement, else 12GB/s for cuda, 10GB/s "
+        "for cpu)",
     )
     _solver_arguments(plan)
     output = plan.add_mutually_exclusive_group()
@@ -420,9 +434,17 @@ class ProgressLine:
 
 def _problem(args: argparse.Namespace) -> Problem:
     """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
+    devices = _devices(args)
+    if args.host_bandwidth is not None:
+        rate = parse_rate(args.host_bandwidth)
+        table = None if args.costs is None else load_cost_table(args.costs)
+        named = devices or (
+            [Device(d.name, d.kind) for d in table.devices] if table else [DEFAULT_DEVICE]
+        )
+        devices = [with_option(d, "host_bandwidth", f"{rate:g}") for d in named]
     return build_problem(
         **_model_options(args),
-        devices=_devices(args),
+        devices=devices,
         budgets=_budgets(args),
         table=None if args.costs is None else load_cost_table(args.costs),
         solver=_solver_settings(args),
@@ -513,12 +535,21 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
         print(f"{device.name + ':':<11} peak {format_bytes(peak)} ({peak} B), budget {budget}")
     nodes = len(problem.graph)
     print(f"steps:      {len(result.plan.steps)} ({sim.computes} computes of {nodes} nodes)")
+    if sim.transfer_ms:
+        print(
+            f"transfers:  {sim.transfer_ms:.3f} ms to and from host memory, beside compute; "
+            f"compute waited {sim.stall_ms:.3f} ms for them"
+        )
     solver = result.plan.solver
     if solver is not None:
-        print(
-            f"solver:     {solver.status}, bound {solver.bound:.4f} ms, gap {solver.gap:.2%}, "
-            f"{solver.seconds:.1f} s"
-        )
+        parts = [solver.status]
+        if solver.bound is not None:
+            parts.append(f"bound {solver.bound:.4f} ms")
+        if solver.gap is not None:
+            parts.append(f"gap {solver.gap:.2%}")
+        if solver.seconds is not None:
+            parts.append(f"{solver.seconds:.1f} s")
+        print(f"solver:     {', '.join(parts)}")
     if result.message:
         print(f"note:       {result.message}")
 

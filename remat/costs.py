@@ -1,6 +1,7 @@
-"""Cost models: per node per device compute time, per node per device pair copy time, and
-per node output bytes. Either analytical (FLOPs and bandwidth) or profiled (a cost table
-measured by agents); a model always names its source.
+"""Cost models: per node per device compute time, per node per device pair copy time, per
+node output bytes, and each device's link to its host memory (offloading). Either
+analytical (FLOPs and bandwidth) or profiled (a cost table measured by agents); a model
+always names its source.
 
 Analytical defaults (all overridable per device with options ``flops=``, ``bandwidth=``,
 ``launch_us=``; link defaults through ``AnalyticalParams``):
@@ -11,12 +12,15 @@ Analytical defaults (all overridable per device with options ``flops=``, ``bandw
 | cuda | 10 TFLOP/s                | 900 GB/s         | 10 us           |
 
 Links: cpu<->cuda 12 GB/s + 10 us (PCIe 3 x16 in practice); cuda<->cuda 50 GB/s + 5 us;
-cpu<->cpu 10 GB/s + 1 us (a memcpy between two thread pools).
+cpu<->cpu 10 GB/s + 1 us (a memcpy between two thread pools). A device's host link (options
+``host_bandwidth=`` in B/s, ``host_latency_us=``) defaults to its kind's link with a CPU:
+cuda 12 GB/s + 10 us each way, cpu 10 GB/s + 1 us.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -37,14 +41,44 @@ class CostSource(StrEnum):
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """A device's link to its host memory: bandwidth each way and a latency per transfer
+    (Beaumont et al.'s beta, section 3.1 (C))."""
+
+    to_host_bytes_per_s: float
+    from_host_bytes_per_s: float
+    latency_ms: float
+
+    def offload_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
+        return np.asarray(nbytes, dtype=float) / self.to_host_bytes_per_s * 1e3 + self.latency_ms
+
+    def prefetch_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
+        return np.asarray(nbytes, dtype=float) / self.from_host_bytes_per_s * 1e3 + self.latency_ms
+
+
+@dataclass(frozen=True)
 class CostModel:
-    """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph."""
+    """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph, and
+    each device's host link (``host``: empty, or one per device; where empty, the
+    analytical default of the device, ``host_link``)."""
 
     source: CostSource
     devices: tuple[Device, ...]
     compute_ms: np.ndarray
     copy_ms: np.ndarray
     output_bytes: np.ndarray
+    host: tuple[HostLink, ...] = ()
+
+    def host_link(self, d: int) -> HostLink:
+        return self.host[d] if self.host else default_host_link(self.devices[d])
+
+    def offload_ms(self, d: int) -> np.ndarray:
+        """Per node: the time to send its output from device ``d`` to the host."""
+        return self.host_link(d).offload_ms(self.output_bytes)
+
+    def prefetch_ms(self, d: int) -> np.ndarray:
+        """Per node: the time to bring its output back from the host to device ``d``."""
+        return self.host_link(d).prefetch_ms(self.output_bytes)
 
     def device_index(self, name: str) -> int:
         for index, device in enumerate(self.devices):
@@ -123,6 +157,26 @@ def _option(options: Mapping[str, str], key: str, default: float) -> float:
     return value
 
 
+HOST_LINKS: Mapping[DeviceKind, LinkSpec] = {
+    DeviceKind.CUDA: LinkSpec(12e9, 10e-6),
+    DeviceKind.CPU: LinkSpec(10e9, 1e-6),
+}
+"""Each kind's link to its host memory where neither the device's options nor a profile
+say otherwise: PCIe 3 x16 for a GPU, a memcpy for a CPU (an emulated device's host)."""
+
+
+def default_host_link(device: Device) -> HostLink:
+    """The device's host link from its options (``host_bandwidth``, ``host_latency_us``) or
+    its kind's default (``HOST_LINKS``)."""
+    base = HOST_LINKS[device.kind]
+    rate = _option(device.options, "host_bandwidth", base.bytes_per_s)
+    latency = device.options.get("host_latency_us")
+    latency_us = base.latency_s * 1e6 if latency is None else float(latency)
+    if not 0 <= latency_us < math.inf:
+        raise InvalidInputError("device option host_latency_us must be a non-negative number")
+    return HostLink(rate, rate, latency_us * 1e-3)
+
+
 def analytical_costs(
     graph: Graph, devices: Sequence[Device], params: AnalyticalParams | None = None
 ) -> CostModel:
@@ -145,7 +199,10 @@ def analytical_costs(
             if a != b:
                 link = params.links[frozenset({devices[a].kind, devices[b].kind})]
                 copy_s[:, a, b] = out / link.bytes_per_s + link.latency_s
-    return CostModel(CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out)
+    host = tuple(default_host_link(d) for d in devices)
+    return CostModel(
+        CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out, host
+    )
 
 
 # --- profiled (cost table JSON) ---------------------------------------------------------
@@ -172,13 +229,32 @@ class _TableNode(BaseModel):
     compute_spread_ms: dict[str, TableMs] = Field(default_factory=dict)
 
 
+MAX_LINK_BYTES_PER_S = 1e15
+LinkRate = Annotated[float, Field(gt=0, le=MAX_LINK_BYTES_PER_S, allow_inf_nan=False)]
+
+
+class _TableHostLink(BaseModel):
+    """A device's measured link to its host memory (both directions, pinned buffers)."""
+
+    to_host_bytes_per_s: LinkRate
+    from_host_bytes_per_s: LinkRate
+    latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+
+    def link(self) -> HostLink:
+        return HostLink(
+            self.to_host_bytes_per_s, self.from_host_bytes_per_s, self.latency_us * 1e-3
+        )
+
+
 class CostTable(BaseModel):
-    """The cost table format of the agents (keys are training-graph node names)."""
+    """The cost table format of the agents (keys are training-graph node names;
+    ``host_links`` by device name, where measured)."""
 
     source: CostSource
     devices: list[_TableDevice] = Field(min_length=1)
     nodes: dict[str, _TableNode]
     copy_ms: dict[str, dict[str, TableMs]] = Field(default_factory=dict)
+    host_links: dict[str, _TableHostLink] = Field(default_factory=dict)
 
     def restricted(self, names: list[str]) -> CostTable:
         """The table's costs for the devices ``names`` only, in that order (a job may use
@@ -204,6 +280,7 @@ class CostTable(BaseModel):
                 "devices": [have[n] for n in names],
                 "nodes": {key: node(costs) for key, costs in self.nodes.items()},
                 "copy_ms": {key: copies(pairs) for key, pairs in self.copy_ms.items()},
+                "host_links": {n: link for n, link in self.host_links.items() if n in chosen},
             }
         )
 
@@ -262,7 +339,11 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
                 copy[node.id, a, b] = pairs[key]
     if (compute < 0).any() or (copy < 0).any():
         raise InvalidInputError("cost table: times must not be negative")
-    return CostModel(CostSource.PROFILED, devices, compute, copy, out)
+    host = tuple(
+        table.host_links[d.name].link() if d.name in table.host_links else default_host_link(d)
+        for d in devices
+    )
+    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host)
 
 
 def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
@@ -286,5 +367,14 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
                 if i != j
             }
             for n in graph.nodes
+        },
+        host_links={
+            d.name: _TableHostLink(
+                to_host_bytes_per_s=link.to_host_bytes_per_s,
+                from_host_bytes_per_s=link.from_host_bytes_per_s,
+                latency_us=link.latency_ms * 1e3,
+            )
+            for j, d in enumerate(model.devices)
+            for link in (model.host_link(j),)
         },
     )

@@ -42,6 +42,8 @@ NUMBER_OPTIONS: dict[str, NumberOption] = {
     "flops": NumberOption(0, 1e18, low_open=True),  # FLOP/s
     "bandwidth": NumberOption(0, 1e15, low_open=True),  # memory bandwidth, B/s
     "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
+    "host_bandwidth": NumberOption(0, 1e15, low_open=True),  # link to host memory, B/s
+    "host_latency_us": NumberOption(0, 1e6),  # per transfer to or from the host, microseconds
 }
 TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name): max length
 OPTION_KEYS = (*NUMBER_OPTIONS, *TEXT_OPTIONS)
@@ -90,6 +92,12 @@ class Device:
     def threads(self) -> int | None:
         value = self.options.get("threads")
         return int(value) if value is not None else None
+
+
+def with_option(device: Device, key: str, value: str) -> Device:
+    """``device`` with option ``key`` set to ``value`` (checked)."""
+    check_option(key, value)
+    return Device(device.name, device.kind, {**device.options, key: value})
 
 
 def parse_device(spec: str) -> Device:
@@ -172,6 +180,30 @@ def parse_size(text: str) -> Size:
     if number > MAX_BYTES:  # also for a float that overflowed to inf
         raise InvalidInputError(f"size {shown}: at most {MAX_BYTES} bytes (1 EiB)")
     return Size(bytes=int(number))
+
+
+def parse_rate(text: str) -> float:
+    """Parse a transfer rate: a size per second (``12GB/s``, ``900MiB/s``) or bytes per
+    second (``12e9``); positive, at most ``host_bandwidth``'s bound."""
+    shown = repr(text[:32]) + ("..." if len(text) > 32 else "")
+    stripped = text.strip()
+    body = stripped[:-2] if stripped.endswith("/s") else stripped
+    try:
+        rate = float(body) if len(body) <= 32 else math.nan
+    except ValueError:
+        try:
+            size = parse_size(body)
+        except InvalidInputError:
+            raise InvalidInputError(
+                f"rate {shown}: expected bytes per second, e.g. 12GB/s or 12e9"
+            ) from None
+        if size.bytes is None:
+            raise InvalidInputError(f"rate {shown}: a percentage is not a rate") from None
+        rate = float(size.bytes)
+    bound = NUMBER_OPTIONS["host_bandwidth"].high
+    if not (math.isfinite(rate) and 0 < rate <= bound):
+        raise InvalidInputError(f"rate {shown}: must be positive and at most {bound:g} B/s")
+    return rate
 
 
 def format_bytes(n: int | float) -> str:

@@ -1,4 +1,11 @@
-"""The plan: the executable instruction list (docs/architecture.md, "Plan format": version 1).
+"""The plan: the executable instruction list (docs/architecture.md, "Plan format").
+
+Version 1 has the steps of one sequential lane: ``compute``, ``copy`` and ``free``.
+Version 2 adds transfers between a device and its host memory that run on the device's
+transfer lane, concurrently with compute (Beaumont et al., assumptions (B)-(E)):
+``offload`` starts sending a tensor to the host, ``prefetch`` starts bringing it back, and
+``wait`` holds the compute lane until a transfer has completed. A version-1 plan is a
+version-2 plan without transfers and means what it meant.
 
 Steps are small slotted dataclasses so that plans of hundreds of thousands of steps stay
 cheap to build and simulate; ``plan_to_json``/``plan_from_json`` convert to and from the
@@ -16,7 +23,10 @@ from typing import Any
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # the latest; a plan without transfers is written as version 1
+VERSIONS = (1, 2)
+TRANSFER_OPS = frozenset({"offload", "prefetch", "wait"})
+"""The step kinds of version 2: refused in a version-1 document."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +54,42 @@ class Free:
     op: str = field(default="free", init=False)
 
 
-Step = Compute | Copy | Free
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Start sending ``node``'s tensor from ``device`` to its host on the device's transfer
+    lane. The device copy stays readable and counted until a ``wait`` for it."""
+
+    stage: int
+    node: int
+    device: str
+    op: str = field(default="offload", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Start bringing ``node``'s tensor back from the host to ``device`` on the device's
+    transfer lane; its memory is reserved when the transfer starts, and it is readable
+    after a ``wait`` for it."""
+
+    stage: int
+    node: int
+    device: str
+    op: str = field(default="prefetch", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Hold the compute lane until the last transfer of ``node`` on ``device`` has
+    completed: after an offload the device copy is released, after a prefetch the tensor
+    is readable."""
+
+    stage: int
+    node: int
+    device: str
+    op: str = field(default="wait", init=False)
+
+
+Step = Compute | Copy | Free | Offload | Prefetch | Wait
 
 
 @dataclass(frozen=True)
@@ -65,6 +110,7 @@ class Predicted:
     compute_ms: float
     copy_ms: float
     peak_bytes: dict[str, int]
+    transfer_ms: float = 0.0  # time the transfer lanes are busy, overlapped with compute
 
 
 @dataclass(frozen=True)
@@ -83,11 +129,23 @@ class Plan:
     steps: tuple[Step, ...]
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
-    version: int = PLAN_VERSION
+    version: int = 0
+    """1 or 2; 0 (the default): the lowest that holds the steps, 2 where any step is a
+    transfer, else 1, so that agents that read version 1 execute every plan without
+    transfers."""
+
+    def __post_init__(self) -> None:
+        if self.version == 0:
+            object.__setattr__(self, "version", 2 if self.transfers else 1)
 
     @property
     def budgets(self) -> dict[str, int | None]:
         return {d.name: d.budget_bytes for d in self.devices}
+
+    @property
+    def transfers(self) -> bool:
+        """Whether any step runs on a transfer lane (offload, prefetch, wait)."""
+        return any(step.op in TRANSFER_OPS for step in self.steps)
 
 
 # --- JSON -------------------------------------------------------------------------------
@@ -123,7 +181,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "compute_ms": p.compute_ms,
             "copy_ms": p.copy_ms,
             "peak_bytes": dict(p.peak_bytes),
-        }
+        } | ({"transfer_ms": p.transfer_ms} if p.transfer_ms else {})
     if plan.solver is not None:
         s = plan.solver
         document["solver"] = {
@@ -141,17 +199,17 @@ def plan_from_json(document: Any) -> Plan:
     if not isinstance(document, Mapping):
         raise InvalidInputError("plan: expected a JSON object")
     version = document.get("version")
-    if version != PLAN_VERSION:
-        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1)")
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1 or 2)")
     devices = tuple(_device(d, i) for i, d in enumerate(_list(document, "devices")))
-    steps = tuple(_step(s, i) for i, s in enumerate(_list(document, "steps")))
+    steps = tuple(_step(s, i, version) for i, s in enumerate(_list(document, "steps")))
     strategy = document.get("strategy")
     if not isinstance(strategy, str):
         raise InvalidInputError("plan: 'strategy' must be a string")
     predicted = _predicted(document.get("predicted"))
     solver = document.get("solver")
     solver_info = SolverInfo(**solver) if isinstance(solver, Mapping) else None
-    return Plan(strategy, devices, steps, predicted, solver_info)
+    return Plan(strategy, devices, steps, predicted, solver_info, version)
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -189,13 +247,15 @@ def _device(raw: Any, index: int) -> PlanDevice:
     )
 
 
-def _step(raw: Any, index: int) -> Step:
+def _step(raw: Any, index: int, version: int) -> Step:
     where = f"plan: steps[{index}]"
     if not isinstance(raw, Mapping):
         raise InvalidInputError(f"{where}: expected an object")
     op = raw.get("op")
     if not isinstance(op, str) or op not in _STEP_FIELDS:
         raise InvalidInputError(f"{where}: unknown op {op!r}")
+    if version == 1 and op in TRANSFER_OPS:
+        raise InvalidInputError(f"{where}: op {op!r} needs plan version 2 (this plan is 1)")
     fields = _STEP_FIELDS[op]
     values = []
     for name, kind in fields:
@@ -210,8 +270,18 @@ _STEP_FIELDS: dict[str, list[tuple[str, type]]] = {
     "compute": [("stage", int), ("node", int), ("device", str)],
     "copy": [("stage", int), ("node", int), ("from", str), ("to", str)],
     "free": [("stage", int), ("node", int), ("device", str)],
+    "offload": [("stage", int), ("node", int), ("device", str)],
+    "prefetch": [("stage", int), ("node", int), ("device", str)],
+    "wait": [("stage", int), ("node", int), ("device", str)],
 }
-_STEP_TYPES: dict[str, type] = {"compute": Compute, "copy": Copy, "free": Free}
+_STEP_TYPES: dict[str, type] = {
+    "compute": Compute,
+    "copy": Copy,
+    "free": Free,
+    "offload": Offload,
+    "prefetch": Prefetch,
+    "wait": Wait,
+}
 
 
 def _predicted(raw: Any) -> Predicted | None:
@@ -223,6 +293,7 @@ def _predicted(raw: Any) -> Predicted | None:
             float(raw["compute_ms"]),
             float(raw["copy_ms"]),
             {str(k): int(v) for k, v in raw["peak_bytes"].items()},
+            float(raw.get("transfer_ms", 0.0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise InvalidInputError("plan: 'predicted' is malformed") from None

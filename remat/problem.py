@@ -19,12 +19,19 @@ the second. Every error is an ``InvalidInputError`` (or the loader's ``ModelLoad
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
 
 from remat.budgets import check_fixed_memory, check_sizes, resolve_budgets
-from remat.costs import CostModel, CostTable, analytical_costs, profiled_costs
+from remat.costs import (
+    CostModel,
+    CostTable,
+    analytical_costs,
+    default_host_link,
+    profiled_costs,
+)
 from remat.devices import MAX_BYTES, Device, DeviceKind, Size, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode
@@ -133,11 +140,22 @@ def cost_model(
     graph: Graph, devices: Sequence[Device] | None = None, table: CostTable | None = None
 ) -> CostModel:
     """``graph``'s costs on the named devices: from ``table`` restricted to them (all the
-    table's devices when None), else analytical (one ``cpu0`` when None)."""
+    table's devices when None), else analytical (one ``cpu0`` when None). A device's host
+    link is the one its options name (``host_bandwidth``), else the table's measurement,
+    else its kind's default."""
     names = _device_names(devices, table)
-    if table is not None:
-        return profiled_costs(graph, table.restricted(names))
-    return analytical_costs(graph, list(devices or [DEFAULT_DEVICE]))
+    if table is None:
+        return analytical_costs(graph, list(devices or [DEFAULT_DEVICE]))
+    costs = profiled_costs(graph, table.restricted(names))
+    if devices is None:
+        return costs
+    host = tuple(
+        costs.host_link(j)
+        if d.name in table.host_links and "host_bandwidth" not in d.options
+        else default_host_link(d)
+        for j, d in enumerate(devices)
+    )
+    return replace(costs, host=host)
 
 
 def _device_names(devices: Sequence[Device] | None, table: CostTable | None) -> list[str]:

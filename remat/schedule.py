@@ -16,7 +16,7 @@ import numpy as np
 
 from remat.errors import ScheduleError
 from remat.graph import Graph
-from remat.plan import Compute, Copy, Free
+from remat.plan import Compute, Free, Step
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,7 @@ class Schedule:
                 )
 
 
-def schedule_of_steps(
-    steps: Iterable[Compute | Copy | Free], n: int, device: str
-) -> Schedule | None:
+def schedule_of_steps(steps: Iterable[Step], n: int, device: str) -> Schedule | None:
     """The one-device schedule whose stages a plan's steps follow (the inverse of
     ``remat.compiler`` on one device), or None if they do not follow Checkmate's stage
     order: the first computations in node order, without copies. A computation belongs to the

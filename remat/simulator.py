@@ -11,20 +11,36 @@ read by a backward node it computes (weight gradients, and the input gradient). 
 Checkmate's constant M_input + 2 M_param (eq. 2) on one device, split by placement on
 several.
 
-Time. Steps run one after another: predicted time is the sum of compute and copy times.
-Step kinds are dispatched through ``_HANDLERS``, so later kinds (offload, prefetch, paging,
-steps on a transfer stream) add a handler without touching the others.
+Time. Compute, copy, free and wait steps run one after another on one compute lane. Each
+device also has a transfer lane to its host memory (plan version 2), on which ``offload``
+and ``prefetch`` run in plan order, one at a time, concurrently with the compute lane
+(Beaumont et al., assumptions (B)-(E)): a transfer starts when the compute lane reaches it
+and its lane is free. An offloaded tensor stays on the device, readable and counted, until
+a ``wait`` for it, which holds the compute lane until the transfer has completed and then
+releases it; a prefetched tensor's memory is reserved when its transfer starts, and it is
+readable only after a ``wait`` for it. Every action thus happens as early as the plan's
+order and its data allow: the no-wait schedule of Proposition 1 for the plan's transfers.
+Predicted time is the compute lane's: compute and copy times, plus the time it waits for
+transfers (``stall_ms``), plus any transfer still running when it ends; a plan without
+transfers costs the sum of its compute and copy times, as in version 1.
+
+Memory is checked at every instant: after each step and when a transfer starts later
+than the step that issued it. Step kinds are dispatched through ``_HANDLERS``, so later
+kinds (paging) add a handler without touching the others.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from remat.costs import CostModel
 from remat.devices import format_bytes
 from remat.graph import Graph, Mode, NodeKind
-from remat.plan import Compute, Copy, Free, Plan, Step
+from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Step, Wait
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,8 @@ class Simulation:
     peak_bytes: dict[str, int]
     timeline: dict[str, list[int]]  # bytes resident on each device after each step
     computes: int = 0
+    transfer_ms: float = 0.0  # the transfer lanes' busy time (overlapped with compute)
+    stall_ms: float = 0.0  # the compute lane's waits for transfers, in ``total_ms``
 
     @property
     def valid(self) -> bool:
@@ -59,16 +77,36 @@ class _PlanInvalid(Exception):
 
 
 @dataclass
+class _Lane:
+    """A device's transfer lane to its host: when it is next free, the tensors in flight
+    (node -> the time their transfer completes) and the tensors on the host."""
+
+    free_at: float = 0.0
+    leaving: dict[int, float] = field(default_factory=dict)  # offloaded, not yet released
+    arriving: dict[int, float] = field(default_factory=dict)  # prefetched, not yet waited
+    host: set[int] = field(default_factory=set)
+
+
+@dataclass
 class _State:
     graph: Graph
     costs: CostModel
     device_index: dict[str, int]
-    resident: list[set[int]]
+    resident: list[set[int]]  # counted on the device (readable, leaving or arriving)
     memory: list[int]
+    lanes: list[_Lane]
     computed: set[int] = field(default_factory=set)
     compute_ms: float = 0.0
     copy_ms: float = 0.0
+    transfer_ms: float = 0.0
+    stall_ms: float = 0.0
+    clock: float = 0.0  # the compute lane's time
     computes: int = 0
+    step: int = 0  # the index of the step being replayed
+    # Allocations of transfers that start after the step that issued them:
+    # (time, order, device, bytes, step index).
+    pending: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    host_ms: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -85,21 +123,58 @@ class _State:
         self.resident[d].add(node)
         self.memory[d] += int(self.costs.output_bytes[node])
 
+    def release(self, node: int, d: int) -> None:
+        self.resident[d].discard(node)
+        self.memory[d] -= int(self.costs.output_bytes[node])
+
+    def readable(self, node: int, d: int, what: str) -> None:
+        """Raise unless ``node`` can be read on ``d``: resident, and not arriving. ``what``
+        starts the message."""
+        if node not in self.resident[d]:
+            raise _PlanInvalid(f"{what} {self.node_name(node)} is not resident there")
+        if node in self.lanes[d].arriving:
+            raise _PlanInvalid(
+                f"{what} {self.node_name(node)} is read before its prefetch completes "
+                "(no wait for it)"
+            )
+
+    def transfer_ms_of(self, kind: str, d: int, node: int) -> float:
+        key = (kind, d)
+        if key not in self.host_ms:
+            self.host_ms[key] = (
+                self.costs.offload_ms(d) if kind == "offload" else self.costs.prefetch_ms(d)
+            )
+        return float(self.host_ms[key][node])
+
+    def start_transfer(self, kind: str, d: int, node: int) -> tuple[float, float]:
+        """Queue a transfer on ``d``'s lane: its start and its end."""
+        lane = self.lanes[d]
+        start = max(self.clock, lane.free_at)
+        duration = self.transfer_ms_of(kind, d, node)
+        lane.free_at = start + duration
+        self.transfer_ms += duration
+        return start, lane.free_at
+
+    def wait_until(self, t: float) -> None:
+        if t > self.clock:
+            self.stall_ms += t - self.clock
+            self.clock = t
+
 
 def _compute(state: _State, step: Compute) -> None:
     name = state.node_name(step.node)
     d = state.device(step.device)
     if step.node in state.resident[d]:
         raise _PlanInvalid(f"node {name} is already resident on {step.device}")
+    resident, arriving = state.resident[d], state.lanes[d].arriving
     for dep in state.graph.nodes[step.node].deps:
-        if dep not in state.resident[d]:
-            raise _PlanInvalid(
-                f"compute {name} on {step.device}: dependency {state.node_name(dep)} "
-                f"is not resident there"
-            )
+        if dep not in resident or dep in arriving:
+            state.readable(dep, d, f"compute {name} on {step.device}: dependency")
     state.allocate(step.node, d)
     state.computed.add(step.node)
-    state.compute_ms += float(state.costs.compute_ms[step.node, d])
+    duration = float(state.costs.compute_ms[step.node, d])
+    state.compute_ms += duration
+    state.clock += duration
     state.computes += 1
 
 
@@ -110,10 +185,13 @@ def _copy(state: _State, step: Copy) -> None:
         raise _PlanInvalid(f"copy of {name} from {step.src} to itself")
     if step.node not in state.resident[src]:
         raise _PlanInvalid(f"copy of {name}: not resident on {step.src}")
+    state.readable(step.node, src, f"copy from {step.src}:")
     if step.node in state.resident[dst]:
         raise _PlanInvalid(f"copy of {name}: already resident on {step.dst}")
     state.allocate(step.node, dst)
-    state.copy_ms += float(state.costs.copy_ms[step.node, src, dst])
+    duration = float(state.costs.copy_ms[step.node, src, dst])
+    state.copy_ms += duration
+    state.clock += duration
 
 
 def _free(state: _State, step: Free) -> None:
@@ -121,14 +199,70 @@ def _free(state: _State, step: Free) -> None:
     d = state.device(step.device)
     if step.node not in state.resident[d]:
         raise _PlanInvalid(f"free of {name} on {step.device}: not resident (double free)")
-    state.resident[d].discard(step.node)
-    state.memory[d] -= int(state.costs.output_bytes[step.node])
+    lane = state.lanes[d]
+    if step.node in lane.leaving or step.node in lane.arriving:
+        raise _PlanInvalid(
+            f"free of {name} on {step.device}: its transfer is in flight (a wait ends it)"
+        )
+    state.release(step.node, d)
+
+
+def _offload(state: _State, step: Offload) -> None:
+    name = state.node_name(step.node)
+    d = state.device(step.device)
+    state.readable(step.node, d, f"offload from {step.device}:")
+    lane = state.lanes[d]
+    if step.node in lane.leaving:
+        raise _PlanInvalid(f"offload of {name} from {step.device}: already being offloaded")
+    _, end = state.start_transfer("offload", d, step.node)
+    lane.leaving[step.node] = end
+    lane.host.add(step.node)
+
+
+def _prefetch(state: _State, step: Prefetch) -> None:
+    name = state.node_name(step.node)
+    d = state.device(step.device)
+    lane = state.lanes[d]
+    if step.node not in lane.host:
+        raise _PlanInvalid(
+            f"prefetch of {name} to {step.device}: not on its host (no offload before it)"
+        )
+    if step.node in state.resident[d]:
+        raise _PlanInvalid(
+            f"prefetch of {name} to {step.device}: still resident there (a wait for its "
+            "offload releases it)"
+        )
+    start, end = state.start_transfer("prefetch", d, step.node)
+    lane.arriving[step.node] = end
+    state.resident[d].add(step.node)
+    nbytes = int(state.costs.output_bytes[step.node])
+    if start <= state.clock:
+        state.memory[d] += nbytes
+    else:  # reserved when the transfer starts (assumption (E))
+        order = len(state.pending)
+        heapq.heappush(state.pending, (start, order, d, nbytes, state.step))
+
+
+def _wait(state: _State, step: Wait) -> None:
+    name = state.node_name(step.node)
+    d = state.device(step.device)
+    lane = state.lanes[d]
+    if step.node in lane.leaving:
+        state.wait_until(lane.leaving.pop(step.node))
+        state.release(step.node, d)
+    elif step.node in lane.arriving:
+        state.wait_until(lane.arriving.pop(step.node))
+    else:
+        raise _PlanInvalid(f"wait for {name} on {step.device}: no transfer of it is in flight")
 
 
 _HANDLERS: dict[str, Callable[[_State, Step], None]] = {
     "compute": _compute,  # type: ignore[dict-item]
     "copy": _copy,  # type: ignore[dict-item]
     "free": _free,  # type: ignore[dict-item]
+    "offload": _offload,  # type: ignore[dict-item]
+    "prefetch": _prefetch,  # type: ignore[dict-item]
+    "wait": _wait,  # type: ignore[dict-item]
 }
 
 
@@ -173,13 +307,34 @@ def simulate(
         {name: costs.device_index(name) for name in names},
         [set() for _ in costs.devices],
         [0] * len(costs.devices),
+        [_Lane() for _ in costs.devices],
     )
     for name in names:
         state.memory[state.device_index[name]] = fixed[name]
     timeline: dict[str, list[int]] = {name: [] for name in names}
     peaks = dict(fixed)
+
+    placed = [(name, state.device_index[name]) for name in names]
+
+    def measure(step: int) -> Violation | None:
+        used = {name: state.memory[d] for name, d in placed}
+        for name, value in used.items():
+            if value > peaks[name]:
+                peaks[name] = value
+        return _over_budget(used, budgets, step, None)
+
+    def start_pending(until: float) -> Violation | None:
+        """Reserve the memory of the transfers that have started by ``until``."""
+        while state.pending and state.pending[0][0] <= until:
+            _, _, d, nbytes, step = heapq.heappop(state.pending)
+            state.memory[d] += nbytes
+            if (found := measure(step)) is not None:
+                return found
+        return None
+
     violation = _over_budget(fixed, budgets, -1, "fixed memory (parameters, inputs)")
     for index, step in enumerate(plan.steps if violation is None else ()):
+        state.step = index
         try:
             handler = _HANDLERS.get(step.op)
             if handler is None:
@@ -188,26 +343,32 @@ def simulate(
         except _PlanInvalid as exc:
             violation = Violation(index, str(exc))
             break
-        for name in names:
-            used = state.memory[state.device_index[name]]
-            timeline[name].append(used)
-            peaks[name] = max(peaks[name], used)
-        violation = _over_budget(
-            {n: state.memory[state.device_index[n]] for n in names}, budgets, index, None
-        )
+        violation = measure(index)
+        if violation is None and state.pending:
+            violation = start_pending(state.clock)
+        for name, d in placed:
+            timeline[name].append(state.memory[d])
         if violation is not None:
             break
     if violation is None:
+        violation = start_pending(float("inf"))
+    if violation is None:
         violation = _final_check(state, graph)
+    tail = max((lane.free_at for lane in state.lanes), default=0.0) - state.clock
+    total = state.compute_ms + state.copy_ms
+    if state.stall_ms or tail > 0:  # a plan without transfers costs its steps' sum, exactly
+        total += state.stall_ms + max(tail, 0.0)
     return Simulation(
         violation,
-        state.compute_ms + state.copy_ms,
+        total,
         state.compute_ms,
         state.copy_ms,
         fixed,
         peaks,
         timeline,
         state.computes,
+        state.transfer_ms,
+        state.stall_ms,
     )
 
 
@@ -232,7 +393,10 @@ def _final_check(state: _State, graph: Graph) -> Violation | None:
         if node.id not in state.computed:
             return Violation(-1, f"node {state.node_name(node.id)} is never computed")
     for output in graph.outputs:
-        if not any(output in resident for resident in state.resident):
+        if not any(
+            output in resident and output not in lane.arriving
+            for resident, lane in zip(state.resident, state.lanes, strict=True)
+        ):
             return Violation(
                 -1, f"output {state.node_name(output)} is not resident when the plan ends"
             )

@@ -50,7 +50,12 @@ def test_plan_json_round_trip_uses_design_field_names(tmp_path):
     ("document", "match"),
     [
         ([], "object"),
-        ({"version": 2}, "version"),
+        ({"version": 3}, "version"),
+        ({"version": True}, "version"),
+        (
+            {"version": 1, "strategy": "x", "devices": [], "steps": [{"op": "wait", "stage": 0}]},
+            "needs plan version 2",
+        ),
         ({"version": 1, "strategy": "x", "devices": [], "steps": [{"op": "jump"}]}, "steps\\[0\\]"),
         (
             {"version": 1, "strategy": "x", "devices": [{"name": "a", "kind": "tpu"}], "steps": []},

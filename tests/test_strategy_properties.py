@@ -28,7 +28,7 @@ from graphs import forward
 
 CPU = Device("cpu0", DeviceKind.CPU)
 OPS = ["Relu", "Conv", "Add", "MaxPool", "Mul", "Sigmoid"]
-HEURISTICS = (*BASELINES, "greedy_evict")
+HEURISTICS = (*BASELINES, "greedy_evict", "offload_greedy")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -115,7 +115,7 @@ def test_sparse_solve_and_prediction_agree_with_dense_and_simulator(forward_grap
 @given(forward_graphs())
 def test_the_stated_need_is_enough(forward_graph):
     graph = training_graph(forward_graph)
-    for name in BASELINES:
+    for name in (*BASELINES, "offload_greedy"):
         result = run(name, problem(graph, 0))
         if result is None:
             continue

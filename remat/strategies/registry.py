@@ -21,6 +21,7 @@ from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_mi
 from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.offload_greedy import offload_greedy
 
 Strategy = Callable[[Problem, str], StrategyResult]
 Kind = Literal["baseline", "heuristic", "exact"]
@@ -62,6 +63,14 @@ REGISTRY |= {
             "Evict the value that frees the most memory per recomputed millisecond until the "
             "plan fits (after Dynamic Tensor Rematerialization).",
             greedy_evict,
+        ),
+        StrategyInfo(
+            "offload_greedy",
+            "heuristic",
+            False,
+            "Offload the first activations to host memory, transfers overlapping compute, "
+            "until the plan fits (Beaumont et al.'s GREEDY).",
+            offload_greedy,
         ),
         StrategyInfo(
             "checkmate_milp",

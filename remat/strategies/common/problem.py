@@ -4,7 +4,7 @@ and the result it returns."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from remat.compiler import compile_plan
 from remat.costs import CostModel
@@ -93,16 +93,7 @@ def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None
     if not simulation.valid:
         unlimited = simulate(plan, problem.graph, problem.costs, {})
         if unlimited.valid:  # over budget only: keep the true peak for "needs X bytes"
-            simulation = Simulation(
-                simulation.violation,
-                unlimited.total_ms,
-                unlimited.compute_ms,
-                unlimited.copy_ms,
-                unlimited.fixed_bytes,
-                unlimited.peak_bytes,
-                unlimited.timeline,
-                unlimited.computes,
-            )
+            simulation = replace(unlimited, violation=simulation.violation)
     return Evaluation(schedule, plan, simulation)
 
 
@@ -131,7 +122,11 @@ class StrategyResult:
 
 def with_prediction(plan: Plan, simulation: Simulation) -> Plan:
     predicted = Predicted(
-        simulation.total_ms, simulation.compute_ms, simulation.copy_ms, simulation.peak_bytes
+        simulation.total_ms,
+        simulation.compute_ms,
+        simulation.copy_ms,
+        simulation.peak_bytes,
+        simulation.transfer_ms,
     )
     return Plan(plan.strategy, plan.devices, plan.steps, predicted, plan.solver, plan.version)
 

@@ -25,7 +25,7 @@ dropped (``rsolve.clean_placed``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -219,4 +219,5 @@ def _coarse_costs(
     for g, e in zip(groups, external, strict=True):
         internal = [int(out[m]) for m in g if m not in e]
         sizes.append(int(out[e].sum()) + max(internal, default=0))
-    return CostModel(costs.source, costs.devices, compute, copy, np.array(sizes, dtype=np.int64))
+    sizes_array = np.array(sizes, dtype=np.int64)
+    return replace(costs, compute_ms=compute, copy_ms=copy, output_bytes=sizes_array)

@@ -78,12 +78,11 @@ class Part:
 
     def costs(self, costs: CostModel) -> CostModel:
         index = list(self.nodes)
-        return CostModel(
-            costs.source,
-            costs.devices,
-            costs.compute_ms[index],
-            costs.copy_ms[index],
-            costs.output_bytes[index],
+        return replace(
+            costs,
+            compute_ms=costs.compute_ms[index],
+            copy_ms=costs.copy_ms[index],
+            output_bytes=costs.output_bytes[index],
         )
 
 

@@ -1,0 +1,267 @@
+"""Offloading activations to host memory, transfers overlapping compute (Beaumont et al.,
+docs/strategies.md "Offloading"): what the offloading strategies share.
+
+Every offloading plan here is checkpoint-all on one device (each node computed once, in
+the graph's order, each value freed after its last reader) with some activations sent to
+the host and brought back: ``offload_base`` analyses checkpoint-all's plan,
+``offload_plan`` turns a set of offloaded activations into the no-wait plan of
+Proposition 1, and ``offload_bound_ms`` is Proposition 3's lower bound.
+
+An activation (a *candidate*) is a value computed before the first backward node and read
+by a backward node: in Beaumont et al.'s chains, the ``x_i``. The plan of an offload set:
+
+- forward: each offloaded activation is sent as soon as it is computed (in production
+  order, one transfer at a time); its device copy is released by a ``wait`` once its
+  forward readers have run, at no cost when the transfer has completed, and before a
+  compute step that would not fit otherwise, which then waits for the transfer;
+- between the phases, a wait for every offload still in flight;
+- backward: the activations come back in the order of their first backward reader,
+  each prefetched as early as the memory of every step up to its release leaves room for
+  it (the no-wait, ordered schedule of section 5.2), and waited for just before that
+  reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from remat.devices import format_bytes
+from remat.graph import NodeKind
+from remat.plan import Compute, Free, Offload, Plan, Prefetch, SolverInfo, Step, Wait
+from remat.solvers.backend import relative_gap
+from remat.strategies.baselines.checkpoint_all import checkpoint_all
+from remat.strategies.common.problem import Evaluation, Problem, StrategyResult, with_prediction
+
+
+@dataclass(frozen=True)
+class OffloadBase:
+    """Checkpoint-all's plan on one device, analysed for offloading.
+
+    ``memory[q]``: bytes on the device after step q, fixed memory included.
+    ``boundary``: the index of the first step that computes a backward node.
+    ``candidates``: the activations, in production order; for each, the step that
+    computes it (``produced``), its last reader before the boundary (``last_forward``, or
+    ``produced``), its first reader from the boundary on (``first_backward``) and the step
+    that frees it (``freed``; the plan's length where none does)."""
+
+    device: str
+    d: int
+    steps: tuple[Step, ...]
+    memory: np.ndarray
+    boundary: int
+    candidates: tuple[int, ...]
+    produced: dict[int, int]
+    last_forward: dict[int, int]
+    first_backward: dict[int, int]
+    freed: dict[int, int]
+    compute_ms: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.memory.max(initial=0))
+
+
+def offload_base(problem: Problem, device: str) -> OffloadBase | None:
+    """Checkpoint-all on ``device`` with unlimited memory, analysed; None where it has no
+    plan (a node that no device runs)."""
+    unlimited = replace(problem, budgets={**problem.budgets, device: None})
+    found = checkpoint_all(unlimited, device)
+    if found.plan is None or found.simulation is None:
+        return None
+    steps = found.plan.steps
+    graph = problem.graph
+    memory = np.asarray(found.simulation.timeline[device], dtype=np.int64)
+    backward = [
+        q
+        for q, s in enumerate(steps)
+        if isinstance(s, Compute) and graph.nodes[s.node].kind is NodeKind.BACKWARD
+    ]
+    boundary = backward[0] if backward else len(steps)
+    produced: dict[int, int] = {}
+    last_forward: dict[int, int] = {}
+    first_backward: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for q, step in enumerate(steps):
+        if isinstance(step, Compute):
+            produced[step.node] = q
+            for dep in graph.nodes[step.node].deps:
+                if q < boundary:
+                    last_forward[dep] = q
+                else:
+                    first_backward.setdefault(dep, q)
+        elif isinstance(step, Free):
+            freed[step.node] = q
+    in_order = sorted(produced.items(), key=lambda item: item[1])
+    candidates = tuple(v for v, q in in_order if q < boundary and v in first_backward)
+    for v in candidates:
+        last_forward.setdefault(v, produced[v])
+        freed.setdefault(v, len(steps))
+    d = problem.costs.device_index(device)
+    return OffloadBase(
+        device,
+        d,
+        steps,
+        memory,
+        boundary,
+        candidates,
+        produced,
+        last_forward,
+        first_backward,
+        freed,
+        float(problem.costs.compute_ms[:, d].sum()),
+    )
+
+
+def offload_bound_ms(problem: Problem, base: OffloadBase) -> float:
+    """Proposition 3: every node's compute, or the time to send the memory above the
+    budget to the host and back, whichever is longer (Proposition 2: any valid plan that
+    computes each node once in this order offloads at least ``M_peak - M_GPU``)."""
+    budget = problem.budgets.get(base.device)
+    excess = 0 if budget is None else max(base.peak_bytes - budget, 0)
+    link = problem.costs.host_link(base.d)
+    transfers_ms = excess * (1 / link.to_host_bytes_per_s + 1 / link.from_host_bytes_per_s) * 1e3
+    return max(base.compute_ms, transfers_ms)
+
+
+def offload_floor_bytes(problem: Problem, base: OffloadBase) -> int:
+    """The least memory any offload set needs: every activation on the host from its last
+    forward reader to its first backward reader."""
+    memory = base.memory.astype(np.int64).copy()
+    for v in base.candidates:
+        memory[base.last_forward[v] + 1 : base.first_backward[v]] -= int(
+            problem.costs.output_bytes[v]
+        )
+    return int(memory.max(initial=0))
+
+
+def offload_result(
+    problem: Problem, base: OffloadBase, strategy: str, evaluation: Evaluation
+) -> StrategyResult:
+    """An offloading plan the simulator accepted, with Proposition 3's bound."""
+    simulation = evaluation.simulation
+    total, bound = simulation.total_ms, offload_bound_ms(problem, base)
+    info = SolverInfo("feasible", total, bound, relative_gap(total, bound))
+    plan = replace(with_prediction(evaluation.plan, simulation), solver=info)
+    sent = [s.node for s in plan.steps if isinstance(s, Offload)]
+    nbytes = int(problem.costs.output_bytes[sent].sum()) if sent else 0
+    message = (
+        f"{strategy}: offloads {len(sent)} activations ({format_bytes(nbytes)}), "
+        f"{total:.4g} ms against a bound of {bound:.4g} ms (Proposition 3)"
+    )
+    return StrategyResult(strategy, plan, simulation, message)
+
+
+def offload_plan(
+    problem: Problem, base: OffloadBase, offloaded: Collection[int], strategy: str
+) -> Plan | None:
+    """The no-wait plan that offloads ``offloaded`` (candidates of ``base``), as the module
+    docstring describes; None where some step cannot fit the budget with this set."""
+    chosen = [v for v in base.candidates if v in set(offloaded)]
+    budget = problem.budgets.get(base.device)
+    limit = np.inf if budget is None else budget
+    forward = _forward(problem, base, chosen, limit)
+    if forward is None:
+        return None
+    backward = _backward(problem, base, chosen, limit)
+    if backward is None:
+        return None
+    devices = problem.plan_devices([base.device])
+    return Plan(strategy, devices, (*forward, *backward))
+
+
+def _forward(
+    problem: Problem, base: OffloadBase, chosen: Sequence[int], limit: float
+) -> list[Step] | None:
+    """The steps up to the boundary, every offload waited for at its end."""
+    costs, d, device = problem.costs, base.d, base.device
+    sizes = costs.output_bytes
+    compute_ms = costs.compute_ms[:, d]
+    offload_ms = costs.offload_ms(d)
+    sending = set(chosen)
+    in_flight: list[tuple[float, int]] = []  # (transfer end, node), in lane order
+    clock = lane = 0.0
+    released = 0
+    steps: list[Step] = []
+
+    def release(index: int, stage: int) -> None:
+        nonlocal clock, released
+        end, v = in_flight.pop(index)
+        clock = max(clock, end)
+        released += int(sizes[v])
+        steps.append(Wait(stage, v, device))
+
+    for q in range(base.boundary):
+        step = base.steps[q]
+        done = [i for i, (end, v) in enumerate(in_flight) if base.last_forward[v] < q]
+        for i in reversed([i for i in done if in_flight[i][0] <= clock]):
+            release(i, step.stage)  # completed: released at no cost
+        while base.memory[q] - released > limit:
+            ready = [i for i, (end, v) in enumerate(in_flight) if base.last_forward[v] < q]
+            if not ready:
+                return None
+            release(ready[0], step.stage)
+        steps.append(step)
+        if isinstance(step, Compute):
+            clock += float(compute_ms[step.node])
+            if step.node in sending:
+                start = max(clock, lane)
+                lane = start + float(offload_ms[step.node])
+                in_flight.append((lane, step.node))
+                steps.append(Offload(step.stage, step.node, device))
+    stage = base.steps[base.boundary].stage if base.boundary < len(base.steps) else 0
+    while in_flight:
+        release(0, stage)
+    return steps
+
+
+def _backward(
+    problem: Problem, base: OffloadBase, chosen: Sequence[int], limit: float
+) -> list[Step] | None:
+    """The steps from the boundary on, each offloaded activation prefetched at the
+    earliest step from which the memory up to its release leaves room for it."""
+    sizes = problem.costs.output_bytes
+    b, end = base.boundary, len(base.steps)
+    memory = base.memory[b - 1 : end].astype(np.int64).copy() if b > 0 else None
+    if memory is None:
+        return list(base.steps[b:])
+    # memory[k]: bytes after step b - 1 + k with the chosen activations on the host.
+    for v in chosen:
+        memory[: base.freed[v] - b + 1] -= int(sizes[v])
+    if memory.max(initial=0) > limit:
+        return None
+    issue: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
+    earliest = b
+    for v in sorted(chosen, key=lambda v: base.first_backward[v]):
+        use, gone = base.first_backward[v], base.freed[v]
+        size = int(sizes[v])
+        p = _earliest_issue(memory, b, earliest, use, gone, size, limit)
+        if p is None:
+            return None
+        memory[p - 1 - (b - 1) : gone - b + 1] += size
+        issue.setdefault(p, []).append(v)
+        waits.setdefault(use, []).append(v)
+        earliest = p
+    steps: list[Step] = []
+    for q in range(b, end):
+        step = base.steps[q]
+        steps.extend(Prefetch(step.stage, v, base.device) for v in issue.get(q, ()))
+        steps.extend(Wait(step.stage, v, base.device) for v in waits.get(q, ()))
+        steps.append(step)
+    return steps
+
+
+def _earliest_issue(
+    memory: np.ndarray, b: int, earliest: int, use: int, gone: int, size: int, limit: float
+) -> int | None:
+    """The earliest step p in [earliest, use] such that the memory from just before p up to
+    the step that frees the value leaves room for it (``memory`` is indexed from step
+    b - 1); None where even p = use does not."""
+    window = memory[earliest - b : gone - b + 1]  # steps earliest - 1 .. gone - 1
+    # The largest memory from each step on: the window shrinks as p grows.
+    suffix = np.maximum.accumulate(window[::-1])[::-1]
+    fits = np.flatnonzero(suffix[: use - earliest + 1] + size <= limit)
+    return None if len(fits) == 0 else earliest + int(fits[0])

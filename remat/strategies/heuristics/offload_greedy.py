@@ -1,0 +1,76 @@
+"""GREEDY (Beaumont et al., section 4.2), generalised to training graphs: offload the first
+k activations in production order, k the smallest for which the no-wait plan fits.
+
+In the fractional relaxation the eager, ordered schedule that offloads the least data is
+optimal (Lemmas 1 and 2); rounded to whole activations, the paper takes the smallest k
+whose sizes sum to at least ``M_peak - M_GPU`` (Proposition 2). On a training graph the
+memory of the backward phase and of steps between the peaks may need more, so k grows
+from there until the simulator accepts the plan (by bisection: a larger prefix only
+frees more memory). The plan's bound is Proposition 3's (``offload.offload_bound_ms``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from remat.devices import format_bytes
+from remat.strategies.common.offload import (
+    OffloadBase,
+    offload_base,
+    offload_floor_bytes,
+    offload_plan,
+    offload_result,
+)
+from remat.strategies.common.problem import Evaluation, Problem, StrategyResult, evaluate_plan
+
+NAME = "offload_greedy"
+
+
+def offload_greedy(problem: Problem, device: str) -> StrategyResult:
+    base = offload_base(problem, device)
+    if base is None:
+        return StrategyResult(NAME, None, None, f"{NAME}: checkpoint-all has no plan on {device}")
+    sizes = [int(problem.costs.output_bytes[v]) for v in base.candidates]
+    budget = problem.budgets.get(device)
+    excess = 0 if budget is None else base.peak_bytes - budget
+    first = int(np.searchsorted(np.cumsum([0, *sizes]), excess)) if excess > 0 else 0
+    found = _smallest_prefix(problem, base, first)
+    if found is None:
+        floor = offload_floor_bytes(problem, base)
+        return StrategyResult(
+            NAME,
+            None,
+            None,
+            f"{NAME}: no plan fits {format_bytes(budget or 0)} on {device}; offloading every "
+            f"activation still needs {format_bytes(floor)} ({floor} B)",
+            min_budget_bytes={device: floor},
+        )
+    return offload_result(problem, base, NAME, found)
+
+
+def _smallest_prefix(problem: Problem, base: OffloadBase, first: int) -> Evaluation | None:
+    """The plan of the smallest prefix of at least ``first`` candidates that the simulator
+    accepts, or None where not even every candidate fits."""
+    candidates: Sequence[int] = base.candidates
+
+    def judged(k: int) -> Evaluation | None:
+        plan = offload_plan(problem, base, candidates[:k], NAME)
+        if plan is None:
+            return None
+        evaluation = evaluate_plan(problem, plan)
+        return evaluation if evaluation.fits else None
+
+    low, high = min(first, len(candidates)), len(candidates)
+    best = judged(high)
+    if best is None:
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        found = judged(middle)
+        if found is None:
+            low = middle + 1
+        else:
+            best, high = found, middle
+    return best

@@ -1,0 +1,254 @@
+"""Offloading to host memory (plan version 2): the plan format, the simulator's transfer
+lanes and no-wait timing, Proposition 3's bound and the GREEDY strategy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from remat.costs import (
+    CostModel,
+    CostSource,
+    CostTable,
+    HostLink,
+    analytical_costs,
+    cost_table_of,
+    profiled_costs,
+)
+from remat.devices import Device, DeviceKind, parse_device
+from remat.errors import InvalidInputError
+from remat.plan import (
+    Compute,
+    Free,
+    Offload,
+    Plan,
+    PlanDevice,
+    Prefetch,
+    Wait,
+    plan_from_json,
+    plan_to_json,
+)
+from remat.simulator import simulate
+from remat.strategies import Problem, run_strategy
+from remat.strategies.baselines.checkpoint_all import checkpoint_all
+from remat.strategies.common.offload import offload_base, offload_bound_ms
+from remat.training import training_graph
+
+from graphs import chain
+
+GPU = Device("cuda0", DeviceKind.CUDA)
+FIXED = 1400  # chain(3) in training: input 400 and three weights of 100, and their gradients
+
+
+def _setup(link_bytes_per_ms: float = 1000.0):
+    """chain(3) in training on one GPU: every node 1 ms and 1000 bytes, and a host link
+    that moves ``link_bytes_per_ms`` each way (1 ms per tensor by default)."""
+    g = training_graph(chain(3))
+    n = len(g)
+    out = np.array([node.output_bytes for node in g.nodes], dtype=np.int64)
+    assert out.tolist() == [1000] * 6 + [0]  # the input gradient accumulates into a buffer
+    rate = link_bytes_per_ms * 1e3
+    costs = CostModel(
+        CostSource.PROFILED,
+        (GPU,),
+        np.ones((n, 1)),
+        np.zeros((n, 1, 1)),
+        out,
+        (HostLink(rate, rate, 0.0),),
+    )
+    return g, costs
+
+
+def _plan(steps, budget=None):
+    return Plan("hand", (PlanDevice.of(GPU, budget),), tuple(steps))
+
+
+def _c(node):
+    return Compute(node, node, "cuda0")
+
+
+def _f(node):
+    return Free(node, node, "cuda0")
+
+
+# chain(3) in training: 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3), 5 reads (1, 4),
+# 6 reads (0, 5). Checkpoint-all peaks at FIXED + 5000 (after node 4).
+OVERLAPPED = [
+    _c(0),
+    Offload(0, 0, "cuda0"),  # 1 -> 2 ms on the lane, while node 1 computes
+    _c(1),
+    Offload(1, 1, "cuda0"),  # 2 -> 3 ms, while node 2 computes
+    Wait(2, 0, "cuda0"),  # done at 2 ms: no stall, x0 released
+    _c(2),
+    Wait(3, 1, "cuda0"),  # done at 3 ms: no stall, x1 released
+    _c(3),
+    _c(4),
+    _f(2),
+    _f(3),
+    Prefetch(5, 1, "cuda0"),  # 5 -> 6 ms, reserved at 5
+    Wait(5, 1, "cuda0"),  # stalls 1 ms
+    _c(5),
+    _f(1),
+    _f(4),
+    Prefetch(6, 0, "cuda0"),  # 7 -> 8 ms
+    Wait(6, 0, "cuda0"),  # stalls 1 ms
+    _c(6),
+    _f(0),
+    _f(5),
+    _f(6),
+]
+
+
+def test_a_plan_fits_because_its_transfers_overlap_compute():
+    g, costs = _setup()
+    budget = FIXED + 3000
+    result = simulate(_plan(OVERLAPPED, budget), g, costs)
+    assert result.valid, result.violation
+    assert result.peak_bytes["cuda0"] == budget
+    assert result.compute_ms == 7.0
+    assert result.transfer_ms == 4.0
+    assert result.stall_ms == 2.0  # the two prefetches; both offloads were hidden
+    assert result.total_ms == 9.0
+    # Checkpoint-all needs 2000 bytes more.
+    unlimited = checkpoint_all(Problem(g, costs, {"cuda0": None}), "cuda0")
+    assert unlimited.simulation.peak_bytes["cuda0"] == FIXED + 5000
+
+
+def test_a_slower_link_makes_the_compute_lane_wait_for_the_offloads():
+    g, costs = _setup(link_bytes_per_ms=500.0)  # 2 ms per tensor
+    result = simulate(_plan(OVERLAPPED, FIXED + 3000), g, costs)
+    assert result.valid
+    # x0's offload ends at 3 ms (node 2 would start at 2), x1's at 5 (the lane is busy).
+    assert result.stall_ms > 2.0
+    assert result.total_ms == result.compute_ms + result.stall_ms
+
+
+def test_memory_is_released_only_by_a_wait_for_the_offload():
+    g, costs = _setup()
+    # Without the waits, both offloads complete during node 2, but x0 and x1 still count.
+    steps = [s for s in OVERLAPPED if not (s.op == "wait" and s.stage in (2, 3))]
+    result = simulate(_plan(steps, FIXED + 3000), g, costs)
+    assert not result.valid and result.violation.over_budget
+    assert result.violation.step == steps.index(_c(3))
+
+
+def test_a_prefetch_reserves_its_memory_when_its_transfer_starts():
+    g, costs = _setup()
+    early = list(OVERLAPPED)
+    # Prefetch x1 before node 4 computes: reserved while 4's output is allocated.
+    early.remove(Prefetch(5, 1, "cuda0"))
+    early.insert(early.index(_c(4)), Prefetch(5, 1, "cuda0"))
+    result = simulate(_plan(early, FIXED + 3000), g, costs)
+    assert not result.valid and result.violation.over_budget
+    roomy = simulate(_plan(early, FIXED + 4000), g, costs)
+    assert roomy.valid
+    assert roomy.stall_ms < 2.0  # the first prefetch is hidden behind node 4
+
+
+def test_reads_before_a_prefetch_completes_are_refused():
+    g, costs = _setup()
+    steps = [s for s in OVERLAPPED if s != Wait(5, 1, "cuda0")]
+    result = simulate(_plan(steps), g, costs)
+    assert not result.valid
+    assert "before its prefetch completes" in result.violation.message
+    assert result.violation.step == steps.index(_c(5))
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([_c(0), Prefetch(0, 0, "cuda0")], "not on its host"),
+        ([_c(0), Offload(0, 0, "cuda0"), Prefetch(0, 0, "cuda0")], "still resident"),
+        ([_c(0), Offload(0, 0, "cuda0"), _f(0)], "in flight"),
+        ([_c(0), Wait(0, 0, "cuda0")], "no transfer"),
+        ([_c(0), Offload(0, 0, "cuda0"), Offload(0, 0, "cuda0")], "already being offloaded"),
+        ([Offload(0, 0, "cuda0")], "not resident"),
+    ],
+)
+def test_bad_transfers_are_named(steps, message):
+    g, costs = _setup()
+    result = simulate(_plan(steps), g, costs)
+    assert not result.valid
+    assert message in result.violation.message
+
+
+def test_version_two_documents_round_trip_and_version_one_refuses_transfers():
+    plan = _plan(OVERLAPPED, FIXED + 3000)
+    assert plan.version == 2
+    assert _plan([_c(0)]).version == 1  # a plan without transfers stays readable by old agents
+    document = json.loads(json.dumps(plan_to_json(plan)))
+    assert document["version"] == 2
+    assert {"stage": 0, "op": "offload", "node": 0, "device": "cuda0"} in document["steps"]
+    assert plan_from_json(document) == plan
+    document["version"] = 1
+    with pytest.raises(InvalidInputError, match=r"steps\[1\].*'offload' needs plan version 2"):
+        plan_from_json(document)
+
+
+def test_the_host_link_comes_from_options_tables_and_defaults():
+    g = training_graph(chain(3))
+    slow = parse_device("cuda0:cuda:host_bandwidth=1e9,host_latency_us=0")
+    costs = analytical_costs(g, [slow, parse_device("cpu0:cpu")])
+    assert costs.offload_ms(0)[0] == pytest.approx(1000 / 1e9 * 1e3)
+    assert costs.host_link(1).to_host_bytes_per_s == 10e9  # a CPU's default: a memcpy
+    table = json.loads(cost_table_of(g, costs).model_dump_json())
+    assert table["host_links"]["cuda0"]["to_host_bytes_per_s"] == 1e9
+    again = profiled_costs(g, CostTable.model_validate(table))
+    assert again.host_link(0) == costs.host_link(0)
+    table["host_links"]["cuda0"]["from_host_bytes_per_s"] = 0
+    with pytest.raises(ValueError, match="greater than 0"):
+        CostTable.model_validate(table)
+    with pytest.raises(InvalidInputError, match="host_bandwidth"):
+        parse_device("cuda0:cuda:host_bandwidth=0")
+
+
+def test_proposition_3_bounds_the_offloading_plans():
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": FIXED + 3000})
+    base = offload_base(problem, "cuda0")
+    assert base.peak_bytes == FIXED + 5000
+    assert base.candidates == (0, 1, 2, 3)
+    # max(7 ms of compute, 2000 bytes each way at 1000 bytes per ms)
+    assert offload_bound_ms(problem, base) == pytest.approx(7.0)
+    tight = Problem(
+        g,
+        CostModel(**{**costs.__dict__, "host": (HostLink(1e5, 1e5, 0.0),)}),
+        {"cuda0": FIXED + 3000},
+    )
+    assert offload_bound_ms(tight, offload_base(tight, "cuda0")) == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("budget", [FIXED + 5000, FIXED + 4000, FIXED + 3000])
+def test_offload_greedy_plans_fit_and_cost_at_least_the_bound(budget):
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": budget})
+    result = run_strategy("offload_greedy", problem, "cuda0")
+    assert result.feasible, result.message
+    again = simulate(result.plan, g, costs)
+    assert again.valid and again.peak_bytes["cuda0"] <= budget
+    assert result.plan.solver.bound == pytest.approx(7.0)
+    assert result.plan.solver.objective == pytest.approx(again.total_ms)
+    assert again.total_ms >= result.plan.solver.bound
+    offloads = sum(1 for s in result.plan.steps if s.op == "offload")
+    assert offloads == (FIXED + 5000 - budget) // 1000  # the fewest that fit, first ones
+    assert plan_from_json(json.loads(json.dumps(plan_to_json(result.plan)))) == result.plan
+
+
+def test_offload_greedy_says_what_it_needs_below_its_floor():
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": FIXED + 1000})
+    result = run_strategy("offload_greedy", problem, "cuda0")
+    assert not result.feasible
+    assert "offloading every activation still needs" in result.message
+    assert result.min_budget_bytes["cuda0"] > FIXED + 1000
+
+
+def test_agents_refuse_transfer_plans_before_running_any_step():
+    from agents.errors import PlanRejectedError
+    from agents.executor import check_plan
+
+    g, _costs = _setup()
+    with pytest.raises(PlanRejectedError, match="does not execute transfers yet"):
+        check_plan(_plan(OVERLAPPED), g)

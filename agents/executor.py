@@ -1,5 +1,6 @@
-"""The executor: runs a plan step by step (compute, copy, free) on the node's devices and
-reports what it measured next to what the simulator predicted.
+"""The executor: runs a plan step by step (compute, copy, free, and the transfers to host
+memory of plan version 2: offload, prefetch, wait) on the node's devices and reports what
+it measured next to what the simulator predicted.
 
 Before anything runs, the plan's devices are bound to this node's devices (``DeviceError``
 for one it lacks) and the plan is replayed by the simulator (``PlanRejectedError`` with its
@@ -18,10 +19,40 @@ temporaries of a gradient), which the simulator does not model: on an H100 it ad
 63 KiB on the tests' small models and 18 KiB to 38 MiB on batch-8 96x96 ones (the most:
 VGG-16, cuDNN's workspaces for IEEE fp32 convolutions). The report also keeps
 the executor's own account for every device (``accounted_peak_bytes``, which equals the
-simulator's peak for a correct run) and, for CUDA, the allocator's peak
-(``allocator_peak_bytes``: ``max_memory_allocated``, which adds the allocator's rounding
-of every block and the slack of cached blocks it reuses without splitting, up to 1 MiB
-each).
+simulator's peak for a correct run of a plan without transfers) and, for CUDA, the
+allocator's peak (``allocator_peak_bytes``: ``max_memory_allocated``, which adds the
+allocator's rounding of every block and the slack of cached blocks it reuses without
+splitting, up to 1 MiB each).
+
+Transfers (plan version 2). Each device has a transfer lane to its host memory, beside the
+compute lane (the steps, run in order on this thread): on a CPU device a thread of its own
+(a one-worker thread pool per device, made for each run and shut down at its end, also on
+failure), on a CUDA device a side stream with pinned host buffers. An ``offload`` copies the
+value into fresh host memory on the lane; the device copy stays resident, readable and
+counted until the ``wait`` for it, which blocks until the copy is complete and then
+releases it. A ``prefetch`` copies the host copy back into fresh device memory on the lane;
+the value is readable once the ``wait`` for it has returned. Transfers on one lane run one
+at a time in plan order (one worker; one stream), and each starts after the compute steps
+issued before it (CUDA: the side stream waits for the compute stream), as the simulator
+assumes. On CUDA a transfer is followed by an event on the side stream, and a ``wait``
+makes the compute stream wait for it; the device tensors a transfer reads or writes are
+marked as used by the side stream (``record_stream``), so that the caching allocator does
+not hand their memory out again before the transfer is done. A transfer step's time is
+what issuing it took on the compute lane; a wait's is how long it blocked (CUDA: until the
+compute stream passed the event). Transfers still running after the last step (an offload
+never waited for) are waited for before the run's total time is taken.
+
+Memory of transfers. An offloaded value counts on its device until its wait releases it,
+as in the simulator; a host copy counts on no device. A prefetched value counts from the
+prefetch step itself (its memory is reserved, and on CUDA allocated, when the compute lane
+issues it), which is simple and conservative: the simulator reserves it when the transfer
+starts, later than the step where the lane is still busy with earlier transfers. So the
+account (and a CPU device's measured peak) is at least the simulator's peak, and exceeds
+it only where a prefetch queues behind another transfer while the compute lane releases
+memory in between (a wait for an earlier offload, a free), by at most the bytes of such
+prefetches. The offloading strategies reserve a prefetch's memory from the step that
+issues it (``remat.strategies.common.offload``), so their plans stay within their budgets
+here too; on their plans the account equals the simulator's peak.
 
 Numerics. In training, the parameter and input gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is
@@ -55,6 +86,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +107,7 @@ from agents.torch_devices import (
 from remat.costs import analytical_costs
 from remat.devices import Device
 from remat.graph import Graph, Mode, NodeKind
-from remat.plan import Compute, Copy, Free, Plan, Step
+from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Step, Wait
 from remat.simulator import Simulation, simulate
 
 TOLERANCE = 1e-4
@@ -320,13 +352,8 @@ def _step_devices(step: Step) -> tuple[str, ...]:
 
 def check_plan(plan: Plan, graph: Graph) -> Simulation:
     """The simulator's replay of ``plan`` under its own budgets; PlanRejectedError with the
-    violation if it rejects it, or if it has transfers to host memory (plan version 2),
-    which this executor does not run yet."""
-    if plan.transfers:
-        raise PlanRejectedError(
-            "the plan offloads to host memory (offload, prefetch and wait steps, plan "
-            "version 2); this agent does not execute transfers yet"
-        )
+    violation if it rejects it. Transfers to host memory (plan version 2) are checked like
+    every other step: the executor runs them."""
     devices = [Device(d.name, d.kind, dict(d.options)) for d in plan.devices]
     simulation = simulate(plan, graph, analytical_costs(graph, devices))
     if simulation.violation is not None:
@@ -363,6 +390,122 @@ def max_relative_error(
 
 
 @dataclass
+class _Transfer:
+    """A transfer in flight on a lane."""
+
+    offload: bool  # else a prefetch
+    future: Future[Value] | None = None  # CPU: the copy, made on the lane's thread
+    event: Any = None  # CUDA: a torch.cuda.Event recorded on the side stream after the copy
+    copy: Value = ()  # CUDA: the copy (pinned host tensors, or device tensors)
+    reserved: int = 0  # a prefetch: the bytes accounted when it was issued
+
+
+class _Lane:
+    """A device's transfer lane to its host memory: a thread (CPU) or a side stream
+    (CUDA) that runs the device's transfers one at a time in plan order, the transfers in
+    flight (by node) and the host copies."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.host: dict[int, Value] = {}
+        self.in_flight: dict[int, _Transfer] = {}
+        self.pool: ThreadPoolExecutor | None = None
+        self.stream: Any = None
+        if runtime.is_cuda:
+            self.stream = torch.cuda.Stream(device=runtime.torch_device)
+        else:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-lane")
+
+    def offload(self, node: int, value: Value) -> None:
+        """Start copying ``value`` (resident on the device) into fresh host memory."""
+        if self.pool is not None:
+            self.in_flight[node] = _Transfer(True, future=self.pool.submit(_cloned, value))
+            return
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(self.runtime.torch_device))  # its producer
+        with torch.cuda.stream(side):
+            host = tuple(
+                _empty_like(t, torch.device("cpu"), pinned=True).copy_(t, non_blocking=True)
+                for t in value
+            )
+        for t in value:
+            t.record_stream(side)  # its memory is not reused before the copy has read it
+        self.in_flight[node] = _Transfer(True, event=_recorded(side), copy=host)
+
+    def prefetch(self, node: int, reserved: int) -> None:
+        """Start copying ``node``'s host copy into fresh device memory."""
+        host = self.host[node]
+        if self.pool is not None:
+            future = self.pool.submit(_cloned, host)
+            self.in_flight[node] = _Transfer(False, future=future, reserved=reserved)
+            return
+        side = self.stream
+        # Allocated on the compute stream, here (where it is accounted); the side stream
+        # waits for the compute stream, so the memory's earlier users are done with it.
+        device = tuple(_empty_like(t, self.runtime.torch_device) for t in host)
+        side.wait_stream(torch.cuda.current_stream(self.runtime.torch_device))
+        with torch.cuda.stream(side):
+            for target, source in zip(device, host, strict=True):
+                target.copy_(source, non_blocking=True)
+        for target in device:
+            target.record_stream(side)
+        self.in_flight[node] = _Transfer(
+            False, event=_recorded(side), copy=device, reserved=reserved
+        )
+
+    def wait(self, node: int) -> tuple[_Transfer, Value]:
+        """Block the compute lane until ``node``'s transfer is complete: the transfer and
+        its copy (an offload's is kept as the host copy)."""
+        transfer = self.in_flight.pop(node)
+        if transfer.future is not None:
+            copy = transfer.future.result()
+        else:
+            compute = torch.cuda.current_stream(self.runtime.torch_device)
+            compute.wait_event(transfer.event)
+            # Each step is timed to its end on the compute stream (``Runtime.timed``
+            # synchronises it before the next one): the wait's time is its own.
+            compute.synchronize()
+            copy = transfer.copy
+        if transfer.offload:
+            self.host[node] = copy
+        return transfer, copy
+
+    def drain(self) -> None:
+        """Wait for the CPU transfers still in flight (an offload never waited for); CUDA
+        ones are waited for by synchronising the device."""
+        for transfer in self.in_flight.values():
+            if transfer.future is not None:
+                transfer.future.result()
+
+    def close(self) -> None:
+        """Stop the lane's thread (after the transfer it may be running); drop its copies.
+        CUDA: the allocators keep memory that a transfer still uses (``record_stream``, and
+        the pinned host allocator's events) until it is done."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.in_flight.clear()
+        self.host.clear()
+
+
+def _cloned(value: Value) -> Value:
+    return tuple(t.clone() for t in value)
+
+
+def _empty_like(t: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape, strides and type on ``device`` (a value's tensors
+    own their storage, so the storage is as large as ``t``'s)."""
+    return torch.empty_strided(
+        t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pinned
+    )
+
+
+def _recorded(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+@dataclass
 class _Result:
     total_ms: float
     step_ms: list[float]
@@ -381,10 +524,14 @@ class _Run:
         self.plan = plan
         self.runtimes = runtimes
         computed: dict[str, list[int]] = {name: [] for name in runtimes}
+        transferring: set[str] = set()
         for step in plan.steps:
             if isinstance(step, Compute):
                 computed[step.device].append(step.node)
+            elif isinstance(step, Offload | Prefetch):
+                transferring.add(step.device)
         self.computed = computed
+        self.transferring = sorted(transferring)  # the devices whose lanes the run uses
         self.resident: dict[str, dict[int, Value]] = {name: {} for name in runtimes}
         self.live = dict.fromkeys(runtimes, 0)
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
@@ -393,12 +540,17 @@ class _Run:
         self.fixed_bytes: dict[str, int] = {}
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
+        self.lanes: dict[str, _Lane] = {}  # of the devices that transfer, made per run
 
     def run(self) -> _Result:
         try:
             self._place_fixed()
+            for name in self.transferring:
+                self._lane(name)
             start = time.perf_counter()
             step_ms = [self._step(index, step) for index, step in enumerate(self.plan.steps)]
+            for lane in self.lanes.values():
+                lane.drain()
             for runtime in self.runtimes.values():
                 runtime.synchronize()
             total_ms = (time.perf_counter() - start) * 1e3
@@ -459,6 +611,9 @@ class _Run:
         self.peaks[name] = self.fixed_bytes[name]
 
     def _release(self) -> None:
+        lanes, self.lanes = self.lanes, {}
+        for lane in lanes.values():
+            lane.close()
         self.resident = {name: {} for name in self.runtimes}
         self.fixed, self.buffers = {}, {}
         if any(r.is_cuda for r in self.runtimes.values()):
@@ -480,6 +635,12 @@ class _Run:
                 ms = self._copy(step)
             elif isinstance(step, Free):
                 ms = self._free(step)
+            elif isinstance(step, Offload):
+                ms = self._offload(step)
+            elif isinstance(step, Prefetch):
+                ms = self._prefetch(step)
+            elif isinstance(step, Wait):
+                ms = self._wait(step)
             else:  # the simulator accepted it, so a newer step kind this agent lacks
                 raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
         except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -488,9 +649,10 @@ class _Run:
             raise self._oom(index, step, error) from error
         return ms
 
-    def _allocated(self, device: str, value: Value) -> None:
-        """Account a new resident value (only allocations can raise a peak)."""
-        self.live[device] += value_bytes(value)
+    def _allocated(self, device: str, nbytes: int) -> None:
+        """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
+        reservation (only allocations can raise a peak)."""
+        self.live[device] += nbytes
         used = self.fixed_bytes[device] + self.live[device]
         if used > self.peaks[device]:
             self.peaks[device] = used
@@ -520,7 +682,7 @@ class _Run:
             )
         )
         resident[step.node] = value
-        self._allocated(step.device, value)
+        self._allocated(step.device, value_bytes(value))
         return ms
 
     def _copy(self, step: Copy) -> float:
@@ -532,7 +694,7 @@ class _Run:
         if src.is_cuda and dst.is_cuda:
             dst.synchronize()
         self.resident[step.dst][step.node] = copied
-        self._allocated(step.dst, copied)
+        self._allocated(step.dst, value_bytes(copied))
         return ms
 
     def _free(self, step: Free) -> float:
@@ -540,6 +702,38 @@ class _Run:
         value = self.resident[step.device].pop(step.node)
         self.live[step.device] -= value_bytes(value)
         del value
+        return (time.perf_counter() - start) * 1e3
+
+    def _lane(self, device: str) -> _Lane:
+        lane = self.lanes.get(device)
+        if lane is None:
+            lane = self.lanes[device] = _Lane(self.runtimes[device])
+        return lane
+
+    def _offload(self, step: Offload) -> float:
+        start = time.perf_counter()
+        self._lane(step.device).offload(step.node, self.resident[step.device][step.node])
+        return (time.perf_counter() - start) * 1e3
+
+    def _prefetch(self, step: Prefetch) -> float:
+        start = time.perf_counter()
+        lane = self._lane(step.device)
+        reserved = value_bytes(lane.host[step.node])
+        self._allocated(step.device, reserved)  # from the issue on: conservative
+        lane.prefetch(step.node, reserved)
+        return (time.perf_counter() - start) * 1e3
+
+    def _wait(self, step: Wait) -> float:
+        start = time.perf_counter()
+        transfer, copy = self._lane(step.device).wait(step.node)
+        resident = self.resident[step.device]
+        if transfer.offload:  # the device copy is released
+            value = resident.pop(step.node)
+            self.live[step.device] -= value_bytes(value)
+            del value
+        else:  # readable now; accounted when it was issued
+            resident[step.node] = copy
+            self._allocated(step.device, value_bytes(copy) - transfer.reserved)
         return (time.perf_counter() - start) * 1e3
 
     # --- results -------------------------------------------------------------------------

@@ -75,13 +75,15 @@ class Runtime:
 
     def timed(self, work: Callable[[], T]) -> tuple[T, float]:
         """Run ``work`` on this device; its result and its time in milliseconds (CUDA:
-        events around it after synchronising, so that earlier work is not counted)."""
+        events around it after synchronising the current stream, so that earlier work is
+        not counted; not the whole device, whose other streams, such as the executor's
+        transfers to host memory, run on beside it)."""
         self.activate()
         if not self.is_cuda:
             start = time.perf_counter()
             result = work()
             return result, (time.perf_counter() - start) * 1e3
-        self.synchronize()
+        torch.cuda.current_stream(self.torch_device).synchronize()
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         begin.record()

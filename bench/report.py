@@ -302,6 +302,33 @@ def _models(rows: Rows) -> str:
     return _table(rows, columns, ("ONNX nodes", "graph nodes", "s"))
 
 
+def _offload(rows: Rows) -> str:
+    """One line per model and budget: Proposition 3's bound and each strategy's makespan
+    as a ratio to it (``-``: no plan at this budget), the best marked."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    lines: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+    for r in rows:
+        lines.setdefault((_named(r, "model"), r["budget"]), {})[r["strategy"]] = r
+    pivoted = []
+    for (model, budget), by in lines.items():
+        first = next(iter(by.values()))
+        line = {"model": model, "budget": budget, "bound": _f(first, "bound_ms", ".4g")}
+        ratios = {s: float(by[s]["ratio"]) for s in strategies if by.get(s, {}).get("ratio")}
+        best = min(ratios.values(), default=None)
+        for strategy in strategies:
+            value = ratios.get(strategy)
+            text = "-" if value is None else f"{value:.3f}"
+            line[strategy] = f"**{text}**" if value is not None and value == best else text
+        pivoted.append(line)
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: r["model"]),
+        ("budget", lambda r: r["budget"]),
+        ("bound ms", lambda r: r["bound"]),
+        *[(s, partial(_get, key=s)) for s in strategies],
+    ]
+    return _table(pivoted, columns, ("bound ms", *strategies))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -313,6 +340,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "solvers": _solvers,
     "agent": _agent,
     "models": _models,
+    "offload": _offload,
 }
 
 

@@ -156,7 +156,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        graph = _graph(name, args.batch)
+        graph = bench_graph(name, args.batch)
         costs = analytical_costs(graph, [CPU, IGPU])
         ref = reference(graph, costs)
         for percent in (float(p) for p in args.budgets.split(",")):
@@ -184,7 +184,7 @@ def _solvers(strategies: list[str], backends: list[str]) -> list[tuple[str, str]
     ]
 
 
-def _graph(name: str, batch: int) -> Graph:
+def bench_graph(name: str, batch: int) -> Graph:
     """The training graph of a zoo model, of ``large<blocks>`` (the deep transformer stack
     that is decomposed), or of ``torch:NAME``: the PyTorch corpus's model (its ``bench``
     scale, TorchScript export in training mode; ``agents/pytorch/corpus.py``)."""

@@ -2,8 +2,9 @@
 computed in each stage (R) and which values are resident when the stage starts (S).
 
 Derived from the plan's steps alone, so it works for every strategy, stitched plans
-included: a compute puts its value on its device, a copy on the destination, a free
-removes it. Pairs are sparse (stage, node) lists: a 1,000-node graph's dense matrices
+included: a compute puts its value on its device, a copy on the destination, a prefetch
+brings it back from the host, a free removes it, and so does the wait that completes an
+offload. Pairs are sparse (stage, node) lists: a 1,000-node graph's dense matrices
 would hold millions of cells per device.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.plan import Compute, Copy, Free, Plan
+from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Wait
 
 Cell = tuple[int, int]  # (stage, node)
 
@@ -28,6 +29,7 @@ def stage_matrices(plan: Plan) -> StageMatrices:
     R: dict[str, list[Cell]] = {name: [] for name in names}
     S: dict[str, list[Cell]] = {name: [] for name in names}
     resident: dict[str, set[int]] = {name: set() for name in names}
+    leaving: dict[str, set[int]] = {name: set() for name in names}
     stage = -1
     for step in plan.steps:
         while stage < step.stage:  # entering a new stage: what it starts with
@@ -40,5 +42,12 @@ def stage_matrices(plan: Plan) -> StageMatrices:
         elif isinstance(step, Copy):
             resident[step.dst].add(step.node)
         elif isinstance(step, Free):
+            resident[step.device].discard(step.node)
+        elif isinstance(step, Offload):
+            leaving[step.device].add(step.node)
+        elif isinstance(step, Prefetch):
+            resident[step.device].add(step.node)
+        elif isinstance(step, Wait) and step.node in leaving[step.device]:
+            leaving[step.device].discard(step.node)
             resident[step.device].discard(step.node)
     return StageMatrices(stage + 1, R, S)

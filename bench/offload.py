@@ -1,0 +1,124 @@
+"""Offloading against rematerialization in Beaumont et al.'s regime (section 6): one GPU
+with a PCIe-class link to its host (analytical costs: 10 TFLOP/s, 900 GB/s, 12 GB/s each
+way to the host), training graphs of VGG-, ResNet- and transformer-style networks, at
+budgets below the checkpoint-all peak. Every makespan is a ratio to Proposition 3's lower
+bound (``max(compute, 2 (M_peak - M_GPU) / beta)``), which bounds plans that compute every
+node once; rematerialization can beat it, by recomputing instead of transferring.
+
+Columns: ``offload_greedy`` (GREEDY), ``vdnn_conv`` (the paper's competitor: every
+activation a convolution reads offloaded, vDNN's policy, through the same no-wait plan),
+``checkmate_milp`` (rematerialization alone, ``--time-limit`` seconds) and the best of
+them. Prints a markdown table and appends one row per model, budget and strategy to
+``bench/results/offload.csv``; ``bench/report.py`` renders them.
+
+    .venv/bin/python bench/offload.py [--models vgg16,resnet18,transformer,torch:resnet50]
+        [--budgets 90,75,50] [--batch 8] [--time-limit 30] [--run LABEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from results import Writer, add_run_argument
+from solvers import bench_graph
+
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind, Size
+from remat.graph import NodeKind
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies.common.offload import (
+    OffloadBase,
+    offload_base,
+    offload_bound_ms,
+    offload_plan,
+    offload_result,
+)
+from remat.strategies.common.problem import evaluate_plan
+
+GPU = Device("cuda0", DeviceKind.CUDA)
+MODELS = ("vgg16", "resnet18", "transformer", "torch:resnet50")
+STRATEGIES = ("offload_greedy", "vdnn_conv", "checkmate_milp")
+CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
+
+
+def vdnn_conv(problem: Problem, base: OffloadBase) -> StrategyResult:
+    """vDNN's policy: offload every activation that a convolution reads."""
+    graph = problem.graph
+    read_by_conv = {
+        dep
+        for node in graph.nodes
+        if node.op in CONVOLUTIONS and node.kind is NodeKind.FORWARD
+        for dep in node.deps
+    }
+    chosen = [v for v in base.candidates if v in read_by_conv]
+    if not chosen:
+        return StrategyResult("vdnn_conv", None, None, "n/a: no convolution")
+    plan = offload_plan(problem, base, chosen, "vdnn_conv")
+    if plan is None:
+        return StrategyResult("vdnn_conv", None, None, "does not fit")
+    evaluation = evaluate_plan(problem, plan)
+    if not evaluation.fits:
+        return StrategyResult("vdnn_conv", None, None, "does not fit")
+    return offload_result(problem, base, "vdnn_conv", evaluation)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--budgets", default="90,75,50")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--time-limit", type=float, default=30.0)
+    add_run_argument(parser)
+    args = parser.parse_args()
+    out = Writer("offload", args.run)
+    print(f"| model (nodes) | budget | bound ms | {' | '.join(STRATEGIES)} | best |")
+    print("|---|---|---|" + "---|" * (len(STRATEGIES) + 1))
+    solver = SolverSettings(options=SolveOptions(time_limit_s=args.time_limit))
+    for name in args.models.split(","):
+        graph = bench_graph(name, args.batch)
+        costs = analytical_costs(graph, [GPU])
+        ref = reference(graph, costs)
+        for percent in (float(p) for p in args.budgets.split(",")):
+            budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+            problem = Problem(graph, costs, {GPU.name: budget}, solver)
+            base = offload_base(problem, GPU.name)
+            assert base is not None
+            bound = offload_bound_ms(problem, base)
+            cells = []
+            for strategy in STRATEGIES:
+                if strategy == "vdnn_conv":
+                    result = vdnn_conv(problem, base)
+                else:
+                    result = run_strategy(strategy, problem, GPU.name)
+                ms = result.simulation.total_ms if result.feasible and result.simulation else None
+                cells.append(ms)
+                out.add(
+                    {
+                        "model": name,
+                        "budget": f"{percent:.0f}%",
+                        "devices": GPU.name,
+                        "objective": ms,
+                        "strategy": strategy,
+                        "bound_ms": bound,
+                        "ratio": None if ms is None else ms / bound,
+                        "nodes": len(graph),
+                        "batch": args.batch,
+                        "budget_bytes": budget,
+                        "time_limit_s": args.time_limit,
+                        "note": "" if ms is not None else result.message[:80],
+                    }
+                )
+            found = [ms for ms in cells if ms is not None]
+            ratios = [f"{ms / bound:.3f}" if ms is not None else "-" for ms in cells]
+            best = f"{min(found) / bound:.3f}" if found else "-"
+            print(
+                f"| {name} ({len(graph)}) | {percent:.0f}% | {bound:.4g} | "
+                f"{' | '.join(ratios)} | {best} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

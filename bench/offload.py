@@ -5,13 +5,13 @@ budgets below the checkpoint-all peak. Every makespan is a ratio to Proposition 
 bound (``max(compute, 2 (M_peak - M_GPU) / beta)``), which bounds plans that compute every
 node once; rematerialization can beat it, by recomputing instead of transferring.
 
-Columns: ``offload_greedy`` (GREEDY), ``vdnn_conv`` (the paper's competitor: every
-activation a convolution reads offloaded, vDNN's policy, through the same no-wait plan),
-``checkmate_milp`` (rematerialization alone, ``--time-limit`` seconds) and the best of
-them. Prints a markdown table and appends one row per model, budget and strategy to
-``bench/results/offload.csv``; ``bench/report.py`` renders them.
+Columns: ``offload_greedy`` (GREEDY), ``offload_dynprog`` (DYNPROG), ``vdnn_conv`` (the
+paper's competitor: every activation a convolution reads offloaded, vDNN's policy, through
+the same no-wait plan), ``checkmate_milp`` (rematerialization alone, ``--time-limit``
+seconds) and the best of them. Prints a markdown table and appends one row per model,
+budget and strategy to ``bench/results/offload.csv``; ``bench/report.py`` renders them.
 
-    .venv/bin/python bench/offload.py [--models vgg16,resnet18,transformer,torch:resnet50]
+    .venv/bin/python bench/offload.py [--models vgg16,resnet18,unet,transformer,...]
         [--budgets 90,75,50] [--batch 8] [--time-limit 30] [--run LABEL]
 """
 
@@ -38,8 +38,8 @@ from remat.strategies.common.offload import (
 from remat.strategies.common.problem import evaluate_plan
 
 GPU = Device("cuda0", DeviceKind.CUDA)
-MODELS = ("vgg16", "resnet18", "transformer", "torch:resnet50")
-STRATEGIES = ("offload_greedy", "vdnn_conv", "checkmate_milp")
+MODELS = ("vgg16", "resnet18", "unet", "transformer", "torch:resnet50", "torch:bert_base")
+STRATEGIES = ("offload_greedy", "offload_dynprog", "vdnn_conv", "checkmate_milp")
 CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 
 

@@ -161,6 +161,20 @@ def test_a_job_is_solved_and_its_plan_served(api: InProcessApi) -> None:
     assert "event: progress" in text and text.rstrip().endswith('{"status": "succeeded"}')
 
 
+def test_an_offloading_job_serves_a_version_2_plan(api: InProcessApi) -> None:
+    client = api.client
+    job = submitted(client, uploaded(client), strategy="offload_greedy", budgets={"cpu0": "60%"})
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
+    assert plan["version"] == 2 and plan["strategy"] == "offload_greedy"
+    ops = {step["op"] for step in plan["steps"]}
+    assert {"offload", "prefetch", "wait"} <= ops
+    assert plan["predicted"]["transfer_ms"] > 0
+    assert plan["solver"]["bound"] <= plan["predicted"]["total_ms"]
+
+
 def test_a_job_differentiates_the_loss_it_names(api: InProcessApi) -> None:
     client = api.client
     body = quick_job(uploaded(client)) | {"loss": {"kind": "cross_entropy", "axis": 1}}

@@ -31,6 +31,8 @@ from remat.plan import (
     plan_to_json,
 )
 from remat.plan_view import stage_matrices
+from remat.problem import build_problem
+from remat.samples import unet
 from remat.simulator import simulate
 from remat.strategies import Problem, run_strategy
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
@@ -252,3 +254,31 @@ def test_the_stage_view_shows_offloaded_values_off_the_device():
     # x0 is computed in stage 0 and on the host from its wait in stage 2 until its
     # prefetch in stage 6, which brings it back during that stage.
     assert held == {1, 2}
+
+
+@pytest.mark.parametrize("budget", [FIXED + 4000, FIXED + 3000])
+def test_offload_dynprog_plans_fit_and_are_never_worse_than_greedy(budget):
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": budget})
+    dynprog = run_strategy("offload_dynprog", problem, "cuda0")
+    greedy = run_strategy("offload_greedy", problem, "cuda0")
+    assert dynprog.feasible and dynprog.plan.strategy == "offload_dynprog"
+    again = simulate(dynprog.plan, g, costs)
+    assert again.valid and again.peak_bytes["cuda0"] <= budget
+    assert again.total_ms <= greedy.simulation.total_ms
+    assert dynprog.plan.solver.bound == pytest.approx(7.0)
+
+
+def test_offload_dynprog_chooses_sets_that_are_not_greedy_prefixes():
+    """On U-Net, where skip connections hold early activations through the whole forward
+    pass, the program offloads a set that is not a prefix and whose plan is cheaper."""
+    problem = build_problem(
+        unet(), batch=8, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "50%"}
+    )
+    greedy = run_strategy("offload_greedy", problem, "cuda0")
+    dynprog = run_strategy("offload_dynprog", problem, "cuda0")
+    assert dynprog.simulation.valid
+    assert dynprog.simulation.total_ms < greedy.simulation.total_ms
+    base = offload_base(problem, "cuda0")
+    sent = [s.node for s in dynprog.plan.steps if s.op == "offload"]
+    assert sent != list(base.candidates[: len(sent)])

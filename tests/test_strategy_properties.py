@@ -28,7 +28,7 @@ from graphs import forward
 
 CPU = Device("cpu0", DeviceKind.CPU)
 OPS = ["Relu", "Conv", "Add", "MaxPool", "Mul", "Sigmoid"]
-HEURISTICS = (*BASELINES, "greedy_evict", "offload_greedy")
+HEURISTICS = (*BASELINES, "greedy_evict", "offload_greedy", "offload_dynprog")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -115,7 +115,7 @@ def test_sparse_solve_and_prediction_agree_with_dense_and_simulator(forward_grap
 @given(forward_graphs())
 def test_the_stated_need_is_enough(forward_graph):
     graph = training_graph(forward_graph)
-    for name in (*BASELINES, "offload_greedy"):
+    for name in (*BASELINES, "offload_greedy", "offload_dynprog"):
         result = run(name, problem(graph, 0))
         if result is None:
             continue
@@ -137,3 +137,18 @@ def test_no_plan_needs_less_than_the_memory_floor(forward_graph):
             continue
         need = result.min_budget_bytes["cpu0"]
         assert shortfall(problem(graph, need), ("cpu0",)) is None, name
+
+
+@SETTINGS
+@given(forward_graphs(), st.floats(0.3, 1.0))
+def test_dynprog_is_never_worse_than_greedy(forward_graph, fraction):
+    graph = training_graph(forward_graph)
+    full = run_strategy("checkpoint_all", problem(graph, None))
+    fixed = full.simulation.fixed_bytes["cpu0"]
+    budget = fixed + int((full.simulation.peak_bytes["cpu0"] - fixed) * fraction)
+    greedy = run("offload_greedy", problem(graph, budget))
+    dynprog = run("offload_dynprog", problem(graph, budget))
+    assert dynprog.feasible == greedy.feasible
+    if greedy.feasible:
+        assert dynprog.simulation.total_ms <= greedy.simulation.total_ms
+        assert dynprog.plan.solver.bound == greedy.plan.solver.bound

@@ -143,6 +143,15 @@ class SearchConfig:
     """RINS fixes an integer variable where the LP value is this close to the
     incumbent's."""
 
+    # --- offloading (``remat.strategies.heuristics.offload_dynprog``) ----------------------
+    offload_slots: int = 500
+    """DYNPROG's memory discretization: the candidates' total bytes in this many slots
+    (Beaumont et al., section 5.3.2: 500)."""
+    offload_states: int = 2000
+    """The most states DYNPROG keeps per candidate (the least idle time)."""
+    offload_epsilons: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1)
+    """Budget reductions DYNPROG tries in turn until its set's plan fits."""
+
     # --- LP rounding (``remat.strategies.exact.checkmate``) -------------------------------
     lp_epsilons: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
     """The budget reductions swept by Checkmate's LP rounding (section 5.3, appendix D)."""

@@ -21,6 +21,7 @@ from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_mi
 from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 from remat.strategies.heuristics.offload_greedy import offload_greedy
 
 Strategy = Callable[[Problem, str], StrategyResult]
@@ -71,6 +72,14 @@ REGISTRY |= {
             "Offload the first activations to host memory, transfers overlapping compute, "
             "until the plan fits (Beaumont et al.'s GREEDY).",
             offload_greedy,
+        ),
+        StrategyInfo(
+            "offload_dynprog",
+            "heuristic",
+            False,
+            "Offload the activations a dynamic program over the fractional relaxation "
+            "chooses (Beaumont et al.'s DYNPROG); never worse than offload_greedy.",
+            offload_dynprog,
         ),
         StrategyInfo(
             "checkmate_milp",

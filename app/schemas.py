@@ -163,9 +163,20 @@ class Page(BaseModel, Generic[T]):
 Pair = Annotated[list[int], Field(min_length=2, max_length=2)]
 
 
+class TransferOut(BaseModel):
+    """A transfer to (offload) or from (prefetch) host memory: the steps that issue it and
+    that wait for it."""
+
+    node: int
+    kind: Literal["offload", "prefetch"]
+    issued: int
+    done: int
+
+
 class ScheduleOut(BaseModel):
     """R and S per device as sparse (stage, node) pairs, and bytes resident on each device
-    after each step with its budget (XEngine figures 3 and 4)."""
+    after each step with its budget (XEngine figures 3 and 4); the transfers on each
+    device's lane to host memory (plans of version 2)."""
 
     devices: list[str]
     nodes: list[str]
@@ -175,6 +186,7 @@ class ScheduleOut(BaseModel):
     memory: dict[str, list[int]]
     budgets: dict[str, int | None]
     peak_bytes: dict[str, int]
+    transfers: dict[str, list[TransferOut]] = Field(default_factory=dict)
 
 
 class ProgressPoint(BaseModel):

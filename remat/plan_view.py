@@ -1,5 +1,6 @@
 """A plan as stage matrices, for drawing (XEngine figure 3): per device, which nodes are
-computed in each stage (R) and which values are resident when the stage starts (S).
+computed in each stage (R) and which values are resident when the stage starts (S); and
+its transfers to and from host memory as spans of steps, each device's transfer lane.
 
 Derived from the plan's steps alone, so it works for every strategy, stitched plans
 included: a compute puts its value on its device, a copy on the destination, a prefetch
@@ -22,6 +23,35 @@ class StageMatrices:
     stages: int
     R: dict[str, list[Cell]]  # computed on the device in the stage
     S: dict[str, list[Cell]]  # resident on the device when the stage starts
+
+
+@dataclass(frozen=True)
+class TransferSpan:
+    """A transfer on a device's lane: from the step that issues it to the step of the
+    wait that ends it (the plan's last step where none does)."""
+
+    node: int
+    kind: str  # "offload" or "prefetch"
+    issued: int
+    done: int
+
+
+def transfer_spans(plan: Plan) -> dict[str, list[TransferSpan]]:
+    """Every transfer of ``plan`` by device, in the order the lanes run them."""
+    spans: dict[str, list[TransferSpan]] = {d.name: [] for d in plan.devices}
+    open_: dict[tuple[str, int], tuple[str, int]] = {}
+    for index, step in enumerate(plan.steps):
+        if isinstance(step, Offload | Prefetch):
+            open_[(step.device, step.node)] = (step.op, index)
+        elif isinstance(step, Wait) and (step.device, step.node) in open_:
+            kind, issued = open_.pop((step.device, step.node))
+            spans[step.device].append(TransferSpan(step.node, kind, issued, index))
+    last = len(plan.steps) - 1
+    for (device, node), (kind, issued) in open_.items():
+        spans[device].append(TransferSpan(node, kind, issued, last))
+    for device in spans:
+        spans[device].sort(key=lambda span: span.issued)
+    return spans
 
 
 def stage_matrices(plan: Plan) -> StageMatrices:

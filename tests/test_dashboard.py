@@ -29,6 +29,7 @@ from service import (
     ROOT,
     Process,
     free_port,
+    job_body,
     profiled_table,
     sample_bytes,
     service_env,
@@ -413,6 +414,27 @@ def test_the_heatmaps_and_memory_charts_carry_the_plans_data(ui, server):
         )
         assert peak <= budget
     ui.shot("job")
+
+
+def test_an_offloading_plan_shows_each_devices_transfer_lane(ui, server):
+    body = job_body(server.need("model")["id"], strategy="offload_greedy", budgets={"cpu0": "60%"})
+    job = server.client.post("/v1/jobs", json=body)
+    assert job.status_code == 202, job.text
+    done = wait_job(server.client, job.json()["id"])
+    assert done["status"] == "succeeded", done
+    schedule = server.client.get(f"/v1/jobs/{done['id']}/schedule").json()
+    spans = schedule["transfers"]["cpu0"]
+    assert {span["kind"] for span in spans} == {"offload", "prefetch"}
+    ui.go(f"#/jobs/{done['id']}")
+    lane = ui.page.locator('svg.transfer-lane[data-device="cpu0"]')
+    expect(lane).to_have_attribute("data-transfers", str(len(spans)))
+    expect(lane.locator("rect[data-kind]")).to_have_count(len(spans))
+    first = spans[0]
+    bar = lane.locator(f'rect[data-kind="{first["kind"]}"][data-node="{first["node"]}"]')
+    expect(bar).to_have_attribute("data-issued", str(first["issued"]))
+    expect(bar).to_have_attribute("data-done", str(first["done"]))
+    assert schedule["nodes"][first["node"]] in (bar.locator("title").text_content() or "")
+    ui.shot("job-offload")
 
 
 def test_the_plan_downloads_as_the_apis_json(ui, server):

@@ -30,7 +30,7 @@ from remat.plan import (
     plan_from_json,
     plan_to_json,
 )
-from remat.plan_view import stage_matrices
+from remat.plan_view import stage_matrices, transfer_spans
 from remat.problem import build_problem
 from remat.samples import unet
 from remat.simulator import simulate
@@ -282,3 +282,15 @@ def test_offload_dynprog_chooses_sets_that_are_not_greedy_prefixes():
     base = offload_base(problem, "cuda0")
     sent = [s.node for s in dynprog.plan.steps if s.op == "offload"]
     assert sent != list(base.candidates[: len(sent)])
+
+
+def test_transfer_spans_run_from_issue_to_wait():
+    spans = transfer_spans(_plan(OVERLAPPED))["cuda0"]
+    assert [(s.kind, s.node) for s in spans] == [
+        ("offload", 0),
+        ("offload", 1),
+        ("prefetch", 1),
+        ("prefetch", 0),
+    ]
+    first = spans[0]
+    assert (first.issued, first.done) == (1, OVERLAPPED.index(Wait(2, 0, "cuda0")))

@@ -34,12 +34,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.database import Database
 from app.planning import build_problem, solver_settings
-from app.schemas import BaselinesOut, JobSpec, ScheduleOut
+from app.schemas import BaselinesOut, JobSpec, ScheduleOut, TransferOut
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
 from remat.errors import RematError
 from remat.plan import plan_to_json
-from remat.plan_view import stage_matrices
+from remat.plan_view import stage_matrices, transfer_spans
 from remat.solvers.model import Progress
 from remat.strategies import Problem, StrategyResult, run_strategy
 from workers.context import WorkerContext
@@ -223,6 +223,11 @@ def _store_plan(
         memory=simulation.timeline,
         budgets=plan.budgets,
         peak_bytes=simulation.peak_bytes,
+        transfers={
+            device: [TransferOut.model_validate(span, from_attributes=True) for span in spans]
+            for device, spans in transfer_spans(plan).items()
+            if spans
+        },
     )
     try:
         row = PlanRow(

@@ -248,6 +248,42 @@ export function lineChart({
   return svg;
 }
 
+/**
+ * A device's transfer lane to host memory under its memory chart, on the same step axis
+ * (the line chart's margins): one row of offloads and one of prefetches, each transfer a
+ * bar from the step that issues it to the step of the wait that ends it.
+ * ``spans``: [{node, kind, issued, done}]; ``steps``: the plan's step count.
+ */
+export function transferLane({ spans, steps, names, color, device, width }) {
+  const margin = { left: 72, right: 16, top: 4, bottom: 4 };
+  const plotW = Math.max(120, width - margin.left - margin.right);
+  const row = 14;
+  const kinds = ["offload", "prefetch"];
+  const height = margin.top + margin.bottom + row * kinds.length;
+  const x = (v) => (v / Math.max(steps - 1, 1)) * plotW;
+  const svg = s("svg", {
+    class: "transfer-lane",
+    viewBox: `0 0 ${plotW + margin.left + margin.right} ${height}`,
+    role: "img",
+    "aria-label": `Transfers of ${device} to and from host memory: ${spans.length}`,
+    dataset: { device, transfers: String(spans.length) },
+  });
+  kinds.forEach((kind, index) => {
+    const top = margin.top + index * row;
+    svg.append(text(margin.left - 8, top + row - 3, kind, { "text-anchor": "end" }));
+    for (const span of spans.filter((one) => one.kind === kind)) {
+      const x0 = margin.left + x(span.issued);
+      const name = names[span.node] ?? String(span.node);
+      svg.append(s("rect", {
+        x: x0, y: top + 2, width: Math.max(x(span.done) - x(span.issued), 2), height: row - 4,
+        fill: color, "fill-opacity": kind === "offload" ? 0.85 : 0.45,
+        dataset: { node: String(span.node), kind, issued: String(span.issued), done: String(span.done) },
+      }, s("title", {}, `${kind} of node ${span.node} ${name}: steps ${span.issued}–${span.done}`)));
+    }
+  });
+  return svg;
+}
+
 /** A coloured swatch for legends and headings (SVG: no inline style under the CSP). */
 export function swatch(color, dashed = false) {
   return s("svg", { class: "swatch", width: 18, height: 12, viewBox: "0 0 18 12", "aria-hidden": "true" },

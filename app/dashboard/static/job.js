@@ -4,7 +4,7 @@
 // against the prediction. Cancel and plan download.
 
 import { api, ApiError, downloadJson, request } from "./api.js";
-import { deviceColor, heatmap, legend, lineChart, responsive, swatch } from "./charts.js";
+import { deviceColor, heatmap, legend, lineChart, responsive, swatch, transferLane } from "./charts.js";
 import { facts, h, replace, table } from "./dom.js";
 import { bytes, ms, percent, seconds, shortId } from "./format.js";
 import { announce, clearError, report } from "./notify.js";
@@ -169,14 +169,24 @@ function memoryView(schedule, signal) {
       markers: [{ x: at, y: values[at] ?? 0, label: `peak ${bytes(peak)}`, color, dataset: { role: "peak" } }],
     }), signal);
     const used = budget ? ` (${percent(peak / budget)} of the budget ${bytes(budget)})` : " (no budget)";
+    const spans = (schedule.transfers || {})[device] || [];
+    const lane = h("div", { class: "chart-box" });
+    if (spans.length) {
+      responsive(lane, (width) => transferLane({
+        spans, steps: values.length, names: schedule.nodes, color, device, width,
+      }), signal);
+    }
     return h("figure", { class: "memory-figure", dataset: { device } },
       h("figcaption", {}, swatch(color), ` ${device}: `,
         h("strong", { class: "peak-label", dataset: { peak: String(peak) } }, `peak ${bytes(peak)}`), used),
-      box);
+      box, spans.length ? lane : null);
   });
+  const offloads = Object.values(schedule.transfers || {}).some((spans) => spans.length);
   return h("div", {},
     note("Bytes resident on each device after every step of the plan, against its budget " +
-      "(XEngine figure 4)."),
+      "(XEngine figure 4)." + (offloads ? " Below a chart, the device's transfers to and " +
+        "from host memory, which run beside its compute: each from the step that issues " +
+        "it to the step that waits for it." : "")),
     h("div", { class: "memory-grid" }, charts));
 }
 

@@ -19,6 +19,13 @@ beforehand, timing only ``dst.copy_(src)`` (allocation excluded); the median of
 ``warmup + repeats`` copies after ``warmup``. Output bytes are what the values keep
 allocated.
 
+Each device's link to its host memory (offloading) is measured too: a 16 MiB buffer and a
+4-byte one copied to host memory and back (CUDA: pinned host buffers, copies on the
+compute stream timed with events; CPU: a copy into a fresh host buffer, the memcpy an
+emulated device's transfer thread makes), the median of ``warmup + repeats`` copies after
+``warmup``. The small copy's time is the latency; the bandwidth is the big buffer's bytes
+over its time less the latency (``host_links``).
+
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph. A
 device needs the memory of a checkpoint-all step (plus its fixed tensors) to be profiled.
@@ -47,7 +54,7 @@ from agents.torch_devices import (
     is_out_of_memory,
     runtime_of,
 )
-from remat.costs import CostSource, CostTable
+from remat.costs import MAX_LINK_BYTES_PER_S, CostSource, CostTable
 from remat.devices import Device
 from remat.graph import Graph, Node, NodeKind
 
@@ -85,8 +92,41 @@ def profile(
             "devices": [_table_device(r) for r in runtimes],
             "nodes": {node.name: session.entry(node) for node in graph.nodes},
             "copy_ms": {node.name: session.copies[node.id] for node in graph.nodes},
+            "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
         }
     )
+
+
+HOST_LINK_BYTES = 16 << 20
+
+
+def host_link(runtime: Runtime, warmup: int, repeats: int) -> dict[str, float]:
+    """The measured link between ``runtime``'s device and host memory, both directions
+    (the module docstring), as a cost table's ``host_links`` entry."""
+    device = runtime.torch_device
+    pinned = runtime.is_cuda
+
+    def median_ms(nbytes: int, to_host: bool) -> float:
+        count = max(nbytes // 4, 1)
+        on_device = torch.ones(count, dtype=torch.float32, device=device)
+        on_host = torch.empty(count, dtype=torch.float32, pin_memory=pinned)
+        source, target = (on_device, on_host) if to_host else (on_host, on_device)
+        times = []
+        for run in range(warmup + repeats):
+            _, ms = runtime.timed(lambda: target.copy_(source, non_blocking=pinned))
+            if run >= warmup:
+                times.append(ms)
+        return float(statistics.median(times))
+
+    link: dict[str, float] = {}
+    latencies = []
+    for key, to_host in (("to_host_bytes_per_s", True), ("from_host_bytes_per_s", False)):
+        small, big = median_ms(4, to_host), median_ms(HOST_LINK_BYTES, to_host)
+        latencies.append(small)
+        seconds = max(big - small, big / 2, 1e-6) / 1e3
+        link[key] = min(HOST_LINK_BYTES / seconds, MAX_LINK_BYTES_PER_S)
+    link["latency_us"] = float(statistics.mean(latencies)) * 1e3
+    return link
 
 
 def _table_device(runtime: Runtime) -> dict[str, Any]:

@@ -61,7 +61,11 @@ def test_one_device_has_no_copies_and_round_trips_through_json() -> None:
     graph = for_mode(forward_graph(model), Mode.TRAINING)
     table = profile(model, graph, [CPU0], repeats=1, warmup=0)
     assert all(pairs == {} for pairs in table.copy_ms.values())
+    link = table.host_links["cpu0"]  # measured: a memcpy into host memory and back
+    assert link.to_host_bytes_per_s > 0 and link.from_host_bytes_per_s > 0
+    assert link.latency_us >= 0
     again = type(table).model_validate_json(table.model_dump_json())
+    assert profiled_costs(graph, again).host_link(0) == profiled_costs(graph, table).host_link(0)
     assert (
         profiled_costs(graph, again).compute_ms == profiled_costs(graph, table).compute_ms
     ).all()
@@ -97,3 +101,4 @@ def test_profile_on_cpu_and_cuda() -> None:  # pragma: no cover - GPU only
     assert (costs.compute_ms > 0).all()
     assert (costs.copy_ms[:, 0, 1] > 0).all() and (costs.copy_ms[:, 1, 0] > 0).all()
     assert [d.threads for d in table.devices] == [1, None]
+    assert set(table.host_links) == {"cpu0", "cuda0"}  # cuda0: pinned, both directions

@@ -176,6 +176,8 @@ def test_the_graph_of_a_batch_beyond_the_bound_gets_422(client, model_id):
         ('{"threads": "abc"}', "threads"),
         ('{"threads": true}', "threads"),
         ('{"colour": "red"}', "unknown device option"),
+        ('{"host_bandwidth": 0}', "host_bandwidth"),  # a host link that moves nothing
+        ('{"host_latency_us": -1}', "host_latency_us"),
     ],
 )
 def test_bad_device_options_get_422_naming_the_option(client, model_id, options, named):

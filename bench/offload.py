@@ -8,8 +8,9 @@ node once; rematerialization can beat it, by recomputing instead of transferring
 Columns: ``offload_greedy`` (GREEDY), ``offload_dynprog`` (DYNPROG), ``vdnn_conv`` (the
 paper's competitor: every activation a convolution reads offloaded, vDNN's policy, through
 the same no-wait plan), ``checkmate_milp`` (rematerialization alone, ``--time-limit``
-seconds) and the best of them. Prints a markdown table and appends one row per model,
-budget and strategy to ``bench/results/offload.csv``; ``bench/report.py`` renders them.
+seconds), ``offload_remat`` (both, ``--time-limit`` seconds) and the best of them.
+Prints a markdown table and appends one row per model, budget and strategy to
+``bench/results/offload.csv``; ``bench/report.py`` renders them.
 
     .venv/bin/python bench/offload.py [--models vgg16,resnet18,unet,transformer,...]
         [--budgets 90,75,50] [--batch 8] [--time-limit 30] [--run LABEL]
@@ -39,7 +40,7 @@ from remat.strategies.common.problem import evaluate_plan
 
 GPU = Device("cuda0", DeviceKind.CUDA)
 MODELS = ("vgg16", "resnet18", "unet", "transformer", "torch:resnet50", "torch:bert_base")
-STRATEGIES = ("offload_greedy", "offload_dynprog", "vdnn_conv", "checkmate_milp")
+STRATEGIES = ("offload_greedy", "offload_dynprog", "vdnn_conv", "checkmate_milp", "offload_remat")
 CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 
 

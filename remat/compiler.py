@@ -12,6 +12,12 @@ holding it unless it is checkpointed there for the next stage or a later node of
 (on any device, since it may copy from here) still reads it. Model outputs in inference are
 never freed. As Checkmate section 4.9 suggests, checkpoints that no node of a stage reads
 and that are not kept for the next stage are freed at the start of the stage.
+
+With ``transfers`` (one device: the offloads OFF[t,i], prefetches PRE[t,i] and late
+prefetches LATE[t,i] of ``remat.formulations.checkmate`` with transfers), a stage starts by
+offloading, then prefetching, its values and ends with a wait for each, then prefetches
+and waits for its late ones: an offloaded value is not freed inside the stage (its wait
+releases it), a prefetched one is resident from its wait.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 from remat.costs import CostModel
 from remat.errors import ScheduleError
 from remat.graph import Graph
-from remat.plan import Compute, Copy, Free, Plan, PlanDevice, Step
+from remat.plan import Compute, Copy, Free, Offload, Plan, PlanDevice, Prefetch, Step, Wait
 from remat.schedule import Schedule
 
 
@@ -33,11 +39,17 @@ def compile_plan(
     devices: Sequence[PlanDevice],
     strategy: str,
     costs: CostModel | None = None,
+    transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> Plan:
     names = tuple(d.name for d in devices)
     if set(schedule.devices) - set(names):
         raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
-    emitter = _Emitter(graph, schedule, costs)
+    if transfers is None:
+        emitter = _Emitter(graph, schedule, costs)
+    else:
+        if len(schedule.devices) != 1:
+            raise ScheduleError("transfers to host memory are compiled on one device")
+        emitter = _TransferEmitter(graph, schedule, costs, *transfers)
     for t in range(schedule.stages):
         emitter.stage(t)
     return Plan(strategy, tuple(devices), tuple(emitter.steps))
@@ -129,3 +141,51 @@ class _Emitter:
     def _emit_free(self, t: int, i: int, d: int) -> None:
         self.steps.append(Free(t, i, self.devices[d]))
         self.resident[d, i] = False
+
+
+class _TransferEmitter(_Emitter):
+    """One device's stages with transfers to and from host memory around them: ``off[t, i]``
+    offloads value i during stage t, ``pre[t, i]`` prefetches it, ``late[t, i]`` at its
+    end (the module docstring)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        schedule: Schedule,
+        costs: CostModel | None,
+        off: np.ndarray,
+        pre: np.ndarray,
+        late: np.ndarray,
+    ) -> None:
+        super().__init__(graph, schedule, costs)
+        self.off, self.pre, self.late = off, pre, late
+        self.leaving: set[int] = set()
+        self.device = self.devices[0]
+
+    def stage(self, t: int) -> None:
+        sent = [int(i) for i in np.flatnonzero(self.off[t])]
+        fetched = [int(i) for i in np.flatnonzero(self.pre[t])]
+        for i in sent:
+            if not self.resident[0, i]:
+                raise ScheduleError(f"stage {t}: offloads node {i}, which is not resident")
+            self.steps.append(Offload(t, i, self.device))
+            self.leaving.add(i)
+        self.steps.extend(Prefetch(t, i, self.device) for i in fetched)
+        super().stage(t)
+        for i in sent:
+            self.steps.append(Wait(t, i, self.device))
+            self.leaving.discard(i)
+            self.resident[0, i] = False
+        for i in fetched:
+            self.steps.append(Wait(t, i, self.device))
+            self.resident[0, i] = True
+        last = [int(i) for i in np.flatnonzero(self.late[t])]
+        self.steps.extend(Prefetch(t, i, self.device) for i in last)
+        for i in last:
+            self.steps.append(Wait(t, i, self.device))
+            self.resident[0, i] = True
+
+    def _emit_free(self, t: int, i: int, d: int) -> None:
+        if i in self.leaving:
+            return  # its wait at the stage's end releases it
+        super()._emit_free(t, i, d)

@@ -37,6 +37,7 @@ from remat.simulator import simulate
 from remat.strategies import Problem, run_strategy
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
 from remat.strategies.common.offload import offload_base, offload_bound_ms
+from remat.strategies.exact.offload_remat import _solve as offload_remat_solve
 from remat.training import training_graph
 
 from graphs import chain
@@ -294,3 +295,37 @@ def test_transfer_spans_run_from_issue_to_wait():
     ]
     first = spans[0]
     assert (first.issued, first.done) == (1, OVERLAPPED.index(Wait(2, 0, "cuda0")))
+
+
+def test_the_joint_milps_plans_cost_what_the_model_says():
+    """offload_remat's MILP on chain(3) at FIXED + 3000: its optimum offloads (remat alone
+    recomputes), and the compiled plan's simulated time is the model's objective."""
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": FIXED + 3000})
+    evicted = run_strategy("greedy_evict", problem, "cuda0")
+    solved, note = offload_remat_solve(problem, "cuda0", [evicted], 30.0)
+    assert solved is not None, note
+    assert "optimal" in note
+    ops = [s.op for s in solved.plan.steps]
+    assert "offload" in ops and "prefetch" in ops
+    assert solved.simulation.valid
+    assert solved.simulation.total_ms < evicted.simulation.total_ms
+    assert solved.simulation.peak_bytes["cuda0"] <= FIXED + 3000
+    again = simulate(solved.plan, g, costs)
+    assert again.total_ms == pytest.approx(solved.simulation.total_ms)
+
+
+@pytest.mark.parametrize("budget", [FIXED + 4000, FIXED + 3000])
+def test_offload_remat_is_never_worse_than_offloading_or_remat_alone(budget):
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": budget})
+    result = run_strategy("offload_remat", problem, "cuda0")
+    assert result.feasible, result.message
+    assert result.plan.strategy == "offload_remat"
+    verdict = simulate(result.plan, g, costs)
+    assert verdict.valid and verdict.peak_bytes["cuda0"] <= budget
+    for alone in ("offload_dynprog", "greedy_evict", "checkmate_milp"):
+        other = run_strategy(alone, problem, "cuda0")
+        if other.feasible:
+            assert verdict.total_ms <= other.simulation.total_ms * (1 + 1e-9), alone
+    assert result.plan.solver.bound == pytest.approx(costs.ideal_ms("cuda0"))

@@ -25,6 +25,31 @@ Our adaptations, all keeping the optimum exact (``common.Structure.useful``):
   U <= budget becomes U <= fixed/g + floor((budget - fixed)/g), exact for integral sizes.
   Times stay in ms: the objective is the simulator's predicted time.
 
+With ``transfers`` (strategy ``offload_remat``), the model also decides offloading to host
+memory (Beaumont et al.), at stage granularity, on the device's transfer lane:
+
+* OFF[t,i]   value i is offloaded during stage t: resident entering t (OFF <= S[t,i]),
+             sent from the stage's start and released at its end: not kept (OFF +
+             S[t+1,i] <= 1), not computed in t (OFF + R[t,i] <= 1), never freed inside the
+             stage (OFF joins num_hazards in (7b)-(7c), so U counts it through the stage)
+* HOST[t,i]  value i is on the host entering stage t: HOST[t+1,i] <= HOST[t,i] + OFF[t,i]
+* PRE[t,i]   value i is prefetched during stage t (PRE <= HOST[t,i]): its memory reserved
+             from the stage's start (U[t,0] counts it, eq. 2), readable from stage t+1
+             (eq. 1c gains + PRE[t-1,i]); not resident or computed meanwhile (PRE +
+             S[t,i] + R[t,i] <= 1)
+* LATE[t,i]  value i is prefetched at the end of stage t, after its frees (LATE <=
+             HOST[t,i], eq. 1c gains + LATE[t-1,i], LATE + S[t,i] + R[t,i] <= 1): no
+             memory in stage t (U[t+1,0] counts it through S[t+1,i]), and no overlap: the
+             objective adds its whole transfer time. Where memory is short until a
+             stage's frees, as before the backward nodes, only it brings a value back.
+* W[t]       the time stage t waits for its transfers: W[t] >= sum_i (off_i OFF[t,i] +
+             pre_i PRE[t,i]) - sum_k C_k R[t,k], W >= 0; the objective adds sum_t W[t]
+
+The plan issues a stage's offloads, then its prefetches, at its start and waits for all of
+them at its end, then prefetches and waits for its late prefetches
+(``remat.compiler.compile_plan`` with ``transfers``), so that stage costs max(compute,
+transfers) plus the late prefetches, which is the objective: the simulator's time.
+
 Conservative w.r.t. the compiled plan (``remat.compiler``): every value FREE frees is also
 freed there at the same point (same eq. 5 condition), the compiler frees more (FREE[t,k,k],
 unread checkpoints at stage start), and a value both kept and recomputed is counted twice
@@ -33,7 +58,7 @@ here, once there. So the simulated memory never exceeds U at any step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,8 +80,17 @@ from remat.solvers.model import MILPModel
 
 
 @dataclass(frozen=True)
+class HostTransfers:
+    """Per value, the time to send it to the host and to bring it back (ms)."""
+
+    offload_ms: np.ndarray
+    prefetch_ms: np.ndarray
+
+
+@dataclass(frozen=True)
 class CheckmateModel:
-    """The MILP and the index arrays to read a solution back (-1: no such variable)."""
+    """The MILP and the index arrays to read a solution back (-1: no such variable); with
+    transfers, OFF, HOST, PRE, LATE [T, n] and W [T] too (else empty)."""
 
     model: MILPModel
     graph: Graph
@@ -70,6 +104,18 @@ class CheckmateModel:
     U: np.ndarray  # [T, n + 1]
     FREE: np.ndarray  # [T, E], edge e = (edge_u[e] -> edge_v[e])
     builder: Builder
+    OFF: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    HOST: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    PRE: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    LATE: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    W: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def transfers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """OFF, PRE and LATE of a solution, rounded at 0.5 (all False without transfers)."""
+        if self.OFF.size == 0:
+            empty = np.zeros(self.R.shape, dtype=bool)
+            return empty, empty.copy(), empty.copy()
+        return read_binary(self.OFF, x), read_binary(self.PRE, x), read_binary(self.LATE, x)
 
     @property
     def stages(self) -> int:
@@ -166,8 +212,10 @@ def build_checkmate(
     device: str,
     budget_bytes: int | None,
     fixed_bytes: int,
+    transfers: HostTransfers | None = None,
 ) -> CheckmateModel:
-    """Checkmate's MILP (eq. 9) for ``graph`` on ``device`` with frontier-advancing stages."""
+    """Checkmate's MILP (eq. 9) for ``graph`` on ``device`` with frontier-advancing stages;
+    with ``transfers``, offloading too (the module docstring)."""
     st = Structure.of(graph)
     T = n = st.n
     C = np.asarray(costs.compute_ms[:, costs.device_index(device)], dtype=float)
@@ -178,15 +226,87 @@ def build_checkmate(
     b = Builder()
     R, S, U, FREE = _variables(b, st, T, scaled_budget(budget_bytes, unit, fixed_bytes))
     S_next = np.vstack([S[1:], np.full((1, n), -1)])
-    _dependencies(b, st, R, S)
-    _memory(b, st, m, fixed, R, S, U, FREE)
-    _free(b, st, R, S_next, FREE)
+    host = None if transfers is None else _host_variables(b, st, R, S, S_next)
+    _dependencies(b, st, R, S, None if host is None else (host[2], host[3]))
+    _memory(b, st, m, fixed, R, S, U, FREE, None if host is None else host[2])
+    _free(b, st, R, S_next, FREE, None if host is None else host[0])
     cost = np.zeros(b.n_vars)
     ti, ii = np.nonzero(R >= 0)
     cost[R[ti, ii]] = C[ii]  # (1a)
+    extra = {}
+    if host is not None and transfers is not None:
+        OFF, HOST, PRE, LATE, W = host
+        _transfers(b, st, R, S, S_next, C, transfers, OFF, HOST, PRE, LATE, W)
+        cost = np.concatenate([cost, np.zeros(b.n_vars - cost.shape[0])])
+        cost[W] = 1.0
+        tt, ii = np.nonzero(LATE >= 0)
+        cost[LATE[tt, ii]] = transfers.prefetch_ms[ii]
+        extra = {"OFF": OFF, "HOST": HOST, "PRE": PRE, "LATE": LATE, "W": W}
     model = b.model(cost)
     Sfull = np.vstack([S, np.full((1, n), -1)])
-    return CheckmateModel(model, graph, device, st, unit, m, fixed, R, Sfull, U, FREE, b)
+    return CheckmateModel(model, graph, device, st, unit, m, fixed, R, Sfull, U, FREE, b, **extra)
+
+
+def _host_variables(
+    b: Builder, st: Structure, R: np.ndarray, S: np.ndarray, S_next: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """OFF, HOST, PRE, LATE and W (the module docstring): OFF where the value can be
+    resident entering the stage, PRE and LATE where it can be kept into the next one, HOST
+    in between."""
+    T, n = R.shape
+    t = np.arange(T)[:, None]
+    value = ~st.is_output[None, :] & st.has_users[None, :]
+    OFF = b.variables("OFF", (S >= 0) & value, True)
+    can_return = (S_next >= 0) & value & (np.arange(n)[None, :] < t)
+    HOST = b.variables("HOST", can_return, True)
+    PRE = b.variables("PRE", can_return, True)
+    LATE = b.variables("LATE", can_return, True)
+    W = b.variables("W", np.ones(T, dtype=bool), False, 0.0, np.inf)
+    return OFF, HOST, PRE, LATE, W
+
+
+def _transfers(
+    b: Builder,
+    st: Structure,
+    R: np.ndarray,
+    S: np.ndarray,
+    S_next: np.ndarray,
+    C: np.ndarray,
+    transfers: HostTransfers,
+    OFF: np.ndarray,
+    HOST: np.ndarray,
+    PRE: np.ndarray,
+    LATE: np.ndarray,
+    W: np.ndarray,
+) -> None:
+    T = R.shape[0]
+    # HOST[t+1,i] <= HOST[t,i] + OFF[t,i]: a host copy comes from an offload.
+    tt, ii = np.nonzero(HOST[1:] >= 0)
+    keys = np.stack([tt + 1, ii], axis=1)
+    b.rows("host", keys, [HOST[tt + 1, ii], HOST[tt, ii], OFF[tt, ii]], [1, -1, -1], -np.inf, 0)
+    tt, ii = np.nonzero(PRE >= 0)
+    keys = np.stack([tt, ii], axis=1)
+    # PRE[t,i] <= HOST[t,i]; PRE + S[t,i] + R[t,i] <= 1
+    b.rows("prefetch", keys, [PRE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+    b.rows("arriving", keys, [PRE[tt, ii], S[tt, ii], R[tt, ii]], [1, 1, 1], -np.inf, 1)
+    # LATE[t,i] <= HOST[t,i]; LATE + S[t,i] + R[t,i] <= 1
+    b.rows("late", keys, [LATE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+    b.rows("late arriving", keys, [LATE[tt, ii], S[tt, ii], R[tt, ii]], [1, 1, 1], -np.inf, 1)
+    tt, ii = np.nonzero(OFF >= 0)
+    keys = np.stack([tt, ii], axis=1)
+    # OFF[t,i] <= S[t,i]; OFF + S[t+1,i] <= 1; OFF + R[t,i] <= 1
+    b.rows("offload", keys, [OFF[tt, ii], S[tt, ii]], [1, -1], -np.inf, 0)
+    b.rows("leaving", keys, [OFF[tt, ii], S_next[tt, ii]], [1, 1], -np.inf, 1)
+    b.rows("busy", keys, [OFF[tt, ii], R[tt, ii]], [1, 1], -np.inf, 1)
+    # W[t] - sum off OFF - sum pre PRE + sum C R >= 0
+    stages = np.arange(T)
+    rows = b.rows("wait", stages[:, None], [W], [1], 0, np.inf)
+    tt, ii = np.nonzero(OFF >= 0)
+    b.entries(rows[tt], OFF[tt, ii], -transfers.offload_ms[ii])
+    tt, ii = np.nonzero(PRE >= 0)
+    b.entries(rows[tt], PRE[tt, ii], -transfers.prefetch_ms[ii])
+    tt, ii = np.nonzero(R >= 0)
+    b.entries(rows[tt], R[tt, ii], C[ii])
 
 
 def _variables(
@@ -213,7 +333,13 @@ def _variables(
     return R, S, U, FREE
 
 
-def _dependencies(b: Builder, st: Structure, R: np.ndarray, S: np.ndarray) -> None:
+def _dependencies(
+    b: Builder,
+    st: Structure,
+    R: np.ndarray,
+    S: np.ndarray,
+    prefetched: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
     T, n = R.shape
     u, v = st.edge_u, st.edge_v
     # (1b) R[t,k] <= R[t,i] + S[t,i] for every edge (i,k) and stage computing k. Rows whose
@@ -227,7 +353,11 @@ def _dependencies(b: Builder, st: Structure, R: np.ndarray, S: np.ndarray) -> No
     mask = (S >= 0) & (i < np.arange(T)[:, None] - 1) & ~st.is_output[None, :]
     tt, ii = np.nonzero(mask)
     keys = np.stack([tt, ii], axis=1)
-    b.rows("1c", keys, [S[tt, ii], R[tt - 1, ii], S[tt - 1, ii]], [1, -1, -1], -np.inf, 0)
+    cols = [S[tt, ii], R[tt - 1, ii], S[tt - 1, ii]]
+    if prefetched is not None:  # ... + PRE[t-1,i] + LATE[t-1,i]: prefetched in stage t-1
+        cols.extend(kind[tt - 1, ii] for kind in prefetched)
+    coefs: list[float | np.ndarray] = [1.0, -1.0, -1.0, -1.0, -1.0]
+    b.rows("1c", keys, cols, coefs[: len(cols)], -np.inf, 0)
 
 
 def _memory(
@@ -239,12 +369,17 @@ def _memory(
     S: np.ndarray,
     U: np.ndarray,
     FREE: np.ndarray,
+    PRE: np.ndarray | None = None,
 ) -> None:
     T, n = R.shape
-    # (2) U[t,0] - sum_i M_i S[t,i] = fixed memory (our M_input + 2 M_param).
+    # (2) U[t,0] - sum_i M_i S[t,i] = fixed memory (our M_input + 2 M_param), and
+    # - sum_i M_i PRE[t,i] for the prefetches reserved from the stage's start.
     init = b.rows("2", np.arange(T)[:, None], [U[:, 0]], [1], fixed, fixed)
     tt, ii = np.nonzero(S >= 0)
     b.entries(init[tt], S[tt, ii], -m[ii])
+    if PRE is not None:
+        tt, ii = np.nonzero(PRE >= 0)
+        b.entries(init[tt], PRE[tt, ii], -m[ii])
     # (3) U[t,k+1] = U[t,k] - mem_freed_t(k-1) + M_k R[t,k], columns shifted by one (U[t,0]
     # is the start), with mem_freed (4) = sum_{i in DEPS[k-1]} M_i FREE[t,i,k-1] (4.8).
     tt, cc = np.nonzero(U[:, 1:] >= 0)
@@ -259,9 +394,17 @@ def _memory(
     b.entries(row_of[ft, st.edge_v[fe] + 2], FREE[ft, fe], m[st.edge_u[fe]])
 
 
-def _free(b: Builder, st: Structure, R: np.ndarray, S_next: np.ndarray, FREE: np.ndarray) -> None:
+def _free(
+    b: Builder,
+    st: Structure,
+    R: np.ndarray,
+    S_next: np.ndarray,
+    FREE: np.ndarray,
+    OFF: np.ndarray | None = None,
+) -> None:
     """(7b), (7c): FREE[t,i,k] = 1 iff num_hazards(t,i,k) = 0, where
-    num_hazards = (1 - R[t,k]) + S[t+1,i] + sum_{j in USERS[i], j > k} R[t,j]."""
+    num_hazards = (1 - R[t,k]) + S[t+1,i] + sum_{j in USERS[i], j > k} R[t,j], and
+    + OFF[t,i] with transfers (an offloaded value is released at the stage's end)."""
     ft, fe = np.nonzero(FREE >= 0)
     u, v = st.edge_u[fe], st.edge_v[fe]
     where, j = ragged(st.later_ptr, st.later_idx, fe)
@@ -269,12 +412,14 @@ def _free(b: Builder, st: Structure, R: np.ndarray, S_next: np.ndarray, FREE: np
     present = later >= 0
     # kappa: the largest value num_hazards can take given which variables exist.
     kappa = 1 + (S_next[ft, u] >= 0) + np.bincount(where[present], minlength=fe.shape[0])
+    offloaded = np.full(fe.shape[0], -1) if OFF is None else OFF[ft, u]
+    kappa = kappa + (offloaded >= 0)
     keys = np.stack([ft, u, v], axis=1)
-    cols = [FREE[ft, fe], R[ft, v], S_next[ft, u]]
-    # (7b) 1 - FREE <= num_hazards  <=>  -FREE + R[t,k] - S[t+1,i] - sum R[t,j] <= 0
-    rows = b.rows("7b", keys, cols, [-1, 1, -1], -np.inf, 0)
+    cols = [FREE[ft, fe], R[ft, v], S_next[ft, u], offloaded]
+    # (7b) 1 - FREE <= num_hazards  <=>  -FREE + R[t,k] - S[t+1,i] - OFF - sum R[t,j] <= 0
+    rows = b.rows("7b", keys, cols, [-1, 1, -1, -1], -np.inf, 0)
     b.entries(rows[where], later, np.full(where.shape[0], -1.0))
     # (7c) kappa (1 - FREE) >= num_hazards
-    #      <=>  kappa FREE - R[t,k] + S[t+1,i] + sum R[t,j] <= kappa - 1
-    rows = b.rows("7c", keys, cols, [kappa, -1, 1], -np.inf, kappa - 1)
+    #      <=>  kappa FREE - R[t,k] + S[t+1,i] + OFF + sum R[t,j] <= kappa - 1
+    rows = b.rows("7c", keys, cols, [kappa, -1, 1, 1], -np.inf, kappa - 1)
     b.entries(rows[where], later, np.ones(where.shape[0]))

@@ -19,6 +19,7 @@ from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
 from remat.strategies.exact.moccasin import moccasin
+from remat.strategies.exact.offload_remat import offload_remat
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
@@ -102,6 +103,15 @@ REGISTRY |= {
             "Moccasin's retention-interval constraint program on one device (CP-SAT): "
             "plans for graphs of thousands of nodes.",
             moccasin,
+        ),
+        StrategyInfo(
+            "offload_remat",
+            "exact",
+            False,
+            "Keep, recompute or offload each activation (Checkmate's MILP with transfers to "
+            "host memory beside each stage's compute); never worse than remat or offloading "
+            "alone.",
+            offload_remat,
         ),
         StrategyInfo(
             "xengine",

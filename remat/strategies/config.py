@@ -151,6 +151,9 @@ class SearchConfig:
     """The most states DYNPROG keeps per candidate (the least idle time)."""
     offload_epsilons: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1)
     """Budget reductions DYNPROG tries in turn until its set's plan fits."""
+    offload_remat_share: float = 0.5
+    """``offload_remat``: the share of the time limit for ``checkmate_milp``'s search before
+    the joint MILP starts from its plan (all of it where the joint model is not built)."""
 
     # --- LP rounding (``remat.strategies.exact.checkmate``) -------------------------------
     lp_epsilons: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)

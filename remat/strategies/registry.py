@@ -108,9 +108,9 @@ REGISTRY |= {
             "offload_remat",
             "exact",
             False,
-            "Keep, recompute or offload each activation (Checkmate's MILP with transfers to "
-            "host memory beside each stage's compute); never worse than remat or offloading "
-            "alone.",
+            "Keep, recompute or offload each activation: checkmate_milp's search, then its MILP "
+            "with transfers to host memory beside each stage's compute; never worse than "
+            "offload_dynprog.",
             offload_remat,
         ),
         StrategyInfo(

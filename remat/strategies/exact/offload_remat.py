@@ -3,18 +3,20 @@ device by Checkmate's MILP extended with transfers to host memory at stage granu
 (``remat.formulations.checkmate`` with ``transfers``: a stage's transfers run beside its
 compute and it costs the longer of the two).
 
-Warm starts and incumbents: the best baseline and greedy eviction (rematerialization
-alone; the cheapest is the MILP's start, since every remat plan is a solution with no
-transfers) and DYNPROG's plan (offloading alone, ``offload_dynprog``, whose transfers are
-finer than stages, so it competes as a plan rather than as a start). The best plan the
-simulator accepts wins, so the result is never worse than those plans.
+Warm starts and incumbents: DYNPROG's plan (offloading alone, ``offload_dynprog``, whose
+transfers are finer than stages, so it competes as a plan rather than as a start), then
+``checkmate_milp``'s search for ``offload_remat_share`` of the time (rematerialization
+alone, with its own warm starts, RINS and decomposition; its plan is the joint MILP's
+start, since every remat plan is a solution with no transfers), then the joint MILP for
+the rest. The best plan the simulator accepts wins, so the result is never worse than
+those plans.
 
 The bound reported is the ideal (every node once, no transfers): the MILP's own bound
 holds only for plans whose transfers follow its stages, which the heuristics' plans need
-not, so it is given in the message, not as the plan's bound. Where a warm start costs the
-ideal, there is no solve. Graphs of more than
-``decompose_min_nodes`` nodes get the best of the warm starts (the MILP's O(n^2) variables
-do not solve there).
+not, so it is given in the message, not as the plan's bound. Where a plan costs the ideal,
+no further solve runs. On graphs of more than ``decompose_min_nodes`` nodes the joint
+model is not built (its O(n^2) variables do not solve there): ``checkmate_milp`` gets the
+whole time limit, and DYNPROG's plan competes with its plan.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from remat.compiler import compile_plan
 from remat.errors import ScheduleError
 from remat.formulations.checkmate import HostTransfers, build_checkmate
 from remat.plan import SolverInfo
+from remat.schedule import schedule_of_steps
 from remat.solvers.backend import relative_gap
-from remat.strategies.baselines import best_baseline
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import (
     Problem,
@@ -35,8 +37,8 @@ from remat.strategies.common.problem import (
     evaluate_plan,
     with_prediction,
 )
+from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.search import solve_alone, unfit
-from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 
 NAME = "offload_remat"
@@ -47,32 +49,31 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
     if (unfit_result := unfit(problem, NAME, (device,))) is not None:
         return unfit_result
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
-    remat = [
-        found
-        for found in (
-            best_baseline(problem, [device]),
-            greedy_evict(
-                problem,
-                device,
-                min(config.placed_time_s, limit * config.warm_start_share),
-                fit_budget_s=limit * config.fit_share,
-            ),
-        )
-        if found is not None and found.feasible
-    ]
-    plans = [*remat, offload_dynprog(problem, device)]
     ideal = problem.costs.ideal_ms(device)
-    costs = [p.simulation.total_ms for p in plans if p.feasible and p.simulation]
-    note = ""
-    if costs and min(costs) <= ideal * (1 + config.proven_gap):
-        note = "a warm start costs the ideal: no solve"
-    elif len(problem.graph) > config.decompose_min_nodes:
+    plans = [offload_dynprog(problem, device)]
+    if _reaches(plans, ideal, config.proven_gap):
+        return _best(problem, device, plans, "offloading alone costs the ideal: no solve", 0.0)
+    large = len(problem.graph) > config.decompose_min_nodes
+    share = 1.0 if large else config.offload_remat_share
+    settings = problem.solver
+    alone = replace(settings, options=replace(settings.options, time_limit_s=limit * share))
+    remat = checkmate_milp(replace(problem, solver=alone), device)
+    plans.append(remat)
+    if large:
         note = f"the joint model is not built over {config.decompose_min_nodes} nodes"
+    elif _reaches(plans, ideal, config.proven_gap):
+        note = "a plan costs the ideal: no joint solve"
     else:
-        solved, note = _solve(problem, device, remat, limit - (time.monotonic() - started))
+        left = limit - (time.monotonic() - started)
+        solved, note = _solve(problem, device, [remat], left)
         if solved is not None:
             plans.append(solved)
     return _best(problem, device, plans, note, time.monotonic() - started)
+
+
+def _reaches(plans: list[StrategyResult], ideal: float, proven_gap: float) -> bool:
+    costs = [p.simulation.total_ms for p in plans if p.feasible and p.simulation]
+    return bool(costs) and min(costs) <= ideal * (1 + proven_gap)
 
 
 def _solve(
@@ -89,10 +90,13 @@ def _solve(
     )
     start = None
     for found in sorted(remat, key=lambda r: r.simulation.total_ms if r.simulation else 0.0):
-        if found.schedule is None:
+        schedule = found.schedule
+        if schedule is None and found.plan is not None:
+            schedule = schedule_of_steps(found.plan.steps, len(problem.graph), device)
+        if schedule is None:
             continue
         try:
-            start = model.encode(found.schedule)
+            start = model.encode(schedule)
             break
         except ScheduleError:
             continue

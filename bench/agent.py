@@ -14,13 +14,16 @@ finds none); the executor runs the plan. Targets:
 * gradients = plain autograd within relative error 1e-4 (fp32; with a CUDA device, against
   float64 autograd within 1e-4 or 10 times the host's fp32 error, see ``agents.executor``).
 
+``--strategy offload_dynprog`` (or any other) plans with that strategy alone: offloading
+plans run their transfers on the executor's lanes, timed against the profiled host link.
+
 Prints a markdown table; each missed target is listed below it with by how much. Each
 row is appended to ``bench/results/agent.csv`` as it is measured (``bench/report.py``
 renders them; peaks as ``device=bytes;...``).
 
     .venv/bin/python bench/agent.py [--models vgg16,resnet18,unet] [--budgets 100,50]
         [--batch 8] [--image 96] [--width 16] [--time-limit 10] [--repeats 5]
-        [--devices NAME:KIND[:key=value,...] ...] [--run LABEL]
+        [--devices NAME:KIND[:key=value,...] ...] [--strategy NAME] [--run LABEL]
 
 Timings need a quiet machine: other processes on the cores distort them. Profiling and
 each execution wait until other processes leave the CPUs idle (/proc/stat) and are taken
@@ -103,6 +106,12 @@ def main() -> None:
         metavar="NAME:KIND[:key=value,...]",
         help="the devices to plan for and run on (default: cpu0:cpu:threads=1 cpu1:cpu:threads=2)",
     )
+    parser.add_argument(
+        "--strategy",
+        default="xengine",
+        help="the strategy that plans (default xengine, falling back to the multi-device "
+        "heuristic and auto; any other: that strategy alone, e.g. offload_dynprog)",
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("agent", args.run)
@@ -121,7 +130,7 @@ def main() -> None:
         for budget in args.budgets.split(","):
             start = time.monotonic()
             try:
-                plan = _plan(graph, table, devices, f"{budget}%", args.time_limit)
+                plan = _plan(graph, table, devices, f"{budget}%", args.time_limit, args.strategy)
             except NoPlan as error:
                 unplanned.append(f"{name} at {budget}%: {error}")
                 print(f"... {name} {budget}%: {error}", file=sys.stderr, flush=True)
@@ -192,7 +201,12 @@ class NoPlan(Exception):
 
 
 def _plan(
-    graph: Graph, table: CostTable, devices: list[Device], budget: str, time_limit: float
+    graph: Graph,
+    table: CostTable,
+    devices: list[Device],
+    budget: str,
+    time_limit: float,
+    strategy: str,
 ) -> Plan:
     settings = SolverSettings(options=SolveOptions(time_limit_s=time_limit))
     try:
@@ -210,6 +224,8 @@ def _plan(
         lambda: placed_greedy(problem),
         lambda: run_strategy("auto", problem),
     ]
+    if strategy != "xengine":
+        attempts = [lambda: run_strategy(strategy, problem)]
     messages = []
     for attempt in attempts:
         try:

@@ -488,7 +488,17 @@ class _Lane:
 
 
 def _cloned(value: Value) -> Value:
-    return tuple(t.clone() for t in value)
+    """A copy of ``value`` in fresh memory, made on one thread (numpy's memcpy where the
+    type allows, not torch's parallel copy): a lane's copy must leave the compute's
+    threads their cores."""
+    return tuple(_copied(t) for t in value)
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.from_numpy(t.detach().numpy().copy())
+    except (TypeError, RuntimeError):  # a type numpy lacks (bfloat16)
+        return t.clone()
 
 
 def _empty_like(t: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:

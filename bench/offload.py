@@ -31,12 +31,11 @@ from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
 from remat.strategies.common.offload import (
     OffloadBase,
+    judged_plan,
     offload_base,
     offload_bound_ms,
-    offload_plan,
     offload_result,
 )
-from remat.strategies.common.problem import evaluate_plan
 
 GPU = Device("cuda0", DeviceKind.CUDA)
 MODELS = ("vgg16", "resnet18", "unet", "transformer", "torch:resnet50", "torch:bert_base")
@@ -56,11 +55,8 @@ def vdnn_conv(problem: Problem, base: OffloadBase) -> StrategyResult:
     chosen = [v for v in base.candidates if v in read_by_conv]
     if not chosen:
         return StrategyResult("vdnn_conv", None, None, "n/a: no convolution")
-    plan = offload_plan(problem, base, chosen, "vdnn_conv")
-    if plan is None:
-        return StrategyResult("vdnn_conv", None, None, "does not fit")
-    evaluation = evaluate_plan(problem, plan)
-    if not evaluation.fits:
+    evaluation = judged_plan(problem, base, chosen, "vdnn_conv")
+    if evaluation is None:
         return StrategyResult("vdnn_conv", None, None, "does not fit")
     return offload_result(problem, base, "vdnn_conv", evaluation)
 

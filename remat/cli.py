@@ -435,9 +435,9 @@ class ProgressLine:
 def _problem(args: argparse.Namespace) -> Problem:
     """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
     devices = _devices(args)
+    table = None if args.costs is None else load_cost_table(args.costs)
     if args.host_bandwidth is not None:
         rate = parse_rate(args.host_bandwidth)
-        table = None if args.costs is None else load_cost_table(args.costs)
         named = devices or (
             [Device(d.name, d.kind) for d in table.devices] if table else [DEFAULT_DEVICE]
         )
@@ -446,7 +446,7 @@ def _problem(args: argparse.Namespace) -> Problem:
         **_model_options(args),
         devices=devices,
         budgets=_budgets(args),
-        table=None if args.costs is None else load_cost_table(args.costs),
+        table=table,
         solver=_solver_settings(args),
     )
 

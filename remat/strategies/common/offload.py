@@ -33,7 +33,13 @@ from remat.graph import NodeKind
 from remat.plan import Compute, Free, Offload, Plan, Prefetch, SolverInfo, Step, Wait
 from remat.solvers.backend import relative_gap
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
-from remat.strategies.common.problem import Evaluation, Problem, StrategyResult, with_prediction
+from remat.strategies.common.problem import (
+    Evaluation,
+    Problem,
+    StrategyResult,
+    evaluate_plan,
+    with_prediction,
+)
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,18 @@ def offload_plan(
         return None
     devices = problem.plan_devices([base.device])
     return Plan(strategy, devices, (*forward, *backward))
+
+
+def judged_plan(
+    problem: Problem, base: OffloadBase, offloaded: Collection[int], strategy: str
+) -> Evaluation | None:
+    """The plan of ``offloaded`` (``offload_plan``) where the simulator accepts it under
+    the problem's budgets, else None."""
+    plan = offload_plan(problem, base, offloaded, strategy)
+    if plan is None:
+        return None
+    evaluation = evaluate_plan(problem, plan)
+    return evaluation if evaluation.fits else None
 
 
 def _forward(

@@ -47,11 +47,11 @@ from dataclasses import dataclass, replace
 from remat.plan import Compute
 from remat.strategies.common.offload import (
     OffloadBase,
+    judged_plan,
     offload_base,
-    offload_plan,
     offload_result,
 )
-from remat.strategies.common.problem import Evaluation, Problem, StrategyResult, evaluate_plan
+from remat.strategies.common.problem import Evaluation, Problem, StrategyResult
 from remat.strategies.heuristics.offload_greedy import offload_greedy
 
 NAME = "offload_dynprog"
@@ -77,14 +77,8 @@ def offload_dynprog(problem: Problem, device: str) -> StrategyResult:
     assert budget is not None
     for epsilon in problem.solver.search.offload_epsilons:
         chosen = _dynprog(problem, base, int(budget * (1 - epsilon)))
-        if chosen is None:
-            continue
-        plan = offload_plan(problem, base, chosen, NAME)
-        if plan is None:
-            continue
-        evaluation = evaluate_plan(problem, plan)
-        if evaluation.fits:
-            best = evaluation
+        best = None if chosen is None else judged_plan(problem, base, chosen, NAME)
+        if best is not None:
             break
     cheaper = best is None or (
         greedy.simulation is not None and greedy.simulation.total_ms < best.cost_ms
@@ -101,19 +95,10 @@ def _reaches_bound(result: StrategyResult) -> bool:
 
 
 def _renamed(result: StrategyResult) -> StrategyResult:
-    plan = result.plan
-    if plan is not None:
-        plan = replace(plan, strategy=NAME)
+    """GREEDY's result under this strategy's name."""
+    plan = None if result.plan is None else replace(result.plan, strategy=NAME)
     message = result.message.replace("offload_greedy", NAME)
-    return StrategyResult(
-        NAME,
-        plan,
-        result.simulation,
-        message,
-        result.min_budget_bytes,
-        result.schedule,
-        result.proven_infeasible,
-    )
+    return replace(result, strategy=NAME, plan=plan, message=message)
 
 
 def _dynprog(problem: Problem, base: OffloadBase, budget: int) -> list[int] | None:

@@ -18,12 +18,12 @@ import numpy as np
 from remat.devices import format_bytes
 from remat.strategies.common.offload import (
     OffloadBase,
+    judged_plan,
     offload_base,
     offload_floor_bytes,
-    offload_plan,
     offload_result,
 )
-from remat.strategies.common.problem import Evaluation, Problem, StrategyResult, evaluate_plan
+from remat.strategies.common.problem import Evaluation, Problem, StrategyResult
 
 NAME = "offload_greedy"
 
@@ -56,11 +56,7 @@ def _smallest_prefix(problem: Problem, base: OffloadBase, first: int) -> Evaluat
     candidates: Sequence[int] = base.candidates
 
     def judged(k: int) -> Evaluation | None:
-        plan = offload_plan(problem, base, candidates[:k], NAME)
-        if plan is None:
-            return None
-        evaluation = evaluate_plan(problem, plan)
-        return evaluation if evaluation.fits else None
+        return judged_plan(problem, base, candidates[:k], NAME)
 
     low, high = min(first, len(candidates)), len(candidates)
     best = judged(high)

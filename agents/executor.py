@@ -709,10 +709,14 @@ class _Run:
 
     def _free(self, step: Free) -> float:
         start = time.perf_counter()
-        value = self.resident[step.device].pop(step.node)
-        self.live[step.device] -= value_bytes(value)
-        del value
+        self._drop(step.device, step.node)
         return (time.perf_counter() - start) * 1e3
+
+    def _drop(self, device: str, node: int) -> None:
+        """Release ``node``'s value on ``device`` and its bytes from the account."""
+        value = self.resident[device].pop(node)
+        self.live[device] -= value_bytes(value)
+        del value
 
     def _lane(self, device: str) -> _Lane:
         lane = self.lanes.get(device)
@@ -736,13 +740,10 @@ class _Run:
     def _wait(self, step: Wait) -> float:
         start = time.perf_counter()
         transfer, copy = self._lane(step.device).wait(step.node)
-        resident = self.resident[step.device]
         if transfer.offload:  # the device copy is released
-            value = resident.pop(step.node)
-            self.live[step.device] -= value_bytes(value)
-            del value
+            self._drop(step.device, step.node)
         else:  # readable now; accounted when it was issued
-            resident[step.node] = copy
+            self.resident[step.device][step.node] = copy
             self._allocated(step.device, value_bytes(copy) - transfer.reserved)
         return (time.perf_counter() - start) * 1e3
 

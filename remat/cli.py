@@ -54,8 +54,8 @@ from remat.strategies import AUTO, STRATEGIES, Problem, SolverSettings, Strategy
 
 MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
 AUTO_HELP = (
-    "strategy (default: auto: the baselines, greedy eviction, then a short exact solve "
-    "where the graph is small enough; the cheapest plan wins)"
+    "strategy (default: auto: the baselines, greedy eviction, offloading on a GPU, then a "
+    "short exact solve where the graph is small enough; the cheapest plan wins)"
 )
 
 

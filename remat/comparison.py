@@ -11,9 +11,19 @@ from remat.devices import Size, format_bytes
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.simulator import simulate
-from remat.strategies import BASELINES, STRATEGIES, Problem, SolverSettings, run_strategy
+from remat.strategies import (
+    BASELINES,
+    OFFLOADING,
+    STRATEGIES,
+    Problem,
+    SolverSettings,
+    run_strategy,
+)
 
 PERCENTS = (100.0, 75.0, 50.0, 35.0, 25.0)
+
+
+NO_OFFLOADING = "no device has memory apart from its host (a cpu device's memory is the host's)"
 
 
 @dataclass(frozen=True)
@@ -94,14 +104,19 @@ class Baselines:
     items: list[Baseline]
 
 
-def baselines(problem: Problem, strategies: Iterable[str] = BASELINES) -> Baselines:
-    """Each baseline on the problem's own inputs: what a job's plan is compared with. A
-    single-device baseline runs on each device and its best plan counts."""
+def baselines(problem: Problem, strategies: Iterable[str] = (*BASELINES, *OFFLOADING)) -> Baselines:
+    """Each baseline (Checkmate's Table 1 and the offloading heuristics) on the problem's
+    own inputs: what a job's plan is compared with. A single-device baseline runs on each
+    device (an offloading one on each with memory apart from its host) and its best plan
+    counts."""
     ideal = problem.costs.ideal_ms()
     return Baselines(ideal, [_judge(problem, strategy, ideal) for strategy in strategies])
 
 
 def _judge(problem: Problem, strategy: str, ideal: float, device: str | None = None) -> Baseline:
+    own_memory = any(d.has_own_memory for d in problem.costs.devices)
+    if strategy in OFFLOADING and device is None and not own_memory:
+        return Baseline(strategy, None, None, {}, None, f"n/a: {NO_OFFLOADING}")
     try:
         result = run_strategy(strategy, problem, device)
     except RematError as exc:

@@ -93,6 +93,12 @@ class Device:
         value = self.options.get("threads")
         return int(value) if value is not None else None
 
+    @property
+    def has_own_memory(self) -> bool:
+        """Its memory is apart from its host's: offloading to the host frees some. A CPU
+        device's memory is the host's (offloading there only emulates a device)."""
+        return self.kind is not DeviceKind.CPU
+
 
 def with_option(device: Device, key: str, value: str) -> Device:
     """``device`` with option ``key`` set to ``value`` (checked)."""

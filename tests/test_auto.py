@@ -120,6 +120,11 @@ def test_a_solver_proof_says_infeasible():
     )
     unproven = run_strategy(AUTO, replace(problem, solver=settings(search=NO_EXACT)))
     assert not unproven.proven_infeasible and unproven.message.startswith("no plan found by auto")
+    gpu = Device("cuda0", DeviceKind.CUDA)
+    on_gpu = Problem(graph, analytical_costs(graph, [gpu]), {"cuda0": low}, settings())
+    offloading = run_strategy(AUTO, on_gpu)  # the MILP's proof does not cover offloading
+    assert not offloading.feasible and not offloading.proven_infeasible
+    assert "proved that no plan without offloading fits" in offloading.message
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch, name: str) -> list[float]:

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from remat.comparison import baselines
 from remat.costs import (
     CostModel,
     CostSource,
@@ -34,10 +35,12 @@ from remat.plan_view import stage_matrices, transfer_spans
 from remat.problem import build_problem
 from remat.samples import unet
 from remat.simulator import simulate
-from remat.strategies import Problem, run_strategy
+from remat.solvers.model import SolveOptions
+from remat.strategies import AUTO, Problem, SolverSettings, run_strategy
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
 from remat.strategies.common.offload import offload_base, offload_bound_ms
 from remat.strategies.exact.offload_remat import _solve as offload_remat_solve
+from remat.strategies.exact.offload_remat import recompute_then_offload
 from remat.training import training_graph
 
 from graphs import chain
@@ -329,3 +332,66 @@ def test_offload_remat_is_never_worse_than_offloading_or_remat_alone(budget):
         if other.feasible:
             assert verdict.total_ms <= other.simulation.total_ms * (1 + 1e-9), alone
     assert result.plan.solver.bound == pytest.approx(costs.ideal_ms("cuda0"))
+
+
+def test_recomputing_to_a_looser_budget_then_offloading_beats_either_alone():
+    """U-Net at 50%: offloading alone cannot hide its transfers and recomputing alone pays
+    for every activation it drops; greedy eviction to a looser budget, then offloading over
+    its plan, recomputes some activations and offloads others, and costs less than both."""
+    problem = build_problem(
+        unet(), batch=8, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "50%"}
+    )
+    mixed = recompute_then_offload(problem, "cuda0", 30.0)
+    assert mixed, "no relaxed budget gave a plan"
+    best = mixed[0]
+    verdict = simulate(best.plan, problem.graph, problem.costs)
+    assert verdict.valid and verdict.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+    computes = [s.node for s in best.plan.steps if s.op == "compute"]
+    assert len(computes) > len(set(computes)), "it recomputes"
+    assert any(s.op == "offload" for s in best.plan.steps), "it offloads"
+    for alone in ("offload_dynprog", "greedy_evict"):
+        other = run_strategy(alone, problem, "cuda0")
+        assert not other.feasible or verdict.total_ms < other.simulation.total_ms, alone
+
+
+def test_without_a_device_named_offloading_runs_where_memory_is_apart_from_the_host():
+    g = training_graph(chain(3))
+    cpu = Device("cpu0", DeviceKind.CPU)
+    both = analytical_costs(g, [cpu, GPU])
+    result = run_strategy("offload_greedy", Problem(g, both, {"cpu0": None, "cuda0": None}))
+    assert [d.name for d in result.plan.devices] == ["cuda0"]
+    host_only = analytical_costs(g, [cpu])
+    emulated = run_strategy("offload_greedy", Problem(g, host_only, {"cpu0": None}))
+    assert emulated.feasible  # asked for by name, a cpu device emulates one
+
+
+def test_a_jobs_baselines_include_offloading_where_a_device_can_offload():
+    problem = build_problem(
+        unet(), batch=8, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "75%"}
+    )
+    rows = {b.strategy: b for b in baselines(problem).items}
+    assert {"checkpoint_all", "offload_greedy", "offload_dynprog"} <= set(rows)
+    assert rows["offload_greedy"].valid and rows["offload_dynprog"].valid
+    on_cpu = build_problem(unet(), batch=8, budgets={"cpu0": "75%"})
+    row = next(b for b in baselines(on_cpu).items if b.strategy == "offload_greedy")
+    assert row.predicted_ms is None and "apart from its host" in row.note
+
+
+def test_auto_offloads_on_an_accelerator_and_never_on_a_cpu():
+    """U-Net at 75%: offloading hides behind compute and costs the ideal, which no
+    recomputation can; auto takes it on a GPU, and on a CPU (the host) never offloads."""
+    settings = SolverSettings(options=SolveOptions(time_limit_s=5.0))
+    problem = build_problem(
+        unet(),
+        batch=8,
+        devices=[parse_device("cuda0:cuda")],
+        budgets={"cuda0": "75%"},
+        solver=settings,
+    )
+    result = run_strategy(AUTO, problem)
+    offloading = run_strategy("offload_dynprog", problem, "cuda0")
+    assert result.feasible and result.simulation.valid
+    assert result.simulation.total_ms <= offloading.simulation.total_ms
+    assert result.plan.transfers
+    on_cpu = build_problem(unet(), batch=8, budgets={"cpu0": "75%"}, solver=settings)
+    assert not run_strategy(AUTO, on_cpu).plan.transfers

@@ -36,7 +36,8 @@ PROBE_TIMEOUT_S = 30.0
 class StrategyInfo(BaseModel):
     name: str
     kind: StrategyKind = Field(
-        description="auto: the baselines, greedy eviction and a short exact solve; "
+        description="auto: the baselines, greedy eviction, offloading where a device has "
+        "memory apart from its host, and a short exact solve; "
         "baseline: Checkmate's Table 1 heuristics; heuristic: other heuristics; "
         "exact: a MILP/MIQP solved towards a proven optimum"
     )

@@ -6,7 +6,8 @@ MILP/MIQP strategies and their search) and ``common/`` (what they share). ``REGI
 records each strategy's kind, whether it places operators over devices, and a one-line
 description; ``STRATEGIES`` maps names to the functions and is open to ``register``.
 ``run_strategy`` also runs ``AUTO`` (``auto.py``), the default: the baselines, greedy
-eviction and a short exact solve, which says "infeasible" only with a proof.
+eviction, offloading where a device has memory apart from its host, and a short exact
+solve, which says "infeasible" only with a proof.
 ``SearchConfig`` (``SolverSettings.search``) holds every time share and threshold of the
 search.
 """
@@ -19,6 +20,7 @@ from remat.strategies.config import SearchConfig
 from remat.strategies.registry import (
     BASELINES,
     MULTI_DEVICE,
+    OFFLOADING,
     OPTIMAL,
     REGISTRY,
     STRATEGIES,
@@ -33,6 +35,7 @@ __all__ = [
     "AUTO",
     "BASELINES",
     "MULTI_DEVICE",
+    "OFFLOADING",
     "OPTIMAL",
     "REGISTRY",
     "STRATEGIES",

@@ -8,15 +8,18 @@ call:
 2. greedy eviction (``heuristics.evict.greedy_evict``) on each device, for at most
    ``SearchConfig.evict_time_s`` (less where the limit is short); where no baseline fits it
    may run on to find a first plan (``fit_share`` of the limit);
-3. where the graph has at most ``auto_exact_max_nodes`` nodes and the best plan so far is
+3. offloading to host memory (``heuristics.offload_dynprog``, never worse than GREEDY) on
+   each device whose memory is apart from its host's (not a cpu device);
+4. where the graph has at most ``auto_exact_max_nodes`` nodes and the best plan so far is
    more than ``auto_skip_gap`` above the ideal, ``checkmate_milp`` (one device) or
    ``xengine`` (several) for at most ``auto_exact_s`` of the time left. Its own warm start
    (the best baseline and greedy eviction, ``exact.search.warm_start``) gives the solver
    the incumbent found so far.
 
 Only a proof says "infeasible": the memory floor (``common.floor``: a node that fits on no
-device) or an exact solve over the whole problem that its solver proved infeasible; the
-result then has ``proven_infeasible``. Otherwise the message is "no plan found by auto at
+device) or an exact solve over the whole problem that its solver proved infeasible, where
+no device could offload (the exact solve does not); the result then has
+``proven_infeasible``. Otherwise the message is "no plan found by auto at
 this budget (tried: ...)" with the least memory any phase needed (``min_budget_bytes``).
 """
 
@@ -35,12 +38,14 @@ from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 DESCRIPTION = (
-    "Every applicable baseline on each device, then greedy eviction, then on graphs small "
+    "Every applicable baseline on each device, then greedy eviction, then offloading "
+    "(offload_dynprog) on each device with memory apart from its host, then on graphs small "
     "enough a short exact solve (checkmate_milp, or xengine on several devices); the "
     "cheapest plan that fits wins."
 )
@@ -61,8 +66,8 @@ class _Tried:
 def auto(
     problem: Problem, device: str | None = None, *, good_enough_ms: float | None = None
 ) -> StrategyResult:
-    """The cheapest plan of the baselines, greedy eviction and (graphs of at most
-    ``auto_exact_max_nodes`` nodes) a short exact solve, on ``device`` or on each device
+    """The cheapest plan of the baselines, greedy eviction, offloading and (graphs of at
+    most ``auto_exact_max_nodes`` nodes) a short exact solve, on ``device`` or on each device
     (None); see the module docstring for the phases, the time they get and the wording of
     a result without a plan. ``good_enough_ms``: no exact solve once a plan costs at most
     this (the max-batch search only asks whether a plan is within its bound)."""
@@ -88,6 +93,12 @@ def auto(
             logger.debug("auto: greedy eviction on %s for %.3g s", name, seconds)
             tried.add(_attempt(greedy_evict, problem, name, seconds, fit_s))
         tried.phases.append(f"greedy_evict on {', '.join(names)}")
+    devices = problem.costs.devices
+    offloading = [n for n in names if devices[problem.costs.device_index(n)].has_own_memory]
+    if offloading and not problem.cancelled:
+        for name in offloading:
+            tried.add(_attempt(offload_dynprog, problem, name))
+        tried.phases.append(f"offload_dynprog on {', '.join(offloading)}")
 
     best = _cheapest(tried.results)
     seconds = min(config.auto_exact_s, left())
@@ -108,7 +119,9 @@ def auto(
             solved = _attempt(checkmate_milp, within, names[0])
         tried.add(solved)
         tried.phases.append(f"{exact} {seconds:.3g} s")
-        if solved is not None and _proved(solved):  # over every device auto plans on
+        if solved is not None and _proved(solved) and offloading:  # not a proof for offloading
+            tried.phases[-1] += " (proved that no plan without offloading fits)"
+        elif solved is not None and _proved(solved):  # over every device auto plans on
             message = solved.message.replace(f": {exact} proved", f": auto ({exact}) proved", 1)
             return _no_plan(tried, message, proven=True)
 

@@ -151,9 +151,16 @@ class SearchConfig:
     """The most states DYNPROG keeps per candidate (the least idle time)."""
     offload_epsilons: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1)
     """Budget reductions DYNPROG tries in turn until its set's plan fits."""
+    offload_remat_ladder: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    """``offload_remat``: the relaxed budgets greedy eviction recomputes to before offloading
+    brings the plan down to the budget, as fractions of the way from the budget up to
+    checkpoint-all's peak; the best one's neighbours at half the spacing follow."""
+    offload_remat_ladder_share: float = 0.2
+    """``offload_remat``: the most of the time limit the ladder takes."""
     offload_remat_share: float = 0.5
-    """``offload_remat``: the share of the time limit for ``checkmate_milp``'s search before
-    the joint MILP starts from its plan (all of it where the joint model is not built)."""
+    """``offload_remat``: the share of the time left after the ladder for
+    ``checkmate_milp``'s search before the joint MILP starts from its plan (all of it where
+    the joint model is not built)."""
 
     # --- LP rounding (``remat.strategies.exact.checkmate``) -------------------------------
     lp_epsilons: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)

@@ -1,7 +1,7 @@
 """The strategy registry: every strategy by name, with its kind, whether it places
 operators over devices, and a one-line description (``REGISTRY``); ``run_strategy`` runs
-one by name, or ``auto`` (``remat.strategies.auto``: the baselines, greedy eviction and a
-short exact solve; the default of the CLI, the API and the workers).
+one by name, or ``auto`` (``remat.strategies.auto``: the baselines, greedy eviction,
+offloading and a short exact solve; the default of the CLI, the API and the workers).
 
 Adding a strategy is one module (in ``baselines/``, ``heuristics/`` or ``exact/``) and one
 entry: here, or for a baseline in ``baselines.TABLE_1``; or a call to ``register``.
@@ -33,13 +33,16 @@ Kind = Literal["baseline", "heuristic", "exact"]
 class StrategyInfo:
     """A registered strategy. ``places_over_devices``: it places operators itself, so it
     runs once over every device (its device argument is ignored); the others run on one
-    device, and ``run_strategy`` tries each device when none is named."""
+    device, and ``run_strategy`` tries each device when none is named. ``offloads``: its
+    plans send activations to host memory, so where no device is named it runs on the
+    devices whose memory is apart from the host's, if any."""
 
     name: str
     kind: Kind
     places_over_devices: bool
     description: str
     run: Strategy = field(repr=False, compare=False)
+    offloads: bool = False
 
     def as_json(self) -> dict[str, str | bool]:
         """The fields a client sees (everything but ``run``)."""
@@ -73,6 +76,7 @@ REGISTRY |= {
             "Offload the first activations to host memory, transfers overlapping compute, "
             "until the plan fits (Beaumont et al.'s GREEDY).",
             offload_greedy,
+            offloads=True,
         ),
         StrategyInfo(
             "offload_dynprog",
@@ -81,6 +85,7 @@ REGISTRY |= {
             "Offload the activations a dynamic program over the fractional relaxation "
             "chooses (Beaumont et al.'s DYNPROG); never worse than offload_greedy.",
             offload_dynprog,
+            offloads=True,
         ),
         StrategyInfo(
             "checkmate_milp",
@@ -108,10 +113,12 @@ REGISTRY |= {
             "offload_remat",
             "exact",
             False,
-            "Keep, recompute or offload each activation: checkmate_milp's search, then its MILP "
-            "with transfers to host memory beside each stage's compute; never worse than "
+            "Keep, recompute or offload each activation: greedy eviction to looser budgets "
+            "with offloading over its plans, checkmate_milp's search, then its MILP with "
+            "transfers to host memory beside each stage's compute; never worse than "
             "offload_dynprog.",
             offload_remat,
+            offloads=True,
         ),
         StrategyInfo(
             "xengine",
@@ -130,6 +137,10 @@ BASELINES: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.kin
 """The heuristics of Checkmate's Table 1 (section 6.1)."""
 OPTIMAL: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.kind == "exact")
 MULTI_DEVICE = frozenset(n for n, info in REGISTRY.items() if info.places_over_devices)
+OFFLOADING: tuple[str, ...] = tuple(
+    n for n, info in REGISTRY.items() if info.offloads and info.kind != "exact"
+)
+"""The offloading heuristics: fast, and a job's baselines with Checkmate's Table 1."""
 
 
 def register(
@@ -146,8 +157,9 @@ def register(
 
 def run_strategy(name: str, problem: Problem, device: str | None = None) -> StrategyResult:
     """Run strategy ``name`` (or ``auto``) on one device, or on each device of the cost
-    model (None) and return the cheapest feasible result, else the infeasible one needing
-    the least memory."""
+    model (None; for an offloading strategy, each device with memory apart from the host's
+    where there is one, else each cpu device, emulating) and return the cheapest feasible
+    result, else the infeasible one needing the least memory."""
     if name == AUTO:
         return auto(problem, device)
     strategy = STRATEGIES.get(name)
@@ -160,7 +172,10 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
     if device is not None:
         problem.costs.device_index(device)  # an unknown device is a clear error
         return strategy(problem, device)
-    results = [strategy(problem, d.name) for d in problem.costs.devices]
+    devices = problem.costs.devices
+    if info is not None and info.offloads and any(d.has_own_memory for d in devices):
+        devices = tuple(d for d in devices if d.has_own_memory)
+    results = [strategy(problem, d.name) for d in devices]
     return min(results, key=_rank)
 
 

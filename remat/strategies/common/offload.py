@@ -1,9 +1,10 @@
 """Offloading activations to host memory, transfers overlapping compute (Beaumont et al.,
 docs/strategies.md "Offloading"): what the offloading strategies share.
 
-Every offloading plan here is checkpoint-all on one device (each node computed once, in
-the graph's order, each value freed after its last reader) with some activations sent to
-the host and brought back: ``offload_base`` analyses checkpoint-all's plan,
+Every offloading plan here is a plan on one device without transfers, by default
+checkpoint-all (each node computed once, in the graph's order, each value freed after its
+last reader; ``offload_remat`` also offloads over plans that recompute), with some
+activations sent to the host and brought back: ``offload_base`` analyses that plan,
 ``offload_plan`` turns a set of offloaded activations into the no-wait plan of
 Proposition 1, and ``offload_bound_ms`` is Proposition 3's lower bound.
 
@@ -31,6 +32,7 @@ import numpy as np
 from remat.devices import format_bytes
 from remat.graph import NodeKind
 from remat.plan import Compute, Free, Offload, Plan, Prefetch, SolverInfo, Step, Wait
+from remat.simulator import simulate
 from remat.solvers.backend import relative_gap
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
 from remat.strategies.common.problem import (
@@ -44,7 +46,8 @@ from remat.strategies.common.problem import (
 
 @dataclass(frozen=True)
 class OffloadBase:
-    """Checkpoint-all's plan on one device, analysed for offloading.
+    """A plan on one device without transfers (checkpoint-all's by default), analysed for
+    offloading. ``compute_ms``: its compute time (every node once, for checkpoint-all).
 
     ``memory[q]``: bytes on the device after step q, fixed memory included.
     ``boundary``: the index of the first step that computes a backward node.
@@ -70,16 +73,22 @@ class OffloadBase:
         return int(self.memory.max(initial=0))
 
 
-def offload_base(problem: Problem, device: str) -> OffloadBase | None:
-    """Checkpoint-all on ``device`` with unlimited memory, analysed; None where it has no
-    plan (a node that no device runs)."""
-    unlimited = replace(problem, budgets={**problem.budgets, device: None})
-    found = checkpoint_all(unlimited, device)
-    if found.plan is None or found.simulation is None:
+def offload_base(problem: Problem, device: str, plan: Plan | None = None) -> OffloadBase | None:
+    """``plan`` (on ``device`` alone, without transfers; where None, checkpoint-all with
+    unlimited memory) analysed; None where it has no valid replay. In a plan that
+    recomputes, a candidate is the instance of a value that is computed before the
+    boundary and still held there, read from the boundary on before it is freed."""
+    if plan is None:
+        unlimited = replace(problem, budgets={**problem.budgets, device: None})
+        found = checkpoint_all(unlimited, device)
+        if found.plan is None:
+            return None
+        plan = found.plan
+    simulation = simulate(plan, problem.graph, problem.costs, {})
+    if not simulation.valid:
         return None
-    steps = found.plan.steps
+    steps = plan.steps
     graph = problem.graph
-    memory = np.asarray(found.simulation.timeline[device], dtype=np.int64)
     backward = [
         q
         for q, s in enumerate(steps)
@@ -88,43 +97,48 @@ def offload_base(problem: Problem, device: str) -> OffloadBase | None:
     boundary = backward[0] if backward else len(steps)
     produced: dict[int, int] = {}
     last_forward: dict[int, int] = {}
-    first_backward: dict[int, int] = {}
-    freed: dict[int, int] = {}
-    for q, step in enumerate(steps):
+    held: set[int] = set()
+    for q, step in enumerate(steps[:boundary]):
         if isinstance(step, Compute):
             produced[step.node] = q
+            held.add(step.node)
             for dep in graph.nodes[step.node].deps:
-                if q < boundary:
-                    last_forward[dep] = q
-                else:
-                    first_backward.setdefault(dep, q)
+                last_forward[dep] = q
         elif isinstance(step, Free):
-            freed[step.node] = q
-    in_order = sorted(produced.items(), key=lambda item: item[1])
-    candidates = tuple(v for v, q in in_order if q < boundary and v in first_backward)
+            held.discard(step.node)
+    first_backward: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for q, step in enumerate(steps[boundary:], boundary):
+        if isinstance(step, Compute):
+            for dep in graph.nodes[step.node].deps:
+                if dep in held and dep not in freed:
+                    first_backward.setdefault(dep, q)
+        elif isinstance(step, Free) and step.node in held:
+            freed.setdefault(step.node, q)
+    candidates = tuple(sorted((v for v in held if v in first_backward), key=produced.__getitem__))
     for v in candidates:
-        last_forward.setdefault(v, produced[v])
+        # The last forward read of this instance (an earlier instance's reads do not count).
+        last_forward[v] = max(last_forward.get(v, produced[v]), produced[v])
         freed.setdefault(v, len(steps))
-    d = problem.costs.device_index(device)
     return OffloadBase(
         device,
-        d,
+        problem.costs.device_index(device),
         steps,
-        memory,
+        np.asarray(simulation.timeline[device], dtype=np.int64),
         boundary,
         candidates,
         produced,
         last_forward,
         first_backward,
         freed,
-        float(problem.costs.compute_ms[:, d].sum()),
+        simulation.compute_ms,
     )
 
 
 def offload_bound_ms(problem: Problem, base: OffloadBase) -> float:
-    """Proposition 3: every node's compute, or the time to send the memory above the
+    """Proposition 3: the base plan's compute, or the time to send the memory above the
     budget to the host and back, whichever is longer (Proposition 2: any valid plan that
-    computes each node once in this order offloads at least ``M_peak - M_GPU``)."""
+    runs the base plan's computations in its order offloads at least ``M_peak - M_GPU``)."""
     budget = problem.budgets.get(base.device)
     excess = 0 if budget is None else max(base.peak_bytes - budget, 0)
     link = problem.costs.host_link(base.d)
@@ -150,7 +164,7 @@ def offload_result(
     simulation = evaluation.simulation
     total, bound = simulation.total_ms, offload_bound_ms(problem, base)
     info = SolverInfo("feasible", total, bound, relative_gap(total, bound))
-    plan = replace(with_prediction(evaluation.plan, simulation), solver=info)
+    plan = replace(with_prediction(evaluation.plan, simulation), strategy=strategy, solver=info)
     sent = [s.node for s in plan.steps if isinstance(s, Offload)]
     nbytes = int(problem.costs.output_bytes[sent].sum()) if sent else 0
     message = (
@@ -224,7 +238,7 @@ def _forward(
         steps.append(step)
         if isinstance(step, Compute):
             clock += float(compute_ms[step.node])
-            if step.node in sending:
+            if step.node in sending and base.produced[step.node] == q:
                 start = max(clock, lane)
                 lane = start + float(offload_ms[step.node])
                 in_flight.append((lane, step.node))

@@ -3,33 +3,38 @@ device by Checkmate's MILP extended with transfers to host memory at stage granu
 (``remat.formulations.checkmate`` with ``transfers``: a stage's transfers run beside its
 compute and it costs the longer of the two).
 
-Warm starts and incumbents: DYNPROG's plan (offloading alone, ``offload_dynprog``, whose
-transfers are finer than stages, so it competes as a plan rather than as a start), then
-``checkmate_milp``'s search for ``offload_remat_share`` of the time (rematerialization
-alone, with its own warm starts, RINS and decomposition; its plan is the joint MILP's
-start, since every remat plan is a solution with no transfers), then the joint MILP for
-the rest. The best plan the simulator accepts wins, so the result is never worse than
-those plans.
+Warm starts and incumbents, in turn: DYNPROG's plan (offloading alone,
+``offload_dynprog``, whose transfers are finer than stages, so it competes as a plan
+rather than as a start); greedy eviction to relaxed budgets with offloading over its plans
+down to the budget (``recompute_then_offload``, a ladder of budgets within
+``offload_remat_ladder_share`` of the time); ``checkmate_milp``'s search for
+``offload_remat_share`` of the time left (rematerialization alone, with its own warm
+starts, RINS and decomposition; its plan is the joint MILP's start, since every remat plan
+is a solution with no transfers); then the joint MILP for the rest. The best plan the
+simulator accepts wins, so the result is never worse than those plans.
 
 The bound reported is the ideal (every node once, no transfers): the MILP's own bound
 holds only for plans whose transfers follow its stages, which the heuristics' plans need
 not, so it is given in the message, not as the plan's bound. Where a plan costs the ideal,
 no further solve runs. On graphs of more than ``decompose_min_nodes`` nodes the joint
 model is not built (its O(n^2) variables do not solve there): ``checkmate_milp`` gets the
-whole time limit, and DYNPROG's plan competes with its plan.
+rest of the time, and its plan competes with the others.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from itertools import pairwise
 
 from remat.compiler import compile_plan
+from remat.devices import format_bytes
 from remat.errors import ScheduleError
 from remat.formulations.checkmate import HostTransfers, build_checkmate
 from remat.plan import SolverInfo
 from remat.schedule import schedule_of_steps
 from remat.solvers.backend import relative_gap
+from remat.strategies.common.offload import offload_base, offload_result
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import (
     Problem,
@@ -39,7 +44,8 @@ from remat.strategies.common.problem import (
 )
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.search import solve_alone, unfit
-from remat.strategies.heuristics.offload_dynprog import offload_dynprog
+from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.offload_dynprog import offload_dynprog, offload_set_plan
 
 NAME = "offload_remat"
 
@@ -53,10 +59,15 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
     plans = [offload_dynprog(problem, device)]
     if _reaches(plans, ideal, config.proven_gap):
         return _best(problem, device, plans, "offloading alone costs the ideal: no solve", 0.0)
+    plans += recompute_then_offload(problem, device, limit * config.offload_remat_ladder_share)
+    if _reaches(plans, ideal, config.proven_gap):
+        note = "a plan costs the ideal: no solve"
+        return _best(problem, device, plans, note, time.monotonic() - started)
     large = len(problem.graph) > config.decompose_min_nodes
     share = 1.0 if large else config.offload_remat_share
+    seconds = (limit - (time.monotonic() - started)) * share
     settings = problem.solver
-    alone = replace(settings, options=replace(settings.options, time_limit_s=limit * share))
+    alone = replace(settings, options=replace(settings.options, time_limit_s=seconds))
     remat = checkmate_milp(replace(problem, solver=alone), device)
     plans.append(remat)
     if large:
@@ -69,6 +80,58 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
         if solved is not None:
             plans.append(solved)
     return _best(problem, device, plans, note, time.monotonic() - started)
+
+
+def recompute_then_offload(problem: Problem, device: str, seconds: float) -> list[StrategyResult]:
+    """Greedy eviction to a relaxed budget, then offloading over its plan (GREEDY's or
+    DYNPROG's set, ``offload_set_plan``) down to the problem's budget: the transfers hide
+    what they can behind compute, and recomputation frees the memory they cannot (at the
+    backward phase's peak, where offloaded activations are coming back). The relaxed
+    budgets are ``offload_remat_ladder``'s fractions of the way from the budget up to
+    checkpoint-all's peak, the loosest first until a plan costs more than the best so far,
+    then the best one's neighbours at half the spacing, within ``seconds``; every plan that
+    fits, best first."""
+    budget = problem.budgets.get(device)
+    base = offload_base(problem, device)
+    if budget is None or base is None or base.peak_bytes <= budget:
+        return []
+    config = problem.solver.search
+    deadline = time.monotonic() + seconds
+    found: dict[float, StrategyResult | None] = {}
+
+    def attempt(fraction: float) -> float | None:
+        """The cost of the plan at ``fraction`` (None without one)."""
+        left = deadline - time.monotonic()
+        if fraction in found or not 0 < fraction < 1 or left <= 0:
+            return None
+        found[fraction] = None
+        relaxed = budget + int(fraction * (base.peak_bytes - budget))
+        looser = replace(problem, budgets={**problem.budgets, device: relaxed})
+        remat = greedy_evict(looser, device, min(config.evict_time_s, left))
+        over = None if remat.plan is None else offload_base(problem, device, remat.plan)
+        chosen = None if over is None else offload_set_plan(problem, over)
+        if over is None or chosen is None:
+            return None
+        label = f"greedy_evict to {format_bytes(relaxed)}, then offloading"
+        found[fraction] = offload_result(problem, over, label, chosen)
+        return chosen.cost_ms
+
+    ladder = sorted(config.offload_remat_ladder)
+    best = float("inf")
+    for fraction in reversed(ladder):  # the loosest first: its eviction is the quickest
+        cost = attempt(fraction)
+        if cost is None:
+            continue
+        if cost > best:
+            break  # past the best mix: tighter budgets recompute more
+        best = cost
+    ranked = sorted((r.simulation.total_ms, f) for f, r in found.items() if r and r.simulation)
+    if ranked and len(ladder) > 1:
+        step = min(b - a for a, b in pairwise(ladder)) / 2
+        attempt(ranked[0][1] - step)
+        attempt(ranked[0][1] + step)
+    plans = [r for r in found.values() if r is not None and r.simulation is not None]
+    return sorted(plans, key=lambda r: r.simulation.total_ms if r.simulation else 0.0)
 
 
 def _reaches(plans: list[StrategyResult], ideal: float, proven_gap: float) -> bool:

@@ -49,10 +49,11 @@ from remat.strategies.common.offload import (
     OffloadBase,
     judged_plan,
     offload_base,
+    offload_bound_ms,
     offload_result,
 )
 from remat.strategies.common.problem import Evaluation, Problem, StrategyResult
-from remat.strategies.heuristics.offload_greedy import offload_greedy
+from remat.strategies.heuristics.offload_greedy import greedy_plan, offload_greedy
 
 NAME = "offload_dynprog"
 Key = tuple[int, int, int]  # (offloaded slots, forward backlog, backward backlog)
@@ -69,29 +70,27 @@ class _Walk:
 
 def offload_dynprog(problem: Problem, device: str) -> StrategyResult:
     base = offload_base(problem, device)
-    greedy = offload_greedy(problem, device)
-    if base is None or problem.budgets.get(device) is None or _reaches_bound(greedy):
-        return _renamed(greedy)
-    best: Evaluation | None = None
-    budget = problem.budgets[device]
-    assert budget is not None
-    for epsilon in problem.solver.search.offload_epsilons:
-        chosen = _dynprog(problem, base, int(budget * (1 - epsilon)))
-        best = None if chosen is None else judged_plan(problem, base, chosen, NAME)
-        if best is not None:
-            break
-    cheaper = best is None or (
-        greedy.simulation is not None and greedy.simulation.total_ms < best.cost_ms
-    )
-    if best is None or (greedy.feasible and cheaper):
-        return _renamed(greedy)
+    best = None if base is None else offload_set_plan(problem, base)
+    if base is None or best is None:
+        return _renamed(offload_greedy(problem, device))  # says what offloading needs
     return offload_result(problem, base, NAME, best)
 
 
-def _reaches_bound(result: StrategyResult) -> bool:
-    """GREEDY's plan costs Proposition 3's bound: no offload set does better."""
-    solver = result.plan.solver if result.plan is not None else None
-    return solver is not None and solver.gap == 0.0
+def offload_set_plan(problem: Problem, base: OffloadBase) -> Evaluation | None:
+    """The cheaper of GREEDY's and DYNPROG's plans over ``base`` (DYNPROG runs only where
+    GREEDY's plan costs more than Proposition 3's bound); None where neither fits."""
+    greedy = greedy_plan(problem, base)
+    budget = problem.budgets.get(base.device)
+    if budget is None or (greedy is not None and greedy.cost_ms <= offload_bound_ms(problem, base)):
+        return greedy
+    found: Evaluation | None = None
+    for epsilon in problem.solver.search.offload_epsilons:
+        chosen = _dynprog(problem, base, int(budget * (1 - epsilon)))
+        found = None if chosen is None else judged_plan(problem, base, chosen, NAME)
+        if found is not None:
+            break
+    plans = [e for e in (greedy, found) if e is not None]
+    return min(plans, key=lambda e: e.cost_ms, default=None)
 
 
 def _renamed(result: StrategyResult) -> StrategyResult:

@@ -32,12 +32,9 @@ def offload_greedy(problem: Problem, device: str) -> StrategyResult:
     base = offload_base(problem, device)
     if base is None:
         return StrategyResult(NAME, None, None, f"{NAME}: checkpoint-all has no plan on {device}")
-    sizes = [int(problem.costs.output_bytes[v]) for v in base.candidates]
-    budget = problem.budgets.get(device)
-    excess = 0 if budget is None else base.peak_bytes - budget
-    first = int(np.searchsorted(np.cumsum([0, *sizes]), excess)) if excess > 0 else 0
-    found = _smallest_prefix(problem, base, first)
+    found = greedy_plan(problem, base)
     if found is None:
+        budget = problem.budgets.get(device)
         floor = offload_floor_bytes(problem, base)
         return StrategyResult(
             NAME,
@@ -48,6 +45,16 @@ def offload_greedy(problem: Problem, device: str) -> StrategyResult:
             min_budget_bytes={device: floor},
         )
     return offload_result(problem, base, NAME, found)
+
+
+def greedy_plan(problem: Problem, base: OffloadBase) -> Evaluation | None:
+    """GREEDY's plan over ``base``: the smallest prefix of its candidates, at least the
+    bytes over the budget, whose plan the simulator accepts; None where none is."""
+    sizes = [int(problem.costs.output_bytes[v]) for v in base.candidates]
+    budget = problem.budgets.get(base.device)
+    excess = 0 if budget is None else base.peak_bytes - budget
+    first = int(np.searchsorted(np.cumsum([0, *sizes]), excess)) if excess > 0 else 0
+    return _smallest_prefix(problem, base, first)
 
 
 def _smallest_prefix(problem: Problem, base: OffloadBase, first: int) -> Evaluation | None:

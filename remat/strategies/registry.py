@@ -22,6 +22,7 @@ from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.offload_remat import offload_remat
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.input_aware import input_aware
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 from remat.strategies.heuristics.offload_greedy import offload_greedy
 
@@ -68,6 +69,14 @@ REGISTRY |= {
             "Evict the value that frees the most memory per recomputed millisecond until the "
             "plan fits (after Dynamic Tensor Rematerialization).",
             greedy_evict,
+        ),
+        StrategyInfo(
+            "input_aware",
+            "heuristic",
+            False,
+            "Recompute the activations Mimose's greedy scheduler picks by size buckets until "
+            "the estimated excess is covered: plans a new input size in milliseconds.",
+            input_aware,
         ),
         StrategyInfo(
             "offload_greedy",

@@ -1,0 +1,115 @@
+"""Every node's output bytes and compute time as functions of the input size (Mimose,
+section 4.3): degree-2 polynomials in the size ``s``, fitted by least squares to the
+problems at a few sizes (shape inference for bytes; the cost model, analytical or
+profiled, for time), one polynomial per node (and device, for time).
+
+Activations grow at most quadratically with the size in the networks Mimose studied
+(attention's ``seq x seq`` scores; everything else linearly), so three sizes determine a
+node's bytes exactly where that holds. ``size_model_error`` checks the fit against shape
+inference at a size it was not fitted on. Shape inference is exact, so a plan for a size
+uses its bytes; the polynomials are for time and for predicting memory over the whole
+range without building a graph per size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.errors import InvalidInputError
+from remat.strategies.common.problem import Problem
+
+DEGREE = 2
+
+
+@dataclass(frozen=True)
+class SizeModel:
+    """``bytes_coef[k, i]``: the coefficient of ``s**k`` in node i's output bytes;
+    ``ms_coef[k, i, d]`` likewise for its compute time on device d."""
+
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+    bytes_coef: np.ndarray
+    ms_coef: np.ndarray
+
+    def _powers(self, size: float) -> np.ndarray:
+        return np.array([float(size) ** k for k in range(self.bytes_coef.shape[0])])
+
+    def output_bytes(self, size: float) -> np.ndarray:
+        """Predicted output bytes of every node at ``size`` (never negative)."""
+        predicted = self._powers(size) @ self.bytes_coef
+        return np.maximum(np.rint(predicted), 0).astype(np.int64)
+
+    def compute_ms(self, size: float) -> np.ndarray:
+        """Predicted compute time [node, device] at ``size`` (never negative)."""
+        predicted = np.tensordot(self._powers(size), self.ms_coef, axes=1)
+        return np.maximum(predicted, 0.0)
+
+
+@dataclass(frozen=True)
+class SizeModelError:
+    """How far the model is from a problem built at ``size``: the largest and the
+    byte-weighted relative error of output bytes, and the same for compute time."""
+
+    size: int
+    bytes_max: float
+    bytes_weighted: float
+    ms_max: float
+    ms_weighted: float
+
+
+def fit_size_model(problems: Mapping[int, Problem]) -> SizeModel:
+    """The polynomials through the problems at each size (at least two sizes; degree 2
+    from three). Every problem must have the same nodes, in the same order."""
+    sizes = sorted(problems)
+    if len(sizes) < 2:
+        raise InvalidInputError("fitting sizes needs problems at two sizes at least")
+    first = problems[sizes[0]]
+    names = tuple(node.name for node in first.graph.nodes)
+    for size in sizes[1:]:
+        other = tuple(node.name for node in problems[size].graph.nodes)
+        if other != names:
+            raise InvalidInputError(
+                f"the graph at size {size} has other nodes than at size {sizes[0]}: the model's "
+                "structure depends on the size, so one family of plans cannot cover it"
+            )
+    degree = min(DEGREE, len(sizes) - 1)
+    # Scaled sizes keep the normal equations well conditioned; coefficients are rescaled.
+    scale = float(max(sizes))
+    x = np.array(sizes, dtype=float) / scale
+    vandermonde = np.vander(x, degree + 1, increasing=True)
+    out = np.stack([problems[s].costs.output_bytes.astype(float) for s in sizes])
+    ms = np.stack([problems[s].costs.compute_ms for s in sizes])  # [k, n, d]
+    n, d = ms.shape[1], ms.shape[2]
+    bytes_coef = np.linalg.lstsq(vandermonde, out, rcond=None)[0]
+    ms_coef = np.linalg.lstsq(vandermonde, ms.reshape(len(sizes), n * d), rcond=None)[0]
+    rescale = scale ** -np.arange(degree + 1, dtype=float)
+    return SizeModel(
+        tuple(sizes),
+        names,
+        bytes_coef * rescale[:, None],
+        (ms_coef * rescale[:, None]).reshape(degree + 1, n, d),
+    )
+
+
+def size_model_error(model: SizeModel, size: int, problem: Problem) -> SizeModelError:
+    """The model's error at ``size`` against ``problem`` (built at that size)."""
+    actual_bytes = problem.costs.output_bytes.astype(float)
+    actual_ms = problem.costs.compute_ms
+    if actual_bytes.shape[0] != len(model.names):
+        raise InvalidInputError(f"the problem at size {size} has other nodes than the model")
+    bytes_max, bytes_weighted = _relative(model.output_bytes(size).astype(float), actual_bytes)
+    ms_max, ms_weighted = _relative(model.compute_ms(size), actual_ms)
+    return SizeModelError(size, bytes_max, bytes_weighted, ms_max, ms_weighted)
+
+
+def _relative(predicted: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
+    """The largest relative error over nonzero actual values, and the total absolute error
+    over the total (the error weighted by size)."""
+    error = np.abs(predicted - actual)
+    nonzero = actual > 0
+    largest = float((error[nonzero] / actual[nonzero]).max(initial=0.0))
+    total = float(actual.sum())
+    return largest, float(error.sum()) / total if total > 0 else 0.0

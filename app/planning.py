@@ -4,7 +4,10 @@ the API (to validate a job before accepting it) and the workers (to solve it) sh
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import onnx
 
 from app.schemas import JobSpec, ModelSummary
 from remat import problem as remat_problem
@@ -14,6 +17,7 @@ from remat.errors import InvalidInputError
 from remat.graph import Graph
 from remat.onnx_ingest import forward_graph, load_model
 from remat.problem import model_graph
+from remat.shape_range import ShapeRange, parse_input_range, shape_range
 from remat.solvers.model import SolveOptions
 from remat.strategies import AUTO as AUTO  # the default: ``remat.strategies.auto``
 from remat.strategies import STRATEGIES, Problem, SolverSettings
@@ -40,6 +44,49 @@ def summarize(path: Path) -> ModelSummary:
     )
 
 
+def job_range(spec: JobSpec) -> ShapeRange | None:
+    """The sizes a job's ranged inputs take (None for a job of one shape)."""
+    if not spec.ranges:
+        return None
+    items = [parse_input_range(f"{name}={text}") for name, text in spec.ranges.items()]
+    return shape_range(items, [(o.size, o.count) for o in spec.observed or ()])
+
+
+def at_size(spec: JobSpec, ranged: ShapeRange, size: int) -> JobSpec:
+    """The job of one shape: its ranged inputs at ``size``."""
+    shapes = {name: list(dims) for name, dims in ranged.shapes(size).items()}
+    return spec.model_copy(
+        update={"inputs": {**(spec.inputs or {}), **shapes}, "ranges": None, "observed": None}
+    )
+
+
+def family_problems(
+    spec: JobSpec,
+    path: Path,
+    ranged: ShapeRange,
+    solver: SolverSettings | None = None,
+    table: CostTable | None = None,
+    max_cost_bytes: int | None = None,
+) -> Callable[[int], Problem]:
+    """The problem at each size of a ranged job, on its one device, every size under the
+    budget in bytes that the job's budget is at the largest size (a percentage is of the
+    largest size's peak). The largest size's problem is built here: it checks the job."""
+    largest = build_problem(at_size(spec, ranged, ranged.high), path, solver, table, max_cost_bytes)
+    if len(largest.costs.devices) != 1:
+        names = ", ".join(d.name for d in largest.costs.devices)
+        raise InvalidInputError(f"a job over ranges of sizes plans for one device; got {names}")
+    budgets = {name: str(b) for name, b in largest.budgets.items() if b is not None}
+    model = load_model(path)  # loaded once for every size
+
+    def problem_at(size: int) -> Problem:
+        if size == ranged.high:
+            return largest
+        sized = at_size(spec, ranged, size).model_copy(update={"budgets": budgets})
+        return build_problem(sized, model, solver, table, max_cost_bytes)
+
+    return problem_at
+
+
 def job_graph(spec: JobSpec, path: Path) -> Graph:
     return model_graph(
         path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode, loss=spec.loss.to_loss()
@@ -48,7 +95,7 @@ def job_graph(spec: JobSpec, path: Path) -> Graph:
 
 def build_problem(
     spec: JobSpec,
-    path: Path,
+    path: Path | onnx.ModelProto,
     solver: SolverSettings | None = None,
     table: CostTable | None = None,
     max_cost_bytes: int | None = None,
@@ -62,6 +109,9 @@ def build_problem(
     if spec.strategy != AUTO and spec.strategy not in STRATEGIES:
         known = ", ".join([AUTO, *STRATEGIES])
         raise InvalidInputError(f"unknown strategy {spec.strategy!r} (known: {known})")
+    ranged = job_range(spec)
+    if ranged is not None:  # a job over sizes: checked at the largest
+        return family_problems(spec, path, ranged, solver, table, max_cost_bytes)(ranged.high)
     return remat_problem.build_problem(
         path,
         batch=spec.batch,

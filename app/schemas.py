@@ -14,10 +14,12 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import (
     BaseModel,
     Field,
+    PositiveInt,
     StringConstraints,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 
 from remat.agent_protocol import AgentDevice, LossSpec, Name, Strict
@@ -44,6 +46,9 @@ InputName = Annotated[
 ]
 Dims = Annotated[list[Annotated[int, Field(ge=1, le=MAX_DIM)]], Field(max_length=MAX_RANK)]
 SizeText = Annotated[str, StringConstraints(min_length=1, max_length=32)]  # "208MiB", "65%"
+# "8x16..512": an input's dimensions, one or more of them a range (remat.shape_range)
+RangeText = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+MAX_OBSERVED = 10_000  # observed (size, count) pairs
 Strategy = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
 ]
@@ -68,6 +73,13 @@ class NodeCosts(Strict):
     node_id: Id
 
 
+class ObservedSize(Strict):
+    """A size the training data has, with how often: where a family's work goes."""
+
+    size: int = Field(ge=1, le=MAX_DIM)
+    count: PositiveInt
+
+
 class JobSpec(Strict):
     """What ``POST /v1/jobs`` takes; stored with the job as given (defaults filled in)."""
 
@@ -75,6 +87,9 @@ class JobSpec(Strict):
     mode: Mode = Mode.TRAINING
     batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     inputs: dict[InputName, Dims] | None = Field(default=None, max_length=MAX_INPUTS)
+    # inputs whose size changes: a plan family over the sizes (remat.family)
+    ranges: dict[InputName, RangeText] | None = Field(default=None, max_length=MAX_INPUTS)
+    observed: list[ObservedSize] | None = Field(default=None, max_length=MAX_OBSERVED)
     loss: LossSpec = Field(default_factory=LossSpec)  # training: what is differentiated
     devices: list[DeviceSpec] = Field(
         default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)],
@@ -94,6 +109,20 @@ class JobSpec(Strict):
             if math.prod(dims) > MAX_INPUT_ELEMENTS:
                 raise ValueError("an input's dimensions multiply to more than 2**40 elements")
         return inputs
+
+    @model_validator(mode="after")
+    def _ranges_apart_from_inputs(self) -> JobSpec:
+        both = sorted(set(self.ranges or {}) & set(self.inputs or {}))
+        if both:
+            raise ValueError(f"inputs {', '.join(both)} are given both as shapes and as ranges")
+        if self.observed and not self.ranges:
+            raise ValueError("observed sizes need ranges")
+        if self.ranges and self.costs != "analytical":
+            raise ValueError(
+                "a job over ranges of sizes plans with analytical costs: a profile is measured "
+                'at one input shape (set costs to "analytical")'
+            )
+        return self
 
 
 def stored_spec(spec: dict[str, Any]) -> JobSpec:

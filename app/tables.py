@@ -8,7 +8,18 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Boolean, DateTime, Dialect, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -135,6 +146,24 @@ class PlanRow(Base):
     document: Mapped[dict[str, Any]]
     schedule: Mapped[dict[str, Any]]
     baselines: Mapped[dict[str, Any] | None]  # the baselines on the same inputs
+    # a job over ranges of sizes: its range, device and buckets (its plans: FamilyPlanRow)
+    family: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class FamilyPlanRow(Base):
+    """A plan of a job over ranges of sizes for one size: a bucket's representative
+    (planned by the worker) or a size asked for later (planned then, and cached here)."""
+
+    __tablename__ = "family_plans"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    size: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    document: Mapped[dict[str, Any]]
+    origin: Mapped[str] = mapped_column(String(255))
+    predicted_ms: Mapped[float] = mapped_column(Float)
+    peak_bytes: Mapped[int] = mapped_column(BigInteger)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from remat.devices import (
     with_option,
 )
 from remat.errors import InvalidInputError, RematError
+from remat.family import describe, plan_family
 from remat.graph import Graph, Mode
 from remat.loss import Loss, LossKind
 from remat.max_batch import (
@@ -47,6 +49,7 @@ from remat.onnx_external import load_archive, model_in_directory, starts_like_zi
 from remat.onnx_ingest import load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
 from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
+from remat.shape_range import parse_input_range, parse_observed, shape_range
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -118,6 +121,37 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
     output.add_argument("--json", action="store_true", help="print the plan JSON")
     output.add_argument("-o", "--output", type=Path, help="write the plan JSON to this file")
     plan.set_defaults(run=_plan_command)
+
+    family = commands.add_parser(
+        "family", help="plan for inputs whose size ranges (a plan family, Mimose)"
+    )
+    _model_arguments(
+        family,
+        shapes="shape of an input, a dimension a value or a range "
+        "LOW..HIGH, e.g. input_ids=8x16..512 (repeatable)",
+    )
+    _cost_arguments(family)
+    family.add_argument(
+        "--strategy",
+        default=AUTO,
+        choices=[AUTO, *STRATEGIES],
+        help="for each bucket's largest size (default: auto)",
+    )
+    family.add_argument(
+        "--observed",
+        metavar="SIZE:COUNT,...",
+        help="the sizes the data has, with counts: the solve time goes where they are",
+    )
+    family.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        type=_positive_int,
+        metavar="S",
+        help="also plan this size, as a cache miss would (repeatable)",
+    )
+    _solver_arguments(family)
+    family.set_defaults(run=_family_command)
 
     check = commands.add_parser("check", help="check a plan with the simulator")
     _model_arguments(check)
@@ -202,17 +236,14 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
     search.set_defaults(run=_max_batch_command)
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(
+    parser: argparse.ArgumentParser,
+    shapes: str = "shape of an input, e.g. x=1x3x224x224 (repeatable)",
+) -> None:
     parser.add_argument("model", type=Path, help=MODEL_HELP)
     parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TRAINING.value)
     parser.add_argument("--batch", type=_positive_int, help="value of the leading dimension")
-    parser.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="NAME=DIMS",
-        help="shape of an input, e.g. x=1x3x224x224 (repeatable)",
-    )
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=DIMS", help=shapes)
     loss_arguments(parser)
 
 
@@ -344,17 +375,23 @@ class ModelOptions(TypedDict):
     external_data_dir: Path
 
 
-def _model_options(args: argparse.Namespace) -> ModelOptions:
+def _model_options(args: argparse.Namespace, whole_shapes: bool = True) -> ModelOptions:
     """What ``_model_arguments`` says about the model, as ``model_graph`` and
-    ``build_problem`` take it."""
+    ``build_problem`` take it (without ``--input`` where not ``whole_shapes``: ranges)."""
     return {
         "model": _model(args),
         "batch": args.batch,
-        "inputs": _inputs(args),
+        "inputs": _inputs(args) if whole_shapes else None,
         "mode": Mode(args.mode),
         "loss": loss_of(args),
         "external_data_dir": _model_dir(args),
     }
+
+
+def _with_inputs(options: ModelOptions, shapes: dict[str, tuple[int, ...]]) -> ModelOptions:
+    sized = options.copy()
+    sized["inputs"] = shapes
+    return sized
 
 
 def _inputs(args: argparse.Namespace) -> dict[str, tuple[int, ...]] | None:
@@ -518,6 +555,56 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(json.dumps(document))
     else:
         _print_summary(problem, result)
+    return 0
+
+
+def _family_command(args: argparse.Namespace) -> int:
+    observed = parse_observed(args.observed) if args.observed else ()
+    ranged = shape_range([parse_input_range(text) for text in args.input], observed)
+    options = _model_options(args, whole_shapes=False)
+    if not isinstance(options["model"], onnx.ModelProto):  # loaded once, for every size
+        options["model"] = load_model(options["model"], external_data_dir=_model_dir(args))
+    devices, table = _devices(args), None if args.costs is None else load_cost_table(args.costs)
+    solver = _solver_settings(args)
+    # Budgets in bytes, the same at every size: a percentage is of the largest size's peak.
+    largest = build_problem(
+        **_with_inputs(options, ranged.shapes(ranged.high)),
+        devices=devices,
+        budgets=_budgets(args),
+        table=table,
+        solver=solver,
+    )
+    names = [d.name for d in largest.costs.devices]
+    if len(names) != 1:
+        raise InvalidInputError(f"a plan family is for one device; got {', '.join(names)}")
+
+    def problem_at(size: int) -> Problem:
+        return build_problem(
+            **_with_inputs(options, ranged.shapes(size)),
+            devices=devices,
+            budgets=largest.budgets,
+            table=table,
+            solver=solver,
+        )
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    family = plan_family(problem_at, ranged, names[0], args.strategy, progress=progress)
+    budget = largest.budgets.get(names[0])
+    shown = "unlimited" if budget is None else format_bytes(budget)
+    print(f"sizes {ranged.low}..{ranged.high} on {names[0]}, budget {shown}")
+    for line in describe(family):
+        print(f"  {line}")
+    for size in args.size:
+        started = time.monotonic()
+        sized = family.plan_for(size)
+        seconds = time.monotonic() - started
+        peak = format_bytes(sized.simulation.peak_bytes[names[0]])
+        print(
+            f"size {size}: {sized.origin}, {sized.simulation.total_ms:.4g} ms, peak {peak} "
+            f"(planned in {seconds * 1e3:.0f} ms)"
+        )
     return 0
 
 

@@ -10,7 +10,7 @@ training data's distribution, ``16:120,128:40``) say where the work should go.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidInputError
@@ -54,7 +54,7 @@ class ShapeRange:
             )
         return {i.name: i.at(size) for i in self.inputs}
 
-    def size_of(self, shapes: dict[str, Sequence[int]]) -> int:
+    def size_of(self, shapes: Mapping[str, Sequence[int]]) -> int:
         """The size of whole input shapes (e.g. ``input_ids=1x300`` from a client): the
         value of their ranged dimensions, which must agree with the fixed ones."""
         sizes: set[int] = set()

@@ -17,6 +17,12 @@ from service import job_body, problem
 
 from app.cli import main as remat_main
 from remat import samples
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.onnx_ingest import forward_graph
+from remat.plan import plan_from_json
+from remat.simulator import simulate
+from remat.training import training_graph
 
 CHAIN = samples.chain(n=4).SerializeToString()
 
@@ -364,3 +370,83 @@ def test_a_job_list_has_an_etag_that_changes_with_its_jobs(api: InProcessApi) ->
     etag = listed.headers["etag"]
     client.post(f"/v1/jobs/{newer['id']}/cancel")
     assert client.get("/v1/jobs", headers={"If-None-Match": etag}).status_code == 200
+
+
+# --- jobs over ranges of input sizes -----------------------------------------------------
+
+TRANSFORMER = samples.transformer_block(layers=2).SerializeToString()
+RANGED = {
+    "ranges": {"input": "2x16..128x32"},
+    "observed": [{"size": 24, "count": 50}, {"size": 100, "count": 5}],
+}
+
+
+def test_a_job_over_a_range_of_sizes_serves_a_plan_per_size(api: InProcessApi) -> None:
+    client = api.client
+    body = {**RANGED, "strategy": "greedy_evict", "budgets": {"cpu0": "75%"}}
+    job = submitted(client, uploaded(client, TRANSFORMER), **body)
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    assert "a plan family over sizes 16..128" in done["message"]
+    largest = client.get(f"/v1/jobs/{job['id']}/plan")
+    assert largest.status_code == 200 and "x-remat-plan-cache" not in largest.headers
+    stored = client.get(f"/v1/jobs/{job['id']}/plan", params={"input": "2x128x32"})
+    assert stored.headers["x-remat-plan-cache"] == "hit"
+    assert stored.json() == largest.json()  # the largest size's plan is the job's plan
+    missed = client.get(f"/v1/jobs/{job['id']}/plan", params={"input": "2x50x32"})
+    assert missed.status_code == 200 and missed.headers["x-remat-plan-cache"] == "miss"
+    again = client.get(f"/v1/jobs/{job['id']}/plan", params={"input": "2x50x32"})
+    assert again.headers["x-remat-plan-cache"] == "hit" and again.json() == missed.json()
+    plan = plan_from_json(missed.json())
+    graph = training_graph(
+        forward_graph(samples.transformer_block(layers=2), inputs={"input": (2, 50, 32)})
+    )
+    costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
+    verdict = simulate(plan, graph, costs)
+    assert verdict.valid and verdict.peak_bytes["cpu0"] <= plan.budgets["cpu0"]
+
+
+@pytest.mark.parametrize(
+    ("query", "detail"),
+    [
+        ({"input": "2x300x32"}, "outside the job's range 16..128"),
+        ({"input": "2x50x31"}, "dimension 31 where the job has 32"),
+        ({"other": "2x50x32"}, "unknown inputs: other"),
+    ],
+)
+def test_sizes_a_family_cannot_serve_are_refused(api: InProcessApi, query, detail) -> None:
+    client = api.client
+    body = {**RANGED, "strategy": "greedy_evict", "budgets": {"cpu0": "90%"}}
+    job = submitted(client, uploaded(client, TRANSFORMER), **body)
+    api.dispatcher.run()
+    answer = client.get(f"/v1/jobs/{job['id']}/plan", params=query)
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert detail in answer.json()["detail"]
+
+
+def test_a_job_of_one_shape_takes_no_sizes(api: InProcessApi) -> None:
+    client = api.client
+    job = submitted(client, uploaded(client))
+    api.dispatcher.run()
+    answer = client.get(f"/v1/jobs/{job['id']}/plan", params={"input": "2x4"})
+    assert answer.status_code == 422 and "has one input shape" in answer.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "detail"),
+    [
+        ({"ranges": {"input": "2x128..16x32"}}, "is empty"),
+        ({"ranges": {"input": "2x16..128x32"}, "inputs": {"input": [2, 16, 32]}}, "both"),
+        ({"observed": [{"size": 20, "count": 3}]}, "observed sizes need ranges"),
+        ({**RANGED, "observed": [{"size": 500, "count": 1}]}, "outside the range"),
+        ({**RANGED, "costs": {"profile_id": "0" * 32}}, "analytical"),
+    ],
+)
+def test_bad_ranges_are_refused_at_submit(api: InProcessApi, overrides, detail) -> None:
+    client = api.client
+    model_id = uploaded(client, TRANSFORMER)
+    answer = client.post("/v1/jobs", json=quick_job(model_id, **overrides))
+    assert answer.status_code == 422, answer.text
+    assert detail in answer.text

@@ -233,3 +233,18 @@ def test_verbose_logs_each_phase_of_the_search(vgg):
     assert quiet.returncode == verbose.returncode == 0, verbose.stderr
     assert "warm start" not in quiet.stderr
     assert "warm start: " in verbose.stderr and "full solve" in verbose.stderr
+
+
+def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
+    model = tmp_path / "transformer.onnx"
+    model.write_bytes(samples.transformer_block(layers=2).SerializeToString())
+    common = ["family", str(model), "--device", "cuda0:cuda", "--budget", "cuda0=75%"]
+    result = remat(
+        *common, "--input", "input=2x16..128x32", "--strategy", "greedy_evict", "--size", "50"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sizes 16..128 on cuda0" in result.stdout
+    assert "size 50:" in result.stdout and "greedy_evict at 128" in result.stdout
+    bad = remat(*common, "--input", "input=2x16..8x32")
+    assert bad.returncode == 2 and "range 16..8 is empty" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

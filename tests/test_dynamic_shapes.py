@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from remat import samples
 from remat.devices import parse_device
 from remat.errors import InvalidInputError
+from remat.family import plan_family, time_shares
 from remat.problem import build_problem
 from remat.shape_range import parse_input_range, parse_observed, shape_range
 from remat.simulator import simulate
 from remat.size_estimator import fit_size_model, size_model_error
-from remat.strategies import Problem, run_strategy
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, run_strategy
 from remat.strategies.heuristics.input_aware import activation_layers, recomputed_layers
 
 GPU = [parse_device("cuda0:cuda")]
@@ -120,3 +124,57 @@ def test_input_aware_never_returns_an_over_budget_plan():
     assert not result.feasible
     assert "input_aware needs at least" in result.message
     assert result.min_budget_bytes["cuda0"] > problem.budgets["cuda0"]
+
+
+# --- the plan family --------------------------------------------------------------------
+
+
+def _family(budget: int, observed: tuple[tuple[int, int], ...] = ()):
+    ranged = shape_range([parse_input_range("input=2x16..256x32")], observed)
+    model = samples.transformer_block(layers=4)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=4.0))
+
+    def problem_at(size: int) -> Problem:
+        return build_problem(
+            model,
+            inputs=ranged.shapes(size),
+            devices=GPU,
+            budgets={"cuda0": budget},
+            solver=settings,
+        )
+
+    return plan_family(problem_at, ranged, "cuda0", "greedy_evict"), problem_at
+
+
+def test_a_family_buckets_sizes_and_plans_each_representative():
+    budget = transformer_at(256, "75%").budgets["cuda0"]
+    family, problem_at = _family(budget)
+    assert family.buckets[0].low == 16 and family.buckets[-1].high == 256
+    assert all(a.high + 1 == b.low for a, b in itertools.pairwise(family.buckets))
+    peaks = [b.predicted_peak_bytes for b in family.buckets]
+    assert peaks == sorted(peaks) and len(family.buckets) > 1
+    for bucket in family.buckets:
+        sized = family.cache[bucket.high]
+        problem = problem_at(bucket.high)
+        verdict = simulate(sized.plan, problem.graph, problem.costs, problem.budgets)
+        assert verdict.valid, f"the plan for {bucket.high} is over the budget"
+
+
+def test_a_size_between_representatives_is_planned_once_then_cached():
+    budget = transformer_at(256, "75%").budgets["cuda0"]
+    family, problem_at = _family(budget)
+    size = next(b.high - 1 for b in family.buckets if b.high - 1 >= b.low)
+    sized = family.plan_for(size)
+    problem = problem_at(size)
+    verdict = simulate(sized.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid and verdict.total_ms == pytest.approx(sized.simulation.total_ms)
+    assert family.plan_for(size) is sized and family.hits == 1
+    with pytest.raises(InvalidInputError, match="outside the job's range"):
+        family.plan_for(257)
+
+
+def test_observed_sizes_get_more_of_the_time():
+    budget = transformer_at(256, "75%").budgets["cuda0"]
+    family, _ = _family(budget, observed=((20, 100),))
+    shares = time_shares(family.buckets, family.ranged)
+    assert shares[0] == max(shares) and sum(shares) == pytest.approx(1.0)

@@ -33,11 +33,13 @@ from sqlalchemy import ColumnElement, and_, delete, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.database import Database
-from app.planning import build_problem, solver_settings
+from app.families import family_result, family_row, family_summary
+from app.planning import build_problem, family_problems, job_range, solver_settings
 from app.schemas import BaselinesOut, JobSpec, ScheduleOut, TransferOut
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
 from remat.errors import RematError
+from remat.family import PlanFamily, plan_family
 from remat.plan import plan_to_json
 from remat.plan_view import stage_matrices, transfer_spans
 from remat.solvers.model import Progress
@@ -80,8 +82,17 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         say = MessageWriter(ctx.db, job_id, attempt)
         table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
         settings = replace(solver_settings(claim.spec), on_progress=progress, cancel=cancel)
-        problem = build_problem(claim.spec, claim.model_path, settings, table)
-        result = run_strategy(claim.spec.strategy, problem)
+        ranged = job_range(claim.spec)
+        family: PlanFamily | None = None
+        if ranged is None:
+            problem = build_problem(claim.spec, claim.model_path, settings, table)
+            result = run_strategy(claim.spec.strategy, problem)
+        else:
+            problem_at = family_problems(claim.spec, claim.model_path, ranged, settings, table)
+            problem = problem_at(ranged.high)
+            device = problem.costs.devices[0].name
+            family = plan_family(problem_at, ranged, device, claim.spec.strategy, progress=say)
+            result = family_result(family, claim.spec.strategy)
     except Cancelled:
         message = "cancelled while waiting for a profile"
         _finish(ctx, job_id, attempt, JobStatus.CANCELLED, message=message)
@@ -100,7 +111,8 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
     else:
         try:
             compared = BaselinesOut.model_validate(baselines(problem), from_attributes=True)
-            _store_plan(ctx, job_id, attempt, problem, result, compared, progress.elapsed())
+            elapsed = progress.elapsed()
+            _store_plan(ctx, job_id, attempt, problem, result, compared, elapsed, family)
         except Exception as exc:
             log.exception("job %s: storing its plan failed", job_id)
             _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
@@ -206,11 +218,13 @@ def _store_plan(
     result: StrategyResult,
     compared: BaselinesOut,
     elapsed_s: float,
+    family: PlanFamily | None = None,
 ) -> None:
-    """The plan, its schedule view, the baselines and the final progress, once, in one
-    transaction with the job's success: a job that finished meanwhile (another delivery
-    of the same job) keeps what it has, and a cancel that landed first wins. A plan that
-    cannot be stored fails the job with the reason."""
+    """The plan, its schedule view, the baselines, the final progress and (a job over
+    ranges of sizes) its family's plans, once, in one transaction with the job's success:
+    a job that finished meanwhile (another delivery of the same job) keeps what it has,
+    and a cancel that landed first wins. A plan that cannot be stored fails the job with
+    the reason."""
     assert result.plan is not None and result.simulation is not None
     plan, simulation = result.plan, result.simulation
     matrices = stage_matrices(plan)
@@ -235,7 +249,9 @@ def _store_plan(
             document=strict_json(plan_to_json(plan), "plan"),
             schedule=strict_json(schedule.model_dump(), "schedule"),
             baselines=strict_json(compared.model_dump(), "baselines"),
+            family=None if family is None else strict_json(family_summary(family), "family"),
         )
+        sized = [] if family is None else [family_row(job_id, p) for p in family.cache.values()]
     except NotFinite as exc:
         _finish(ctx, job_id, attempt, JobStatus.FAILED, error=str(exc))
         return
@@ -262,6 +278,7 @@ def _store_plan(
             )
             if stored.rowcount == 1:  # type: ignore[attr-defined]
                 session.add(row)
+                session.add_all(sized)
                 if final is not None:
                     session.add(_point(job_id, final))  # the history ends where the solve did
                 return

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from app.api.deps import Cursor, PathId, QueryId, ServicesDep, SessionDep, require_key
+from app.families import sized_plan
 from app.lifecycle import stopping
 from app.pagination import MAX_LIMIT, fetch
 from app.schemas import (
@@ -122,8 +123,16 @@ def cancel_job(job_id: PathId, session: SessionDep) -> JobOut:
 
 
 @router.get("/{job_id}/plan")
-def get_plan(job_id: PathId, session: SessionDep) -> JSONResponse:
-    return JSONResponse(jobs.plan_of(session, job_id).document)
+def get_plan(
+    job_id: PathId, request: Request, ctx: ServicesDep, session: SessionDep
+) -> JSONResponse:
+    """The job's plan; for a job over ranges of sizes, with the inputs as query parameters
+    (``?input_ids=1x300``), the plan for that size: stored (``X-Remat-Plan-Cache: hit``)
+    or planned now by the fast planner and stored (``miss``)."""
+    if not request.query_params:
+        return JSONResponse(jobs.plan_of(session, job_id).document)
+    document, cache = sized_plan(ctx, session, job_id, request.query_params)
+    return JSONResponse(document, headers={"X-Remat-Plan-Cache": cache})
 
 
 @router.get("/{job_id}/schedule", response_model=ScheduleOut)

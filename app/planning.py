@@ -15,19 +15,30 @@ from remat.costs import CostTable
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError
 from remat.graph import Graph
-from remat.onnx_ingest import forward_graph, load_model
+from remat.onnx_ingest import declared_inputs, forward_graph, load_model
 from remat.problem import model_graph
-from remat.shape_range import ShapeRange, parse_input_range, shape_range
+from remat.shape_range import (
+    ShapeRange,
+    check_ranged_dims_symbolic,
+    parse_input_range,
+    shape_range,
+)
 from remat.solvers.model import SolveOptions
 from remat.strategies import AUTO as AUTO  # the default: ``remat.strategies.auto``
 from remat.strategies import STRATEGIES, Problem, SolverSettings
 
 
 def summarize(path: Path) -> ModelSummary:
-    """Validate an ONNX file with ``remat`` (a forward graph at batch 1) and summarise it;
-    ``RematError`` names what is wrong with it."""
+    """Validate an ONNX file with ``remat`` (a forward graph with every symbolic or unknown
+    dimension 1: the batch, a sequence length) and summarise it; ``RematError`` names what
+    is wrong with it."""
     model = load_model(path)
-    graph = forward_graph(model, batch=1)
+    ones = {
+        name: [d if isinstance(d, int) and d > 0 else 1 for d in dims]
+        for name, dims in declared_inputs(model).items()
+        if dims
+    }
+    graph = forward_graph(model, batch=1, inputs=ones)
     inputs: dict[str, list[int | str]] = {}
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
@@ -76,7 +87,8 @@ def family_problems(
         names = ", ".join(d.name for d in largest.costs.devices)
         raise InvalidInputError(f"a job over ranges of sizes plans for one device; got {names}")
     budgets = {name: str(b) for name, b in largest.budgets.items() if b is not None}
-    model = load_model(path)  # loaded once for every size
+    model = path if isinstance(path, onnx.ModelProto) else load_model(path)  # once
+    check_ranged_dims_symbolic(ranged, declared_inputs(model))
 
     def problem_at(size: int) -> Problem:
         if size == ranged.high:

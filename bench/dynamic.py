@@ -45,7 +45,7 @@ def main() -> None:
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("dynamic", args.run)
-    model = samples.transformer_block(layers=args.layers, d_model=64, heads=4, d_ff=256)
+    model = samples.transformer_block(layers=args.layers, seq="S", d_model=64, heads=4, d_ff=256)
     ranged = shape_range([parse_input_range(f"input={args.batch}x{args.range}x64")])
 
     def problem_at(size: int, budget: int | None = None) -> Problem:

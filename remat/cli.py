@@ -46,10 +46,15 @@ from remat.max_batch import (
     problems_by_batch,
 )
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
-from remat.onnx_ingest import load_model, parse_input_shape
+from remat.onnx_ingest import declared_inputs, load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
 from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
-from remat.shape_range import parse_input_range, parse_observed, shape_range
+from remat.shape_range import (
+    check_ranged_dims_symbolic,
+    parse_input_range,
+    parse_observed,
+    shape_range,
+)
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -562,8 +567,11 @@ def _family_command(args: argparse.Namespace) -> int:
     observed = parse_observed(args.observed) if args.observed else ()
     ranged = shape_range([parse_input_range(text) for text in args.input], observed)
     options = _model_options(args, whole_shapes=False)
-    if not isinstance(options["model"], onnx.ModelProto):  # loaded once, for every size
-        options["model"] = load_model(options["model"], external_data_dir=_model_dir(args))
+    model = options["model"]
+    if not isinstance(model, onnx.ModelProto):  # loaded once, for every size
+        model = load_model(model, external_data_dir=_model_dir(args))
+    options["model"] = model
+    check_ranged_dims_symbolic(ranged, declared_inputs(model))
     devices, table = _devices(args), None if args.costs is None else load_cost_table(args.costs)
     solver = _solver_settings(args)
     # Budgets in bytes, the same at every size: a percentage is of the largest size's peak.

@@ -337,6 +337,18 @@ def _info_from_type(type_proto: onnx.TypeProto) -> TensorInfo | None:
     return TensorInfo(tensor.elem_type, dims)
 
 
+def declared_inputs(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
+    """Each real graph input's dimensions as the model states them: a value, a symbolic
+    name, or None (unknown); an input without a shape has none listed."""
+    params = {t.name for t in model.graph.initializer}
+    declared: dict[str, tuple[int | str | None, ...]] = {}
+    for value in model.graph.input:
+        info = _info_from_type(value.type)
+        if value.name not in params and info is not None:
+            declared[value.name] = info.shape or ()
+    return declared
+
+
 def _check_dims(label: str, dims: Sequence[int]) -> tuple[int, ...]:
     if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in dims):
         raise InvalidInputError(f"{label}: dimensions must be integers, got {list(dims)}")

@@ -448,7 +448,7 @@ def _encoder_layer(
 def _transformer(
     name: str,
     batch: int | None,
-    seq: int,
+    seq: int | str,
     d_model: int,
     heads: int,
     d_ff: int,
@@ -475,14 +475,15 @@ def _transformer(
 
 def transformer_block(
     batch: int | None = None,
-    seq: int = 16,
+    seq: int | str = 16,
     d_model: int = 32,
     heads: int = 4,
     d_ff: int = 64,
     layers: int = 1,
     opset: int = 20,
 ) -> onnx.ModelProto:
-    """A pre-norm transformer encoder of ``layers`` layers on input (N, seq, d_model).
+    """A pre-norm transformer encoder of ``layers`` layers on input (N, seq, d_model);
+    ``seq`` a name (e.g. ``"S"``) makes the sequence length symbolic too.
 
     Per layer: LayerNormalization; Q/K/V MatMul + Add bias; Reshape/Transpose into
     heads; MatMul Q K^T; Div by sqrt(d_head); Softmax; MatMul with V; Transpose/Reshape

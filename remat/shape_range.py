@@ -143,3 +143,27 @@ def shape_range(
             f"observed sizes {', '.join(map(str, outside))} are outside the range {low}..{high}"
         )
     return ShapeRange(items, low, high, tuple(observed))
+
+
+def check_ranged_dims_symbolic(
+    ranged: ShapeRange, declared: Mapping[str, Sequence[int | str | None]]
+) -> None:
+    """A ranged dimension must be one the model leaves open (symbolic or unknown):
+    ``declared`` gives each input's dimensions as the model states them (a value, a
+    name, or None)."""
+    for item in ranged.inputs:
+        dims = declared.get(item.name)
+        if dims is None:
+            known = ", ".join(sorted(declared)) or "none"
+            raise InvalidInputError(f"unknown input {item.name!r}; the model's inputs are: {known}")
+        if len(dims) != len(item.dims):
+            raise InvalidInputError(
+                f"input {item.name!r}: the model declares {len(dims)} dimensions, "
+                f"got {len(item.dims)}"
+            )
+        for axis, (given, stated) in enumerate(zip(item.dims, dims, strict=True)):
+            if isinstance(given, tuple) and isinstance(stated, int):
+                raise InvalidInputError(
+                    f"input {item.name!r}: dimension {axis} is {stated} in the model, not "
+                    f"symbolic, so it cannot range over {given[0]}..{given[1]}"
+                )

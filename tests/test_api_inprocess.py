@@ -374,7 +374,7 @@ def test_a_job_list_has_an_etag_that_changes_with_its_jobs(api: InProcessApi) ->
 
 # --- jobs over ranges of input sizes -----------------------------------------------------
 
-TRANSFORMER = samples.transformer_block(layers=2).SerializeToString()
+TRANSFORMER = samples.transformer_block(layers=2, seq="S").SerializeToString()
 RANGED = {
     "ranges": {"input": "2x16..128x32"},
     "observed": [{"size": 24, "count": 50}, {"size": 100, "count": 5}],
@@ -442,6 +442,7 @@ def test_a_job_of_one_shape_takes_no_sizes(api: InProcessApi) -> None:
         ({"observed": [{"size": 20, "count": 3}]}, "observed sizes need ranges"),
         ({**RANGED, "observed": [{"size": 500, "count": 1}]}, "outside the range"),
         ({**RANGED, "costs": {"profile_id": "0" * 32}}, "analytical"),
+        ({"ranges": {"input": "2x16x16..32"}}, "dimension 2 is 32 in the model, not symbolic"),
     ],
 )
 def test_bad_ranges_are_refused_at_submit(api: InProcessApi, overrides, detail) -> None:

@@ -237,7 +237,7 @@ def test_verbose_logs_each_phase_of_the_search(vgg):
 
 def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
     model = tmp_path / "transformer.onnx"
-    model.write_bytes(samples.transformer_block(layers=2).SerializeToString())
+    model.write_bytes(samples.transformer_block(layers=2, seq="S").SerializeToString())
     common = ["family", str(model), "--device", "cuda0:cuda", "--budget", "cuda0=75%"]
     result = remat(
         *common, "--input", "input=2x16..128x32", "--strategy", "greedy_evict", "--size", "50"
@@ -248,3 +248,5 @@ def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
     bad = remat(*common, "--input", "input=2x16..8x32")
     assert bad.returncode == 2 and "range 16..8 is empty" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+    fixed = remat(*common, "--input", "input=2x16x16..64")
+    assert fixed.returncode == 2 and "is 32 in the model, not symbolic" in fixed.stderr

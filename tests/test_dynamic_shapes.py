@@ -27,7 +27,7 @@ SEQ = shape_range([parse_input_range("input=2x16..256x32")], parse_observed("16:
 def transformer_at(size: int, budget: str | None = None) -> Problem:
     """Four encoder layers (attention scores grow with the square of the size)."""
     budgets = {"cuda0": budget} if budget else None
-    model = samples.transformer_block(layers=4)
+    model = samples.transformer_block(layers=4, seq="S")
     return build_problem(model, inputs=SEQ.shapes(size), devices=GPU, budgets=budgets)
 
 
@@ -131,7 +131,7 @@ def test_input_aware_never_returns_an_over_budget_plan():
 
 def _family(budget: int, observed: tuple[tuple[int, int], ...] = ()):
     ranged = shape_range([parse_input_range("input=2x16..256x32")], observed)
-    model = samples.transformer_block(layers=4)
+    model = samples.transformer_block(layers=4, seq="S")
     settings = SolverSettings(options=SolveOptions(time_limit_s=4.0))
 
     def problem_at(size: int) -> Problem:

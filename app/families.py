@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.planning import family_problems, job_range
 from app.problem_details import ApiError
-from app.schemas import stored_spec
+from app.schemas import FamilyBucketOut, FamilyOut, FamilySizeOut, stored_spec
 from app.services import Services
 from app.tables import FamilyPlanRow, JobRow, ModelRow, PlanRow
 from remat.errors import RematError
@@ -136,3 +137,28 @@ def sized_plan(
     except IntegrityError:  # the same size at the same time: theirs is as good
         session.rollback()
     return plan_to_json(found.plan), "miss"
+
+
+def family_of(session: Session, job_id: str) -> FamilyOut:
+    """The job's family: 404 for a job of one shape or without a plan."""
+    job = session.get(JobRow, job_id)
+    plan = session.get(PlanRow, job_id)
+    if job is None:
+        raise ApiError(404, f"job {job_id!r} does not exist")
+    if plan is None or plan.family is None:
+        what = "has no plan yet" if plan is None else "has one input shape"
+        raise ApiError(404, f"job {job_id!r} {what}: it has no plan family")
+    query = select(FamilyPlanRow).where(FamilyPlanRow.job_id == job_id).order_by(FamilyPlanRow.size)
+    rows = list(session.scalars(query))
+    device = plan.family["device"]
+    budget = next(
+        (d.get("budget_bytes") for d in plan.document["devices"] if d["name"] == device), None
+    )
+    return FamilyOut(
+        device=device,
+        low=plan.family["low"],
+        high=plan.family["high"],
+        budget_bytes=budget,
+        buckets=[FamilyBucketOut(**b) for b in plan.family["buckets"]],
+        sizes=[FamilySizeOut.model_validate(r, from_attributes=True) for r in rows],
+    )

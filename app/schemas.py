@@ -134,6 +134,31 @@ def stored_spec(spec: dict[str, Any]) -> JobSpec:
         return JobSpec.model_construct(**spec)
 
 
+class FamilyBucketOut(BaseModel):
+    low: int
+    high: int  # the representative, planned by the job's strategy
+    predicted_peak_bytes: int  # checkpoint-all's at ``high``, by the size estimator
+
+
+class FamilySizeOut(BaseModel):
+    size: int
+    origin: str  # the strategy at a representative, input_aware, or a representative's plan
+    predicted_ms: float
+    peak_bytes: int
+    hits: int  # times served from the cache
+
+
+class FamilyOut(BaseModel):
+    """A job over ranges of sizes: its buckets and every size planned so far."""
+
+    device: str
+    low: int
+    high: int
+    budget_bytes: int | None
+    buckets: list[FamilyBucketOut]
+    sizes: list[FamilySizeOut]
+
+
 class ModelSummary(BaseModel):
     nodes: int
     operators: dict[str, int]

@@ -405,6 +405,16 @@ def test_a_job_over_a_range_of_sizes_serves_a_plan_per_size(api: InProcessApi) -
     costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
     verdict = simulate(plan, graph, costs)
     assert verdict.valid and verdict.peak_bytes["cpu0"] <= plan.budgets["cpu0"]
+    family = client.get(f"/v1/jobs/{job['id']}/family").json()
+    buckets = family["buckets"]
+    assert (buckets[0]["low"], buckets[-1]["high"]) == (16, 128)
+    sizes = {row["size"]: row for row in family["sizes"]}
+    assert sizes[50]["hits"] == 1 and sizes[128]["hits"] == 1
+    assert sizes[50]["predicted_ms"] == pytest.approx(verdict.total_ms)
+    assert all(row["peak_bytes"] <= family["budget_bytes"] for row in family["sizes"])
+    one_shape = submitted(client, uploaded(client))
+    api.dispatcher.run()
+    assert client.get(f"/v1/jobs/{one_shape['id']}/family").status_code == 404
 
 
 @pytest.mark.parametrize(

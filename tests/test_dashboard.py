@@ -33,9 +33,12 @@ from service import (
     profiled_table,
     sample_bytes,
     service_env,
+    upload,
     wait_job,
     wait_ready,
 )
+
+from remat import samples
 
 CHROMIUM = Path(os.environ.get("REMAT_CHROMIUM", "/usr/bin/chromium"))
 # This machine's network is closed: nothing in the browser may try to reach out.
@@ -435,6 +438,41 @@ def test_an_offloading_plan_shows_each_devices_transfer_lane(ui, server):
     expect(bar).to_have_attribute("data-done", str(first["done"]))
     assert schedule["nodes"][first["node"]] in (bar.locator("title").text_content() or "")
     ui.shot("job-offload")
+
+
+def test_a_job_over_sizes_shows_its_family(ui, server):
+    model = samples.transformer_block(layers=2, seq="S").SerializeToString()
+    uploaded = upload(server.client, model, "transformer-s.onnx")
+    assert uploaded.status_code in (200, 201), uploaded.text
+    body = job_body(
+        uploaded.json()["id"],
+        strategy="greedy_evict",
+        budgets={"cpu0": "75%"},
+        ranges={"input": "2x16..128x32"},
+    )
+    job = server.client.post("/v1/jobs", json=body)
+    assert job.status_code == 202, job.text
+    done = wait_job(server.client, job.json()["id"])
+    assert done["status"] == "succeeded", done
+    path = f"/v1/jobs/{done['id']}/plan"
+    assert server.client.get(path, params={"input": "2x50x32"}).status_code == 200
+    family = server.client.get(f"/v1/jobs/{done['id']}/family").json()
+    ui.go(f"#/jobs/{done['id']}")
+    expect(ui.page.locator("#family")).to_be_visible()
+    chart = ui.page.locator("svg.family-peak-chart")
+    expect(chart).to_have_attribute("data-sizes", str(len(family["sizes"])))
+    expect(chart).to_have_attribute("data-buckets", str(len(family["buckets"])))
+    expect(chart.locator('line[data-role="budget"]')).to_have_count(1)
+    expect(ui.page.locator("#family-table tbody tr")).to_have_count(len(family["sizes"]))
+    planned = ui.page.locator('#family-table tr[data-size="50"]')
+    expect(planned).to_contain_text(re.compile("input_aware|the plan for"))
+    ui.shot("job-family")
+
+
+def test_a_job_of_one_shape_has_no_sizes_section(ui, server):
+    ui.go(f"#/jobs/{server.need('job')}")
+    expect(ui.page.locator("#memory")).to_be_visible()
+    expect(ui.page.locator("#family")).to_be_hidden()
 
 
 def test_the_plan_downloads_as_the_apis_json(ui, server):

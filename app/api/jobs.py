@@ -16,11 +16,12 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from app.api.deps import Cursor, PathId, QueryId, ServicesDep, SessionDep, require_key
-from app.families import sized_plan
+from app.families import family_of, sized_plan
 from app.lifecycle import stopping
 from app.pagination import MAX_LIMIT, fetch
 from app.schemas import (
     BaselinesOut,
+    FamilyOut,
     JobOut,
     JobSpec,
     Page,
@@ -133,6 +134,13 @@ def get_plan(
         return JSONResponse(jobs.plan_of(session, job_id).document)
     document, cache = sized_plan(ctx, session, job_id, request.query_params)
     return JSONResponse(document, headers={"X-Remat-Plan-Cache": cache})
+
+
+@router.get("/{job_id}/family", response_model=FamilyOut)
+def get_family(job_id: PathId, session: SessionDep) -> FamilyOut:
+    """A job over ranges of sizes: its buckets, and each size planned so far with its
+    predicted time and peak and how often the cache served it."""
+    return family_of(session, job_id)
 
 
 @router.get("/{job_id}/schedule", response_model=ScheduleOut)

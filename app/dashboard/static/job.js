@@ -48,9 +48,11 @@ function costsText(costs, nodes) {
 
 function inputsFacts(job, model, nodes) {
   const { spec } = job;
-  const shape = spec.inputs
-    ? Object.entries(spec.inputs).map(([name, dims]) => `${name}=${dims.join("×")}`).join(", ")
-    : `batch ${spec.batch ?? "from the model"}`;
+  const given = [
+    ...Object.entries(spec.inputs || {}).map(([name, dims]) => `${name}=${dims.join("×")}`),
+    ...Object.entries(spec.ranges || {}).map(([name, dims]) => `${name}=${dims.replaceAll("x", "×")}`),
+  ];
+  const shape = given.length ? given.join(", ") : `batch ${spec.batch ?? "from the model"}`;
   const budgets = spec.devices.map((d) => `${d.name}: ${spec.budgets[d.name] ?? "none"}`).join(", ");
   const solver = `${spec.solver.backend}, time limit ${seconds(spec.solver.time_limit_s)}, ` +
     `gap ${percent(spec.solver.gap, 2)}, ${spec.solver.threads} thread${spec.solver.threads === 1 ? "" : "s"}`;
@@ -222,6 +224,59 @@ function baselinesView(baselines, job, schedule) {
       [ownRow, ...rows], { id: "baselines-table" }));
 }
 
+// --- sizes (a job over ranges of input sizes) ---------------------------------------------
+
+const PREDICTED = "#6b7280";
+const PLANNED = "#0072b2";
+
+/** A plan family: predicted peak and time over the size range against the budget, and the
+ * buckets with their representatives. */
+function familyView(family, signal) {
+  const planned = family.sizes.map((row) => [row.size, row.peak_bytes]);
+  const predicted = family.buckets.map((b) => [b.high, b.predicted_peak_bytes]);
+  const budget = family.budget_bytes;
+  const peakBox = h("div", { class: "chart-box" });
+  responsive(peakBox, (width) => lineChart({
+    width,
+    label: `Peak memory on ${family.device} over sizes ${family.low} to ${family.high}` +
+      (budget ? `, budget ${bytes(budget)}` : ""),
+    xLabel: "input size",
+    yFormat: bytes,
+    yBytes: true,
+    className: "line-chart family-peak-chart",
+    dataset: { sizes: String(family.sizes.length), buckets: String(family.buckets.length) },
+    series: [
+      { name: "checkpoint-all, predicted", points: predicted, color: PREDICTED, dash: "4 3", dots: true, dataset: { role: "predicted" } },
+      { name: "the plans", points: planned, color: PLANNED, dots: true, dataset: { role: "planned" } },
+    ],
+    lines: budget ? [{ value: budget, label: `budget ${bytes(budget)}`, color: "#b91c1c", dataset: { role: "budget" } }] : [],
+  }), signal);
+  const timeBox = h("div", { class: "chart-box" });
+  responsive(timeBox, (width) => lineChart({
+    width,
+    label: `Predicted time per step over sizes ${family.low} to ${family.high}`,
+    xLabel: "input size",
+    yFormat: ms,
+    className: "line-chart family-time-chart",
+    series: [{ name: "predicted time", points: family.sizes.map((r) => [r.size, r.predicted_ms]), color: PLANNED, dots: true }],
+  }), signal);
+  const rows = family.sizes.map((row) => h("tr", { dataset: { size: String(row.size) } },
+    h("th", { scope: "row", class: "num" }, String(row.size)),
+    h("td", {}, row.origin),
+    h("td", { class: "num" }, ms(row.predicted_ms)),
+    h("td", { class: "num" }, bytes(row.peak_bytes)),
+    h("td", { class: "num" }, String(row.hits))));
+  const buckets = family.buckets.map((b) => `${b.low}–${b.high}`).join(", ");
+  return h("div", {},
+    note(`Sizes ${family.low} to ${family.high} on ${family.device}, in buckets ${buckets}; ` +
+      "each bucket's largest size planned by the job's strategy, other sizes when first asked " +
+      "for (GET /v1/jobs/{id}/plan with the inputs' shapes). Dashed: checkpoint-all's peak " +
+      "as the size estimator predicts it."),
+    h("div", { class: "memory-grid" }, peakBox, timeBox),
+    table("Sizes planned", ["Size", "Plan", "Predicted time", "Peak", "Cache hits"], rows,
+      { id: "family-table" }));
+}
+
 // --- executions ------------------------------------------------------------------------
 
 function ratio(measured, predicted) {
@@ -278,6 +333,9 @@ export async function jobPage(view, { signal }, id) {
   const schedule = h("div", {}, note("The schedule appears once the job has a plan."));
   const memory = h("div", {}, note("Memory per device appears once the job has a plan."));
   const baselines = h("div", {}, note("Baselines appear once the job has a plan."));
+  const sizes = h("div", {}, note("The sizes appear once the job has a plan."));
+  const familySection = section("family", "Sizes: predicted peak and time over the range", sizes);
+  familySection.hidden = true; // a job over ranges of input sizes only
   const executions = h("div", {}, note("No executions yet."));
   const executeForm = h("form", { id: "execute-form", class: "inline-form", hidden: true });
   view.append(
@@ -292,6 +350,7 @@ export async function jobPage(view, { signal }, id) {
         progressBox, progressNote)),
     section("schedule", "Schedule: R and S per device", schedule),
     section("memory", "Memory per device", memory),
+    familySection,
     section("baselines", "Baselines on the same inputs", baselines),
     section("executions", "Predicted against measured", executeForm, executions));
 
@@ -337,6 +396,7 @@ export async function jobPage(view, { signal }, id) {
     cancel.disabled = job.cancel_requested;
     cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel job";
     download.hidden = job.status !== "succeeded";
+    familySection.hidden = !(job.spec.ranges && Object.keys(job.spec.ranges).length);
     replace(inputs, inputsFacts(job, model, nodes));
     replace(progressText, progressFacts(job));
     // The history so far, then each point polled while the page is open.
@@ -352,6 +412,9 @@ export async function jobPage(view, { signal }, id) {
       const why = `This job ${job.status} without a plan.`;
       for (const box of [schedule, memory, baselines]) replace(box, note(why));
       return;
+    }
+    if (!familySection.hidden) {
+      replace(sizes, familyView(await api(`/v1/jobs/${id}/family`, { signal }), signal));
     }
     scheduleData = await api(`/v1/jobs/${id}/schedule`, { signal });
     replace(schedule, scheduleView(scheduleData, signal));

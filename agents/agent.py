@@ -293,9 +293,62 @@ class Agent:
         from agents.executor import execute
         from remat.plan import plan_from_json
 
+        if payload.sized is not None:
+            return self._execute_sized(payload)
         model, graph = self._model_and_graph(payload.model)
         plan = plan_from_json(payload.plan)
         return execute(model, graph, plan, self.config.devices).to_json()
+
+    def _execute_sized(self, payload: ExecutePayload) -> dict[str, Any]:
+        """A family's steps in order, each size's graph and plan built at its first step
+        (which also warms it up), every step measured; the gradients checked at each size's
+        first step. The result sums the steps' times and takes their peaks."""
+        from agents.errors import TaskError
+        from agents.executor import execute
+        from remat.onnx_ingest import load_model
+        from remat.plan import plan_from_json
+
+        run = payload.sized
+        assert run is not None
+        path = self.client.model_file(
+            payload.model.model_id, payload.model.sha256, self.config.cache_dir
+        )
+        model = load_model(path)
+        built: dict[int, tuple[Any, Any]] = {}
+        steps: list[dict[str, Any]] = []
+        checks: list[tuple[bool | None, float | None]] = []
+        for size in run.sizes:
+            key = str(size)
+            if key not in run.plans or key not in run.inputs:
+                raise TaskError(f"the task has no plan or inputs for size {size}")
+            first = size not in built
+            if first:
+                ref = payload.model.model_copy(update={"inputs": run.inputs[key]})
+                built[size] = (ref.graph(model), plan_from_json(run.plans[key]))
+            graph, plan = built[size]
+            report = execute(model, graph, plan, self.config.devices, warmup=1 if first else 0)
+            if first:
+                checks.append((report.gradients_match, report.max_rel_error))
+            steps.append(
+                {
+                    "size": size,
+                    "total_ms": report.total_ms,
+                    "peak_bytes": dict(report.peak_bytes),
+                    "plan_cached": not first or size in run.cached,
+                }
+            )
+        peaks: dict[str, int] = {}
+        for step in steps:
+            for device, peak in step["peak_bytes"].items():
+                peaks[device] = max(peaks.get(device, 0), peak)
+        matches = [m for m, _ in checks if m is not None]
+        errors = [e for _, e in checks if e is not None]
+        return {
+            "measured": {"total_ms": sum(s["total_ms"] for s in steps), "peak_bytes": peaks},
+            "gradients_match": all(matches) if matches else None,
+            "max_rel_error": max(errors) if errors else None,
+            "sized": steps,
+        }
 
     def _model_and_graph(self, ref: ModelRef) -> tuple[Any, Any]:
         from remat.onnx_ingest import load_model

@@ -26,6 +26,7 @@ from remat.errors import RematError
 from remat.family import Bucket, PlanFamily, SizedPlan, plan_size
 from remat.onnx_ingest import parse_input_shape
 from remat.plan import plan_from_json, plan_to_json
+from remat.shape_range import ShapeRange
 from remat.strategies import StrategyResult
 
 
@@ -82,25 +83,24 @@ def sized_plan(
 ) -> tuple[dict[str, Any], str]:
     """The plan document for the sizes ``query`` gives (``NAME=DIMS`` per input) and
     whether it was a cache ``hit`` or a ``miss`` (planned now and stored)."""
-    job = session.get(JobRow, job_id)
-    plan = session.get(PlanRow, job_id)
-    if job is None:
-        raise ApiError(404, f"job {job_id!r} does not exist")
-    if plan is None:
-        raise ApiError(404, f"job {job_id!r} has no plan (status: {job.status})")
-    spec = stored_spec(job.spec)
-    ranged = job_range(spec)
-    if ranged is None or plan.family is None:
-        raise ApiError(
-            422,
-            f"job {job_id!r} has one input shape: its plan takes no sizes (got "
-            f"{', '.join(sorted(query))})",
-        )
+    ranged = _family_range(session, job_id, f"got {', '.join(sorted(query))}")
     try:
         shapes = dict(parse_input_shape(f"{name}={dims}") for name, dims in query.items())
         size = ranged.size_of(shapes)
     except RematError as exc:
         raise ApiError(422, str(exc)) from None
+    return plan_for_size(ctx, session, job_id, size)
+
+
+def plan_for_size(
+    ctx: Services, session: Session, job_id: str, size: int
+) -> tuple[dict[str, Any], str]:
+    """The plan document for ``size`` of a job over ranges of sizes, and ``hit`` (stored;
+    counted) or ``miss`` (planned now and stored). 422 outside the range, or where the
+    size's bucket has no plan."""
+    ranged = _family_range(session, job_id, f"got size {size}")
+    job, plan = session.get_one(JobRow, job_id), session.get_one(PlanRow, job_id)
+    assert plan.family is not None
     if not ranged.low <= size <= ranged.high:
         raise ApiError(
             422,
@@ -122,12 +122,13 @@ def sized_plan(
             f"no plan fits the budget at size {bucket.high}, so none is given for "
             f"sizes {bucket.low}..{bucket.high}",
         )
+    spec, device = stored_spec(job.spec), plan.family["device"]
     model = session.get_one(ModelRow, job.model_id)
     rep_plan = plan_from_json(representative.document)
     session.commit()  # the reads end here: planning takes a while
     try:
         problem = family_problems(spec, ctx.store.path(model.sha256), ranged)(size)
-        found = plan_size(problem, size, plan.family["device"], rep_plan, bucket.high)
+        found = plan_size(problem, size, device, rep_plan, bucket.high)
     except RematError as exc:
         raise ApiError(422, str(exc)) from None
     row = family_row(job_id, found)
@@ -137,6 +138,23 @@ def sized_plan(
     except IntegrityError:  # the same size at the same time: theirs is as good
         session.rollback()
     return plan_to_json(found.plan), "miss"
+
+
+def _family_range(session: Session, job_id: str, asked: str) -> ShapeRange:
+    """The range of a job over sizes with a plan: 404 without a job or plan, 422 for a
+    job of one shape (``asked`` says what was asked of it)."""
+    job = session.get(JobRow, job_id)
+    plan = session.get(PlanRow, job_id)
+    if job is None:
+        raise ApiError(404, f"job {job_id!r} does not exist")
+    if plan is None:
+        raise ApiError(404, f"job {job_id!r} has no plan (status: {job.status})")
+    ranged = job_range(stored_spec(job.spec))
+    if ranged is None or plan.family is None:
+        raise ApiError(
+            422, f"job {job_id!r} has one input shape: its plan takes no sizes ({asked})"
+        )
+    return ranged
 
 
 def family_of(session: Session, job_id: str) -> FamilyOut:

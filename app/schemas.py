@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from remat.agent_protocol import AgentDevice, LossSpec, Name, Strict
+from remat.agent_protocol import MAX_SIZED_STEPS, AgentDevice, LossSpec, Name, Strict
 from remat.devices import DeviceKind
 from remat.graph import Mode
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
@@ -294,6 +294,10 @@ class ProfileOut(BaseModel):
 
 class ExecutionRequest(Strict):
     node_id: Id
+    # a job over ranges of sizes: steps of these input sizes in turn, each with its plan
+    sizes: list[Annotated[int, Field(ge=1, le=MAX_DIM)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_SIZED_STEPS
+    )
 
 
 class ExecutionOut(BaseModel):
@@ -309,6 +313,9 @@ class ExecutionOut(BaseModel):
     gradients_match: bool | None = None
     max_rel_error: float | None = None
     gradients_vanish: bool | None = None  # every true gradient is below fp32 rounding noise
+    # a family's execution: per step, its size, measured and predicted time and peak, and
+    # whether its plan came from a cache
+    sized: list[dict[str, object]] | None = None
     error: str | None = None
     created_at: datetime
     finished_at: datetime | None

@@ -157,10 +157,26 @@ class ProfilePayload(Strict):
     warmup: int = Field(default=2, ge=0, le=100)
 
 
+MAX_SIZED_STEPS = 1000
+
+
+class SizedRun(Strict):
+    """A family's execution (a job over ranges of input sizes): training steps whose
+    inputs change size, in order, each run with its size's plan. ``inputs`` and ``plans``
+    by size (as text: JSON keys); ``cached``: the sizes whose plan the server had stored
+    before it was asked."""
+
+    sizes: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, max_length=MAX_SIZED_STEPS)
+    inputs: dict[str, dict[str, list[int]]]
+    plans: dict[str, dict[str, Any]]
+    cached: list[int] = Field(default_factory=list)
+
+
 class ExecutePayload(Strict):
     model: ModelRef
     job_id: str
-    plan: dict[str, Any]  # the plan JSON (version 1)
+    plan: dict[str, Any]  # the plan JSON
+    sized: SizedRun | None = None  # a family's steps; ``plan`` is then the largest size's
 
 
 class Task(BaseModel):
@@ -206,6 +222,19 @@ class PredictedCost(Strict):
     peak_bytes: dict[str, Bytes] = Field(default_factory=dict)
 
 
+class SizedStep(Strict):
+    """One step of a family's execution: its size, what it measured, what its plan
+    predicted (the server's copy), and whether its plan came from a cache (stored by the
+    server before, or used by an earlier step of this run)."""
+
+    size: int = Field(ge=1)
+    total_ms: Ms
+    peak_bytes: dict[Name, Bytes] = Field(max_length=64)
+    predicted_ms: Ms | None = None
+    predicted_peak_bytes: dict[str, Bytes] = Field(default_factory=dict)
+    plan_cached: bool = False
+
+
 class ExecutionResult(Strict):
     """What the executor measured for a plan, next to what the simulator predicted. The
     server fills ``predicted`` from the plan it sent (what an agent says it is, is
@@ -218,6 +247,8 @@ class ExecutionResult(Strict):
     # Every exact gradient is zero up to fp32 rounding (a match then says only that the
     # run's are zero too); None in inference, and from agents that predate the field.
     gradients_vanish: bool | None = None
+    # a family's execution: each step (``measured`` sums their times, takes their peaks)
+    sized: list[SizedStep] | None = Field(default=None, max_length=MAX_SIZED_STEPS)
 
 
 class TaskReport(LeaseProof):

@@ -24,6 +24,7 @@ from service import (
     api_server,
     celery_worker,
     free_port,
+    job_body,
     postgres_database,
     redis_url,
     service_env,
@@ -145,6 +146,46 @@ def test_remat_serve_starts_a_local_agent_that_profiles_and_executes(embedded):
         node = online_node(client, "local")
         assert [d["options"] for d in node["devices"]] == [{"threads": "1"}, {"threads": "2"}]
         profile_execute_and_compare(client, node["id"], small_vgg())
+
+
+def test_the_local_agent_runs_a_family_of_sizes(embedded):
+    """A job over ranges of sizes, executed as training steps whose sizes change: each
+    step with its size's plan, measured against predicted per size, the plan cache's hits
+    marked."""
+    url, _ = embedded
+    model = samples.transformer_block(layers=2, seq="S").SerializeToString()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        node = online_node(client, "local")
+        model_id = upload(client, model).json()["id"]
+        body = job_body(
+            model_id,
+            strategy="greedy_evict",
+            budgets={"cpu0": "75%"},
+            ranges={"input": "2x16..128x32"},
+        )
+        done = wait_job(client, client.post("/v1/jobs", json=body).json()["id"])
+        assert done["status"] == "succeeded", done
+        sizes = [24, 50, 24, 128, 50]
+        asked = client.post(
+            f"/v1/jobs/{done['id']}/executions", json={"node_id": node["id"], "sizes": sizes}
+        )
+        assert asked.status_code == 202, asked.text
+        execution = wait_execution(client, done["id"], asked.json()["id"])
+        assert execution["status"] == "succeeded", execution
+        steps = execution["sized"]
+        assert [s["size"] for s in steps] == sizes
+        assert [s["plan_cached"] for s in steps][2:] == [True, True, True]  # 128: stored
+        for step in steps:
+            for device, peak in step["predicted_peak_bytes"].items():
+                assert abs(step["peak_bytes"][device] - peak) <= max(0.01 * peak, MiB), step
+            assert step["total_ms"] > 0 and step["predicted_ms"] > 0
+        predicted = execution["predicted"]
+        assert predicted["total_ms"] == pytest.approx(sum(s["predicted_ms"] for s in steps))
+        assert execution["gradients_match"] is True
+        one_shape = client.post(
+            f"/v1/jobs/{done['id']}/executions", json={"node_id": node["id"], "sizes": [300]}
+        )
+        assert one_shape.status_code == 422 and "outside the job's range" in one_shape.text
 
 
 # --- PostgreSQL, Redis, Celery ------------------------------------------------------------

@@ -42,6 +42,7 @@ from remat.agent_protocol import (
     ProfilePayload,
     Registration,
     ReportAccepted,
+    SizedRun,
     Task,
     TaskKind,
     TaskProgress,
@@ -238,7 +239,10 @@ def _checked_result(
             checked = ExecutionResult.model_validate(result)
         except ValidationError as exc:
             raise ApiError(422, f"result: not an execution result: {_first(exc)}") from None
-        checked.predicted = _plan_prediction(row)
+        execution = ExecutePayload.model_validate(row.payload)
+        checked.predicted = _plan_prediction(execution.plan)
+        if execution.sized is not None:
+            checked = _sized_prediction(checked, execution.sized)
         return checked.model_dump(mode="json"), None
     payload = ProfilePayload.model_validate(row.payload)
     model = get_or_404(session, ModelRow, payload.model.model_id, "model")
@@ -262,10 +266,31 @@ def _checked_result(
     return None, store_profile
 
 
-def _plan_prediction(row: AgentTaskRow) -> PredictedCost:
-    """What the simulator predicted for the plan this execution task carries (the server's
+def _sized_prediction(result: ExecutionResult, run: SizedRun) -> ExecutionResult:
+    """A family's execution: each step's prediction from the plan sent for its size, the
+    run's as their sum and largest peaks, and a step's cache flag as the server knows it
+    (stored before, or a size an earlier step had). 422 for steps other than those sent."""
+    steps = result.sized or []
+    if [s.size for s in steps] != run.sizes:
+        raise ApiError(422, "result: sized: the steps are not the sizes the task gave")
+    total = 0.0
+    peaks: dict[str, int] = {}
+    seen: set[int] = set()
+    for step in steps:
+        predicted = _plan_prediction(run.plans[str(step.size)])
+        step.predicted_ms, step.predicted_peak_bytes = predicted.total_ms, predicted.peak_bytes
+        step.plan_cached = step.size in seen or step.size in run.cached
+        seen.add(step.size)
+        total += predicted.total_ms or 0.0
+        for device, peak in predicted.peak_bytes.items():
+            peaks[device] = max(peaks.get(device, 0), peak)
+    result.predicted = PredictedCost(total_ms=total, peak_bytes=peaks)
+    return result
+
+
+def _plan_prediction(plan: dict[str, Any]) -> PredictedCost:
+    """What the simulator predicted for a plan an execution task carries (the server's
     own copy, not the agent's report)."""
-    plan = ExecutePayload.model_validate(row.payload).plan
     predicted = plan.get("predicted")
     if not isinstance(predicted, dict):
         return PredictedCost()

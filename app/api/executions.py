@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from app.api.deps import PathId, SessionDep, require_key
+from app.api.deps import PathId, ServicesDep, SessionDep, require_key
 from app.schemas import ExecutionOut, ExecutionRequest
 from app.services import executions
 from app.tables import AgentTaskRow
@@ -27,17 +27,23 @@ def execution_out(row: AgentTaskRow) -> ExecutionOut:
             "gradients_match": result.gradients_match,
             "max_rel_error": result.max_rel_error,
             "gradients_vanish": result.gradients_vanish,
+            "sized": None if result.sized is None else [s.model_dump() for s in result.sized],
         }
     )
 
 
 @router.post("/{job_id}/executions", status_code=202, response_model=ExecutionOut)
 def request_execution(
-    job_id: PathId, body: ExecutionRequest, response: Response, session: SessionDep
+    job_id: PathId,
+    body: ExecutionRequest,
+    response: Response,
+    ctx: ServicesDep,
+    session: SessionDep,
 ) -> ExecutionOut:
     """Queue the job's plan for execution on ``node_id``; its devices must include every
-    device the plan uses."""
-    row = executions.request(session, job_id, body.node_id)
+    device the plan uses. A job over ranges of sizes may give ``sizes``: steps of those
+    input sizes in turn, each with its size's plan."""
+    row = executions.request(ctx, session, job_id, body.node_id, body.sizes)
     response.headers["Location"] = f"/v1/jobs/{job_id}/executions"
     return execution_out(row)
 

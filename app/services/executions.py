@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.families import plan_for_size
+from app.planning import job_range
 from app.problem_details import ApiError
 from app.profiles import model_ref, node_devices
 from app.schemas import stored_spec
+from app.services import Services
 from app.services.jobs import load_job
 from app.tables import AgentTaskRow, ModelRow, NodeRow, PlanRow
-from remat.agent_protocol import ExecutePayload, TaskKind
+from remat.agent_protocol import ExecutePayload, SizedRun, TaskKind
 
 
-def request(session: Session, job_id: str, node_id: str) -> AgentTaskRow:
+def request(
+    ctx: Services, session: Session, job_id: str, node_id: str, sizes: list[int] | None = None
+) -> AgentTaskRow:
     """Queue the job's plan for execution on ``node_id``: 409 without a plan, 422 for a
-    node that does not exist or lacks a device the plan uses."""
+    node that does not exist or lacks a device the plan uses. ``sizes`` (a job over ranges
+    of sizes only): steps of those sizes in turn, each with its size's plan (from the
+    family's cache, or planned now)."""
     job = load_job(session, job_id)
     plan = session.get(PlanRow, job_id)
     node = session.get(NodeRow, node_id)
@@ -25,11 +34,10 @@ def request(session: Session, job_id: str, node_id: str) -> AgentTaskRow:
     if node is None:
         raise ApiError(422, f"node_id: node {node_id!r} does not exist")
     _check_devices(node, plan.document)
-    payload = ExecutePayload(
-        model=model_ref(stored_spec(job.spec), model),
-        job_id=job_id,
-        plan=plan.document,
-    )
+    spec = stored_spec(job.spec)
+    ref, document = model_ref(spec, model), plan.document
+    sized = None if sizes is None else _sized_run(ctx, session, job_id, sizes)
+    payload = ExecutePayload(model=ref, job_id=job_id, plan=document, sized=sized)
     row = AgentTaskRow(
         kind=TaskKind.EXECUTE,
         job_id=job_id,
@@ -39,6 +47,24 @@ def request(session: Session, job_id: str, node_id: str) -> AgentTaskRow:
     session.add(row)
     session.flush()  # its id and defaults, for the answer
     return row
+
+
+def _sized_run(ctx: Services, session: Session, job_id: str, sizes: list[int]) -> SizedRun:
+    """Each distinct size's whole input shapes and plan (``plan_for_size``: a hit when
+    stored, else planned now), for the steps ``sizes``."""
+    ranged = job_range(stored_spec(load_job(session, job_id).spec))
+    if ranged is None:
+        raise ApiError(422, f"sizes: job {job_id!r} has one input shape")
+    inputs: dict[str, dict[str, list[int]]] = {}
+    plans: dict[str, dict[str, Any]] = {}
+    cached: list[int] = []
+    for size in dict.fromkeys(sizes):
+        document, cache = plan_for_size(ctx, session, job_id, size)
+        inputs[str(size)] = {name: list(dims) for name, dims in ranged.shapes(size).items()}
+        plans[str(size)] = document
+        if cache == "hit":
+            cached.append(size)
+    return SizedRun(sizes=sizes, inputs=inputs, plans=plans, cached=cached)
 
 
 def of_job(session: Session, job_id: str) -> list[AgentTaskRow]:

@@ -22,6 +22,7 @@ from app.problem_details import ApiError
 from app.schemas import FamilyBucketOut, FamilyOut, FamilySizeOut, stored_spec
 from app.services import Services
 from app.tables import FamilyPlanRow, JobRow, ModelRow, PlanRow
+from remat.costs import CostTable
 from remat.errors import RematError
 from remat.family import Bucket, PlanFamily, SizedPlan, plan_size
 from remat.onnx_ingest import parse_input_shape
@@ -30,9 +31,14 @@ from remat.shape_range import ShapeRange
 from remat.strategies import StrategyResult
 
 
-def family_summary(family: PlanFamily) -> dict[str, Any]:
-    """What the job's plan row keeps of its family (``PlanRow.family``)."""
+def family_summary(
+    family: PlanFamily, tables: Mapping[int, CostTable] | None = None
+) -> dict[str, Any]:
+    """What the job's plan row keeps of its family (``PlanRow.family``): its device,
+    range and buckets, and the cost tables profiled at a few sizes where the costs are a
+    node's (to plan other sizes from)."""
     return {
+        "tables": {str(s): t.model_dump(mode="json") for s, t in (tables or {}).items()},
         "device": family.device,
         "low": family.ranged.low,
         "high": family.ranged.high,
@@ -127,7 +133,9 @@ def plan_for_size(
     rep_plan = plan_from_json(representative.document)
     session.commit()  # the reads end here: planning takes a while
     try:
-        problem = family_problems(spec, ctx.store.path(model.sha256), ranged)(size)
+        stored = plan.family.get("tables") or {}
+        tables = {int(s): CostTable.model_validate(t) for s, t in stored.items()} or None
+        problem = family_problems(spec, ctx.store.path(model.sha256), ranged, None, tables)(size)
         found = plan_size(problem, size, device, rep_plan, bucket.high)
     except RematError as exc:
         raise ApiError(422, str(exc)) from None

@@ -4,7 +4,7 @@ the API (to validate a job before accepting it) and the workers (to solve it) sh
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import onnx
@@ -23,6 +23,7 @@ from remat.shape_range import (
     parse_input_range,
     shape_range,
 )
+from remat.size_estimator import table_at_size
 from remat.solvers.model import SolveOptions
 from remat.strategies import AUTO as AUTO  # the default: ``remat.strategies.auto``
 from remat.strategies import STRATEGIES, Problem, SolverSettings
@@ -73,33 +74,41 @@ def at_size(spec: JobSpec, ranged: ShapeRange, size: int) -> JobSpec:
 
 def family_problems(
     spec: JobSpec,
-    path: Path,
+    path: Path | onnx.ModelProto,
     ranged: ShapeRange,
     solver: SolverSettings | None = None,
-    table: CostTable | None = None,
+    tables: Mapping[int, CostTable] | None = None,
     max_cost_bytes: int | None = None,
 ) -> Callable[[int], Problem]:
     """The problem at each size of a ranged job, on its one device, every size under the
     budget in bytes that the job's budget is at the largest size (a percentage is of the
-    largest size's peak). The largest size's problem is built here: it checks the job."""
-    largest = build_problem(at_size(spec, ranged, ranged.high), path, solver, table, max_cost_bytes)
+    largest size's peak); costs analytical, or from ``tables`` profiled at a few sizes
+    (``table_at_size``). The largest size's problem is built here: it checks the job."""
+    model = path if isinstance(path, onnx.ModelProto) else load_model(path)  # once
+    check_ranged_dims_symbolic(ranged, declared_inputs(model))
+
+    def table_for(sized: JobSpec, size: int) -> CostTable | None:
+        if tables is None:
+            return None
+        return table_at_size(tables, size, job_graph(sized, model))
+
+    top = at_size(spec, ranged, ranged.high)
+    largest = build_problem(top, model, solver, table_for(top, ranged.high), max_cost_bytes)
     if len(largest.costs.devices) != 1:
         names = ", ".join(d.name for d in largest.costs.devices)
         raise InvalidInputError(f"a job over ranges of sizes plans for one device; got {names}")
     budgets = {name: str(b) for name, b in largest.budgets.items() if b is not None}
-    model = path if isinstance(path, onnx.ModelProto) else load_model(path)  # once
-    check_ranged_dims_symbolic(ranged, declared_inputs(model))
 
     def problem_at(size: int) -> Problem:
         if size == ranged.high:
             return largest
         sized = at_size(spec, ranged, size).model_copy(update={"budgets": budgets})
-        return build_problem(sized, model, solver, table, max_cost_bytes)
+        return build_problem(sized, model, solver, table_for(sized, size), max_cost_bytes)
 
     return problem_at
 
 
-def job_graph(spec: JobSpec, path: Path) -> Graph:
+def job_graph(spec: JobSpec, path: Path | onnx.ModelProto) -> Graph:
     return model_graph(
         path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode, loss=spec.loss.to_loss()
     )
@@ -122,8 +131,8 @@ def build_problem(
         known = ", ".join([AUTO, *STRATEGIES])
         raise InvalidInputError(f"unknown strategy {spec.strategy!r} (known: {known})")
     ranged = job_range(spec)
-    if ranged is not None:  # a job over sizes: checked at the largest
-        return family_problems(spec, path, ranged, solver, table, max_cost_bytes)(ranged.high)
+    if ranged is not None:  # a job over sizes: checked at the largest, analytical costs
+        return family_problems(spec, path, ranged, solver, None, max_cost_bytes)(ranged.high)
     return remat_problem.build_problem(
         path,
         batch=spec.batch,

@@ -117,10 +117,10 @@ class JobSpec(Strict):
             raise ValueError(f"inputs {', '.join(both)} are given both as shapes and as ranges")
         if self.observed and not self.ranges:
             raise ValueError("observed sizes need ranges")
-        if self.ranges and self.costs != "analytical":
+        if self.ranges and isinstance(self.costs, ProfileCosts):
             raise ValueError(
-                "a job over ranges of sizes plans with analytical costs: a profile is measured "
-                'at one input shape (set costs to "analytical")'
+                "a job over ranges of sizes takes analytical costs or a node's (profiled at "
+                "a few sizes): a stored profile is of one input shape"
             )
         return self
 

@@ -123,10 +123,9 @@ def plan_family(
     """The family of ``problem_at``'s problems over ``ranged`` on ``device``: buckets by
     predicted peak, each representative planned by ``strategy`` within its share of the
     problem's time limit (module docstring)."""
-    fitted = sorted({ranged.low, (ranged.low + ranged.high) // 2, ranged.high})
-    problems = {s: problem_at(s) for s in fitted}
+    problems = {s: problem_at(s) for s in fitted_sizes(ranged)}
     estimator = fit_size_model(problems)
-    buckets = _buckets(problems[fitted[0]], estimator, problems, ranged, device, max_buckets)
+    buckets = _buckets(problems[ranged.low], estimator, problems, ranged, device, max_buckets)
     family = PlanFamily(ranged, device, problem_at, estimator, buckets)
     shares = time_shares(buckets, ranged)
     for bucket, share in zip(buckets, shares, strict=True):
@@ -143,6 +142,12 @@ def plan_family(
                 bucket.high, result.plan, result.simulation, f"{strategy} at {bucket.high}"
             )
     return family
+
+
+def fitted_sizes(ranged: ShapeRange) -> list[int]:
+    """Where the size estimator is fitted (and a node's costs profiled): the range's ends
+    and middle."""
+    return sorted({ranged.low, (ranged.low + ranged.high) // 2, ranged.high})
 
 
 def _fits(result: StrategyResult) -> bool:

@@ -7,8 +7,9 @@ Activations grow at most quadratically with the size in the networks Mimose stud
 (attention's ``seq x seq`` scores; everything else linearly), so three sizes determine a
 node's bytes exactly where that holds. ``size_model_error`` checks the fit against shape
 inference at a size it was not fitted on. Shape inference is exact, so a plan for a size
-uses its bytes; the polynomials are for time and for predicting memory over the whole
-range without building a graph per size.
+uses its bytes; the polynomials are for time (``table_at_size``: a cost table for a size
+from tables profiled at a few) and for predicting memory over the whole range without
+building a graph per size.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.costs import CostTable
 from remat.errors import InvalidInputError
+from remat.graph import Graph
 from remat.strategies.common.problem import Problem
 
 DEGREE = 2
@@ -113,3 +116,48 @@ def _relative(predicted: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
     largest = float((error[nonzero] / actual[nonzero]).max(initial=0.0))
     total = float(actual.sum())
     return largest, float(error.sum()) / total if total > 0 else 0.0
+
+
+def table_at_size(tables: Mapping[int, CostTable], size: int, graph: Graph) -> CostTable:
+    """A cost table for ``graph`` (built at ``size``) from tables profiled at other sizes:
+    each node's time on each device, and each copy's, on the polynomial through the
+    profiled ones (degree 2 from three sizes); its output bytes from ``graph`` (shape
+    inference, exact); the host links and devices of the largest size's table."""
+    sizes = sorted(tables)
+    if not sizes:
+        raise InvalidInputError("no profiled sizes to estimate a cost table from")
+    degree = min(DEGREE, len(sizes) - 1)
+    largest = tables[sizes[-1]]
+    x = np.array(sizes, dtype=float) / max(sizes)
+    at = float(size) / max(sizes)
+
+    def fitted(values: list[float]) -> float:
+        if degree == 0:
+            return max(values[0], 0.0)
+        return max(float(np.polyval(np.polyfit(x, values, degree), at)), 0.0)
+
+    nodes = {}
+    copies: dict[str, dict[str, float]] = {}
+    for node in graph.nodes:
+        entries = [tables[s].nodes.get(node.name) for s in sizes]
+        if any(e is None for e in entries):
+            raise InvalidInputError(f"a profiled table has no entry for node {node.name!r}")
+        times = {
+            d.name: fitted([e.compute_ms[d.name] for e in entries if e is not None])
+            for d in largest.devices
+        }
+        nodes[node.name] = {"compute_ms": times, "output_bytes": node.output_bytes}
+        pairs = largest.copy_ms.get(node.name, {})
+        copies[node.name] = {
+            pair: fitted([tables[s].copy_ms.get(node.name, {}).get(pair, ms) for s in sizes])
+            for pair, ms in pairs.items()
+        }
+    return CostTable.model_validate(
+        {
+            "source": largest.source,
+            "devices": [d.model_dump() for d in largest.devices],
+            "nodes": nodes,
+            "copy_ms": {name: pairs for name, pairs in copies.items() if pairs},
+            "host_links": {k: v.model_dump() for k, v in largest.host_links.items()},
+        }
+    )

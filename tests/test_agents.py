@@ -149,9 +149,9 @@ def test_remat_serve_starts_a_local_agent_that_profiles_and_executes(embedded):
 
 
 def test_the_local_agent_runs_a_family_of_sizes(embedded):
-    """A job over ranges of sizes, executed as training steps whose sizes change: each
-    step with its size's plan, measured against predicted per size, the plan cache's hits
-    marked."""
+    """A job over ranges of sizes with the node's costs (profiled at the range's ends and
+    middle), executed as training steps whose sizes change: each step with its size's
+    plan, measured against predicted per size, the plan cache's hits marked."""
     url, _ = embedded
     model = samples.transformer_block(layers=2, seq="S").SerializeToString()
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -162,9 +162,14 @@ def test_the_local_agent_runs_a_family_of_sizes(embedded):
             strategy="greedy_evict",
             budgets={"cpu0": "75%"},
             ranges={"input": "2x16..128x32"},
+            costs={"node_id": node["id"]},
         )
         done = wait_job(client, client.post("/v1/jobs", json=body).json()["id"])
         assert done["status"] == "succeeded", done
+        profiles = client.get(
+            "/v1/profiles", params={"node_id": node["id"], "model_id": model_id}
+        ).json()["items"]
+        assert len(profiles) == 3  # at 16, 72 and 128
         sizes = [24, 50, 24, 128, 50]
         asked = client.post(
             f"/v1/jobs/{done['id']}/executions", json={"node_id": node["id"], "sizes": sizes}

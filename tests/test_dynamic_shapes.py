@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from remat import samples
+from remat.costs import cost_table_of, profiled_costs
 from remat.devices import parse_device
 from remat.errors import InvalidInputError
 from remat.family import plan_family, time_shares
 from remat.problem import build_problem
 from remat.shape_range import parse_input_range, parse_observed, shape_range
 from remat.simulator import simulate
-from remat.size_estimator import fit_size_model, size_model_error
+from remat.size_estimator import fit_size_model, size_model_error, table_at_size
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
 from remat.strategies.heuristics.input_aware import activation_layers, recomputed_layers
@@ -178,3 +179,16 @@ def test_observed_sizes_get_more_of_the_time():
     family, _ = _family(budget, observed=((20, 100),))
     shares = time_shares(family.buckets, family.ranged)
     assert shares[0] == max(shares) and sum(shares) == pytest.approx(1.0)
+
+
+def test_a_cost_table_for_a_size_from_tables_profiled_at_three():
+    """Tables at 16, 128 and 256 (analytical here, as a profiler writes them) give the
+    table at 192: its times on their polynomials, its bytes from shape inference."""
+    problems = {s: transformer_at(s) for s in (16, 128, 256)}
+    tables = {s: cost_table_of(p.graph, p.costs) for s, p in problems.items()}
+    held_out = transformer_at(192)
+    table = table_at_size(tables, 192, held_out.graph)
+    costs = profiled_costs(held_out.graph, table)
+    assert np.array_equal(costs.output_bytes, held_out.costs.output_bytes)
+    error = np.abs(costs.compute_ms - held_out.costs.compute_ms).sum()
+    assert error / held_out.costs.compute_ms.sum() < 0.01

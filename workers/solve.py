@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -34,14 +35,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.database import Database
 from app.families import family_result, family_row, family_summary
-from app.planning import build_problem, family_problems, job_range, solver_settings
+from app.planning import at_size, build_problem, family_problems, job_range, solver_settings
 from app.schemas import BaselinesOut, JobSpec, ScheduleOut, TransferOut
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
+from remat.costs import CostTable
 from remat.errors import RematError
-from remat.family import PlanFamily, plan_family
+from remat.family import PlanFamily, fitted_sizes, plan_family
 from remat.plan import plan_to_json
 from remat.plan_view import stage_matrices, transfer_spans
+from remat.shape_range import ShapeRange
 from remat.solvers.model import Progress
 from remat.strategies import Problem, StrategyResult, run_strategy
 from workers.context import WorkerContext
@@ -80,15 +83,17 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
     progress = ProgressWriter(ctx.db, job_id, attempt, ctx.settings.progress_interval_s)
     try:
         say = MessageWriter(ctx.db, job_id, attempt)
-        table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
         settings = replace(solver_settings(claim.spec), on_progress=progress, cancel=cancel)
         ranged = job_range(claim.spec)
         family: PlanFamily | None = None
+        tables: dict[int, CostTable] | None = None
         if ranged is None:
+            table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
             problem = build_problem(claim.spec, claim.model_path, settings, table)
             result = run_strategy(claim.spec.strategy, problem)
         else:
-            problem_at = family_problems(claim.spec, claim.model_path, ranged, settings, table)
+            tables = _sized_tables(ctx, claim, ranged, cancel.is_set, say)
+            problem_at = family_problems(claim.spec, claim.model_path, ranged, settings, tables)
             problem = problem_at(ranged.high)
             device = problem.costs.devices[0].name
             family = plan_family(problem_at, ranged, device, claim.spec.strategy, progress=say)
@@ -112,10 +117,31 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         try:
             compared = BaselinesOut.model_validate(baselines(problem), from_attributes=True)
             elapsed = progress.elapsed()
-            _store_plan(ctx, job_id, attempt, problem, result, compared, elapsed, family)
+            sized = None if family is None else (family, tables)
+            _store_plan(ctx, job_id, attempt, problem, result, compared, elapsed, sized)
         except Exception as exc:
             log.exception("job %s: storing its plan failed", job_id)
             _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
+
+
+def _sized_tables(
+    ctx: WorkerContext,
+    claim: _Claim,
+    ranged: ShapeRange,
+    cancelled: Callable[[], bool],
+    say: Callable[[str], None],
+) -> dict[int, CostTable] | None:
+    """A job over ranges of sizes with a node's costs: the node's profile at each size
+    the family's estimator is fitted at (each measured by its agent first if needed);
+    None for analytical costs."""
+    if claim.spec.costs == "analytical":
+        return None
+    tables: dict[int, CostTable] = {}
+    for size in fitted_sizes(ranged):
+        table = job_costs(ctx, at_size(claim.spec, ranged, size), claim.model, cancelled, say)
+        assert table is not None
+        tables[size] = table
+    return tables
 
 
 def _internal(exc: Exception) -> str:
@@ -218,7 +244,7 @@ def _store_plan(
     result: StrategyResult,
     compared: BaselinesOut,
     elapsed_s: float,
-    family: PlanFamily | None = None,
+    sized: tuple[PlanFamily, dict[int, CostTable] | None] | None = None,
 ) -> None:
     """The plan, its schedule view, the baselines, the final progress and (a job over
     ranges of sizes) its family's plans, once, in one transaction with the job's success:
@@ -249,9 +275,9 @@ def _store_plan(
             document=strict_json(plan_to_json(plan), "plan"),
             schedule=strict_json(schedule.model_dump(), "schedule"),
             baselines=strict_json(compared.model_dump(), "baselines"),
-            family=None if family is None else strict_json(family_summary(family), "family"),
+            family=None if sized is None else strict_json(family_summary(*sized), "family"),
         )
-        sized = [] if family is None else [family_row(job_id, p) for p in family.cache.values()]
+        rows = [] if sized is None else [family_row(job_id, p) for p in sized[0].cache.values()]
     except NotFinite as exc:
         _finish(ctx, job_id, attempt, JobStatus.FAILED, error=str(exc))
         return
@@ -278,7 +304,7 @@ def _store_plan(
             )
             if stored.rowcount == 1:  # type: ignore[attr-defined]
                 session.add(row)
-                session.add_all(sized)
+                session.add_all(rows)
                 if final is not None:
                     session.add(_point(job_id, final))  # the history ends where the solve did
                 return

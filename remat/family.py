@@ -33,6 +33,7 @@ from remat.size_estimator import SizeModel, fit_size_model
 from remat.strategies import Problem, StrategyResult, run_strategy
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
 from remat.strategies.common.policy import device_fixed_bytes
+from remat.strategies.common.problem import with_prediction
 
 BUCKET_GROWTH = 1.1
 MAX_BUCKETS = 6
@@ -99,8 +100,9 @@ def plan_size(
     cheaper that the simulator accepts; ``InvalidInputError`` where neither fits."""
     found: list[SizedPlan] = []
     replay = simulate(representative, problem.graph, problem.costs, problem.budgets)
-    if replay.valid:
-        found.append(SizedPlan(size, representative, replay, f"the plan for {planned_for}"))
+    if replay.valid:  # its prediction is the replay's, at this size
+        replayed = with_prediction(representative, replay)
+        found.append(SizedPlan(size, replayed, replay, f"the plan for {planned_for}"))
     fast = run_strategy("input_aware", problem, device)
     if fast.feasible and fast.plan is not None and fast.simulation is not None:
         found.append(SizedPlan(size, fast.plan, fast.simulation, "input_aware"))

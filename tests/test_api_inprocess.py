@@ -405,6 +405,7 @@ def test_a_job_over_a_range_of_sizes_serves_a_plan_per_size(api: InProcessApi) -
     costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
     verdict = simulate(plan, graph, costs)
     assert verdict.valid and verdict.peak_bytes["cpu0"] <= plan.budgets["cpu0"]
+    assert plan.predicted.total_ms == pytest.approx(verdict.total_ms)  # at size 50
     family = client.get(f"/v1/jobs/{job['id']}/family").json()
     buckets = family["buckets"]
     assert (buckets[0]["low"], buckets[-1]["high"]) == (16, 128)

@@ -467,6 +467,7 @@ def test_a_job_over_sizes_shows_its_family(ui, server):
     planned = ui.page.locator('#family-table tr[data-size="50"]')
     expect(planned).to_contain_text(re.compile("input_aware|the plan for"))
     ui.shot("job-family")
+    server.found["family"] = done["id"]
 
 
 def test_a_job_of_one_shape_has_no_sizes_section(ui, server):
@@ -532,6 +533,39 @@ def test_an_execution_shows_measured_against_predicted(ui, server):
     ui.shot("job-executions")
     server.found["node"] = enrolled["node_id"]
     server.found["agent"] = agent
+
+
+def test_an_execution_over_sizes_shows_each_step(ui, server):
+    job_id, client = server.need("family"), server.client
+    node_id, agent = server.need("node"), server.need("agent")
+    sizes = [24, 50, 24]
+    asked = client.post(f"/v1/jobs/{job_id}/executions", json={"node_id": node_id, "sizes": sizes})
+    assert asked.status_code == 202, asked.text
+    # this test is the node's agent: every step "measured" 10% over its plan's prediction
+    task = client.post("/v1/agent/lease", json={"wait_s": 10}, headers=agent, timeout=40).json()
+    plans = task["payload"]["sized"]["plans"]
+    steps = [
+        {
+            "size": size,
+            "total_ms": plans[str(size)]["predicted"]["total_ms"] * 1.1,
+            "peak_bytes": plans[str(size)]["predicted"]["peak_bytes"],
+        }
+        for size in sizes
+    ]
+    peaks = {"cpu0": max(step["peak_bytes"]["cpu0"] for step in steps)}
+    result = {
+        "measured": {"total_ms": sum(step["total_ms"] for step in steps), "peak_bytes": peaks},
+        "sized": steps,
+    }
+    report = {"lease_token": task["lease_token"], "status": "succeeded", "result": result}
+    reported = client.post(f"/v1/agent/tasks/{task['id']}/report", json=report, headers=agent)
+    assert reported.status_code == 200, reported.text
+    ui.go(f"#/jobs/{job_id}")
+    table = ui.page.locator(f'.sized-steps[data-execution-id="{task["id"]}"]')
+    expect(table.locator("tbody tr")).to_have_count(len(sizes), timeout=10_000)
+    expect(table.locator('tbody tr[data-size="24"]').first).to_contain_text("1.10×")
+    expect(table.locator("tbody tr").nth(2)).to_contain_text("yes")  # 24 again: cached
+    ui.shot("job-sized-execution")
 
 
 def test_a_job_with_costs_measured_on_a_node(ui, server):

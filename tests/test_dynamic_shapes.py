@@ -169,6 +169,7 @@ def test_a_size_between_representatives_is_planned_once_then_cached():
     problem = problem_at(size)
     verdict = simulate(sized.plan, problem.graph, problem.costs, problem.budgets)
     assert verdict.valid and verdict.total_ms == pytest.approx(sized.simulation.total_ms)
+    assert sized.plan.predicted.total_ms == pytest.approx(verdict.total_ms)  # at this size
     assert family.plan_for(size) is sized and family.hits == 1
     with pytest.raises(InvalidInputError, match="outside the job's range"):
         family.plan_for(257)

@@ -310,10 +310,30 @@ function executionsTable(executions, job, nodes) {
       h("td", {}, gradientsText(e)),
       h("td", {}, e.error || ""));
   });
-  return table("Executions: predicted against measured",
+  const main = table("Executions: predicted against measured",
     ["Node", "Status", "Predicted time", "Measured time", "Measured / predicted",
       ...devices.map((d) => `Peak ${d} predicted / measured`), "Gradients", "Error"],
     rows, { id: "executions-table" });
+  return h("div", {}, main, executions.filter((e) => e.sized).map((e) => sizedSteps(e, devices)));
+}
+
+/** An execution over input sizes (a plan family's): each step's size against its plan's
+ * prediction, and whether the plan came from a cache. */
+function sizedSteps(execution, devices) {
+  const rows = execution.sized.map((step, index) => h("tr", { dataset: { size: String(step.size) } },
+    h("th", { scope: "row", class: "num" }, String(index + 1)),
+    h("td", { class: "num" }, String(step.size)),
+    h("td", { class: "num" }, ms(step.predicted_ms)),
+    h("td", { class: "num" }, ms(step.total_ms)),
+    h("td", { class: "num" }, ratio(step.total_ms, step.predicted_ms)),
+    devices.map((d) => h("td", { class: "num" },
+      `${bytes(step.predicted_peak_bytes?.[d])} / ${bytes(step.peak_bytes?.[d])}`)),
+    h("td", {}, step.plan_cached ? "yes" : "no")));
+  return h("div", { class: "sized-steps", dataset: { executionId: execution.id } },
+    note(`Execution ${shortId(execution.id)}: ${execution.sized.length} steps of changing input size.`),
+    table(`Steps of execution ${shortId(execution.id)}`,
+      ["Step", "Size", "Predicted time", "Measured time", "Measured / predicted",
+        ...devices.map((d) => `Peak ${d} predicted / measured`), "Plan cached"], rows));
 }
 
 // --- the page --------------------------------------------------------------------------

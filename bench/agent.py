@@ -123,7 +123,7 @@ def main() -> None:
     for name in args.models.split(","):
         model = builders[name]()
         graph = model_graph(model)
-        table, profile_s = _quietly(
+        table, profile_s = quietly(
             partial(profile, model, graph, devices, repeats=args.repeats, warmup=2),
             f"profiling {name}",
         )
@@ -136,7 +136,7 @@ def main() -> None:
                 print(f"... {name} {budget}%: {error}", file=sys.stderr, flush=True)
                 continue
             plan_s = time.monotonic() - start
-            report, _ = _quietly(
+            report, _ = quietly(
                 partial(execute, model, graph, plan, devices, warmup=1, repeats=args.repeats),
                 f"executing {name} at {budget}%",
             )
@@ -172,7 +172,7 @@ def _others_busy(work: Callable[[], T]) -> tuple[T, float]:
     return result, max(others, 0.0) / (elapsed * (os.cpu_count() or 1))
 
 
-def _quietly(work: Callable[[], T], what: str) -> tuple[T, float]:
+def quietly(work: Callable[[], T], what: str) -> tuple[T, float]:
     """``work()`` (and its seconds) run once other processes leave the CPUs idle, and again
     (up to ``QUIET_TRIES`` times in all) when they did not stay idle while it ran: timings
     taken beside other load say more about that load than about the plan."""

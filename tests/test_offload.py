@@ -341,7 +341,7 @@ def test_recomputing_to_a_looser_budget_then_offloading_beats_either_alone():
     problem = build_problem(
         unet(), batch=8, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "50%"}
     )
-    mixed = recompute_then_offload(problem, "cuda0", 30.0)
+    mixed = recompute_then_offload(problem, "cuda0", 3.0)
     assert mixed, "no relaxed budget gave a plan"
     best = mixed[0]
     verdict = simulate(best.plan, problem.graph, problem.costs)
@@ -380,7 +380,7 @@ def test_a_jobs_baselines_include_offloading_where_a_device_can_offload():
 def test_auto_offloads_on_an_accelerator_and_never_on_a_cpu():
     """U-Net at 75%: offloading hides behind compute and costs the ideal, which no
     recomputation can; auto takes it on a GPU, and on a CPU (the host) never offloads."""
-    settings = SolverSettings(options=SolveOptions(time_limit_s=5.0))
+    settings = SolverSettings(options=SolveOptions(time_limit_s=2.0))
     problem = build_problem(
         unet(),
         batch=8,

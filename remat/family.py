@@ -104,7 +104,8 @@ def plan_size(
         replayed = with_prediction(representative, replay)
         found.append(SizedPlan(size, replayed, replay, f"the plan for {planned_for}"))
     fast = run_strategy("input_aware", problem, device)
-    if fast.feasible and fast.plan is not None and fast.simulation is not None:
+    if _fits(fast):
+        assert fast.plan is not None and fast.simulation is not None
         found.append(SizedPlan(size, fast.plan, fast.simulation, "input_aware"))
     if not found:
         raise InvalidInputError(

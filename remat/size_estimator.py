@@ -14,7 +14,7 @@ building a graph per size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,18 +37,14 @@ class SizeModel:
     bytes_coef: np.ndarray
     ms_coef: np.ndarray
 
-    def _powers(self, size: float) -> np.ndarray:
-        return np.array([float(size) ** k for k in range(self.bytes_coef.shape[0])])
-
     def output_bytes(self, size: float) -> np.ndarray:
         """Predicted output bytes of every node at ``size`` (never negative)."""
-        predicted = self._powers(size) @ self.bytes_coef
+        predicted = _evaluated(self.bytes_coef, size)
         return np.maximum(np.rint(predicted), 0).astype(np.int64)
 
     def compute_ms(self, size: float) -> np.ndarray:
         """Predicted compute time [node, device] at ``size`` (never negative)."""
-        predicted = np.tensordot(self._powers(size), self.ms_coef, axes=1)
-        return np.maximum(predicted, 0.0)
+        return np.maximum(_evaluated(self.ms_coef, size), 0.0)
 
 
 @dataclass(frozen=True)
@@ -78,23 +74,28 @@ def fit_size_model(problems: Mapping[int, Problem]) -> SizeModel:
                 f"the graph at size {size} has other nodes than at size {sizes[0]}: the model's "
                 "structure depends on the size, so one family of plans cannot cover it"
             )
+    out = np.stack([problems[s].costs.output_bytes.astype(float) for s in sizes])
+    ms = np.stack([problems[s].costs.compute_ms for s in sizes])  # [k, n, d]
+    return SizeModel(tuple(sizes), names, _polynomials(sizes, out), _polynomials(sizes, ms))
+
+
+def _polynomials(sizes: Sequence[int], values: np.ndarray) -> np.ndarray:
+    """Least-squares coefficients ``[k, ...]`` (of ``s**k``) of the polynomials in the size
+    through ``values[i, ...]`` at ``sizes[i]``, one per trailing index: degree 2 from three
+    sizes, less from fewer."""
     degree = min(DEGREE, len(sizes) - 1)
     # Scaled sizes keep the normal equations well conditioned; coefficients are rescaled.
     scale = float(max(sizes))
-    x = np.array(sizes, dtype=float) / scale
-    vandermonde = np.vander(x, degree + 1, increasing=True)
-    out = np.stack([problems[s].costs.output_bytes.astype(float) for s in sizes])
-    ms = np.stack([problems[s].costs.compute_ms for s in sizes])  # [k, n, d]
-    n, d = ms.shape[1], ms.shape[2]
-    bytes_coef = np.linalg.lstsq(vandermonde, out, rcond=None)[0]
-    ms_coef = np.linalg.lstsq(vandermonde, ms.reshape(len(sizes), n * d), rcond=None)[0]
+    vandermonde = np.vander(np.array(sizes, dtype=float) / scale, degree + 1, increasing=True)
+    flat = np.linalg.lstsq(vandermonde, values.reshape(len(sizes), -1), rcond=None)[0]
     rescale = scale ** -np.arange(degree + 1, dtype=float)
-    return SizeModel(
-        tuple(sizes),
-        names,
-        bytes_coef * rescale[:, None],
-        (ms_coef * rescale[:, None]).reshape(degree + 1, n, d),
-    )
+    return (flat * rescale[:, None]).reshape(degree + 1, *values.shape[1:])
+
+
+def _evaluated(coef: np.ndarray, size: float) -> np.ndarray:
+    """The polynomials ``coef`` (``_polynomials``) at ``size``."""
+    powers = np.array([float(size) ** k for k in range(coef.shape[0])])
+    return np.tensordot(powers, coef, axes=1)
 
 
 def size_model_error(model: SizeModel, size: int, problem: Problem) -> SizeModelError:
@@ -126,38 +127,42 @@ def table_at_size(tables: Mapping[int, CostTable], size: int, graph: Graph) -> C
     sizes = sorted(tables)
     if not sizes:
         raise InvalidInputError("no profiled sizes to estimate a cost table from")
-    degree = min(DEGREE, len(sizes) - 1)
     largest = tables[sizes[-1]]
-    x = np.array(sizes, dtype=float) / max(sizes)
-    at = float(size) / max(sizes)
-
-    def fitted(values: list[float]) -> float:
-        if degree == 0:
-            return max(values[0], 0.0)
-        return max(float(np.polyval(np.polyfit(x, values, degree), at)), 0.0)
-
-    nodes = {}
-    copies: dict[str, dict[str, float]] = {}
+    devices = [d.name for d in largest.devices]
+    entries = []
     for node in graph.nodes:
-        entries = [tables[s].nodes.get(node.name) for s in sizes]
-        if any(e is None for e in entries):
+        found = [e for s in sizes if (e := tables[s].nodes.get(node.name)) is not None]
+        if len(found) != len(sizes):
             raise InvalidInputError(f"a profiled table has no entry for node {node.name!r}")
-        times = {
-            d.name: fitted([e.compute_ms[d.name] for e in entries if e is not None])
-            for d in largest.devices
+        entries.append(found)
+    times = np.array([[[e.compute_ms[d] for d in devices] for e in row] for row in entries])
+    fitted_ms = np.maximum(_evaluated(_polynomials(sizes, times.swapaxes(0, 1)), size), 0.0)
+    pairs = [
+        (node.name, pair) for node in graph.nodes for pair in largest.copy_ms.get(node.name, {})
+    ]
+    copy_values = np.array(
+        [
+            [tables[s].copy_ms.get(n, {}).get(p, largest.copy_ms[n][p]) for n, p in pairs]
+            for s in sizes
+        ]
+    ).reshape(len(sizes), len(pairs))
+    fitted_copies = np.maximum(_evaluated(_polynomials(sizes, copy_values), size), 0.0)
+    nodes = {
+        node.name: {
+            "compute_ms": dict(zip(devices, map(float, row), strict=True)),
+            "output_bytes": node.output_bytes,
         }
-        nodes[node.name] = {"compute_ms": times, "output_bytes": node.output_bytes}
-        pairs = largest.copy_ms.get(node.name, {})
-        copies[node.name] = {
-            pair: fitted([tables[s].copy_ms.get(node.name, {}).get(pair, ms) for s in sizes])
-            for pair, ms in pairs.items()
-        }
+        for node, row in zip(graph.nodes, fitted_ms, strict=True)
+    }
+    copies: dict[str, dict[str, float]] = {}
+    for (name, pair), ms in zip(pairs, fitted_copies, strict=True):
+        copies.setdefault(name, {})[pair] = float(ms)
     return CostTable.model_validate(
         {
             "source": largest.source,
             "devices": [d.model_dump() for d in largest.devices],
             "nodes": nodes,
-            "copy_ms": {name: pairs for name, pairs in copies.items() if pairs},
+            "copy_ms": copies,
             "host_links": {k: v.model_dump() for k, v in largest.host_links.items()},
         }
     )

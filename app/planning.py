@@ -87,13 +87,20 @@ def family_problems(
     model = path if isinstance(path, onnx.ModelProto) else load_model(path)  # once
     check_ranged_dims_symbolic(ranged, declared_inputs(model))
 
-    def table_for(sized: JobSpec, size: int) -> CostTable | None:
+    def sized_problem(sized: JobSpec, size: int) -> Problem:
         if tables is None:
-            return None
-        return table_at_size(tables, size, job_graph(sized, model))
+            return build_problem(sized, model, solver, None, max_cost_bytes)
+        graph = job_graph(sized, model)  # once: for the table's bytes and the problem
+        return remat_problem.problem_from_graph(
+            graph,
+            devices=job_devices(sized),
+            budgets=sized.budgets,
+            table=table_at_size(tables, size, graph),
+            solver=solver or solver_settings(sized),
+            max_cost_bytes=max_cost_bytes,
+        )
 
-    top = at_size(spec, ranged, ranged.high)
-    largest = build_problem(top, model, solver, table_for(top, ranged.high), max_cost_bytes)
+    largest = sized_problem(at_size(spec, ranged, ranged.high), ranged.high)
     if len(largest.costs.devices) != 1:
         names = ", ".join(d.name for d in largest.costs.devices)
         raise InvalidInputError(f"a job over ranges of sizes plans for one device; got {names}")
@@ -103,7 +110,7 @@ def family_problems(
         if size == ranged.high:
             return largest
         sized = at_size(spec, ranged, size).model_copy(update={"budgets": budgets})
-        return build_problem(sized, model, solver, table_for(sized, size), max_cost_bytes)
+        return sized_problem(sized, size)
 
     return problem_at
 
@@ -139,12 +146,16 @@ def build_problem(
         inputs=spec.inputs,
         mode=spec.mode,
         loss=spec.loss.to_loss(),
-        devices=[Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices],
+        devices=job_devices(spec),
         budgets=spec.budgets,
         table=table,
         solver=solver or solver_settings(spec),
         max_cost_bytes=max_cost_bytes,
     )
+
+
+def job_devices(spec: JobSpec) -> list[Device]:
+    return [Device(d.name, DeviceKind(d.kind), dict(d.options)) for d in spec.devices]
 
 
 def solver_settings(spec: JobSpec) -> SolverSettings:

@@ -286,7 +286,7 @@ class Agent:
         devices = self._devices(payload.devices)
         report = _ProgressReporter(self.client, task)
         table = profile(model, graph, devices, repeats=payload.repeats, warmup=payload.warmup,
-                        on_progress=report)  # fmt: skip
+                        on_progress=report, memory_bytes=payload.memory_bytes)  # fmt: skip
         return table.model_dump(mode="json")
 
     def _execute(self, payload: ExecutePayload) -> dict[str, Any]:

@@ -98,6 +98,7 @@ from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
     Runtime,
+    check_memory,
     copy_runtime,
     gc_paused,
     ieee_fp32,
@@ -319,7 +320,8 @@ def _with(report: ExecutionReport, **changes: Any) -> ExecutionReport:
 
 def bind_devices(plan: Plan, devices: Sequence[Device] | None) -> dict[str, Runtime]:
     """The plan's devices bound to this node's (by name; kinds must agree). A CPU device
-    runs with the plan's thread count (what was profiled and planned), else the node's."""
+    runs with the plan's thread count (what was profiled and planned), else the node's; the
+    node's ``memory`` option holds whatever the plan says."""
     node = {d.name: d for d in devices} if devices is not None else None
     bound: dict[str, Runtime] = {}
     for planned in plan.devices:
@@ -338,6 +340,8 @@ def bind_devices(plan: Plan, devices: Sequence[Device] | None) -> dict[str, Runt
                     f"{planned.kind.value} in the plan"
                 )
             options = {**local.options, **options}
+            if local.memory_bytes is not None:
+                options["memory"] = str(local.memory_bytes)
         bound[planned.name] = runtime_of(Device(planned.name, planned.kind, options))
     for index, step in enumerate(plan.steps):
         for name in _step_devices(step):
@@ -619,6 +623,7 @@ class _Run:
             value_bytes((t,)) for t in (*self.fixed[name].values(), *self.buffers[name].values())
         )
         self.peaks[name] = self.fixed_bytes[name]
+        check_memory(runtime, self.fixed_bytes[name])
 
     def _release(self) -> None:
         lanes, self.lanes = self.lanes, {}
@@ -666,6 +671,7 @@ class _Run:
         used = self.fixed_bytes[device] + self.live[device]
         if used > self.peaks[device]:
             self.peaks[device] = used
+            check_memory(self.runtimes[device], used)
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device

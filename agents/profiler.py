@@ -5,13 +5,20 @@ Each device runs the whole graph end to end, in node order (every value freed af
 last use, as checkpoint-all does), ``warmup`` times unmeasured and then ``repeats`` times
 measured, and every node is timed as the executor evaluates it (``Program.compute``;
 backward nodes accumulate into scratch gradient buffers). A node's time on a device is the
-median of its ``repeats`` measurements, with their interquartile range as dispersion
+median of its measurements, with their interquartile range as dispersion
 (``compute_spread_ms``). Timing nodes inside whole passes rather than repeating one node in
 isolation matters: an operator repeated alone finds its inputs, weights and code hot in the
 caches and ran 30-60% faster than the same operator inside a training step (measured on
 VGG/ResNet/U-Net at batch 4 on a 2-core Xeon). CPU devices run with their thread count;
 CUDA is timed with events after synchronisation, in IEEE fp32 as the executor runs it
 (``ieee_fp32``).
+
+Where a device may hold less than checkpoint-all needs (``memory_bytes``, the job's budget
+there, and the device's ``memory`` option, whichever is smaller), the passes follow a plan
+that fits instead (``remat.profiling_plan``: recomputing as Mimose's collector does), and a
+node recomputed in a pass is timed at each evaluation. The profiler's account of the tensors
+it holds on the device (fixed tensors, gradient buffers and the values resident) never
+exceeds the limit: ``DeviceOutOfMemory`` if it would.
 
 With several devices, one more pass per source device times copies: right after a node is
 computed, its value is copied to every other device into a destination allocated
@@ -27,12 +34,12 @@ emulated device's transfer thread makes), the median of ``warmup + repeats`` cop
 over its time less the latency (``host_links``).
 
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
-names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph. A
-device needs the memory of a checkpoint-all step (plus its fixed tensors) to be profiled.
+names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,11 +50,12 @@ import numpy as np
 import onnx
 import torch
 
-from agents.errors import DeviceError, DeviceOutOfMemory
+from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
     DEFAULT_THREADS,
     Runtime,
+    check_memory,
     copy_runtime,
     gc_paused,
     ieee_fp32,
@@ -56,7 +64,10 @@ from agents.torch_devices import (
 )
 from remat.costs import MAX_LINK_BYTES_PER_S, CostSource, CostTable
 from remat.devices import Device
+from remat.errors import RematError
 from remat.graph import Graph, Node, NodeKind
+from remat.plan import Compute, Free
+from remat.profiling_plan import profiling_plan
 
 Progress = Callable[[int, int], None]
 PROGRESS_INTERVAL_S = 0.25
@@ -70,11 +81,14 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     on_progress: Progress | None = None,
+    memory_bytes: Mapping[str, int] | None = None,
 ) -> CostTable:
     """The cost table of ``graph`` (built by remat from ``model``) on ``devices``.
 
-    ``on_progress(done, total)`` counts node evaluations over all passes; it is called at
-    the start, at most every ``PROGRESS_INTERVAL_S`` while profiling, and at the end."""
+    ``memory_bytes``: per device name, the most the profiler may hold there (e.g. the
+    job's budget); a device's ``memory`` option limits it too. ``on_progress(done,
+    total)`` counts node evaluations over all passes; it is called at the start, at most
+    every ``PROGRESS_INTERVAL_S`` while profiling, and at the end."""
     if not devices:
         raise DeviceError("no devices to profile")
     names = [d.name for d in devices]
@@ -82,8 +96,10 @@ def profile(
         raise DeviceError(f"device names must be unique: {names}")
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
-    runtimes = [runtime_of(d) for d in devices]
-    session = _Session(build_program(model, graph), runtimes, repeats, warmup, on_progress)
+    runtimes = [_limited(runtime_of(d), (memory_bytes or {}).get(d.name)) for d in devices]
+    passes = [_pass_steps(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
+    program = build_program(model, graph)
+    session = _Session(program, runtimes, passes, repeats, warmup, on_progress)
     with gc_paused(), ieee_fp32():
         session.run()
     return CostTable.model_validate(
@@ -95,6 +111,34 @@ def profile(
             "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
         }
     )
+
+
+def _limited(runtime: Runtime, limit: int | None) -> Runtime:
+    """``runtime`` holding at most ``limit`` bytes too (None: as it is)."""
+    if limit is None or (runtime.memory_bytes is not None and runtime.memory_bytes <= limit):
+        return runtime
+    return dataclasses.replace(runtime, memory_bytes=limit)
+
+
+# A pass: nodes to compute in order, each with the values to free right after it.
+PassSteps = list[tuple[int, tuple[int, ...]]]
+
+
+def _pass_steps(graph: Graph, device: Device, limit: int | None) -> PassSteps:
+    """A pass on ``device`` within ``limit`` bytes: checkpoint-all's, or a plan's that
+    recomputes (``remat.profiling_plan``); TaskError where none fits."""
+    try:
+        plan = profiling_plan(graph, device, limit)
+    except RematError as error:
+        raise TaskError(str(error)) from None
+    steps: PassSteps = []
+    for step in plan.steps:
+        if isinstance(step, Compute):
+            steps.append((step.node, ()))
+        elif isinstance(step, Free) and steps:
+            node, frees = steps[-1]
+            steps[-1] = (node, (*frees, step.node))
+    return steps
 
 
 HOST_LINK_BYTES = 16 << 20
@@ -151,31 +195,31 @@ class _Session:
         self,
         program: Program,
         runtimes: Sequence[Runtime],
+        passes: Sequence[PassSteps],
         repeats: int,
         warmup: int,
         on_progress: Progress | None,
     ) -> None:
         self.program = program
         self.runtimes = runtimes
+        self.passes = passes
         self.repeats = repeats
         self.warmup = warmup
         self.on_progress = on_progress
-        graph = program.graph
-        n = len(graph)
-        self.last_use = {i: max(users, default=i) for i, users in enumerate(graph.users())}
+        n = len(program.graph)
         self.times: dict[str, list[list[float]]] = {
             r.name: [[] for _ in range(n)] for r in runtimes
         }
         self.copies: dict[int, dict[str, float]] = {i: {} for i in range(n)}
         self.output_bytes = [0] * n
-        copy_passes = len(runtimes) if len(runtimes) > 1 else 0
-        self.total = n * (len(runtimes) * (warmup + repeats) + copy_passes)
+        copy_passes = 1 if len(runtimes) > 1 else 0
+        self.total = sum(len(steps) for steps in passes) * (warmup + repeats + copy_passes)
         self.done = 0
         self.reported_at = 0.0
 
     def run(self) -> None:
         self._report(force=True)
-        for runtime in self.runtimes:
+        for runtime, steps in zip(self.runtimes, self.passes, strict=True):
             try:
                 fixed = {n: t.to(runtime.torch_device) for n, t in self.program.fixed.items()}
                 everything = range(len(self.program.graph))
@@ -183,6 +227,8 @@ class _Session:
                     t: torch.zeros_like(self.program.fixed[t], device=runtime.torch_device)
                     for t in self.program.gradient_buffers(everything)
                 }
+                held = value_bytes((*fixed.values(), *grads.values()))
+                check_memory(runtime, held)
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise
@@ -192,9 +238,10 @@ class _Session:
                 ) from error
             for index in range(self.warmup + self.repeats):
                 record = self.times[runtime.name] if index >= self.warmup else None
-                self._pass(runtime, fixed, grads, record, copies=False)
+                self._pass(runtime, steps, held, fixed, grads, record, copies=False)
             if len(self.runtimes) > 1:
-                self._pass(runtime, fixed, grads, None, copies=True)
+                self._pass(runtime, steps, held, fixed, grads, None, copies=True)
+            del fixed, grads
         self._report(force=True)
 
     def entry(self, node: Node) -> dict[str, Any]:
@@ -212,18 +259,26 @@ class _Session:
     def _pass(
         self,
         runtime: Runtime,
+        steps: PassSteps,
+        fixed_bytes: int,
         fixed: Mapping[str, torch.Tensor],
         grads: dict[str, torch.Tensor],
         record: list[list[float]] | None,
         copies: bool,
     ) -> None:
         values: dict[int, Value] = {}
+        held = fixed_bytes
+        timed: set[int] = set()  # nodes whose copies were timed (once, not per recompute)
         device = runtime.torch_device
-        for node in self.program.graph.nodes:
+        nodes = self.program.graph.nodes
+        for index, frees in steps:
+            node = nodes[index]
             buffers = grads if node.kind is NodeKind.BACKWARD else None
             try:
-                compute = partial(self.program.compute, node.id, values, fixed, buffers, device)
+                compute = partial(self.program.compute, index, values, fixed, buffers, device)
                 value, ms = runtime.timed(compute)
+                nbytes = value_bytes(value)
+                check_memory(runtime, held + nbytes)
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise
@@ -232,14 +287,15 @@ class _Session:
                     f"{node.name!r}: {_first_line(error)}"
                 ) from error
             if record is not None:
-                record[node.id].append(ms)
-            self.output_bytes[node.id] = value_bytes(value)
-            if copies:
-                self._time_copies(node.id, runtime, value)
-            values[node.id] = value
-            for index in {*node.deps, node.id}:
-                if self.last_use[index] <= node.id:
-                    values.pop(index, None)
+                record[index].append(ms)
+            self.output_bytes[index] = nbytes
+            if copies and index not in timed:
+                timed.add(index)
+                self._time_copies(index, runtime, value)
+            values[index] = value
+            held += nbytes
+            for freed in frees:
+                held -= value_bytes(values.pop(freed))
             self.done += 1
             self._report()
 

@@ -53,6 +53,10 @@ class Runtime:
     kind: DeviceKind
     torch_device: torch.device
     threads: int | None
+    # The most bytes the executor and the profiler may hold here (the device's ``memory``
+    # option; the profiler's limit), checked on their own account of tensors (``check_memory``);
+    # None: no limit but the device's own.
+    memory_bytes: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -96,14 +100,16 @@ class Runtime:
 def runtime_of(device: Device) -> Runtime:
     """Bind ``device`` to PyTorch; DeviceError when it cannot run here."""
     if device.kind is DeviceKind.CPU:
-        return Runtime(device.name, device.kind, torch.device("cpu"), device.threads)
+        return Runtime(
+            device.name, device.kind, torch.device("cpu"), device.threads, device.memory_bytes
+        )
     if not torch.cuda.is_available():
         raise DeviceError(f"device {device.name!r} is CUDA, but CUDA is not available here")
     index = _cuda_index(device)
     count = torch.cuda.device_count()
     if index >= count:
         raise DeviceError(f"device {device.name!r} is CUDA index {index}; this node has {count}")
-    return Runtime(device.name, device.kind, torch.device("cuda", index), None)
+    return Runtime(device.name, device.kind, torch.device("cuda", index), None, device.memory_bytes)
 
 
 def _cuda_index(device: Device) -> int:
@@ -130,9 +136,26 @@ def copy_runtime(src: Runtime, dst: Runtime) -> Runtime:
     return dst
 
 
+class OverMemoryLimit(RuntimeError):
+    """The tensors held on a device went above the memory it may use (``Runtime``'s
+    ``memory_bytes``): out of memory, as a device of that size would be
+    (``is_out_of_memory`` says so)."""
+
+
+def check_memory(runtime: Runtime, held_bytes: int) -> None:
+    """``OverMemoryLimit`` when ``held_bytes`` on ``runtime``'s device exceed the memory
+    it may use."""
+    limit = runtime.memory_bytes
+    if limit is not None and held_bytes > limit:
+        raise OverMemoryLimit(
+            f"out of memory: {held_bytes} bytes held, above the {limit} bytes the device may use"
+        )
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """A CUDA or host allocation failure (PyTorch raises a plain RuntimeError for the host)."""
-    if isinstance(error, torch.OutOfMemoryError):
+    """A CUDA or host allocation failure (PyTorch raises a plain RuntimeError for the
+    host), or the memory a device may use exceeded."""
+    if isinstance(error, torch.OutOfMemoryError | OverMemoryLimit):
         return True
     return "can't allocate memory" in str(error) or "out of memory" in str(error)
 

@@ -81,13 +81,20 @@ def find_profile(session: Session, node_id: str, key: str) -> ProfileRow | None:
 
 
 def request_profile(
-    session: Session, node: NodeRow, ref: ModelRef, devices: list[AgentDevice]
+    session: Session,
+    node: NodeRow,
+    ref: ModelRef,
+    devices: list[AgentDevice],
+    memory_bytes: dict[str, int] | None = None,
 ) -> AgentTaskRow:
-    """The node's unfinished profiling task for this key, or a new one."""
+    """The node's unfinished profiling task for this key, or a new one that holds at
+    most ``memory_bytes`` per device (the job's budgets; the table measured does not
+    depend on them, so they are not part of the key)."""
     key = profile_key(ref, devices)
     task = active_task(session, TaskKind.PROFILE, key)
     if task is None:
-        payload = ProfilePayload(model=ref, devices=[d.name for d in devices])
+        names = [d.name for d in devices]
+        payload = ProfilePayload(model=ref, devices=names, memory_bytes=memory_bytes or None)
         task = AgentTaskRow(
             kind=TaskKind.PROFILE, node_id=node.id, key=key, payload=payload.model_dump(mode="json")
         )

@@ -155,6 +155,9 @@ class ProfilePayload(Strict):
     devices: list[str]  # names of the node's devices to profile
     repeats: int = Field(default=5, ge=1, le=1000)
     warmup: int = Field(default=2, ge=0, le=100)
+    # Per device, the most bytes profiling may hold there (the job's budget): where
+    # checkpoint-all needs more, the agent profiles under a plan that recomputes.
+    memory_bytes: dict[str, Annotated[int, Field(ge=1, le=MAX_BYTES)]] | None = None
 
 
 MAX_SIZED_STEPS = 1000

@@ -44,6 +44,9 @@ NUMBER_OPTIONS: dict[str, NumberOption] = {
     "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
     "host_bandwidth": NumberOption(0, 1e15, low_open=True),  # link to host memory, B/s
     "host_latency_us": NumberOption(0, 1e6),  # per transfer to or from the host, microseconds
+    # the memory the node's agent may use on the device, bytes: its executor and profiler
+    # never hold more (a smaller device emulated on a CPU; a share of a GPU)
+    "memory": NumberOption(1, 1 << 60, integer=True),
 }
 TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name): max length
 OPTION_KEYS = (*NUMBER_OPTIONS, *TEXT_OPTIONS)
@@ -91,6 +94,12 @@ class Device:
     @property
     def threads(self) -> int | None:
         value = self.options.get("threads")
+        return int(value) if value is not None else None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The memory the agent may use on the device (option ``memory``); None: all."""
+        value = self.options.get("memory")
         return int(value) if value is not None else None
 
     @property

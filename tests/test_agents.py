@@ -36,6 +36,12 @@ from service import (
 
 from app.migrate import upgrade
 from remat import samples
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
+from remat.graph import Mode
+from remat.onnx_ingest import forward_graph
+from remat.training import for_mode
 
 pytest.importorskip("torch", reason="the agent's kernels need the [agent] extra (PyTorch)")
 
@@ -219,10 +225,16 @@ def stack(tmp_path_factory):
             worker.stop()
 
 
-def start_agent(stack: dict, name: str, log: str, server: str | None = None) -> Process:
+def start_agent(
+    stack: dict,
+    name: str,
+    log: str,
+    server: str | None = None,
+    devices: list[str] = AGENT_DEVICES,
+) -> Process:
     args = [str(BIN / "remat-agent"), "--server", server or stack["url"], "--name", name]
     args += ["--cache-dir", str(stack["logs"] / f"cache-{name}"), "--lease-wait", "2"]
-    for device in AGENT_DEVICES:
+    for device in devices:
         args += ["--device", device]
     env = dict(stack["env"], REMAT_ENROLL_TOKEN=ENROLL)
     return Process(args, env, stack["logs"] / log)
@@ -245,6 +257,47 @@ def test_an_agent_profiles_and_executes_with_celery_and_postgresql(stack, client
         profile_execute_and_compare(
             client, node["id"], samples.resnet18(image=32, width=4).SerializeToString()
         )
+    finally:
+        agent.stop()
+
+
+def test_a_device_smaller_than_checkpoint_all_is_profiled_under_a_plan(stack, client):
+    """A node whose device may hold less than checkpoint-all needs (its ``memory``
+    option): the job's profile recomputes within the job's budget (Mimose's collector), the
+    job is planned on it, and its plan runs within the option; a checkpoint-all plan does
+    not, and fails saying so."""
+    model = samples.resnet18(image=32, width=4)
+    graph = for_mode(forward_graph(model, batch=2), Mode.TRAINING)
+    ref = reference(graph, analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)]))
+    memory = ref.fixed_bytes + (ref.peak_bytes - ref.fixed_bytes) * 7 // 10
+    agent = start_agent(
+        stack, "small-node", "agent-small.log", devices=[f"cpu0:cpu:threads=1,memory={memory}"]
+    )
+    try:
+        node = online_node(client, "small-node")
+        model_id = upload(client, model.SerializeToString()).json()["id"]
+        body = job_body(model_id, batch=2, strategy="greedy_evict", costs={"node_id": node["id"]})
+        done = wait_job(client, client.post("/v1/jobs", json=body).json()["id"])
+        assert done["status"] == "succeeded", done
+        with _db(stack) as db:
+            [(payload,)] = db.execute(
+                "SELECT payload FROM agent_tasks WHERE node_id = %s AND kind = 'profile'",
+                (node["id"],),
+            ).fetchall()
+        budget = ref.fixed_bytes + round((ref.peak_bytes - ref.fixed_bytes) * 0.5)
+        assert payload["memory_bytes"] == {"cpu0": budget}  # the job's 50%, in bytes
+        execution = client.post(f"/v1/jobs/{done['id']}/executions", json={"node_id": node["id"]})
+        ran = wait_execution(client, done["id"], execution.json()["id"])
+        assert ran["status"] == "succeeded", ran
+        assert ran["measured"]["peak_bytes"]["cpu0"] <= budget
+        everything = body | {"strategy": "checkpoint_all", "budgets": {}, "costs": "analytical"}
+        unplanned = wait_job(client, client.post("/v1/jobs", json=everything).json()["id"])
+        execution = client.post(
+            f"/v1/jobs/{unplanned['id']}/executions", json={"node_id": node["id"]}
+        )
+        failed = wait_execution(client, unplanned["id"], execution.json()["id"])
+        assert failed["status"] == "failed"
+        assert f"above the {memory} bytes the device may use" in failed["error"], failed
     finally:
         agent.stop()
 

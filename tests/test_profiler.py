@@ -9,13 +9,16 @@ import pytest
 pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
 import torch
 
-from agents.errors import DeviceError
+from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
+from agents.executor import execute
 from agents.profiler import median_and_spread, profile
 from remat import samples
-from remat.costs import CostSource, profiled_costs
-from remat.devices import Device, DeviceKind
-from remat.graph import Mode
+from remat.budgets import fixed_bytes, reference
+from remat.costs import CostSource, analytical_costs, profiled_costs
+from remat.devices import Device, DeviceKind, with_option
+from remat.graph import Graph, Mode
 from remat.onnx_ingest import forward_graph
+from remat.strategies import Problem, run_strategy
 from remat.training import for_mode
 
 CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
@@ -102,3 +105,42 @@ def test_profile_on_cpu_and_cuda() -> None:  # pragma: no cover - GPU only
     assert (costs.copy_ms[:, 0, 1] > 0).all() and (costs.copy_ms[:, 1, 0] > 0).all()
     assert [d.threads for d in table.devices] == [1, None]
     assert set(table.host_links) == {"cpu0", "cuda0"}  # cuda0: pinned, both directions
+
+
+def _half_of_checkpoint_all(graph: Graph) -> int:
+    """Bytes halfway between the fixed memory and checkpoint-all's peak on one CPU."""
+    ref = reference(graph, analytical_costs(graph, [CPU0]))
+    return ref.fixed_bytes + (ref.peak_bytes - ref.fixed_bytes) // 2
+
+
+def test_a_device_smaller_than_checkpoint_all_is_profiled_under_a_plan() -> None:
+    """Mimose's collector: where checkpoint-all does not fit what a device may use, the
+    passes recompute, so profiling holds no more than that, and the table is whole."""
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    limit = _half_of_checkpoint_all(graph)
+    small = with_option(CPU0, "memory", str(limit))
+    everything = run_strategy("checkpoint_all", Problem(graph, analytical_costs(graph, [CPU0]), {}))
+    assert everything.plan is not None
+    with pytest.raises(DeviceOutOfMemory, match=f"above the {limit} bytes the device may use"):
+        execute(model, graph, everything.plan, [small], warmup=0)  # the option is enforced
+
+    progress: list[tuple[int, int]] = []
+    table = profile(
+        model, graph, [small], repeats=1, warmup=0, on_progress=lambda *p: progress.append(p)
+    )
+    costs = profiled_costs(graph, table)
+    assert (costs.compute_ms > 0).all()
+    assert costs.output_bytes.tolist() == [n.output_bytes for n in graph.nodes]
+    assert progress[-1][1] > len(graph)  # some nodes were evaluated twice: recomputed
+
+    # The same limit given as the job's budget, on a device without the option.
+    table = profile(model, graph, [CPU0], repeats=1, warmup=0, memory_bytes={"cpu0": limit})
+    assert set(table.nodes) == {n.name for n in graph.nodes}
+
+
+def test_a_device_too_small_for_any_plan_says_what_profiling_needs() -> None:
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    with pytest.raises(TaskError, match=r"cannot profile on cpu0: .*needs at least"):
+        profile(model, graph, [CPU0], memory_bytes={"cpu0": fixed_bytes(graph) + 1})

@@ -1,11 +1,16 @@
 """A job's cost table: none (analytical), a stored profile, or a node's profile, which is
-measured first when it does not exist yet: the job waits for the node's agent."""
+measured first when it does not exist yet: the job waits for the node's agent, which
+profiles within the job's budgets (recomputing where checkpoint-all does not fit)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from sqlalchemy.orm import Session
+
+from app.planning import build_problem
 from app.profiles import find_profile, job_devices_on, model_ref, profile_key, request_profile
 from app.schemas import JobSpec, NodeCosts, ProfileCosts
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus
@@ -50,14 +55,14 @@ def _node_profile(
     """The node's profile for this job, measured by its agent first if needed."""
     ref = model_ref(spec, model)
     with ctx.db.session() as session:
-        node = session.get(NodeRow, node_id)
-        if node is None:
-            raise InvalidInputError(f"node {node_id!r} no longer exists")
+        node = _node(session, node_id)
         name, devices = node.name, job_devices_on(node, spec)
         profile = find_profile(session, node_id, profile_key(ref, devices))
         if profile is not None:
             return CostTable.model_validate(profile.table)
-        task_id = request_profile(session, node, ref, devices).id
+    memory = profiling_memory(spec, ctx.store.path(model.sha256))  # outside: it takes a while
+    with ctx.db.session() as session:
+        task_id = request_profile(session, _node(session, node_id), ref, devices, memory).id
     say(f"waiting for node {name!r} to profile the model (task {task_id})")
     deadline = time.monotonic() + ctx.settings.profile_wait_s
     while time.monotonic() < deadline:
@@ -71,6 +76,20 @@ def _node_profile(
         f"node {name!r} did not profile the model within {ctx.settings.profile_wait_s:g} s "
         "(is its agent running? see GET /v1/nodes)"
     )
+
+
+def _node(session: Session, node_id: str) -> NodeRow:
+    node = session.get(NodeRow, node_id)
+    if node is None:
+        raise InvalidInputError(f"node {node_id!r} no longer exists")
+    return node
+
+
+def profiling_memory(spec: JobSpec, path: Path) -> dict[str, int]:
+    """The job's budgets in bytes (analytical costs resolve a percentage: bytes come from
+    shape inference): profiling holds no more on each device."""
+    budgets = build_problem(spec, path).budgets
+    return {name: size for name, size in budgets.items() if size is not None}
 
 
 def _profile_of(

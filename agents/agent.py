@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,6 +42,7 @@ from remat.agent_protocol import (
     ModelRef,
     ProfilePayload,
     Registration,
+    SizedProfile,
     Task,
     TaskKind,
     TaskProgress,
@@ -284,10 +286,19 @@ class Agent:
 
         model, graph = self._model_and_graph(payload.model)
         devices = self._devices(payload.devices)
-        report = _ProgressReporter(self.client, task)
-        table = profile(model, graph, devices, repeats=payload.repeats, warmup=payload.warmup,
-                        on_progress=report, memory_bytes=payload.memory_bytes)  # fmt: skip
-        return table.model_dump(mode="json")
+        measure = partial(profile, devices=devices, repeats=payload.repeats,
+                          warmup=payload.warmup, memory_bytes=payload.memory_bytes)  # fmt: skip
+        if payload.sizes is None:
+            report = _ProgressReporter(self.client, task)
+            return measure(model, graph, on_progress=report).model_dump(mode="json")
+        tables: dict[str, dict[str, Any]] = {}
+        for index, (size, inputs) in enumerate(payload.sizes.items()):
+            sized = payload.model.model_copy(update={"inputs": inputs}).graph(model)
+            report = _ProgressReporter(
+                self.client, task, f"size {size} ({index + 1} of {len(payload.sizes)})"
+            )
+            tables[size] = measure(model, sized, on_progress=report).model_dump(mode="json")
+        return SizedProfile(tables=tables).model_dump(mode="json")
 
     def _execute(self, payload: ExecutePayload) -> dict[str, Any]:
         from agents.executor import execute
@@ -372,15 +383,17 @@ class Agent:
 class _ProgressReporter:
     """The profiler's progress to the server, at most once a second (it renews too)."""
 
-    def __init__(self, client: AgentClient, task: Task) -> None:
-        self.client, self.task = client, task
+    def __init__(self, client: AgentClient, task: Task, message: str = "") -> None:
+        self.client, self.task, self.message = client, task, message
         self._last = 0.0
 
     def __call__(self, done: int, total: int) -> None:
         if time.monotonic() - self._last < PROGRESS_INTERVAL_S and done < total:
             return
         self._last = time.monotonic()
-        body = TaskProgress(lease_token=self.task.lease_token, done=done, total=total)
+        body = TaskProgress(
+            lease_token=self.task.lease_token, done=done, total=total, message=self.message
+        )
         try:
             self.client.progress(self.task.id, body)
         except (Rejected, Stopped) as exc:

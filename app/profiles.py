@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -90,17 +91,53 @@ def request_profile(
     """The node's unfinished profiling task for this key, or a new one that holds at
     most ``memory_bytes`` per device (the job's budgets; the table measured does not
     depend on them, so they are not part of the key)."""
-    key = profile_key(ref, devices)
+    names = [d.name for d in devices]
+    payload = ProfilePayload(model=ref, devices=names, memory_bytes=memory_bytes or None)
+    return _profile_task(session, node, profile_key(ref, devices), payload)
+
+
+def request_sized_profile(
+    session: Session,
+    node: NodeRow,
+    refs: Mapping[int, ModelRef],
+    devices: list[AgentDevice],
+    memory_bytes: dict[str, int] | None = None,
+) -> AgentTaskRow:
+    """One task that profiles the model at several sizes (``refs``: the model at each, as
+    ``request_profile`` takes it); its key is that of the sizes' profiles together."""
+    keys = {size: profile_key(ref, devices) for size, ref in sorted(refs.items())}
+    key = hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()
+    payload = ProfilePayload(
+        model=refs[max(refs)],
+        devices=[d.name for d in devices],
+        memory_bytes=memory_bytes or None,
+        sizes={str(size): ref.inputs or {} for size, ref in sorted(refs.items())},
+    )
+    return _profile_task(session, node, key, payload)
+
+
+def _profile_task(
+    session: Session, node: NodeRow, key: str, payload: ProfilePayload
+) -> AgentTaskRow:
     task = active_task(session, TaskKind.PROFILE, key)
     if task is None:
-        names = [d.name for d in devices]
-        payload = ProfilePayload(model=ref, devices=names, memory_bytes=memory_bytes or None)
         task = AgentTaskRow(
             kind=TaskKind.PROFILE, node_id=node.id, key=key, payload=payload.model_dump(mode="json")
         )
         session.add(task)
         session.flush()
     return task
+
+
+def profiled_refs(payload: ProfilePayload) -> dict[str | None, ModelRef]:
+    """What a profiling task measures: its model (key None), or the model at each of its
+    sizes (keys: the sizes as text)."""
+    if payload.sizes is None:
+        return {None: payload.model}
+    return {
+        size: payload.model.model_copy(update={"inputs": inputs})
+        for size, inputs in payload.sizes.items()
+    }
 
 
 def checked_table(graph: Graph, document: object, devices: list[str]) -> CostTable:

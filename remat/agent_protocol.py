@@ -150,6 +150,9 @@ class ModelRef(Strict):
         return model_graph(model, batch=self.batch, inputs=self.inputs, mode=self.mode, loss=loss)
 
 
+MAX_PROFILED_SIZES = 16
+
+
 class ProfilePayload(Strict):
     model: ModelRef
     devices: list[str]  # names of the node's devices to profile
@@ -158,6 +161,18 @@ class ProfilePayload(Strict):
     # Per device, the most bytes profiling may hold there (the job's budget): where
     # checkpoint-all needs more, the agent profiles under a plan that recomputes.
     memory_bytes: dict[str, Annotated[int, Field(ge=1, le=MAX_BYTES)]] | None = None
+    # A job over ranges of sizes: the model's inputs at each size to profile (keys: sizes
+    # as text), measured in turn in this one task, each within ``memory_bytes``; the result
+    # is then a ``SizedProfile``.
+    sizes: dict[str, dict[str, list[int]]] | None = Field(
+        default=None, min_length=1, max_length=MAX_PROFILED_SIZES
+    )
+
+
+class SizedProfile(Strict):
+    """A profiling task's result over several sizes: a cost table per size (as text)."""
+
+    tables: dict[str, dict[str, Any]]
 
 
 MAX_SIZED_STEPS = 1000

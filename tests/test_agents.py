@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import time
 
 import httpx
@@ -140,13 +141,13 @@ def embedded(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server)
-        yield url, server
+        yield url, server, data
     finally:
         server.stop()
 
 
 def test_remat_serve_starts_a_local_agent_that_profiles_and_executes(embedded):
-    url, server = embedded
+    url, server, _ = embedded
     assert "agent enrollment token:" in server.output()
     with httpx.Client(base_url=url, timeout=60) as client:
         node = online_node(client, "local")
@@ -158,7 +159,7 @@ def test_the_local_agent_runs_a_family_of_sizes(embedded):
     """A job over ranges of sizes with the node's costs (profiled at the range's ends and
     middle), executed as training steps whose sizes change: each step with its size's
     plan, measured against predicted per size, the plan cache's hits marked."""
-    url, _ = embedded
+    url, _, data = embedded
     model = samples.transformer_block(layers=2, seq="S").SerializeToString()
     with httpx.Client(base_url=url, timeout=60) as client:
         node = online_node(client, "local")
@@ -175,7 +176,16 @@ def test_the_local_agent_runs_a_family_of_sizes(embedded):
         profiles = client.get(
             "/v1/profiles", params={"node_id": node["id"], "model_id": model_id}
         ).json()["items"]
-        assert len(profiles) == 3  # at 16, 72 and 128
+        shapes = sorted(p["spec"]["model"]["inputs"]["input"][1] for p in profiles)
+        assert shapes == [16, 72, 128]  # the range's ends and middle, in one task:
+        with sqlite3.connect(data / "remat.db") as db:
+            [(payload,)] = db.execute(
+                "SELECT payload FROM agent_tasks WHERE kind = 'profile' AND payload LIKE ?",
+                (f"%{model_id}%",),
+            ).fetchall()
+        assert sorted(json.loads(payload)["sizes"], key=int) == ["16", "72", "128"]
+        # each size profiled within the job's budget at the largest size
+        assert len({json.dumps(p["spec"]["memory_bytes"]) for p in profiles}) == 1
         sizes = [24, 50, 24, 128, 50]
         asked = client.post(
             f"/v1/jobs/{done['id']}/executions", json={"node_id": node["id"], "sizes": sizes}

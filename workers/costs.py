@@ -1,17 +1,26 @@
 """A job's cost table: none (analytical), a stored profile, or a node's profile, which is
 measured first when it does not exist yet: the job waits for the node's agent, which
-profiles within the job's budgets (recomputing where checkpoint-all does not fit)."""
+profiles within the job's budgets (recomputing where checkpoint-all does not fit). A job
+over ranges of sizes gets the node's profiles at a few sizes, those not stored yet
+measured in one task."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from sqlalchemy.orm import Session
 
 from app.planning import build_problem
-from app.profiles import find_profile, job_devices_on, model_ref, profile_key, request_profile
+from app.profiles import (
+    find_profile,
+    job_devices_on,
+    model_ref,
+    profile_key,
+    request_profile,
+    request_sized_profile,
+)
 from app.schemas import JobSpec, NodeCosts, ProfileCosts
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus
 from app.task_queue import sweep_expired
@@ -20,6 +29,8 @@ from remat.errors import InvalidInputError
 from workers.context import WorkerContext
 
 POLL_S = 0.5
+
+Say = Callable[[str], None]
 
 
 class Cancelled(Exception):
@@ -31,7 +42,7 @@ def job_costs(
     spec: JobSpec,
     model: ModelRow,
     cancelled: Callable[[], bool],
-    say: Callable[[str], None],
+    say: Say,
 ) -> CostTable | None:
     if isinstance(spec.costs, ProfileCosts):
         with ctx.db.session() as session:
@@ -40,42 +51,49 @@ def job_costs(
                 raise InvalidInputError(f"profile {spec.costs.profile_id!r} no longer exists")
             return CostTable.model_validate(profile.table)
     if isinstance(spec.costs, NodeCosts):
-        return _node_profile(ctx, spec, spec.costs.node_id, model, cancelled, say)
+        return node_profiles(ctx, {0: spec}, model, cancelled, say)[0]
     return None
 
 
-def _node_profile(
+def node_profiles(
     ctx: WorkerContext,
-    spec: JobSpec,
-    node_id: str,
+    specs: Mapping[int, JobSpec],
     model: ModelRow,
     cancelled: Callable[[], bool],
-    say: Callable[[str], None],
-) -> CostTable:
-    """The node's profile for this job, measured by its agent first if needed."""
-    ref = model_ref(spec, model)
+    say: Say,
+) -> dict[int, CostTable]:
+    """The node's profiles for the jobs of one shape ``specs`` (a job; or a ranged job at
+    a few sizes), each measured by its agent first if not stored: one task for the one
+    shape, or one for every size missing, within the budgets of the largest (a ranged
+    job's budget is its largest size's)."""
+    largest = specs[max(specs)]
+    assert isinstance(largest.costs, NodeCosts)
+    node_id = largest.costs.node_id
+    refs = {size: model_ref(spec, model) for size, spec in specs.items()}
+    tables: dict[int, CostTable] = {}
     with ctx.db.session() as session:
         node = _node(session, node_id)
-        name, devices = node.name, job_devices_on(node, spec)
-        profile = find_profile(session, node_id, profile_key(ref, devices))
-        if profile is not None:
-            return CostTable.model_validate(profile.table)
-    memory = profiling_memory(spec, ctx.store.path(model.sha256))  # outside: it takes a while
+        name, devices = node.name, job_devices_on(node, largest)
+        for size, ref in refs.items():
+            profile = find_profile(session, node_id, profile_key(ref, devices))
+            if profile is not None:
+                tables[size] = CostTable.model_validate(profile.table)
+    missing = {size: ref for size, ref in refs.items() if size not in tables}
+    if not missing:
+        return tables
+    memory = profiling_memory(largest, ctx.store.path(model.sha256))  # outside: it takes a while
     with ctx.db.session() as session:
-        task_id = request_profile(session, _node(session, node_id), ref, devices, memory).id
+        node = _node(session, node_id)
+        if len(specs) == 1:
+            task = request_profile(session, node, refs[max(refs)], devices, memory)
+        else:
+            task = request_sized_profile(session, node, missing, devices, memory)
+        task_id = task.id
     say(f"waiting for node {name!r} to profile the model (task {task_id})")
-    deadline = time.monotonic() + ctx.settings.profile_wait_s
-    while time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        if cancelled():
-            raise Cancelled
-        table = _profile_of(ctx, task_id, name, say)
-        if table is not None:
-            return table
-    raise InvalidInputError(
-        f"node {name!r} did not profile the model within {ctx.settings.profile_wait_s:g} s "
-        "(is its agent running? see GET /v1/nodes)"
-    )
+    measured = _await_profiles(ctx, task_id, name, cancelled, say)
+    if len(specs) == 1:
+        return {max(specs): measured[""]}
+    return tables | {size: measured[str(size)] for size in missing}
 
 
 def _node(session: Session, node_id: str) -> NodeRow:
@@ -86,15 +104,37 @@ def _node(session: Session, node_id: str) -> NodeRow:
 
 
 def profiling_memory(spec: JobSpec, path: Path) -> dict[str, int]:
-    """The job's budgets in bytes (analytical costs resolve a percentage: bytes come from
-    shape inference): profiling holds no more on each device."""
+    """A job on one device: its budget in bytes (analytical costs resolve a percentage:
+    bytes come from shape inference), which profiling holds no more than. A job on several
+    devices splits the graph, so one device's budget does not bound a pass of the whole
+    graph there: only the devices' ``memory`` options bound profiling (none here)."""
+    if len(spec.devices) != 1:
+        return {}
     budgets = build_problem(spec, path).budgets
     return {name: size for name, size in budgets.items() if size is not None}
 
 
-def _profile_of(
-    ctx: WorkerContext, task_id: str, node: str, say: Callable[[str], None]
-) -> CostTable | None:
+def _await_profiles(
+    ctx: WorkerContext, task_id: str, node: str, cancelled: Callable[[], bool], say: Say
+) -> dict[str, CostTable]:
+    deadline = time.monotonic() + ctx.settings.profile_wait_s
+    while time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        if cancelled():
+            raise Cancelled
+        tables = _profiles_of(ctx, task_id, node, say)
+        if tables is not None:
+            return tables
+    raise InvalidInputError(
+        f"node {node!r} did not profile the model within {ctx.settings.profile_wait_s:g} s "
+        "(is its agent running? see GET /v1/nodes)"
+    )
+
+
+def _profiles_of(
+    ctx: WorkerContext, task_id: str, node: str, say: Say
+) -> dict[str, CostTable] | None:
+    """The task's tables once it succeeded (by size as text; "" for one shape)."""
     with ctx.db.session() as session:
         sweep_expired(session, ctx.settings.task_max_attempts)
     with ctx.db.session() as session:
@@ -102,9 +142,13 @@ def _profile_of(
         if task.status == TaskStatus.FAILED:
             raise InvalidInputError(f"profiling on node {node!r} failed: {task.error}")
         if task.status == TaskStatus.SUCCEEDED and task.result:
-            profile = session.get_one(ProfileRow, task.result["profile_id"])
-            return CostTable.model_validate(profile.table)
+            ids = task.result.get("profile_ids") or {"": task.result["profile_id"]}
+            return {
+                size: CostTable.model_validate(session.get_one(ProfileRow, id_).table)
+                for size, id_ in ids.items()
+            }
         if task.progress:
             done, total = task.progress.get("done", 0), task.progress.get("total", 0)
-            say(f"node {node!r} is profiling the model: {done}/{total}")
+            where = f" at {task.progress['message']}" if task.progress.get("message") else ""
+            say(f"node {node!r} is profiling the model{where}: {done}/{total}")
     return None

@@ -48,7 +48,7 @@ from remat.shape_range import ShapeRange
 from remat.solvers.model import Progress
 from remat.strategies import Problem, StrategyResult, run_strategy
 from workers.context import WorkerContext
-from workers.costs import Cancelled, job_costs, profiling_memory
+from workers.costs import Cancelled, job_costs, node_profiles
 
 log = logging.getLogger("remat.worker")
 CANCEL_POLL_S = 0.5  # the cancel flag is read at most this often (stops within 2 s)
@@ -132,20 +132,13 @@ def _sized_tables(
     say: Callable[[str], None],
 ) -> dict[int, CostTable] | None:
     """A job over ranges of sizes with a node's costs: the node's profile at each size
-    the family's estimator is fitted at (each measured by its agent first if needed,
-    within the budget the job's is at the largest size, as the family is planned);
+    the family's estimator is fitted at (those not stored measured by its agent in one
+    task, within the budget the job's is at the largest size, as the family is planned);
     None for analytical costs."""
     if claim.spec.costs == "analytical":
         return None
-    largest = profiling_memory(at_size(claim.spec, ranged, ranged.high), claim.model_path)
-    budgets = {name: str(size) for name, size in largest.items()}
-    tables: dict[int, CostTable] = {}
-    for size in fitted_sizes(ranged):
-        sized = at_size(claim.spec, ranged, size).model_copy(update={"budgets": budgets})
-        table = job_costs(ctx, sized, claim.model, cancelled, say)
-        assert table is not None
-        tables[size] = table
-    return tables
+    specs = {size: at_size(claim.spec, ranged, size) for size in fitted_sizes(ranged)}
+    return node_profiles(ctx, specs, claim.model, cancelled, say)
 
 
 def _internal(exc: Exception) -> str:

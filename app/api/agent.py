@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import ServicesDep, SessionDep, get_or_404
 from app.lifecycle import stopping
 from app.problem_details import ApiError
-from app.profiles import checked_table, graph_of
+from app.profiles import checked_table, graph_of, node_devices, profile_key, profiled_refs
 from app.services import Services, key_digest
 from app.tables import AgentTaskRow, ModelRow, NodeRow, ProfileRow, TaskStatus, now, utc
 from remat.agent_protocol import (
@@ -38,10 +38,12 @@ from remat.agent_protocol import (
     Lease,
     LeaseProof,
     LeaseRequest,
+    ModelRef,
     PredictedCost,
     ProfilePayload,
     Registration,
     ReportAccepted,
+    SizedProfile,
     SizedRun,
     Task,
     TaskKind,
@@ -246,24 +248,55 @@ def _checked_result(
         return checked.model_dump(mode="json"), None
     payload = ProfilePayload.model_validate(row.payload)
     model = get_or_404(session, ModelRow, payload.model.model_id, "model")
-    session.commit()  # the reads end here: checking the table takes a while
-    graph = graph_of(ctx.store.path(model.sha256), payload.model)
-    table = checked_table(graph, result, payload.devices)  # RematError -> 422
-    document = table.model_dump(mode="json")
-
-    def store_profile(session: Session, task: AgentTaskRow) -> None:
-        profile = ProfileRow(
-            model_id=model.id,
-            node_id=task.node_id,
-            key=task.key or "",
-            table=document,
-            spec=payload.model_dump(mode="json"),
+    session.commit()  # the reads end here: checking the tables takes a while
+    refs = profiled_refs(payload)
+    reported: dict[str | None, object] = {None: result}
+    if payload.sizes is not None:
+        reported = _sized_tables(result, refs)
+    path = ctx.store.path(model.sha256)
+    documents = {  # RematError -> 422
+        size: checked_table(graph_of(path, ref), reported[size], payload.devices).model_dump(
+            mode="json"
         )
-        session.add(profile)
-        session.flush()
-        task.result = {"profile_id": profile.id}
+        for size, ref in refs.items()
+    }
 
-    return None, store_profile
+    def store_profiles(session: Session, task: AgentTaskRow) -> None:
+        node = session.get_one(NodeRow, task.node_id)
+        defined = {d.name: d for d in node_devices(node)}
+        devices = [defined[name] for name in payload.devices if name in defined]
+        ids: dict[str, str] = {}
+        for size, ref in refs.items():
+            profile = ProfileRow(
+                model_id=model.id,
+                node_id=task.node_id,
+                key=(task.key or "") if size is None else profile_key(ref, devices),
+                table=documents[size],
+                spec=payload.model_copy(update={"model": ref, "sizes": None}).model_dump(
+                    mode="json"
+                ),
+            )
+            session.add(profile)
+            session.flush()
+            ids[size or ""] = profile.id
+        task.result = {"profile_id": ids[""]} if payload.sizes is None else {"profile_ids": ids}
+
+    return None, store_profiles
+
+
+def _sized_tables(result: object, refs: dict[str | None, ModelRef]) -> dict[str | None, object]:
+    """A profile over several sizes: a table for each size the task asked for; 422 else."""
+    try:
+        sized = SizedProfile.model_validate(result)
+    except ValidationError as exc:
+        raise ApiError(422, f"result: not a profile over sizes: {_first(exc)}") from None
+    if set(sized.tables) != set(refs):
+        raise ApiError(
+            422,
+            f"result: the tables are for sizes {sorted(sized.tables)}, the task asked for "
+            f"{sorted(s for s in refs if s is not None)}",
+        )
+    return {size: table for size, table in sized.tables.items()}
 
 
 def _sized_prediction(result: ExecutionResult, run: SizedRun) -> ExecutionResult:

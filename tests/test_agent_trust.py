@@ -33,6 +33,9 @@ from service import (
 
 from app.migrate import upgrade
 from remat import samples
+from remat.graph import Mode
+from remat.onnx_ingest import forward_graph
+from remat.training import for_mode
 
 ENROLL = "trust-test-enroll-token"
 DEVICES = [
@@ -231,6 +234,42 @@ def test_a_profile_with_impossible_times_is_refused(client):
         "result": profiled_table(names),
     }
     assert client.post(path, json=report, headers=bearer(node)).status_code == 200
+
+
+def test_a_profile_over_sizes_must_give_each_size_its_table(client):
+    """A ranged job's profiles are one task over its sizes: a plain table, tables for
+    other sizes, or a size's table that misses a node are refused (422) and the lease
+    stays; tables for every size are stored as a profile each, and the job is planned."""
+    node = enrolled(client, "sized-profiler")
+    onnx_model = samples.transformer_block(layers=1, seq="S")
+    model = upload(client, onnx_model.SerializeToString()).json()["id"]
+    body = job_body(
+        model,
+        strategy="greedy_evict",
+        budgets={"cpu0": "75%"},
+        ranges={"input": "2x16..128x32"},
+        costs={"node_id": node["node_id"]},
+    )
+    job = client.post("/v1/jobs", json=body).json()
+    task = lease(client, node)
+    assert task["kind"] == "profile" and sorted(task["payload"]["sizes"]) == ["128", "16", "72"]
+    graph = for_mode(forward_graph(onnx_model, inputs={"input": [2, 16, 32]}), Mode.TRAINING)
+    names = [n.name for n in graph.nodes]
+    path = f"/v1/agent/tasks/{task['id']}/report"
+
+    def report(result: object) -> httpx.Response:
+        body = {"lease_token": task["lease_token"], "status": "succeeded", "result": result}
+        return client.post(path, json=body, headers=bearer(node))
+
+    assert "not a profile over sizes" in detail(report(profiled_table(names)), 422)
+    two = {"16": profiled_table(names), "72": profiled_table(names)}
+    assert "the task asked for ['128', '16', '72']" in detail(report({"tables": two}), 422)
+    short = profiled_table(names[1:])
+    assert names[0] in detail(report({"tables": two | {"128": short}}), 422)
+    assert report({"tables": two | {"128": profiled_table(names)}}).status_code == 200
+    assert wait_job(client, job["id"])["status"] == "succeeded"
+    profiles = client.get("/v1/profiles", params={"model_id": model}).json()["items"]
+    assert sorted(p["spec"]["model"]["inputs"]["input"][1] for p in profiles) == [16, 72, 128]
 
 
 # --- models and leases ------------------------------------------------------------------

@@ -20,6 +20,7 @@ from remat.problem import model_graph
 from remat.shape_range import (
     ShapeRange,
     check_ranged_dims_symbolic,
+    observed_counts,
     parse_input_range,
     shape_range,
 )
@@ -61,7 +62,7 @@ def job_range(spec: JobSpec) -> ShapeRange | None:
     if not spec.ranges:
         return None
     items = [parse_input_range(f"{name}={text}") for name, text in spec.ranges.items()]
-    return shape_range(items, [(o.size, o.count) for o in spec.observed or ()])
+    return shape_range(items, observed_counts([(o.size, o.weight()) for o in spec.observed or ()]))
 
 
 def at_size(spec: JobSpec, ranged: ShapeRange, size: int) -> JobSpec:

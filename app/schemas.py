@@ -74,10 +74,22 @@ class NodeCosts(Strict):
 
 
 class ObservedSize(Strict):
-    """A size the training data has, with how often: where a family's work goes."""
+    """A size the training data has, with how often: a count, or its share of a
+    distribution (every size's shares summing to 1); where a family's work goes."""
 
     size: int = Field(ge=1, le=MAX_DIM)
-    count: PositiveInt
+    count: PositiveInt | None = None
+    share: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _count_or_share(self) -> ObservedSize:
+        if (self.count is None) == (self.share is None):
+            raise ValueError("an observed size takes a count or a share (one of them)")
+        return self
+
+    def weight(self) -> int | float:
+        """The count, or the share (``remat.shape_range.observed_counts``)."""
+        return self.count if self.count is not None else float(self.share or 0)
 
 
 class JobSpec(Strict):

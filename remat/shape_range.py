@@ -4,7 +4,8 @@ An input's shape may give one dimension as a range ``LOW..HIGH`` instead of a va
 (``input_ids=8x16..512``). Every ranged dimension of a job takes the same value, the job's
 *size* ``s`` (a sequence length shared by ``input_ids`` and ``attention_mask``, an image
 side): the plans of a family are keyed by it. Observed sizes with their counts (the
-training data's distribution, ``16:120,128:40``) say where the work should go.
+training data's histogram, ``16:120,128:40``) or their shares (its distribution,
+``16:0.75,128:0.25``) say where the work should go.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from remat.errors import InvalidInputError
 Dim = int | tuple[int, int]  # a value, or a range (low, high), both inclusive
 
 _DIM = re.compile(r"(\d+)(?:\.\.(\d+))?")
-_OBSERVED = re.compile(r"(\d+):(\d+)")
+_OBSERVED = re.compile(r"(\d+):(\d+|\d*\.\d+)")
+SHARE_SCALE = 1_000_000  # a distribution's shares become counts out of this many
+SHARE_TOLERANCE = 1e-6  # how far from 1 a distribution's shares may sum
 
 
 @dataclass(frozen=True)
@@ -108,17 +111,51 @@ def parse_input_range(text: str) -> InputRange:
 
 
 def parse_observed(text: str) -> tuple[tuple[int, int], ...]:
-    """``"16:120,128:40"`` (size:count) -> ``((16, 120), (128, 40))``."""
+    """``"16:120,128:40"`` (size:count) -> ``((16, 120), (128, 40))``; shares
+    (``"16:0.75,128:0.25"``) as ``observed_counts`` takes them."""
     pairs = [p.strip() for p in text.split(",") if p.strip()]
     matches = [_OBSERVED.fullmatch(p) for p in pairs]
     if not pairs or not all(matches):
         raise InvalidInputError(
-            f"bad observed sizes {text!r}: expected SIZE:COUNT pairs, e.g. 16:120,128:40"
+            f"bad observed sizes {text!r}: expected SIZE:COUNT pairs, e.g. 16:120,128:40, or "
+            "SIZE:SHARE pairs, e.g. 16:0.75,128:0.25"
         )
-    observed = tuple((int(m.group(1)), int(m.group(2))) for m in matches if m is not None)
-    if any(size < 1 or count < 1 for size, count in observed):
-        raise InvalidInputError(f"bad observed sizes {text!r}: sizes and counts must be positive")
-    return observed
+    return observed_counts(
+        [
+            (int(m.group(1)), float(m.group(2)) if "." in m.group(2) else int(m.group(2)))
+            for m in matches
+            if m is not None
+        ]
+    )
+
+
+def observed_counts(pairs: Sequence[tuple[int, int | float]]) -> tuple[tuple[int, int], ...]:
+    """Observed sizes as (size, count) pairs, from counts (ints, at least 1) as they are,
+    or from a distribution's shares (floats in (0, 1] that sum to 1 within
+    ``SHARE_TOLERANCE``) as counts out of ``SHARE_SCALE``. ``InvalidInputError`` for a
+    size that is not positive or is given twice, counts and shares mixed, a count below 1
+    or shares that do not sum to 1."""
+    sizes = [size for size, _ in pairs]
+    twice = sorted({size for size in sizes if sizes.count(size) > 1})
+    if twice:
+        raise InvalidInputError(f"observed size {twice[0]} is given more than once")
+    if any(size < 1 for size in sizes):
+        raise InvalidInputError("observed sizes must be positive")
+    shares = [w for _, w in pairs if isinstance(w, float)]
+    if not shares:
+        if any(w < 1 for _, w in pairs):
+            raise InvalidInputError("observed counts must be at least 1")
+        return tuple((size, int(w)) for size, w in pairs)
+    if len(shares) != len(pairs):
+        raise InvalidInputError("observed sizes take counts or shares, not both")
+    if any(not 0 < w <= 1 for w in shares):
+        raise InvalidInputError("an observed share must be in (0, 1]")
+    total = sum(shares)
+    if abs(total - 1) > SHARE_TOLERANCE:
+        raise InvalidInputError(
+            f"the observed shares sum to {total:.6g}, not 1: give a distribution, or counts"
+        )
+    return tuple((size, max(1, round(w * SHARE_SCALE))) for size, w in pairs)
 
 
 def shape_range(

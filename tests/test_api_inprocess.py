@@ -452,6 +452,12 @@ def test_a_job_of_one_shape_takes_no_sizes(api: InProcessApi) -> None:
         ({"ranges": {"input": "2x16..128x32"}, "inputs": {"input": [2, 16, 32]}}, "both"),
         ({"observed": [{"size": 20, "count": 3}]}, "observed sizes need ranges"),
         ({**RANGED, "observed": [{"size": 500, "count": 1}]}, "outside the range"),
+        (
+            {**RANGED, "observed": [{"size": 20, "share": 0.5}, {"size": 40, "share": 0.4}]},
+            "the observed shares sum to 0.9, not 1",
+        ),
+        ({**RANGED, "observed": [{"size": 20, "count": 2, "share": 0.5}]}, "a count or a share"),
+        ({**RANGED, "observed": [{"size": 20, "count": 2}] * 2}, "given more than once"),
         ({**RANGED, "costs": {"profile_id": "0" * 32}}, "analytical"),
         ({"ranges": {"input": "2x16x16..32"}}, "dimension 2 is 32 in the model, not symbolic"),
     ],

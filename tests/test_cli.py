@@ -250,3 +250,6 @@ def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
     fixed = remat(*common, "--input", "input=2x16x16..64")
     assert fixed.returncode == 2 and "is 32 in the model, not symbolic" in fixed.stderr
+    shares = remat(*common, "--input", "input=2x16..128x32", "--observed", "16:0.6,128:0.3")
+    assert shares.returncode == 2 and "the observed shares sum to 0.9, not 1" in shares.stderr
+    assert len(shares.stderr.strip().splitlines()) == 1

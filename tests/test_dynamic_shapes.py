@@ -71,6 +71,21 @@ def test_sizes_outside_the_range_and_mismatched_shapes_are_refused():
         parse_observed("16-3")
 
 
+def test_observed_sizes_are_counts_or_a_distribution():
+    assert parse_observed("16:0.75,128:0.25") == ((16, 750_000), (128, 250_000))
+    assert parse_observed("16:120,128:40") == ((16, 120), (128, 40))
+    refused = {
+        "16:0.5,128:0.3": "the observed shares sum to 0.8, not 1",
+        "16:0.5,128:1": "counts or shares, not both",
+        "16:1,16:2": "observed size 16 is given more than once",
+        "16:0,32:1": "counts must be at least 1",
+        "16:1.5,32:0.5": r"share must be in \(0, 1\]",
+    }
+    for text, message in refused.items():
+        with pytest.raises(InvalidInputError, match=message):
+            parse_observed(text)
+
+
 # --- the size estimator -----------------------------------------------------------------
 
 

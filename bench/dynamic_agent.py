@@ -7,12 +7,18 @@ eviction where it finds none; the executor runs each plan. Per size, profiled or
 measured against predicted (time, peak), and the interpolated table's total compute time
 against a profile taken at that size.
 
+``--profile-within-budget`` profiles the fitted sizes as the service does for a job on one
+device: holding at most the budget, so under a plan that recomputes where checkpoint-all
+needs more (``remat.profiling_plan``); it first prints, per fitted size, that table against
+a checkpoint-all profile (total compute time, and the median of the nodes' relative
+differences), then plans and runs with it.
+
 Prints a markdown table and appends rows to ``bench/results/dynamic.csv`` (table
 ``measured``). Timings wait for a quiet machine (``agent.quietly``).
 
     .venv/bin/python bench/dynamic_agent.py [--range 32..256] [--sizes 48,96,160,224]
         [--layers 4] [--batch 8] [--budget 70] [--device cpu0:cpu:threads=2]
-        [--repeats 3] [--run LABEL]
+        [--repeats 3] [--profile-within-budget] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -20,15 +26,18 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
+import numpy as np
 from agent import quietly
 from results import Writer, add_run_argument
 
 from agents.executor import execute
 from agents.profiler import profile
 from remat import samples
+from remat.budgets import reference
 from remat.costs import CostTable, profiled_costs
 from remat.devices import parse_device
 from remat.family import fitted_sizes
+from remat.graph import Graph
 from remat.onnx_ingest import forward_graph
 from remat.problem import problem_from_graph
 from remat.shape_range import parse_input_range, shape_range
@@ -46,6 +55,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=70.0)
     parser.add_argument("--device", default="cpu0:cpu:threads=2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-within-budget", action="store_true")
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("dynamic", args.run)
@@ -56,23 +66,26 @@ def main() -> None:
     sizes = sorted({*fitted, *(int(s) for s in args.sizes.split(","))})
     graphs = {s: training_graph(forward_graph(model, inputs=ranged.shapes(s))) for s in sizes}
 
-    def profiled(size: int) -> CostTable:
+    def profiled(size: int, memory: int | None = None) -> CostTable:
+        limit = None if memory is None else {device.name: memory}
         table, _ = quietly(
-            lambda: profile(model, graphs[size], [device], repeats=5, warmup=2),
+            lambda: profile(model, graphs[size], [device], repeats=5, warmup=2, memory_bytes=limit),
             f"profile at {size}",
         )
         return table
 
-    tables = {s: profiled(s) for s in fitted}
     high = ranged.high
     top = problem_from_graph(
-        graphs[high],
-        devices=[device],
-        budgets={device.name: f"{args.budget:g}%"},
-        table=table_at_size(tables, high, graphs[high]),
+        graphs[high], devices=[device], budgets={device.name: f"{args.budget:g}%"}
     )
     budget = top.budgets[device.name]
     print(f"budget {budget} B ({args.budget:g}% at size {high}) on {args.device}")
+    tables = {s: profiled(s) for s in fitted}
+    if args.profile_within_budget:
+        within = {s: profiled(s, budget) for s in fitted}
+        again = {s: profiled(s) for s in fitted}  # the noise floor of the comparison
+        _compare_profiles(out, args, graphs, tables, within, again, budget)
+        tables = within
     print(
         "| size | profiled | table time vs a profile | plan | predicted ms | measured ms "
         "| measured / predicted | predicted peak | measured peak |"
@@ -122,6 +135,50 @@ def main() -> None:
             f"{predicted_peak} | {measured_peak} |",
             flush=True,
         )
+
+
+def _compare_profiles(
+    out: Writer,
+    args: argparse.Namespace,
+    graphs: dict[int, Graph],
+    everything: dict[int, CostTable],
+    within: dict[int, CostTable],
+    again: dict[int, CostTable],
+    budget: int,
+) -> None:
+    """Per fitted size: the table profiled within ``budget`` against checkpoint-all's
+    (profiled before and after it: their mean), and checkpoint-all's two profiles against
+    each other (what the machine's noise alone makes of the comparison)."""
+    print("| size | checkpoint-all peak | total compute, within budget vs checkpoint-all "
+          "| median node difference | checkpoint-all twice: total, median node |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for size, table in within.items():
+        graph = graphs[size]
+        first = profiled_costs(graph, everything[size]).compute_ms[:, 0]
+        second = profiled_costs(graph, again[size]).compute_ms[:, 0]
+        plain = (first + second) / 2
+        planned = profiled_costs(graph, table).compute_ms[:, 0]
+        peak = reference(graph, profiled_costs(graph, table)).peak_bytes
+        total = planned.sum() / plain.sum() - 1
+        median = float(np.median(np.abs(planned / plain - 1)))
+        noise_total = second.sum() / first.sum() - 1
+        noise_median = float(np.median(np.abs(second / first - 1)))
+        out.add(
+            {
+                "table": "profiled_within_budget",
+                "model": f"transformer{args.layers}",
+                "devices": args.device,
+                "size": size,
+                "budget_bytes": budget,
+                "reference_peak": peak,
+                "table_error": total,
+                "node_median_error": median,
+                "noise_table_error": noise_total,
+                "noise_node_median_error": noise_median,
+            }
+        )
+        print(f"| {size} | {peak} ({peak / budget:.0%} of the budget) | {total:+.1%} "
+              f"| {median:.1%} | {noise_total:+.1%}, {noise_median:.1%} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ lanes and no-wait timing, Proposition 3's bound and the GREEDY strategy."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -38,9 +39,10 @@ from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import AUTO, Problem, SolverSettings, run_strategy
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
+from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.offload import offload_base, offload_bound_ms
 from remat.strategies.exact.offload_remat import _solve as offload_remat_solve
-from remat.strategies.exact.offload_remat import recompute_then_offload
+from remat.strategies.exact.offload_remat import offloading_plans, recompute_then_offload
 from remat.training import training_graph
 
 from graphs import chain
@@ -286,6 +288,28 @@ def test_offload_dynprog_chooses_sets_that_are_not_greedy_prefixes():
     base = offload_base(problem, "cuda0")
     sent = [s.node for s in dynprog.plan.steps if s.op == "offload"]
     assert sent != list(base.candidates[: len(sent)])
+
+
+def test_offload_dynprog_stops_at_its_time_limit_with_greedys_plan():
+    problem = build_problem(
+        unet(), batch=8, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "50%"}
+    )
+    greedy = run_strategy("offload_greedy", problem, "cuda0")
+    stopped = run_strategy("offload_dynprog", problem.within(0.0), "cuda0")
+    assert stopped.simulation.total_ms == greedy.simulation.total_ms
+    assert "DYNPROG stopped at 0 s" in stopped.message
+
+
+def test_the_offloading_plans_come_from_beside_the_remat_search():
+    """offload_remat's offloading heuristics run in a process of their own: their plans
+    arrive over the pipe as they are planned in process."""
+    g, costs = _setup()
+    problem = Problem(g, costs, {"cuda0": FIXED + 3000})
+    deadline = time.monotonic() + 20
+    arrived, why = Beside(offloading_plans, picklable(problem), "cuda0", deadline).result(deadline)
+    here = offloading_plans(problem, "cuda0", time.monotonic() + 20)
+    assert arrived is not None, why
+    assert [p.simulation.total_ms for p in arrived] == [p.simulation.total_ms for p in here]
 
 
 def test_transfer_spans_run_from_issue_to_wait():

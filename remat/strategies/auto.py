@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from remat.devices import format_bytes
 from remat.errors import RematError
@@ -110,8 +110,7 @@ def auto(
         and not _near_ideal(problem, best, names)
         and not (best is not None and good_enough_ms is not None and _ms(best) <= good_enough_ms)
     ):
-        short = replace(problem.solver, options=replace(options, time_limit_s=seconds))
-        within = replace(problem, solver=short)
+        within = problem.within(seconds)
         logger.debug("auto: %s for %.3g s", exact, seconds)
         if len(names) > 1:
             solved = _attempt(xengine, within, None)

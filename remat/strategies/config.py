@@ -155,8 +155,6 @@ class SearchConfig:
     """``offload_remat``: the relaxed budgets greedy eviction recomputes to before offloading
     brings the plan down to the budget, as fractions of the way from the budget up to
     checkpoint-all's peak; the best one's neighbours at half the spacing follow."""
-    offload_remat_ladder_share: float = 0.2
-    """``offload_remat``: the most of the time limit the ladder takes."""
     offload_remat_share: float = 0.5
     """``offload_remat``: the share of the time left after the ladder for
     ``checkmate_milp``'s search before the joint MILP starts from its plan (all of it where

@@ -50,6 +50,11 @@ class Problem:
         """The user asked to stop (the solver settings' cancel flag is set)."""
         return self.solver.cancel is not None and self.solver.cancel.is_set()
 
+    def within(self, seconds: float) -> Problem:
+        """This problem with the solver settings' time limit set to ``seconds``."""
+        options = replace(self.solver.options, time_limit_s=seconds)
+        return replace(self, solver=replace(self.solver, options=options))
+
     def plan_devices(self, names: Iterable[str] | None = None) -> tuple[PlanDevice, ...]:
         wanted = set(names) if names is not None else None
         return tuple(

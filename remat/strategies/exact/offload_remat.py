@@ -3,15 +3,19 @@ device by Checkmate's MILP extended with transfers to host memory at stage granu
 (``remat.formulations.checkmate`` with ``transfers``: a stage's transfers run beside its
 compute and it costs the longer of the two).
 
-Warm starts and incumbents, in turn: DYNPROG's plan (offloading alone,
-``offload_dynprog``, whose transfers are finer than stages, so it competes as a plan
-rather than as a start); greedy eviction to relaxed budgets with offloading over its plans
-down to the budget (``recompute_then_offload``, a ladder of budgets within
-``offload_remat_ladder_share`` of the time); ``checkmate_milp``'s search for
+Plans, in turn: GREEDY's (offloading alone, ``offload_greedy``: milliseconds; where it
+costs the ideal nothing else runs); ``checkmate_milp``'s search for
 ``offload_remat_share`` of the time left (rematerialization alone, with its own warm
 starts, RINS and decomposition; its plan is the joint MILP's start, since every remat plan
-is a solution with no transfers); then the joint MILP for the rest. The best plan the
-simulator accepts wins, so the result is never worse than those plans.
+is a solution with no transfers), and beside it DYNPROG's plan
+(``offload_dynprog``, whose transfers are finer than stages, so it competes as a plan
+rather than as a start) and greedy eviction to relaxed budgets with offloading over its
+plans down to the budget (``recompute_then_offload``, a ladder of budgets), in a process of
+its own (``common.beside``); then the joint MILP for the rest. The remat search gets the
+whole of its share of the time, as ``checkmate_milp`` alone would, sharing the cores while
+the offloading heuristics run, rather than what they leave (its plans improve through the
+whole limit on large graphs). The best plan the simulator accepts wins, so the result
+is never worse than those plans.
 
 The bound reported is the ideal (every node once, no transfers): the MILP's own bound
 holds only for plans whose transfers follow its stages, which the heuristics' plans need
@@ -23,6 +27,7 @@ rest of the time, and its plan competes with the others.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from itertools import pairwise
@@ -34,6 +39,7 @@ from remat.formulations.checkmate import HostTransfers, build_checkmate
 from remat.plan import SolverInfo
 from remat.schedule import schedule_of_steps
 from remat.solvers.backend import relative_gap
+from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.offload import offload_base, offload_result
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import (
@@ -46,8 +52,11 @@ from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.search import solve_alone, unfit
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog, offload_set_plan
+from remat.strategies.heuristics.offload_greedy import offload_greedy
 
 NAME = "offload_remat"
+BESIDE_GRACE_S = 3.0  # past the remat search: the offloading process's start and its result
+logger = logging.getLogger(__name__)
 
 
 def offload_remat(problem: Problem, device: str) -> StrategyResult:
@@ -56,21 +65,23 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
         return unfit_result
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     ideal = problem.costs.ideal_ms(device)
-    plans = [offload_dynprog(problem, device)]
+    plans = [offload_greedy(problem, device)]
     if _reaches(plans, ideal, config.proven_gap):
         return _best(problem, device, plans, "offloading alone costs the ideal: no solve", 0.0)
-    plans += recompute_then_offload(problem, device, limit * config.offload_remat_ladder_share)
-    if _reaches(plans, ideal, config.proven_gap):
-        note = "a plan costs the ideal: no solve"
-        return _best(problem, device, plans, note, time.monotonic() - started)
     large = len(problem.graph) > config.decompose_min_nodes
     share = 1.0 if large else config.offload_remat_share
     seconds = (limit - (time.monotonic() - started)) * share
-    settings = problem.solver
-    alone = replace(settings, options=replace(settings.options, time_limit_s=seconds))
-    remat = checkmate_milp(replace(problem, solver=alone), device)
-    plans.append(remat)
-    if large:
+    deadline = time.monotonic() + seconds
+    beside = Beside(offloading_plans, picklable(problem), device, deadline)
+    remat = checkmate_milp(problem.within(seconds), device)
+    offloading, why = beside.result(max(deadline, time.monotonic()) + BESIDE_GRACE_S)
+    if offloading is None:
+        offloading = []
+        logger.debug("%s: no offloading plans from beside the remat search: %s", NAME, why)
+    plans += [*offloading, remat]
+    if problem.cancelled:
+        note = "cancelled"
+    elif large:
         note = f"the joint model is not built over {config.decompose_min_nodes} nodes"
     elif _reaches(plans, ideal, config.proven_gap):
         note = "a plan costs the ideal: no joint solve"
@@ -80,6 +91,13 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
         if solved is not None:
             plans.append(solved)
     return _best(problem, device, plans, note, time.monotonic() - started)
+
+
+def offloading_plans(problem: Problem, device: str, deadline: float) -> list[StrategyResult]:
+    """DYNPROG's plan and ``recompute_then_offload``'s, by ``deadline`` (a
+    ``time.monotonic()``): the work beside the remat search."""
+    plans = [offload_dynprog(problem.within(deadline - time.monotonic()), device)]
+    return plans + recompute_then_offload(problem, device, deadline - time.monotonic())
 
 
 def recompute_then_offload(problem: Problem, device: str, seconds: float) -> list[StrategyResult]:
@@ -109,7 +127,7 @@ def recompute_then_offload(problem: Problem, device: str, seconds: float) -> lis
         looser = replace(problem, budgets={**problem.budgets, device: relaxed})
         remat = greedy_evict(looser, device, min(config.evict_time_s, left))
         over = None if remat.plan is None else offload_base(problem, device, remat.plan)
-        chosen = None if over is None else offload_set_plan(problem, over)
+        chosen = None if over is None else offload_set_plan(problem, over, deadline)
         if over is None or chosen is None:
             return None
         label = f"greedy_evict to {format_bytes(relaxed)}, then offloading"

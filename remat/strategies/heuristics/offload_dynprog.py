@@ -37,11 +37,13 @@ The set's plan is judged by the simulator. Where the relaxation was too optimist
 whole activations (the plan does not fit), the program runs again for a budget smaller by
 ``offload_epsilons`` (as Checkmate's LP rounding sweeps), and the plan of the prefix GREEDY
 chooses is the fallback, so DYNPROG is never worse than GREEDY. Where GREEDY's plan costs
-the bound already, the program does not run.
+the bound already, the program does not run; where the program has not ended within the
+solver settings' time limit, GREEDY's plan is the result (the message says so).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from remat.plan import Compute
@@ -70,22 +72,30 @@ class _Walk:
 
 def offload_dynprog(problem: Problem, device: str) -> StrategyResult:
     base = offload_base(problem, device)
-    best = None if base is None else offload_set_plan(problem, base)
+    deadline = time.monotonic() + problem.solver.options.time_limit_s
+    best = None if base is None else offload_set_plan(problem, base, deadline)
     if base is None or best is None:
         return _renamed(offload_greedy(problem, device))  # says what offloading needs
-    return offload_result(problem, base, NAME, best)
+    result = offload_result(problem, base, NAME, best)
+    if time.monotonic() > deadline:
+        limit = problem.solver.options.time_limit_s
+        result = replace(result, message=f"{result.message} (DYNPROG stopped at {limit:g} s)")
+    return result
 
 
-def offload_set_plan(problem: Problem, base: OffloadBase) -> Evaluation | None:
+def offload_set_plan(
+    problem: Problem, base: OffloadBase, deadline: float | None = None
+) -> Evaluation | None:
     """The cheaper of GREEDY's and DYNPROG's plans over ``base`` (DYNPROG runs only where
-    GREEDY's plan costs more than Proposition 3's bound); None where neither fits."""
+    GREEDY's plan costs more than Proposition 3's bound, until ``deadline``, a
+    ``time.monotonic()``); None where neither fits."""
     greedy = greedy_plan(problem, base)
     budget = problem.budgets.get(base.device)
     if budget is None or (greedy is not None and greedy.cost_ms <= offload_bound_ms(problem, base)):
         return greedy
     found: Evaluation | None = None
     for epsilon in problem.solver.search.offload_epsilons:
-        chosen = _dynprog(problem, base, int(budget * (1 - epsilon)))
+        chosen = _dynprog(problem, base, int(budget * (1 - epsilon)), deadline)
         found = None if chosen is None else judged_plan(problem, base, chosen, NAME)
         if found is not None:
             break
@@ -100,9 +110,11 @@ def _renamed(result: StrategyResult) -> StrategyResult:
     return replace(result, strategy=NAME, plan=plan, message=message)
 
 
-def _dynprog(problem: Problem, base: OffloadBase, budget: int) -> list[int] | None:
+def _dynprog(
+    problem: Problem, base: OffloadBase, budget: int, deadline: float | None
+) -> list[int] | None:
     """The candidates DYNPROG offloads at ``budget``, or None where no set fits the
-    relaxation."""
+    relaxation or the program has not ended by ``deadline``."""
     # In the order their memory can be released: after their last forward reader.
     candidates = sorted(base.candidates, key=lambda v: (base.last_forward[v], base.produced[v]))
     if not candidates:
@@ -128,6 +140,8 @@ def _dynprog(problem: Problem, base: OffloadBase, budget: int) -> list[int] | No
     layers: list[dict[Key, _State]] = [{(0, 0, 0): _State(0.0, 0.0, 0.0, 0.0, None, False)}]
     at_f = at_b = 0
     for j, size in enumerate(sizes):
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         states: dict[Key, _State] = {}
         for key, state in layers[-1].items():
             moved = _advance(state, forward, at_f, joins_f[j], to_host, True)

@@ -573,14 +573,17 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     # variance; the running statistics move by ``1 - momentum`` towards them (the biased
     # variance too, unlike PyTorch's own update); opsets 9-13 also output the batch's mean
     # and inverse standard deviation. The statistics outputs carry no gradient.
-    y = F.batch_norm(x, None, None, scale, bias, True, 0.0, eps)
-    dims = [0, *range(2, x.dim())]
+    # PyTorch's kernel gives the batch's mean and inverse standard deviation with the
+    # output, in the same pass (as autograd keeps them for the backward).
+    y, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
+        x, scale, bias, None, None, True, 0.0, eps
+    )
     with torch.no_grad():
-        batch_var, batch_mean = torch.var_mean(x, dim=dims, correction=0)
+        batch_mean, inv_std = batch_mean.detach(), inv_std.detach()
+        batch_var = inv_std.pow(-2) - eps
         momentum = float(spec.attr("momentum", 0.9))
         running_mean = mean * momentum + batch_mean.to(mean.dtype) * (1 - momentum)
         running_var = var * momentum + batch_var.to(var.dtype) * (1 - momentum)
-        inv_std = torch.rsqrt(batch_var + eps)
     return y, running_mean, running_var, batch_mean, inv_std
 
 
@@ -1613,6 +1616,29 @@ def _gemm_grad(call: VjpCall) -> Grads:
     )
 
 
+def _batch_norm_grad(call: VjpCall) -> Grads:
+    """Training mode: PyTorch's fused backward from the batch's statistics, taken again
+    from the input by PyTorch's forward kernel (whose output is dropped; a strided
+    ``var_mean`` over the batch and spatial axes was slower), rather than the whole forward
+    re-run under autograd; only the output ``Y`` carries a gradient. Inference mode:
+    through autograd."""
+    spec, x, g = call.spec, call.arg(0), call.grads[0]
+    if not batch_norm_training(spec) or g is None or call.optional(1) is None:
+        return autograd_vjp(call)
+    eps = spec.attr("epsilon", 1e-5)
+    scale = call.arg(1)
+    _, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
+        x, scale, None, None, None, True, 0.0, eps
+    )
+    wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
+    mask = [wanted[0], wanted[1], len(call.args) > 2 and wanted[2]]
+    grads = torch.ops.aten.native_batch_norm_backward(
+        g, x, scale, None, None, batch_mean, inv_std, True, eps, mask
+    )
+    found = [grad if m else None for grad, m in zip(grads, mask, strict=True)]
+    return (found + [None] * len(call.args))[: len(call.args)]
+
+
 def _conv_grad(transposed: bool) -> Rule:
     def rule(call: VjpCall) -> Grads:
         spec, x, w, g = call.spec, call.arg(0), call.arg(1), call.g
@@ -1700,7 +1726,7 @@ def _gather_elements_grad(call: VjpCall) -> Grads:
 
 
 VJP_RULES: dict[str, Rule] = {
-    "Relu": _from_output(lambda s, y, g: g * (y > 0)),
+    "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
     "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
     "Tanh": _from_output(lambda s, y, g: g * (1 - y * y)),
     "Exp": _from_output(lambda s, y, g: g * y),
@@ -1730,6 +1756,7 @@ VJP_RULES: dict[str, Rule] = {
     "Gemm": _gemm_grad,
     "Conv": _conv_grad(False),
     "ConvTranspose": _conv_grad(True),
+    "BatchNormalization": _batch_norm_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

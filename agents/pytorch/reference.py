@@ -121,7 +121,7 @@ def compare_with_module(
     ``module`` must be in the mode it was exported in."""
     if graph.mode is not Mode.TRAINING:
         raise ValueError("gradients need a training graph")
-    inputs = _model_inputs(model, args)
+    inputs = model_inputs(model, args)
     program = build_program(model, graph, inputs, seed)
     loss = program.loss
     labels = None
@@ -129,8 +129,8 @@ def compare_with_module(
         labels = program.fixed[loss.labels]
         inputs[loss.labels] = labels.numpy()
     report = execute(model, graph, plan, devices, inputs=inputs, seed=seed, warmup=0)
-    expected = _module_gradients(module, args, loss, labels)
-    exact = _module_gradients(copy.deepcopy(module).double(), _double(args), loss, labels)
+    expected = module_gradients(module, args, loss, labels)
+    exact = module_gradients(copy.deepcopy(module).double(), _double(args), loss, labels)
     gradients = initializer_gradients(model, program, report.gradients)
     paired, unpaired = _pair(module, model, expected)
     missing = torch.zeros(0)  # a paired tensor the run did not train: an infinite error
@@ -162,7 +162,7 @@ def _noise(gradients: Mapping[str, torch.Tensor]) -> float:
     return NOISE * max((float(g.abs().max()) for g in gradients.values() if g.numel()), default=0.0)
 
 
-def _model_inputs(model: onnx.ModelProto, args: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
+def model_inputs(model: onnx.ModelProto, args: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
     initializers = {t.name for t in model.graph.initializer}
     names = [v.name for v in model.graph.input if v.name not in initializers]
     if len(names) != len(args):
@@ -170,7 +170,7 @@ def _model_inputs(model: onnx.ModelProto, args: Sequence[torch.Tensor]) -> dict[
     return {name: arg.detach().cpu().numpy() for name, arg in zip(names, args, strict=True)}
 
 
-def _module_gradients(
+def module_gradients(
     module: torch.nn.Module, args: Sequence[torch.Tensor], loss: LossOf, labels: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     """The module's parameter gradients for ``loss`` on its outputs flattened in order

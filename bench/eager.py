@@ -1,0 +1,121 @@
+"""The executor against plain PyTorch (issue 37): a training step of a PyTorch corpus module
+(``agents/pytorch/corpus.py``, at its bench scale) as eager autograd runs it (forward, the
+entry's loss, the parameters' gradients), against the executor running the checkpoint-all
+plan of the module's ONNX export (TorchScript exporter, training mode) on one CPU device
+with the same thread count. Both take the median of ``--repeats`` timed runs after two
+warm-ups, each on a quiet machine (``agent.quietly``).
+
+Columns: the plan's steps; eager and executor milliseconds and their ratio; the executor's
+own time per step outside the kernels' (its total less the sum of its steps' times, over
+the steps) and per compute step inside them (the steps' times less the profiler's median
+node times, a rough split: the profiler times each node with the same call).
+
+Prints a markdown table and appends rows to ``bench/results/eager.csv``.
+
+    .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
+        [--threads 2] [--repeats 20] [--run LABEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from agent import quietly
+from results import Writer, add_run_argument
+
+from agents.executor import execute
+from agents.profiler import profile
+from agents.program import build_program
+from agents.pytorch.check import export_entry, graph_of
+from agents.pytorch.corpus import CORPUS
+from agents.pytorch.reference import model_inputs, module_gradients
+from remat.costs import profiled_costs
+from remat.devices import Device, DeviceKind
+from remat.graph import Mode
+from remat.problem import problem_from_graph
+from remat.strategies import run_strategy
+
+WARMUP = 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="small_cnn,resnet18,transformer_encoder")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    add_run_argument(parser)
+    args = parser.parse_args()
+    out = Writer("eager", args.run)
+    device = Device("cpu0", DeviceKind.CPU, {"threads": str(args.threads)})
+    print(
+        "| model (nodes) | steps | eager ms | executor ms | executor / eager "
+        "| outside the kernels, us per step | inside, us per compute |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        entry = CORPUS[name]
+        exported = export_entry(entry, "bench")
+        graph = graph_of(exported, Mode.TRAINING, entry.loss)
+        problem = problem_from_graph(graph, devices=[device])
+        plan = run_strategy("checkpoint_all", problem, device.name).plan
+        assert plan is not None
+        inputs = model_inputs(exported.model, exported.args)
+        loss = build_program(exported.model, graph, inputs).loss
+        labels = None
+        if loss.labels is not None:
+            labels = build_program(exported.model, graph, inputs).fixed[loss.labels]
+            inputs[loss.labels] = labels.numpy()
+
+        def eager() -> float:
+            torch.set_num_threads(args.threads)
+            times = []
+            for run in range(WARMUP + args.repeats):
+                start = time.perf_counter()
+                module_gradients(exported.module, exported.args, loss, labels)
+                if run >= WARMUP:
+                    times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+
+        eager_ms, _ = quietly(eager, f"eager {name}")
+        report, _ = quietly(
+            lambda: execute(
+                exported.model, graph, plan, [device], inputs=inputs,
+                warmup=WARMUP, repeats=args.repeats,
+            ),
+            f"executing {name}",
+        )  # fmt: skip
+        table, _ = quietly(
+            lambda: profile(exported.model, graph, [device], repeats=5, warmup=WARMUP),
+            f"profiling {name}",
+        )
+        kernels_ms = float(profiled_costs(graph, table).compute_ms.sum())
+        steps, computes = len(plan.steps), sum(1 for s in plan.steps if s.op == "compute")
+        outside_us = (report.total_ms - sum(report.step_ms)) / steps * 1e3
+        inside_us = (sum(report.step_ms) - kernels_ms) / computes * 1e3
+        ratio = report.total_ms / eager_ms
+        out.add(
+            {
+                "model": name,
+                "nodes": len(graph),
+                "devices": f"cpu0:threads={args.threads}",
+                "steps": steps,
+                "eager_ms": eager_ms,
+                "measured_ms": report.total_ms,
+                "ratio": ratio,
+                "outside_us_per_step": outside_us,
+                "inside_us_per_compute": inside_us,
+                "gradients_match": report.gradients_match,
+            }
+        )
+        print(
+            f"| {name} ({len(graph)}) | {steps} | {eager_ms:.2f} | {report.total_ms:.2f} "
+            f"| {ratio:.3f} | {outside_us:.1f} | {inside_us:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 from agent import quietly
@@ -56,65 +57,66 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        entry = CORPUS[name]
-        exported = export_entry(entry, "bench")
-        graph = graph_of(exported, Mode.TRAINING, entry.loss)
-        problem = problem_from_graph(graph, devices=[device])
-        plan = run_strategy("checkpoint_all", problem, device.name).plan
-        assert plan is not None
-        inputs = model_inputs(exported.model, exported.args)
-        loss = build_program(exported.model, graph, inputs).loss
-        labels = None
-        if loss.labels is not None:
-            labels = build_program(exported.model, graph, inputs).fixed[loss.labels]
-            inputs[loss.labels] = labels.numpy()
-
-        def eager() -> float:
-            torch.set_num_threads(args.threads)
-            times = []
-            for run in range(WARMUP + args.repeats):
-                start = time.perf_counter()
-                module_gradients(exported.module, exported.args, loss, labels)
-                if run >= WARMUP:
-                    times.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(times)
-
-        eager_ms, _ = quietly(eager, f"eager {name}")
-        report, _ = quietly(
-            lambda: execute(
-                exported.model, graph, plan, [device], inputs=inputs,
-                warmup=WARMUP, repeats=args.repeats,
-            ),
-            f"executing {name}",
-        )  # fmt: skip
-        table, _ = quietly(
-            lambda: profile(exported.model, graph, [device], repeats=5, warmup=WARMUP),
-            f"profiling {name}",
-        )
-        kernels_ms = float(profiled_costs(graph, table).compute_ms.sum())
-        steps, computes = len(plan.steps), sum(1 for s in plan.steps if s.op == "compute")
-        outside_us = (report.total_ms - sum(report.step_ms)) / steps * 1e3
-        inside_us = (sum(report.step_ms) - kernels_ms) / computes * 1e3
-        ratio = report.total_ms / eager_ms
-        out.add(
-            {
-                "model": name,
-                "nodes": len(graph),
-                "devices": f"cpu0:threads={args.threads}",
-                "steps": steps,
-                "eager_ms": eager_ms,
-                "measured_ms": report.total_ms,
-                "ratio": ratio,
-                "outside_us_per_step": outside_us,
-                "inside_us_per_compute": inside_us,
-                "gradients_match": report.gradients_match,
-            }
-        )
+        row = _measure(name, device, args.threads, args.repeats)
+        out.add(row)
         print(
-            f"| {name} ({len(graph)}) | {steps} | {eager_ms:.2f} | {report.total_ms:.2f} "
-            f"| {ratio:.3f} | {outside_us:.1f} | {inside_us:.1f} |",
+            f"| {name} ({row['nodes']}) | {row['steps']} | {row['eager_ms']:.2f} "
+            f"| {row['measured_ms']:.2f} | {row['ratio']:.3f} "
+            f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} |",
             flush=True,
         )
+
+
+def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str, Any]:
+    """One corpus model's row: eager, the executor, and the profiler's node times."""
+    entry = CORPUS[name]
+    exported = export_entry(entry, "bench")
+    graph = graph_of(exported, Mode.TRAINING, entry.loss)
+    problem = problem_from_graph(graph, devices=[device])
+    plan = run_strategy("checkpoint_all", problem, device.name).plan
+    assert plan is not None
+    inputs = model_inputs(exported.model, exported.args)
+    program = build_program(exported.model, graph, inputs)
+    labels = None
+    if program.loss.labels is not None:
+        labels = program.fixed[program.loss.labels]
+        inputs[program.loss.labels] = labels.numpy()
+
+    def eager() -> float:
+        torch.set_num_threads(threads)
+        times = []
+        for run in range(WARMUP + repeats):
+            start = time.perf_counter()
+            module_gradients(exported.module, exported.args, program.loss, labels)
+            if run >= WARMUP:
+                times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    eager_ms, _ = quietly(eager, f"eager {name}")
+    report, _ = quietly(
+        lambda: execute(
+            exported.model, graph, plan, [device], inputs=inputs, warmup=WARMUP, repeats=repeats
+        ),
+        f"executing {name}",
+    )
+    table, _ = quietly(
+        lambda: profile(exported.model, graph, [device], repeats=5, warmup=WARMUP),
+        f"profiling {name}",
+    )
+    kernels_ms = float(profiled_costs(graph, table).compute_ms.sum())
+    steps, computes = len(plan.steps), sum(1 for s in plan.steps if s.op == "compute")
+    return {
+        "model": name,
+        "nodes": len(graph),
+        "devices": f"cpu0:threads={threads}",
+        "steps": steps,
+        "eager_ms": eager_ms,
+        "measured_ms": report.total_ms,
+        "ratio": report.total_ms / eager_ms,
+        "outside_us_per_step": (report.total_ms - sum(report.step_ms)) / steps * 1e3,
+        "inside_us_per_compute": (sum(report.step_ms) - kernels_ms) / computes * 1e3,
+        "gradients_match": report.gradients_match,
+    }
 
 
 if __name__ == "__main__":

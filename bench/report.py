@@ -329,6 +329,20 @@ def _offload(rows: Rows) -> str:
     return _table(pivoted, columns, ("bound ms", *strategies))
 
 
+def _eager(rows: Rows) -> str:
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
+        ("steps", lambda r: r["steps"]),
+        ("eager ms", lambda r: _f(r, "eager_ms", ".2f")),
+        ("executor ms", lambda r: _f(r, "measured_ms", ".2f")),
+        ("executor / eager", lambda r: _f(r, "ratio", ".2f")),
+        ("outside the kernels, us per step", lambda r: _f(r, "outside_us_per_step", ".1f")),
+        ("gradients match", lambda r: "yes" if r.get("gradients_match") == "True" else "no"),
+    ]
+    right = ("steps", "eager ms", "executor ms", "executor / eager")
+    return _table(rows, columns, right)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -341,6 +355,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "agent": _agent,
     "models": _models,
     "offload": _offload,
+    "eager": _eager,
 }
 
 

@@ -154,6 +154,13 @@ class Program:
     types: dict[str, torch.dtype]  # element type of every activation tensor
     output_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
     loss: LossOf = field(default_factory=lambda: LossOf(LossKind.MEAN_SQUARE))
+    # What evaluating a node looks up and does not change between evaluations, kept at its
+    # first: (shape, dtype) per forward node's output; per backward node, which of its
+    # forward node's inputs want a gradient.
+    _outputs: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _wanted_by: dict[int, list[bool]] = field(default_factory=dict, init=False, repr=False)
 
     # --- layout --------------------------------------------------------------------------
 
@@ -163,12 +170,15 @@ class Program:
 
     def outputs_of(self, node: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor of a forward node's value."""
-        names = self.graph.nodes[node].attrs["onnx_outputs"]
-        assert isinstance(names, list)
-        return [
-            (shape, self.types.get(name, torch.float32))
-            for name, shape in zip(names, self.output_shapes[node], strict=True)
-        ]
+        found = self._outputs.get(node)
+        if found is None:
+            names = self.graph.nodes[node].attrs["onnx_outputs"]
+            assert isinstance(names, list)
+            found = self._outputs[node] = [
+                (shape, self.types.get(name, torch.float32))
+                for name, shape in zip(names, self.output_shapes[node], strict=True)
+            ]
+        return found
 
     def gradient_buffers(self, nodes: Sequence[int]) -> list[str]:
         """The fixed tensors a device computing ``nodes`` keeps a gradient buffer for (the
@@ -253,10 +263,12 @@ class Program:
         args = self._args(f.id, values, fixed, device, available)
         output = values[f.id] if f.id in available else None
         upstream = self._upstream_gradient(node, f, values)
-        wanted = [
-            self._wanted(spec, position, arg, source)
-            for position, (arg, source) in enumerate(zip(args, self.sources[f.id], strict=True))
-        ]
+        wanted = self._wanted_by.get(node.id)
+        if wanted is None:  # static: the arguments' presence and types do not change
+            wanted = self._wanted_by[node.id] = [
+                self._wanted(spec, position, arg, source)
+                for position, (arg, source) in enumerate(zip(args, self.sources[f.id], strict=True))
+            ]
         found = kernels.vjp(VjpCall(spec, args, output, upstream, wanted))
         result = self._gradient_value(f, found, device)
         if grads is not None:

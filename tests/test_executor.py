@@ -21,7 +21,7 @@ from agents import executor
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
 from agents.program import Program, build_program
-from agents.torch_devices import detect_devices, ieee_fp32
+from agents.torch_devices import Runtime, detect_devices, ieee_fp32
 from remat import samples
 from remat.agent_protocol import ExecutionResult
 from remat.budgets import reference
@@ -160,6 +160,26 @@ def test_a_plan_split_over_two_devices_matches(family: str) -> None:
     copies = {(s.src, s.dst) for s in plan.steps if isinstance(s, Copy)}
     assert copies == {("cpu0", "cpu1"), ("cpu1", "cpu0")}
     _assert_matches(execute(model, graph, plan, DEVICES), plan)
+
+
+def test_only_one_run_times_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured runs time the whole plan; one more run times each compute and copy
+    step on its device (on CUDA that synchronises), for the report's step times."""
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    plan = _split_plan(graph, lambda n: "cpu0" if n.id % 2 else "cpu1")
+    timed: list[str] = []
+    original = Runtime.timed
+
+    def counted(self: Runtime, work: Callable[[], object]) -> object:
+        timed.append(self.name)
+        return original(self, work)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Runtime, "timed", counted)
+    report = execute(model, graph, plan, DEVICES, warmup=1, repeats=3)
+    assert len(timed) == sum(1 for s in plan.steps if isinstance(s, Compute | Copy))
+    assert len(report.step_ms) == len(plan.steps) and len(report.runs_ms) == 3
+    _assert_matches(report, plan)
 
 
 def test_a_multi_device_heuristic_plan_matches() -> None:

@@ -4,6 +4,7 @@ lanes and no-wait timing, Proposition 3's bound and the GREEDY strategy."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -310,6 +311,18 @@ def test_the_offloading_plans_come_from_beside_the_remat_search():
     here = offloading_plans(problem, "cuda0", time.monotonic() + 20)
     assert arrived is not None, why
     assert [p.simulation.total_ms for p in arrived] == [p.simulation.total_ms for p in here]
+
+
+def test_a_cancelled_offload_remat_does_not_wait_for_its_offloading_plans():
+    g, costs = _setup()
+    cancel = threading.Event()
+    cancel.set()
+    settings = SolverSettings(options=SolveOptions(time_limit_s=120.0), cancel=cancel)
+    problem = Problem(g, costs, {"cuda0": FIXED + 3000}, settings)
+    started = time.monotonic()
+    result = run_strategy("offload_remat", problem, "cuda0")
+    assert time.monotonic() - started < 60, "it waited out the limit"
+    assert "cancelled" in result.message
 
 
 def test_transfer_spans_run_from_issue_to_wait():

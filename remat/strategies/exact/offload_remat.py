@@ -74,7 +74,11 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
     deadline = time.monotonic() + seconds
     beside = Beside(offloading_plans, picklable(problem), device, deadline)
     remat = checkmate_milp(problem.within(seconds), device)
-    offloading, why = beside.result(max(deadline, time.monotonic()) + BESIDE_GRACE_S)
+    if problem.cancelled:  # no waiting for the offloading plans: their process stops
+        until = time.monotonic()
+    else:
+        until = max(deadline, time.monotonic()) + BESIDE_GRACE_S
+    offloading, why = beside.result(until)
     if offloading is None:
         offloading = []
         logger.debug("%s: no offloading plans from beside the remat search: %s", NAME, why)

@@ -44,12 +44,13 @@ NUMBER_OPTIONS: dict[str, NumberOption] = {
     "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
     "host_bandwidth": NumberOption(0, 1e15, low_open=True),  # link to host memory, B/s
     "host_latency_us": NumberOption(0, 1e6),  # per transfer to or from the host, microseconds
-    # the memory the node's agent may use on the device, bytes: its executor and profiler
-    # never hold more (a smaller device emulated on a CPU; a share of a GPU)
-    "memory": NumberOption(1, 1 << 60, integer=True),
 }
 TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name): max length
-OPTION_KEYS = (*NUMBER_OPTIONS, *TEXT_OPTIONS)
+# Sizes in bytes (``parse_size``: ``268435456``, ``256MiB``, ``2GiB``; no percentages).
+# ``memory``: what the node's agent may hold on the device; its executor and profiler never
+# hold more (a smaller device emulated on a CPU; a share of a GPU).
+SIZE_OPTIONS = ("memory",)
+OPTION_KEYS = (*NUMBER_OPTIONS, *SIZE_OPTIONS, *TEXT_OPTIONS)
 _INTEGER = re.compile(r"[0-9]+")
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]*")
 
@@ -57,6 +58,13 @@ _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]*")
 def check_option(key: str, value: str) -> None:
     """``InvalidInputError`` naming the option and its rule (never the value) when
     ``key=value`` is not an option a device understands, in its range."""
+    if key in SIZE_OPTIONS:
+        if len(value) > 64 or option_bytes(value) is None:
+            raise InvalidInputError(
+                f"device option {key} must be a size in bytes above 0 (e.g. 268435456, "
+                "256MiB, 2GiB), at most 1 EiB"
+            )
+        return
     if key in TEXT_OPTIONS:
         if len(value) > TEXT_OPTIONS[key] or not _PRINTABLE.fullmatch(value):
             raise InvalidInputError(
@@ -100,7 +108,7 @@ class Device:
     def memory_bytes(self) -> int | None:
         """The memory the agent may use on the device (option ``memory``); None: all."""
         value = self.options.get("memory")
-        return int(value) if value is not None else None
+        return option_bytes(value) if value is not None else None
 
     @property
     def has_own_memory(self) -> bool:
@@ -195,6 +203,16 @@ def parse_size(text: str) -> Size:
     if number > MAX_BYTES:  # also for a float that overflowed to inf
         raise InvalidInputError(f"size {shown}: at most {MAX_BYTES} bytes (1 EiB)")
     return Size(bytes=int(number))
+
+
+def option_bytes(text: str) -> int | None:
+    """A size option's bytes (``parse_size`` without percentages), or None where it is
+    not one above 0."""
+    try:
+        size = parse_size(text)
+    except InvalidInputError:
+        return None
+    return size.bytes if size.bytes else None
 
 
 def parse_rate(text: str) -> float:

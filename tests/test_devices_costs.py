@@ -27,6 +27,15 @@ def test_parse_device_with_options():
     assert parse_device("cuda0:cuda").kind is DeviceKind.CUDA
 
 
+def test_a_devices_memory_is_a_size_in_bytes():
+    assert parse_device("cpu0:cpu:memory=256MiB").memory_bytes == 256 * 2**20
+    assert parse_device("cpu0:cpu:threads=2,memory=1000").memory_bytes == 1000
+    assert parse_device("cuda0:cuda").memory_bytes is None
+    for bad in ("0", "50%", "lots", "2EiB"):
+        with pytest.raises(InvalidInputError, match="memory must be a size in bytes above 0"):
+            parse_device(f"cpu0:cpu:memory={bad}")
+
+
 @pytest.mark.parametrize(
     "spec", ["cpu0", "cpu0:tpu", "0cpu:cpu", "cpu0:cpu:threads", "c:cpu:threads=x"]
 )

@@ -284,12 +284,13 @@ class Agent:
     def _profile(self, task: Task, payload: ProfilePayload) -> dict[str, Any]:
         from agents.profiler import profile
 
-        model, graph = self._model_and_graph(payload.model)
+        model = self._model(payload.model)
         devices = self._devices(payload.devices)
         measure = partial(profile, devices=devices, repeats=payload.repeats,
                           warmup=payload.warmup, memory_bytes=payload.memory_bytes)  # fmt: skip
         if payload.sizes is None:
             report = _ProgressReporter(self.client, task)
+            graph = payload.model.graph(model)
             return measure(model, graph, on_progress=report).model_dump(mode="json")
         tables: dict[str, dict[str, Any]] = {}
         for index, (size, inputs) in enumerate(payload.sizes.items()):
@@ -316,15 +317,11 @@ class Agent:
         first step. The result sums the steps' times and takes their peaks."""
         from agents.errors import TaskError
         from agents.executor import execute
-        from remat.onnx_ingest import load_model
         from remat.plan import plan_from_json
 
         run = payload.sized
         assert run is not None
-        path = self.client.model_file(
-            payload.model.model_id, payload.model.sha256, self.config.cache_dir
-        )
-        model = load_model(path)
+        model = self._model(payload.model)
         built: dict[int, tuple[Any, Any]] = {}
         steps: list[dict[str, Any]] = []
         checks: list[tuple[bool | None, float | None]] = []
@@ -361,11 +358,14 @@ class Agent:
             "sized": steps,
         }
 
-    def _model_and_graph(self, ref: ModelRef) -> tuple[Any, Any]:
+    def _model(self, ref: ModelRef) -> Any:
+        """The model ``ref`` names, from this agent's cache or downloaded."""
         from remat.onnx_ingest import load_model
 
-        path = self.client.model_file(ref.model_id, ref.sha256, self.config.cache_dir)
-        model = load_model(path)
+        return load_model(self.client.model_file(ref.model_id, ref.sha256, self.config.cache_dir))
+
+    def _model_and_graph(self, ref: ModelRef) -> tuple[Any, Any]:
+        model = self._model(ref)
         return model, ref.graph(model)
 
     def _devices(self, names: Sequence[str]) -> list[Device]:

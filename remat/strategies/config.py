@@ -156,9 +156,9 @@ class SearchConfig:
     brings the plan down to the budget, as fractions of the way from the budget up to
     checkpoint-all's peak; the best one's neighbours at half the spacing follow."""
     offload_remat_share: float = 0.5
-    """``offload_remat``: the share of the time left after the ladder for
-    ``checkmate_milp``'s search before the joint MILP starts from its plan (all of it where
-    the joint model is not built)."""
+    """``offload_remat``: the share of the time left after GREEDY for ``checkmate_milp``'s
+    search (and, beside it, the offloading heuristics) before the joint MILP starts from its
+    plan (all of it where the joint model is not built)."""
 
     # --- LP rounding (``remat.strategies.exact.checkmate``) -------------------------------
     lp_epsilons: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)

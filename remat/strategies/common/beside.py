@@ -23,7 +23,6 @@ from typing import Any, Generic, TypeVar
 from remat.strategies.common.problem import Problem, SolverSettings
 
 T = TypeVar("T")
-NICENESS = 0
 TERMINATE_WAIT_S = 1.0
 
 

@@ -86,6 +86,22 @@ alike. A Dropout's mask is drawn from ``seed`` and the node's name alone
 (``kernels.random_mask``): the plan's evaluations of the node (recomputations included, on
 any device), the float64 run and the plain run all use the same mask, as a real
 rematerialising trainer replays its random state; every repeat reuses it too.
+
+Energy. Where the plan's devices have energy counters (``agents.energy_counters``: RAPL
+for CPU packages, NVML for CUDA GPUs), the executor reads them before and after the
+measured runs (every device synchronised first) and reports the energy per run
+(``energy_mj``): each distinct counter's advance, summed, over the runs. It is the whole
+draw, idle included, as the plan's prediction (``Predicted.energy_mj``) counts it, so the
+two compare. A counter shared by several devices (emulated CPU devices on one socket's
+RAPL, told apart by the counter's description) counts once. The window is the measured
+runs' loop, so it also covers each run's setup and collection of results (placing fixed
+tensors, copying gradients to the host), a little more than the timed part of a run.
+``energy_note`` names the counters read and the devices they cover, and the devices left
+uncounted with the reason (their energy is not in ``energy_mj``); without any counter
+there is no ``energy_mj`` and the note gives the reasons. A counter that fails to read
+drops the measurement, not the execution. The report's JSON carries these keys only when
+asked (``to_json(energy=True)``): the server's ``Measured`` (``remat.agent_protocol``)
+forbids keys it does not know.
 """
 
 from __future__ import annotations
@@ -101,6 +117,7 @@ import numpy as np
 import onnx
 import torch
 
+from agents.energy_counters import Counter, counter_for
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
@@ -149,17 +166,28 @@ class ExecutionReport:
     # Training: the run's parameter and input gradients, summed over devices, on the host
     # (not part of to_json; e.g. for a check against the framework the model came from).
     gradients: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Energy per measured run in mJ, total draw over the distinct counters read (module
+    # docstring); None without any counter. The note: the counters, or why there are none.
+    energy_mj: float | None = None
+    energy_note: str = ""
+    predicted_energy_mj: float | None = None  # the plan's
 
     def to_json(self) -> dict[str, Any]:
+        """The report as agents send it (``remat.agent_protocol.ExecutionResult``)."""
+        measured: dict[str, Any] = {
+            "total_ms": self.total_ms,
+            "peak_bytes": dict(self.peak_bytes),
+            "step_ms": list(self.step_ms),
+            "energy_note": self.energy_note,
+        }
+        if self.energy_mj is not None:
+            measured["energy_mj"] = self.energy_mj
         return {
-            "measured": {
-                "total_ms": self.total_ms,
-                "peak_bytes": dict(self.peak_bytes),
-                "step_ms": list(self.step_ms),
-            },
+            "measured": measured,
             "predicted": {
                 "total_ms": self.predicted_total_ms,
                 "peak_bytes": dict(self.predicted_peak_bytes),
+                "energy_mj": self.predicted_energy_mj,
             },
             "gradients_match": self.gradients_match,
             "max_rel_error": self.max_rel_error,
@@ -177,20 +205,29 @@ def execute(
     seed: int = 0,
     warmup: int = 1,
     repeats: int = 1,
+    energy_counters: Mapping[str, Counter | None] | None = None,
 ) -> ExecutionReport:
     """Run ``plan`` (for ``graph``, built by remat from ``model``) on ``devices`` (the
     node's; None: the plan's own). ``warmup`` unmeasured runs come first; of ``repeats``
     measured runs the one with the median total is reported. Those runs time the whole
     plan only (a CUDA device is not synchronised between steps); one more run times each
     step (synchronising, as the profiler does) for ``step_ms``. ``seed`` seeds the model
-    inputs not given and the masks of training-mode Dropouts."""
+    inputs not given and the masks of training-mode Dropouts. The measured runs' energy is
+    read where counters exist (module docstring); ``energy_counters``: per device name,
+    the counter to read (None: none there), a device it does not name gets
+    ``counter_for``'s."""
     runtimes = bind_devices(plan, devices)
     simulation = check_plan(plan, graph)
     program = build_program(model, graph, inputs, seed)
     with gc_paused(), ieee_fp32():
-        runs = [_Run(program, plan, runtimes).run() for _ in range(warmup + max(repeats, 1))]
+        for _ in range(warmup):
+            _Run(program, plan, runtimes).run()
+        measured, energy_mj, energy_note = _metered(
+            runtimes,
+            energy_counters,
+            lambda: [_Run(program, plan, runtimes).run() for _ in range(max(repeats, 1))],
+        )
         steps = _Run(program, plan, runtimes, timed_steps=True).run()
-    measured = runs[warmup:]
     chosen = sorted(measured, key=lambda r: r.total_ms)[(len(measured) - 1) // 2]
     report = ExecutionReport(
         total_ms=chosen.total_ms,
@@ -203,6 +240,9 @@ def execute(
         runs_ms=[r.total_ms for r in measured],
         accounted_peak_bytes=chosen.accounted_peak_bytes,
         allocator_peak_bytes=chosen.allocator_peak_bytes,
+        energy_mj=energy_mj,
+        energy_note=energy_note,
+        predicted_energy_mj=plan.predicted.energy_mj if plan.predicted is not None else None,
     )
     training = graph.mode is Mode.TRAINING
     uses_cuda = any(r.is_cuda for r in runtimes.values())
@@ -223,6 +263,68 @@ def execute(
         outputs_rel_error=check.error,
         tolerance=check.tolerance,
     )
+
+
+def _energy_counters(
+    runtimes: Mapping[str, Runtime], given: Mapping[str, Counter | None] | None
+) -> tuple[dict[str, tuple[Counter, list[str]]], dict[str, str]]:
+    """The distinct counters of the devices (by description: devices sharing one count it
+    once), each with the devices it covers; and the devices without one, with why."""
+    distinct: dict[str, tuple[Counter, list[str]]] = {}
+    missing: dict[str, str] = {}
+    for name, runtime in runtimes.items():
+        if given is not None and name in given:
+            counter, reason = given[name], "no energy counter was given for this device"
+        else:
+            counter, reason = counter_for(runtime)
+        if counter is None:
+            missing[name] = reason
+        else:
+            distinct.setdefault(counter.description, (counter, []))[1].append(name)
+    return distinct, missing
+
+
+def _uncounted(missing: Mapping[str, str]) -> str:
+    """The devices without a counter, grouped by reason (``cpu0, cpu1: why``)."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in missing.items():
+        by_reason.setdefault(reason, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+
+
+def _metered(
+    runtimes: Mapping[str, Runtime],
+    given: Mapping[str, Counter | None] | None,
+    work: Callable[[], list[_Result]],
+) -> tuple[list[_Result], float | None, str]:
+    """``work()``'s runs, their energy per run in mJ (None without any counter, or when a
+    counter fails to read) and the note on it (module docstring)."""
+    distinct, missing = _energy_counters(runtimes, given)
+    if not distinct:
+        return work(), None, "no energy counter: " + _uncounted(missing)
+
+    def read() -> dict[str, float]:
+        for runtime in runtimes.values():
+            runtime.synchronize()
+        return {description: c.joules() for description, (c, _) in distinct.items()}
+
+    try:
+        before = read()
+    except Exception as error:  # optional: a counter must not fail the execution
+        return work(), None, f"the energy counters cannot be read: {error}"
+    start = time.perf_counter()
+    results = work()
+    try:
+        after = read()
+    except Exception as error:
+        return results, None, f"the energy counters cannot be read: {error}"
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    joules = sum(after[d] - before[d] for d in distinct)
+    counted = "; ".join(f"{d} ({', '.join(names)})" for d, (_, names) in distinct.items())
+    note = f"{counted}: over {len(results)} run(s) in {elapsed_ms:.1f} ms"
+    if missing:
+        note += "; not counted: " + _uncounted(missing)
+    return results, max(joules, 0.0) / len(results) * 1e3, note
 
 
 def _reference(program: Program, training: bool) -> dict[str, torch.Tensor]:

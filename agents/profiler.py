@@ -33,6 +33,20 @@ emulated device's transfer thread makes), the median of ``warmup + repeats`` cop
 ``warmup``. The small copy's time is the latency; the bandwidth is the big buffer's bytes
 over its time less the latency (``host_links``).
 
+Each device with an energy counter (``agents.energy_counters``: RAPL for CPU packages, NVML
+for CUDA GPUs) gets one more pass, after the others, that measures energy, since a plan's
+energy is a cost a job may minimise (``remat.energy``). First its idle power: the counter's
+rate over half a second of sleep, the median of three (``idle_w``, the baseline). Then the
+pass follows the same steps, and each node, at its first evaluation, runs in a loop of at
+least ``energy_counters.WINDOW_S`` and three runs, ``repeats`` times: per loop, the counter's
+advance less the idle power over the loop's time, per run, at least 0; the node's energy is
+the median (``energy_mj``, mJ, dynamic: above idle). A single run is too short for a counter
+that updates every millisecond or so, hence the loop; it runs inside the pass so that the
+node's inputs are the pass's own. A loop holds one result at a time, so the pass stays
+within the device's memory limit as the timed ones do. Such a device is ``energy:
+"measured"`` in the table. A device without a counter gets no energy and ``energy:
+"model"`` (remat's power model stands in), with the reason in ``energy_note``.
+
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
 """
@@ -50,6 +64,7 @@ import numpy as np
 import onnx
 import torch
 
+from agents.energy_counters import Counter, counter_for, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
@@ -82,13 +97,16 @@ def profile(
     warmup: int = 2,
     on_progress: Progress | None = None,
     memory_bytes: Mapping[str, int] | None = None,
+    energy_counters: Mapping[str, Counter | None] | None = None,
 ) -> CostTable:
     """The cost table of ``graph`` (built by remat from ``model``) on ``devices``.
 
     ``memory_bytes``: per device name, the most the profiler may hold there (e.g. the
     job's budget); a device's ``memory`` option limits it too. ``on_progress(done,
-    total)`` counts node evaluations over all passes; it is called at the start, at most
-    every ``PROGRESS_INTERVAL_S`` while profiling, and at the end."""
+    total)`` counts node evaluations over all passes (the energy pass too); it is called
+    at the start, at most every ``PROGRESS_INTERVAL_S`` while profiling, and at the end.
+    ``energy_counters``: per device name, the counter to measure energy with (None: no
+    energy there); a device it does not name gets ``counter_for``'s."""
     if not devices:
         raise DeviceError("no devices to profile")
     names = [d.name for d in devices]
@@ -98,19 +116,33 @@ def profile(
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     runtimes = [_limited(runtime_of(d), (memory_bytes or {}).get(d.name)) for d in devices]
     passes = [_pass_steps(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
+    counters = [_counter(r, energy_counters) for r in runtimes]
     program = build_program(model, graph)
-    session = _Session(program, runtimes, passes, repeats, warmup, on_progress)
+    session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters)
     with gc_paused(), ieee_fp32():
         session.run()
     return CostTable.model_validate(
         {
             "source": CostSource.PROFILED,
-            "devices": [_table_device(r) for r in runtimes],
+            "devices": [session.table_device(r) for r in runtimes],
             "nodes": {node.name: session.entry(node) for node in graph.nodes},
             "copy_ms": {node.name: session.copies[node.id] for node in graph.nodes},
             "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
         }
     )
+
+
+def _counter(
+    runtime: Runtime, given: Mapping[str, Counter | None] | None
+) -> tuple[Counter | None, str]:
+    """The device's energy counter (``given``'s, else ``counter_for``'s) and what it reads,
+    or None and why there is none."""
+    if given is not None and runtime.name in given:
+        counter = given[runtime.name]
+        if counter is None:
+            return None, "no energy counter was given for this device"
+        return counter, counter.description
+    return counter_for(runtime)
 
 
 def _limited(runtime: Runtime, limit: int | None) -> Runtime:
@@ -173,11 +205,6 @@ def host_link(runtime: Runtime, warmup: int, repeats: int) -> dict[str, float]:
     return link
 
 
-def _table_device(runtime: Runtime) -> dict[str, Any]:
-    threads = None if runtime.is_cuda else (runtime.threads or DEFAULT_THREADS)
-    return {"name": runtime.name, "kind": runtime.kind, "threads": threads}
-
-
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
@@ -186,6 +213,15 @@ def median_and_spread(samples: Sequence[float]) -> tuple[float, float]:
     """The median and the interquartile range."""
     q25, q75 = np.percentile(samples, [25, 75])
     return float(statistics.median(samples)), float(q75 - q25)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnergyProbe:
+    """An energy pass's counter, the device's idle power, and per node the mJ per run."""
+
+    counter: Counter
+    idle_w: float
+    samples: list[list[float]]
 
 
 class _Session:
@@ -199,6 +235,7 @@ class _Session:
         repeats: int,
         warmup: int,
         on_progress: Progress | None,
+        counters: Sequence[tuple[Counter | None, str]] | None = None,
     ) -> None:
         self.program = program
         self.runtimes = runtimes
@@ -214,6 +251,17 @@ class _Session:
         self.output_bytes = [0] * n
         copy_passes = 1 if len(runtimes) > 1 else 0
         self.total = sum(len(steps) for steps in passes) * (warmup + repeats + copy_passes)
+        # Per device: its energy counter, or None and why (``_counter``).
+        self.counters = dict(
+            zip((r.name for r in runtimes), counters or [(None, "")] * len(runtimes), strict=True)
+        )
+        self.total += sum(
+            len(steps)
+            for r, steps in zip(runtimes, passes, strict=True)
+            if self.counters[r.name][0] is not None
+        )
+        self.idle_w: dict[str, float] = {}
+        self.energy: dict[str, list[list[float]]] = {}  # per device, per node: mJ per run
         self.done = 0
         self.reported_at = 0.0
 
@@ -241,6 +289,15 @@ class _Session:
                 self._pass(runtime, steps, held, fixed, grads, record, copies=False)
             if len(self.runtimes) > 1:
                 self._pass(runtime, steps, held, fixed, grads, None, copies=True)
+            counter = self.counters[runtime.name][0]
+            if counter is not None:
+                runtime.activate()
+                runtime.synchronize()
+                idle = self.idle_w[runtime.name] = idle_watts(counter)
+                samples: list[list[float]] = [[] for _ in range(len(self.program.graph))]
+                probe = _EnergyProbe(counter, idle, samples)
+                self._pass(runtime, steps, held, fixed, grads, None, copies=False, energy=probe)
+                self.energy[runtime.name] = samples
             del fixed, grads
         self._report(force=True)
 
@@ -250,11 +307,30 @@ class _Session:
             compute[runtime.name], spread[runtime.name] = median_and_spread(
                 self.times[runtime.name][node.id]
             )
+        energy = {
+            name: float(statistics.median(samples[node.id]))
+            for name, samples in self.energy.items()
+        }
         return {
             "compute_ms": compute,
             "compute_spread_ms": spread,
             "output_bytes": self.output_bytes[node.id],
+            "energy_mj": energy,
         }
+
+    def table_device(self, runtime: Runtime) -> dict[str, Any]:
+        """The device's entry in the cost table: with its idle power where energy was
+        measured there; ``energy_note``: the counter, or why there was none."""
+        threads = None if runtime.is_cuda else (runtime.threads or DEFAULT_THREADS)
+        entry: dict[str, Any] = {"name": runtime.name, "kind": runtime.kind, "threads": threads}
+        note = self.counters[runtime.name][1]
+        if runtime.name in self.energy:
+            entry.update(idle_w=self.idle_w[runtime.name], energy="measured")
+        else:
+            entry["energy"] = "model"
+        if note:
+            entry["energy_note"] = note
+        return entry
 
     def _pass(
         self,
@@ -265,10 +341,14 @@ class _Session:
         grads: dict[str, torch.Tensor],
         record: list[list[float]] | None,
         copies: bool,
+        energy: _EnergyProbe | None = None,
     ) -> None:
+        """One pass of ``steps``: each node timed into ``record`` (None: not kept); with
+        ``copies``, its copies to the other devices timed too; with ``energy``, its energy
+        measured (once per node, not per recompute)."""
         values: dict[int, Value] = {}
         held = fixed_bytes
-        timed: set[int] = set()  # nodes whose copies were timed (once, not per recompute)
+        timed: set[int] = set()  # nodes whose copies or energy were measured
         device = runtime.torch_device
         nodes = self.program.graph.nodes
         for index, frees in steps:
@@ -276,7 +356,11 @@ class _Session:
             buffers = grads if node.kind is NodeKind.BACKWARD else None
             try:
                 compute = partial(self.program.compute, index, values, fixed, buffers, device)
-                value, ms = runtime.timed(compute)
+                if energy is not None and index not in timed:
+                    timed.add(index)
+                    value, ms = self._measure_energy(runtime, energy, index, compute), 0.0
+                else:
+                    value, ms = runtime.timed(compute)
                 nbytes = value_bytes(value)
                 check_memory(runtime, held + nbytes)
             except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -298,6 +382,24 @@ class _Session:
                 held -= value_bytes(values.pop(freed))
             self.done += 1
             self._report()
+
+    def _measure_energy(
+        self, runtime: Runtime, probe: _EnergyProbe, index: int, compute: Callable[[], Value]
+    ) -> Value:
+        """Node ``index``'s energy per run, ``repeats`` loops of it into ``probe``'s samples
+        (the module docstring); the value of its last run (one held at a time)."""
+        times = self.times[runtime.name][index]
+        run_ms = float(statistics.median(times)) if times else None
+        runtime.activate()
+        value: Value | None = None
+        for _ in range(self.repeats):
+            value = None
+            value, mj = energy_per_run_mj(
+                probe.counter, compute, probe.idle_w, run_ms=run_ms, synchronize=runtime.synchronize
+            )
+            probe.samples[index].append(mj)
+        assert value is not None
+        return value
 
     def _report(self, force: bool = False) -> None:
         if self.on_progress is None:

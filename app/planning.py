@@ -152,6 +152,7 @@ def build_problem(
         table=table,
         solver=solver or solver_settings(spec),
         max_cost_bytes=max_cost_bytes,
+        objective=spec.objective.to_objective(),
     )
 
 

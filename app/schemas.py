@@ -24,7 +24,9 @@ from pydantic import (
 
 from remat.agent_protocol import MAX_SIZED_STEPS, AgentDevice, LossSpec, Name, Strict
 from remat.devices import DeviceKind
+from remat.energy import MAX_POWER_W
 from remat.graph import Mode
+from remat.objective import MAX_ALPHA, Objective, ObjectiveKind
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 
 T = TypeVar("T")
@@ -63,6 +65,31 @@ class SolverSpec(Strict):
     time_limit_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     gap: float = Field(default=1e-4, ge=0, lt=1, allow_inf_nan=False)
     threads: int = Field(default=1, ge=1, le=256)
+
+
+Watts = Annotated[float, Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False)]
+
+
+class ObjectiveSpec(Strict):
+    """What the plan minimises (``remat.objective``): time, energy, or time + alpha x energy
+    (XEngine eq. 17), with power caps per device and for the board (eq. 18-19)."""
+
+    kind: ObjectiveKind = ObjectiveKind.TIME
+    alpha: float | None = Field(default=None, gt=0, le=MAX_ALPHA, allow_inf_nan=False)
+    power_caps_w: dict[Name, Watts] = Field(default_factory=dict, max_length=MAX_DEVICES)
+    board_cap_w: Watts | None = None
+    board_w: float = Field(default=0.0, ge=0, le=MAX_POWER_W, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _alpha_with_weighted(self) -> ObjectiveSpec:
+        if (self.kind is ObjectiveKind.WEIGHTED) != (self.alpha is not None):
+            raise ValueError("alpha is given with the weighted objective, and only with it")
+        return self
+
+    def to_objective(self) -> Objective:
+        return Objective(
+            self.kind, self.alpha or 0.0, dict(self.power_caps_w), self.board_cap_w, self.board_w
+        )
 
 
 class ProfileCosts(Strict):
@@ -113,6 +140,7 @@ class JobSpec(Strict):
     strategy: Strategy = "xengine"
     solver: SolverSpec = Field(default_factory=SolverSpec)
     costs: Literal["analytical"] | ProfileCosts | NodeCosts = "analytical"
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
 
     @field_validator("inputs")
     @classmethod
@@ -129,6 +157,8 @@ class JobSpec(Strict):
             raise ValueError(f"inputs {', '.join(both)} are given both as shapes and as ranges")
         if self.observed and not self.ranges:
             raise ValueError("observed sizes need ranges")
+        if self.ranges and self.objective != ObjectiveSpec():
+            raise ValueError("a job over ranges of sizes plans for time, without power caps")
         if self.ranges and isinstance(self.costs, ProfileCosts):
             raise ValueError(
                 "a job over ranges of sizes takes analytical costs or a node's (profiled at "
@@ -253,6 +283,8 @@ class ScheduleOut(BaseModel):
     budgets: dict[str, int | None]
     peak_bytes: dict[str, int]
     transfers: dict[str, list[TransferOut]] = Field(default_factory=dict)
+    predicted_ms: float | None = None  # the plan's time; None in plans stored before it
+    energy_mj: float | None = None  # the plan's energy (remat.energy)
 
 
 class ProgressPoint(BaseModel):
@@ -276,6 +308,7 @@ class BaselineOut(BaseModel):
     valid: bool | None  # the simulator's verdict on its plan
     note: str
     need_bytes: int | None  # when infeasible: the budget it would need
+    energy_mj: float | None = None  # predicted energy (remat.energy)
 
 
 class BaselinesOut(BaseModel):

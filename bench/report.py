@@ -343,6 +343,19 @@ def _eager(rows: Rows) -> str:
     return _table(rows, columns, right)
 
 
+def _energy(rows: Rows) -> str:
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
+        ("regime", lambda r: r["regime"]),
+        ("objective", lambda r: r["goal"] + (" *" if r.get("pareto") == "True" else "")),
+        ("time ms", lambda r: _f(r, "time_ms", ".4g")),
+        ("energy mJ", lambda r: _f(r, "energy_mj", ".4g")),
+        ("gap", lambda r: f"{float(r['gap']):.1%}" if r.get("gap") else "-"),
+        ("computes cpu0 / gpu0", lambda r: f"{r['computes_cpu0']} / {r['computes_gpu0']}"),
+    ]
+    return _table(rows, columns, ("time ms", "energy mJ", "gap", "computes cpu0 / gpu0"))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -356,6 +369,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "models": _models,
     "offload": _offload,
     "eager": _eager,
+    "energy": _energy,
 }
 
 

@@ -229,15 +229,22 @@ Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
+Mj = Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)]
+
+
 class Measured(Strict):
     total_ms: Ms
     peak_bytes: dict[Name, Bytes] = Field(max_length=64)
     step_ms: list[Ms] = Field(default_factory=list, max_length=MAX_STEPS)
+    # per run, read from the devices' energy counters (idle included), where they exist
+    energy_mj: Mj | None = None
+    energy_note: str = Field(default="", max_length=2000)  # the counters read, or why none
 
 
 class PredictedCost(Strict):
     total_ms: Ms | None = None
     peak_bytes: dict[str, Bytes] = Field(default_factory=dict)
+    energy_mj: Mj | None = None
 
 
 class SizedStep(Strict):

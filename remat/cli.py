@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -45,6 +46,7 @@ from remat.max_batch import (
     max_batch_to_json,
     problems_by_batch,
 )
+from remat.objective import Objective, ObjectiveKind
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
 from remat.onnx_ingest import declared_inputs, load_model, parse_input_shape
 from remat.plan import load_plan, plan_to_json
@@ -121,6 +123,7 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
         "strategies (default: the cost table's measurement, else 12GB/s for cuda, 10GB/s "
         "for cpu)",
     )
+    _objective_arguments(plan)
     _solver_arguments(plan)
     output = plan.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the plan JSON")
@@ -295,6 +298,66 @@ def _cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", type=Path, help="cost table JSON (default: analytical)")
 
 
+def _objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a plan minimises and its power caps (``remat.objective``, XEngine eq. 17-19)."""
+    group = parser.add_argument_group(
+        "objective (energy: remat.energy's power model or a profile's)"
+    )
+    group.add_argument(
+        "--objective",
+        choices=[k.value for k in ObjectiveKind],
+        default=ObjectiveKind.TIME.value,
+        help="minimise time (default), energy, or time + ALPHA x energy (weighted)",
+    )
+    group.add_argument(
+        "--alpha", type=_positive_float, metavar="MS_PER_MJ", help="weighted: energy's weight"
+    )
+    group.add_argument(
+        "--power-cap",
+        action="append",
+        default=[],
+        metavar="NAME=W",
+        help="a device's power cap in watts: no operator runs where it would draw more",
+    )
+    group.add_argument("--board-cap", type=_positive_float, metavar="W", help="the machine's cap")
+    group.add_argument(
+        "--board-power",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="W",
+        help="the board's own draw besides the devices' (default 0)",
+    )
+
+
+def _objective(args: argparse.Namespace) -> Objective:
+    caps: dict[str, float] = {}
+    for text in args.power_cap:
+        name, sep, watts = text.partition("=")
+        if not sep or not name:
+            raise InvalidInputError(f"--power-cap {text!r}: expected NAME=W, e.g. gpu0=250")
+        try:
+            caps[name] = float(watts.strip().removesuffix("W"))
+        except ValueError:
+            raise InvalidInputError(f"--power-cap {text!r}: {watts!r} is not watts") from None
+    return Objective(
+        ObjectiveKind(args.objective),
+        args.alpha or 0.0,
+        caps,
+        args.board_cap,
+        args.board_power,
+    )
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be a non-negative number")
+    return value
+
+
 def _solver_arguments(
     parser: argparse.ArgumentParser, time_limit_s: float = 60.0, per: str = ""
 ) -> None:
@@ -442,7 +505,9 @@ def _solver_settings(args: argparse.Namespace) -> SolverSettings:
     if not hasattr(args, "solver"):
         return SolverSettings()
     options = SolveOptions(time_limit_s=args.time_limit, gap=args.gap, threads=args.threads)
-    return SolverSettings(args.solver, options, ProgressLine(sys.stderr).show, _cancel_on_sigint())
+    unit = _objective(args).unit if hasattr(args, "objective") else "ms"
+    line = ProgressLine(sys.stderr, unit)
+    return SolverSettings(args.solver, options, line.show, _cancel_on_sigint())
 
 
 def _cancel_on_sigint() -> threading.Event:
@@ -455,10 +520,11 @@ def _cancel_on_sigint() -> threading.Event:
 
 class ProgressLine:
     """The solver's progress on one line of stderr: rewritten in place on a terminal, at
-    most one line a second otherwise."""
+    most one line a second otherwise; values in ``unit`` (the objective's)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, unit: str = "ms") -> None:
         self.stream = stream
+        self.unit = unit
         self.tty = stream.isatty()
         self.last = -1.0
 
@@ -466,8 +532,8 @@ class ProgressLine:
         if not self.tty and progress.elapsed_s - self.last < 1.0:
             return
         self.last = progress.elapsed_s
-        incumbent = "-" if progress.objective is None else f"{progress.objective:.4f} ms"
-        bound = "-" if progress.bound is None else f"{progress.bound:.4f} ms"
+        incumbent = "-" if progress.objective is None else f"{progress.objective:.4f} {self.unit}"
+        bound = "-" if progress.bound is None else f"{progress.bound:.4f} {self.unit}"
         gap = "-" if progress.gap is None else f"{progress.gap:.2%}"
         line = f"[{progress.elapsed_s:6.1f} s] incumbent {incumbent}  bound {bound}  gap {gap}"
         self.stream.write(("\r" + line) if self.tty else line + "\n")
@@ -490,6 +556,7 @@ def _problem(args: argparse.Namespace) -> Problem:
         budgets=_budgets(args),
         table=table,
         solver=_solver_settings(args),
+        objective=_objective(args),
     )
 
 
@@ -624,6 +691,10 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
     print(f"strategy:   {result.plan.strategy}")
     print(f"costs:      {problem.costs.source.value}")
     print(f"predicted:  {sim.total_ms:.3f} ms ({sim.total_ms / ideal - 1:+.1%} vs ideal)")
+    measured = "measured" if any(problem.costs.energy_model().measured) else "power model"
+    print(f"energy:     {sim.energy_mj:.3f} mJ ({measured})")
+    if not problem.objective.time_only:
+        print(f"objective:  {problem.objective.describe()}")
     for device in result.plan.devices:
         budget = "unlimited" if device.budget_bytes is None else format_bytes(device.budget_bytes)
         peak = sim.peak_bytes[device.name]
@@ -639,7 +710,7 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
     if solver is not None:
         parts = [solver.status]
         if solver.bound is not None:
-            parts.append(f"bound {solver.bound:.4f} ms")
+            parts.append(f"bound {solver.bound:.4f} {problem.objective.unit}")
         if solver.gap is not None:
             parts.append(f"gap {solver.gap:.2%}")
         if solver.seconds is not None:

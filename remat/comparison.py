@@ -96,6 +96,7 @@ class Baseline:
     valid: bool | None  # the simulator's verdict, None without a plan
     note: str = ""
     need_bytes: int | None = None  # when infeasible: the budget the strategy needs
+    energy_mj: float | None = None  # predicted (remat.energy), None without a plan
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,12 @@ def _judge(problem: Problem, strategy: str, ideal: float, device: str | None = N
         return Baseline(strategy, None, None, {}, None, result.message, need)
     verdict = simulate(result.plan, problem.graph, problem.costs)  # judged independently
     return Baseline(
-        strategy, verdict.total_ms, verdict.total_ms / ideal - 1, verdict.peak_bytes, verdict.valid
+        strategy,
+        verdict.total_ms,
+        verdict.total_ms / ideal - 1,
+        verdict.peak_bytes,
+        verdict.valid,
+        energy_mj=verdict.energy_mj,
     )
 
 

@@ -1,5 +1,6 @@
 """Cost models: per node per device compute time, per node per device pair copy time, per
-node output bytes, and each device's link to its host memory (offloading). Either
+node output bytes, each device's link to its host memory (offloading), and each node's
+energy per device with the devices' idle power (``remat.energy``). Either
 analytical (FLOPs and bandwidth) or profiled (a cost table measured by agents); a model
 always names its source.
 
@@ -25,12 +26,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from remat.devices import Device, DeviceKind
+from remat.energy import (
+    MAX_POWER_W,
+    Energy,
+    idle_power,
+    modelled_energy_mj,
+    power_spec,
+    timed_energy_mj,
+)
 from remat.errors import InvalidInputError
 from remat.graph import Graph
 
@@ -58,9 +67,10 @@ class HostLink:
 
 @dataclass(frozen=True)
 class CostModel:
-    """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph, and
+    """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph,
     each device's host link (``host``: empty, or one per device; where empty, the
-    analytical default of the device, ``host_link``)."""
+    analytical default of the device, ``host_link``), and energy (None: the power model
+    over ``compute_ms``, ``energy_model``)."""
 
     source: CostSource
     devices: tuple[Device, ...]
@@ -68,6 +78,14 @@ class CostModel:
     copy_ms: np.ndarray
     output_bytes: np.ndarray
     host: tuple[HostLink, ...] = ()
+    energy: Energy | None = None
+
+    def energy_model(self) -> Energy:
+        """The energy costs: measured or modelled where given, else the power model over
+        the compute times (``remat.energy.timed_energy_mj``)."""
+        if self.energy is not None:
+            return self.energy
+        return Energy(timed_energy_mj(self.devices, self.compute_ms), idle_power(self.devices))
 
     def host_link(self, d: int) -> HostLink:
         return self.host[d] if self.host else default_host_link(self.devices[d])
@@ -188,9 +206,13 @@ def analytical_costs(
     flops = np.array([n.flops for n in graph.nodes], dtype=float)
     moved = np.array([n.bytes_moved for n in graph.nodes], dtype=float)
     out = np.array([n.output_bytes for n in graph.nodes], dtype=np.int64)
-    compute_s = np.stack(
-        [np.maximum(flops / s.flops_per_s, moved / s.bytes_per_s) + s.launch_s for s in specs],
-        axis=1,
+    flop_s = np.stack([flops / s.flops_per_s for s in specs], axis=1)
+    work_s = np.maximum(flop_s, np.stack([moved / s.bytes_per_s for s in specs], axis=1))
+    launch_s = np.array([s.launch_s for s in specs])
+    compute_s = work_s + launch_s
+    bound = np.divide(flop_s, work_s, out=np.zeros_like(work_s), where=work_s > 0)
+    energy = Energy(
+        modelled_energy_mj(devices, work_s * 1e3, bound, launch_s * 1e3), idle_power(devices)
     )
     D = len(devices)
     copy_s = np.zeros((len(graph), D, D))
@@ -201,11 +223,14 @@ def analytical_costs(
                 copy_s[:, a, b] = out / link.bytes_per_s + link.latency_s
     host = tuple(default_host_link(d) for d in devices)
     return CostModel(
-        CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out, host
+        CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out, host, energy
     )
 
 
 # --- profiled (cost table JSON) ---------------------------------------------------------
+
+
+Watts = Annotated[float, Field(ge=0, le=MAX_POWER_W, allow_inf_nan=False)]
 
 
 class _TableDevice(BaseModel):
@@ -213,6 +238,9 @@ class _TableDevice(BaseModel):
     name: str
     kind: DeviceKind
     threads: int | None = None
+    idle_w: Watts | None = None  # measured idle power (the baseline energy is measured over)
+    # What the nodes' energy_mj on this device is: read from counters, or a power model's.
+    energy: Literal["measured", "model"] = "model"
 
 
 MAX_TABLE_MS = 1e9  # about 11.6 days: no operator or copy takes longer
@@ -220,6 +248,7 @@ MAX_TABLE_BYTES = 1 << 50  # 1 PiB: no output is larger
 # A table's times and sizes: finite, non-negative and bounded (tables come from agents and
 # files; a NaN or 1e300 would poison every plan solved with them).
 TableMs = Annotated[float, Field(ge=0, le=MAX_TABLE_MS, allow_inf_nan=False)]
+TableMj = Annotated[float, Field(ge=0, le=MAX_TABLE_MS * MAX_POWER_W, allow_inf_nan=False)]
 
 
 class _TableNode(BaseModel):
@@ -227,6 +256,8 @@ class _TableNode(BaseModel):
     output_bytes: int = Field(ge=0, le=MAX_TABLE_BYTES)
     # Dispersion of a profiled time per device (the interquartile range of the repeats).
     compute_spread_ms: dict[str, TableMs] = Field(default_factory=dict)
+    # Measured dynamic energy per device (idle baseline subtracted), where counters exist.
+    energy_mj: dict[str, TableMj] = Field(default_factory=dict)
 
 
 MAX_LINK_BYTES_PER_S = 1e15
@@ -270,7 +301,10 @@ class CostTable(BaseModel):
         def node(costs: _TableNode) -> _TableNode:
             spread = {n: ms for n, ms in costs.compute_spread_ms.items() if n in chosen}
             times = {n: costs.compute_ms[n] for n in names}
-            return costs.model_copy(update={"compute_ms": times, "compute_spread_ms": spread})
+            energy = {n: mj for n, mj in costs.energy_mj.items() if n in chosen}
+            return costs.model_copy(
+                update={"compute_ms": times, "compute_spread_ms": spread, "energy_mj": energy}
+            )
 
         def copies(pairs: dict[str, float]) -> dict[str, float]:
             return {pair: ms for pair, ms in pairs.items() if set(pair.split("->", 1)) <= chosen}
@@ -343,19 +377,59 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
         table.host_links[d.name].link() if d.name in table.host_links else default_host_link(d)
         for d in devices
     )
-    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host)
+    energy = _table_energy(graph, table, devices, compute)
+    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host, energy)
+
+
+def _table_energy(
+    graph: Graph, table: CostTable, devices: tuple[Device, ...], compute: np.ndarray
+) -> Energy:
+    """The table's energy: measured on a device where every node has it there, modelled
+    (``remat.energy.timed_energy_mj``) where none has; a device measured for some nodes
+    only is an error. Idle power: measured where the table has it, else modelled."""
+    q = timed_energy_mj(devices, compute)
+    measured = []
+    for d, device in enumerate(devices):
+        have = [n for n in graph.nodes if device.name in table.nodes[n.name].energy_mj]
+        if have and len(have) < len(graph):
+            lacking = next(
+                n for n in graph.nodes if device.name not in table.nodes[n.name].energy_mj
+            )
+            raise InvalidInputError(
+                f"cost table: node {lacking.name!r} has no energy on {device.name}, which "
+                f"{len(have)} other nodes have (give every node's energy there, or none)"
+            )
+        if have:
+            q[:, d] = [table.nodes[n.name].energy_mj[device.name] for n in graph.nodes]
+        measured.append(bool(have) and table.devices[d].energy == "measured")
+    idle = tuple(
+        t.idle_w if t.idle_w is not None else power_spec(device).idle_w
+        for t, device in zip(table.devices, devices, strict=True)
+    )
+    return Energy(q, idle, measured=tuple(measured))
 
 
 def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
     """The cost table of a model (e.g. to write analytical costs out as a starting point)."""
     names = [d.name for d in model.devices]
+    energy = model.energy_model()
     return CostTable(
         source=model.source,
-        devices=[_TableDevice(name=d.name, kind=d.kind, threads=d.threads) for d in model.devices],
+        devices=[
+            _TableDevice(
+                name=d.name,
+                kind=d.kind,
+                threads=d.threads,
+                idle_w=energy.idle_w[j],
+                energy="measured" if energy.measured_on(j) else "model",
+            )
+            for j, d in enumerate(model.devices)
+        ],
         nodes={
             n.name: _TableNode(
                 compute_ms={d: float(model.compute_ms[n.id, j]) for j, d in enumerate(names)},
                 output_bytes=int(model.output_bytes[n.id]),
+                energy_mj={d: float(energy.q_mj[n.id, j]) for j, d in enumerate(names)},
             )
             for n in graph.nodes
         },

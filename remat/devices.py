@@ -44,6 +44,8 @@ NUMBER_OPTIONS: dict[str, NumberOption] = {
     "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
     "host_bandwidth": NumberOption(0, 1e15, low_open=True),  # link to host memory, B/s
     "host_latency_us": NumberOption(0, 1e6),  # per transfer to or from the host, microseconds
+    "idle_w": NumberOption(0, 1e6),  # power drawn idle, watts (remat.energy)
+    "busy_w": NumberOption(0, 1e6),  # power drawn computing beyond idle, watts
 }
 TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name): max length
 # Sizes in bytes (``parse_size``: ``268435456``, ``256MiB``, ``2GiB``; no percentages).

@@ -111,6 +111,7 @@ class Predicted:
     copy_ms: float
     peak_bytes: dict[str, int]
     transfer_ms: float = 0.0  # time the transfer lanes are busy, overlapped with compute
+    energy_mj: float | None = None  # remat.energy; None in plans written before energy
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "copy_ms": p.copy_ms,
             "peak_bytes": dict(p.peak_bytes),
         } | ({"transfer_ms": p.transfer_ms} if p.transfer_ms else {})
+        if p.energy_mj is not None:
+            document["predicted"]["energy_mj"] = p.energy_mj
     if plan.solver is not None:
         s = plan.solver
         document["solver"] = {
@@ -294,6 +297,7 @@ def _predicted(raw: Any) -> Predicted | None:
             float(raw["copy_ms"]),
             {str(k): int(v) for k, v in raw["peak_bytes"].items()},
             float(raw.get("transfer_ms", 0.0)),
+            None if raw.get("energy_mj") is None else float(raw["energy_mj"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise InvalidInputError("plan: 'predicted' is malformed") from None

@@ -36,6 +36,7 @@ from remat.devices import MAX_BYTES, Device, DeviceKind, Size, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode
 from remat.loss import MEAN_SQUARE, Loss
+from remat.objective import Objective, check_objective, with_board
 from remat.onnx_ingest import forward_graph, load_model
 from remat.strategies import Problem, SolverSettings
 from remat.training import for_mode
@@ -78,6 +79,7 @@ def build_problem(
     max_cost_bytes: int | None = None,
     external_data_dir: Path | None = None,
     check_fixed: bool = True,
+    objective: Objective | None = None,
 ) -> Problem:
     """The problem of planning ``model`` (see ``model_graph``) on ``devices`` under
     ``budgets``; the rest as ``problem_from_graph``. Devices and budgets are checked
@@ -99,6 +101,7 @@ def build_problem(
         solver=solver,
         max_cost_bytes=max_cost_bytes,
         check_fixed=check_fixed,
+        objective=objective,
     )
 
 
@@ -111,6 +114,7 @@ def problem_from_graph(
     solver: SolverSettings | None = None,
     max_cost_bytes: int | None = None,
     check_fixed: bool = True,
+    objective: Objective | None = None,
 ) -> Problem:
     """The problem of planning ``graph`` (a training or inference graph, as ``for_mode``
     makes it) on ``devices``, whose names must be unique.
@@ -125,15 +129,18 @@ def problem_from_graph(
     ``max_cost_bytes`` bounds the cost model's size, checked before it is built.
     ``check_fixed``: budgets that together hold less than the fixed memory are an error
     (max-batch turns it off: there such a batch is one that does not fit, and the
-    strategy says what it needs)."""
+    strategy says what it needs). ``objective``: what plans minimise and the power caps
+    they keep (default: time), checked against the costs (``remat.objective``)."""
     names = _device_names(devices, table)
     sizes = _checked_sizes(names, budgets or {})
     check_sizes(graph, len(names), max_cost_bytes)
-    costs = cost_model(graph, devices, table)
+    objective = objective or Objective()
+    costs = with_board(cost_model(graph, devices, table), objective)
+    check_objective(graph, costs, objective)
     resolved = resolve_budgets(sizes, graph, costs)
     if check_fixed:
         check_fixed_memory(graph, resolved)
-    return Problem(graph, costs, resolved, solver or SolverSettings())
+    return Problem(graph, costs, resolved, solver or SolverSettings(), objective)
 
 
 def cost_model(

@@ -24,6 +24,10 @@ Predicted time is the compute lane's: compute and copy times, plus the time it w
 transfers (``stall_ms``), plus any transfer still running when it ends; a plan without
 transfers costs the sum of its compute and copy times, as in version 1.
 
+Energy (``remat.energy``): each compute step's dynamic energy, ``LINK_W`` over copies and
+transfers, and the machine's static power (every device's idle power and the board's) over
+the predicted time.
+
 Memory is checked at every instant: after each step and when a transfer starts later
 than the step that issued it. Step kinds are dispatched through ``_HANDLERS``, so later
 kinds (paging) add a handler without touching the others.
@@ -39,6 +43,7 @@ import numpy as np
 
 from remat.costs import CostModel
 from remat.devices import format_bytes
+from remat.energy import LINK_W
 from remat.graph import Graph, Mode, NodeKind
 from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Step, Wait
 
@@ -66,6 +71,7 @@ class Simulation:
     computes: int = 0
     transfer_ms: float = 0.0  # the transfer lanes' busy time (overlapped with compute)
     stall_ms: float = 0.0  # the compute lane's waits for transfers, in ``total_ms``
+    energy_mj: float = 0.0
 
     @property
     def valid(self) -> bool:
@@ -102,11 +108,13 @@ class _State:
     stall_ms: float = 0.0
     clock: float = 0.0  # the compute lane's time
     computes: int = 0
+    dynamic_mj: float = 0.0  # the compute steps' energy above idle
     step: int = 0  # the index of the step being replayed
     # Allocations of transfers that start after the step that issued them:
     # (time, order, device, bytes, step index).
     pending: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     host_ms: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    q_mj: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -173,6 +181,7 @@ def _compute(state: _State, step: Compute) -> None:
     state.allocate(step.node, d)
     state.computed.add(step.node)
     duration = float(state.costs.compute_ms[step.node, d])
+    state.dynamic_mj += float(state.q_mj[step.node, d])
     state.compute_ms += duration
     state.clock += duration
     state.computes += 1
@@ -309,6 +318,8 @@ def simulate(
         [0] * len(costs.devices),
         [_Lane() for _ in costs.devices],
     )
+    energy = costs.energy_model()
+    state.q_mj = energy.q_mj
     for name in names:
         state.memory[state.device_index[name]] = fixed[name]
     timeline: dict[str, list[int]] = {name: [] for name in names}
@@ -358,6 +369,8 @@ def simulate(
     total = state.compute_ms + state.copy_ms
     if state.stall_ms or tail > 0:  # a plan without transfers costs its steps' sum, exactly
         total += state.stall_ms + max(tail, 0.0)
+    link_mj = LINK_W * (state.copy_ms + state.transfer_ms)
+    energy_mj = state.dynamic_mj + link_mj + energy.static_w * total
     return Simulation(
         violation,
         total,
@@ -369,6 +382,7 @@ def simulate(
         state.computes,
         state.transfer_ms,
         state.stall_ms,
+        energy_mj,
     )
 
 

@@ -165,12 +165,18 @@ def test_an_execution_is_leased_reported_once_and_listed(client, planned_job):
     assert "not current" in _problem(stale, 409)
     report = {"lease_token": task["lease_token"], "status": "succeeded"}
     report["result"] = _execution_result()
+    report["result"]["measured"] |= {"energy_mj": 3.5, "energy_note": "RAPL package-0"}
     first = client.post(f"{path}/report", json=report, headers=bearer(enrolled))
     again = client.post(f"{path}/report", json=report, headers=bearer(enrolled))
     assert first.json()["duplicate"] is False and again.json()["duplicate"] is True
     [execution] = client.get(f"/v1/jobs/{planned_job}/executions").json()
     assert execution["status"] == "succeeded" and execution["node_id"] == enrolled["node_id"]
     assert execution["measured"]["peak_bytes"] == {"cpu0": 1000}
+    assert execution["measured"]["energy_mj"] == 3.5
+    # the prediction is the server's copy of the plan's, energy included
+    assert execution["predicted"]["energy_mj"] == pytest.approx(
+        task["payload"]["plan"]["predicted"]["energy_mj"]
+    )
     assert execution["gradients_match"] is True and execution["max_rel_error"] == 1e-7
     assert execution["gradients_vanish"] is False
 
@@ -229,6 +235,12 @@ def test_bad_reports_are_refused_and_the_lease_stays(client, planned_job):
     )
     malformed = client.post(path, json={"status": "done"}, headers=bearer(enrolled))
     assert _problem(malformed, 422)
+    for energy in (-1.0, "lots"):
+        result = _execution_result()
+        result["measured"]["energy_mj"] = energy
+        bad = {"lease_token": task["lease_token"], "status": "succeeded", "result": result}
+        detail = _problem(client.post(path, json=bad, headers=bearer(enrolled)), 422)
+        assert "energy_mj" in detail
     failed = {"lease_token": task["lease_token"], "status": "failed", "error": "no kernel"}
     assert client.post(path, json=failed, headers=bearer(enrolled)).status_code == 200
     [execution] = [

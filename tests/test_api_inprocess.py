@@ -181,6 +181,58 @@ def test_an_offloading_job_serves_a_version_2_plan(api: InProcessApi) -> None:
     assert plan["solver"]["bound"] <= plan["predicted"]["total_ms"]
 
 
+def test_a_job_minimises_the_energy_it_asks_for(api: InProcessApi) -> None:
+    client = api.client
+    devices = [{"name": "cpu0", "kind": "cpu"}, {"name": "gpu0", "kind": "cuda"}]
+    body = quick_job(
+        uploaded(client),
+        strategy="xengine",
+        devices=devices,
+        budgets={},
+        objective={"kind": "energy", "power_caps_w": {"gpu0": 300}, "board_w": 5},
+    )
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job_id}").json()
+    assert done["status"] == "succeeded", done
+    assert done["spec"]["objective"]["kind"] == "energy"
+    plan = client.get(f"/v1/jobs/{job_id}/plan").json()
+    energy = plan["predicted"]["energy_mj"]
+    # the incumbent and the bound are the objective's, in mJ: the plan's energy, not its time
+    assert done["progress"]["incumbent_ms"] == pytest.approx(energy)
+    assert plan["solver"]["bound"] <= energy * (1 + 1e-6)
+    schedule = client.get(f"/v1/jobs/{job_id}/schedule").json()
+    assert schedule["energy_mj"] == pytest.approx(energy)
+    assert schedule["predicted_ms"] == pytest.approx(plan["predicted"]["total_ms"])
+    baselines = client.get(f"/v1/jobs/{job_id}/baselines").json()["items"]
+    assert any(item["energy_mj"] for item in baselines)
+    offloading = [b for b in baselines if b["strategy"] == "offload_greedy"]
+    assert offloading and offloading[0]["note"].startswith("n/a")
+
+
+@pytest.mark.parametrize(
+    ("objective", "words"),
+    [
+        ({"kind": "weighted"}, "alpha is given with the weighted objective"),
+        ({"kind": "energy", "alpha": 0.5}, "alpha is given with the weighted objective"),
+        ({"kind": "joules"}, "body.objective.kind"),
+        ({"power_caps_w": {"cpu0": -1}}, "body.objective.power_caps_w.cpu0"),
+        ({"power_caps_w": {"gpu3": 100}}, "power cap for unknown device 'gpu3'"),
+        ({"power_caps_w": {"cpu0": 5}}, "is below its idle power"),
+        ({"board_cap_w": 1e12}, "body.objective.board_cap_w"),
+    ],
+)
+def test_an_objective_no_plan_can_meet_is_refused(
+    api: InProcessApi, objective: dict[str, Any], words: str
+) -> None:
+    body = quick_job(uploaded(api.client), objective=objective)
+    assert words in problem(api.client.post("/v1/jobs", json=body), 422)["detail"]
+    assert api.dispatcher.enqueued == []
+    assert api.client.get("/v1/jobs").json()["items"] == []
+
+
 def test_a_job_differentiates_the_loss_it_names(api: InProcessApi) -> None:
     client = api.client
     body = quick_job(uploaded(client)) | {"loss": {"kind": "cross_entropy", "axis": 1}}

@@ -132,6 +132,21 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
             ["graph", "{p}", "--input", "nonsense"],
             "nonsense",
         ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--objective", "weighted"],
+            "needs alpha",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=3"],
+            "below its idle power",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"],
+            "'many' is not watts",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, make, args, message):
@@ -144,6 +159,23 @@ def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, make, args, message
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("remat: error:")
     assert message in lines[0]
+
+
+def test_plan_for_energy_prints_the_plans_energy_and_objective(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(samples.ZOO["transformer"](batch=2).SerializeToString())
+    devices = ["--device", "cpu0:cpu:threads=2", "--device", "gpu0:cuda:idle_w=30"]
+    args = ["plan", str(path), *devices, "--strategy", "xengine", "--time-limit", "10"]
+    by_energy = remat(*args, "--objective", "energy", "--json")
+    by_time = remat(*args, "--json")
+    assert by_energy.returncode == 0 and by_time.returncode == 0, by_energy.stderr
+    energy, time = json.loads(by_energy.stdout), json.loads(by_time.stdout)
+    assert energy["predicted"]["energy_mj"] <= time["predicted"]["energy_mj"] * (1 + 1e-6)
+    assert "mJ" in by_energy.stderr  # the solver's progress is in the objective's unit
+    text = remat(*args, "--objective", "weighted", "--alpha", "0.01", "--board-power", "5")
+    assert text.returncode == 0, text.stderr
+    assert "objective:  time + 0.01 ms/mJ x energy" in text.stdout
+    assert "mJ (power model)" in text.stdout
 
 
 def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):

@@ -493,8 +493,10 @@ def test_the_baselines_table_compares_the_same_inputs(ui, server):
     table = ui.page.locator("#baselines-table")
     expect(table.locator("tbody tr")).to_have_count(len(baselines["items"]) + 1)
     expect(table.locator("tr.this-job")).to_contain_text("xengine (this job)")
+    expect(table.locator("tr.this-job")).to_contain_text(re.compile(r"\d m?J"))
     for item in baselines["items"]:
         expect(table.locator(f'tr[data-strategy="{item["strategy"]}"]')).to_be_visible()
+    expect(ui.page.locator("#job-inputs")).to_contain_text("Objective")
 
 
 def test_an_execution_shows_measured_against_predicted(ui, server):
@@ -515,6 +517,8 @@ def test_an_execution_shows_measured_against_predicted(ui, server):
         "measured": {
             "total_ms": predicted["total_ms"] * 1.25,
             "peak_bytes": {d: p + 4096 for d, p in predicted["peak_bytes"].items()},
+            "energy_mj": 12.5,
+            "energy_note": "fake socket (cpu0, cpu1): over 1 run(s)",
         },
         "predicted": {"total_ms": predicted["total_ms"], "peak_bytes": predicted["peak_bytes"]},
         "gradients_match": True,
@@ -529,6 +533,7 @@ def test_an_execution_shows_measured_against_predicted(ui, server):
     assert float(row.get_attribute("data-measured-ms")) == result["measured"]["total_ms"]
     assert float(row.get_attribute("data-predicted-ms")) == predicted["total_ms"]
     expect(row).to_contain_text("1.25×")
+    expect(row).to_contain_text("/ 12.50 mJ")  # measured energy beside the prediction
     expect(row).to_contain_text("match")
     ui.shot("job-executions")
     server.found["node"] = enrolled["node_id"]

@@ -217,8 +217,15 @@ def test_report_json_has_the_protocol_fields() -> None:
         "max_rel_error",
         "gradients_vanish",
     }
-    assert set(document["measured"]) == {"total_ms", "peak_bytes", "step_ms"}
-    assert set(document["predicted"]) == {"total_ms", "peak_bytes"}
+    assert {"total_ms", "peak_bytes", "step_ms", "energy_note"} <= set(document["measured"])
+    assert set(document["measured"]) <= {
+        "total_ms",
+        "peak_bytes",
+        "step_ms",
+        "energy_note",
+        "energy_mj",
+    }
+    assert set(document["predicted"]) == {"total_ms", "peak_bytes", "energy_mj"}
     assert document["gradients_match"] is True and document["gradients_vanish"] is False
     ExecutionResult.model_validate(document)  # what the server takes
     assert document["measured"]["peak_bytes"] == document["predicted"]["peak_bytes"]

@@ -250,6 +250,7 @@ def _store_plan(
     the reason."""
     assert result.plan is not None and result.simulation is not None
     plan, simulation = result.plan, result.simulation
+    incumbent = problem.objective.value(simulation.total_ms, simulation.energy_mj)
     matrices = stage_matrices(plan)
     schedule = ScheduleOut(
         devices=[d.name for d in plan.devices],
@@ -265,6 +266,8 @@ def _store_plan(
             for device, spans in transfer_spans(plan).items()
             if spans
         },
+        predicted_ms=simulation.total_ms,
+        energy_mj=simulation.energy_mj,
     )
     try:
         row = PlanRow(
@@ -282,14 +285,15 @@ def _store_plan(
         "status": JobStatus.SUCCEEDED,
         "finished_at": now(),
         "message": result.message or None,
-        "incumbent_ms": simulation.total_ms,
+        # in the objective's unit, as the solver's bound (ms for time, the default)
+        "incumbent_ms": incumbent,
     }
     final = None
     if plan.solver is not None:
         solver = plan.solver
         values |= {"solver_status": solver.status, "bound_ms": solver.bound}
         values |= {"gap": solver.gap, "elapsed_s": elapsed_s}
-        final = Progress(elapsed_s, simulation.total_ms, solver.bound, solver.gap)
+        final = Progress(elapsed_s, incumbent, solver.bound, solver.gap)
     try:
         with ctx.db.session() as session:
             session.get(JobRow, job_id, with_for_update=True)  # PostgreSQL: a cancel waits

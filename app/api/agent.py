@@ -328,7 +328,9 @@ def _plan_prediction(plan: dict[str, Any]) -> PredictedCost:
     if not isinstance(predicted, dict):
         return PredictedCost()
     return PredictedCost(
-        total_ms=predicted.get("total_ms"), peak_bytes=predicted.get("peak_bytes") or {}
+        total_ms=predicted.get("total_ms"),
+        peak_bytes=predicted.get("peak_bytes") or {},
+        energy_mj=predicted.get("energy_mj"),
     )
 
 

@@ -94,7 +94,11 @@ def auto(
             tried.add(_attempt(greedy_evict, problem, name, seconds, fit_s))
         tried.phases.append(f"greedy_evict on {', '.join(names)}")
     devices = problem.costs.devices
-    offloading = [n for n in names if devices[problem.costs.device_index(n)].has_own_memory]
+    offloading = [
+        n
+        for n in names
+        if problem.offloading and devices[problem.costs.device_index(n)].has_own_memory
+    ]
     if offloading and not problem.cancelled:
         for name in offloading:
             tried.add(_attempt(offload_dynprog, problem, name))

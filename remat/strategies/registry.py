@@ -10,13 +10,15 @@ entry: here, or for a baseline in ``baselines.TABLE_1``; or a call to ``register
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from remat.errors import StrategyError
+from remat.objective import power_violation
+from remat.simulator import simulate
 from remat.strategies.auto import AUTO, auto
 from remat.strategies.baselines import TABLE_1
-from remat.strategies.common.problem import Problem, StrategyResult
+from remat.strategies.common.problem import Problem, StrategyResult, with_prediction
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
 from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.offload_remat import offload_remat
@@ -168,7 +170,30 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
     """Run strategy ``name`` (or ``auto``) on one device, or on each device of the cost
     model (None; for an offloading strategy, each device with memory apart from the host's
     where there is one, else each cpu device, emulating) and return the cheapest feasible
-    result, else the infeasible one needing the least memory."""
+    result, else the infeasible one needing the least memory.
+
+    Cheapest by the problem's objective (``remat.objective``): where it is not time alone,
+    the strategy searches on the objective's costs, and its plan is judged on the true
+    ones: predicted time and energy, and the power caps."""
+    if problem.objective.time_only:
+        return _run(name, problem, device)
+    return judged(problem, _run(name, problem.in_objective_units(), device))
+
+
+def judged(problem: Problem, found: StrategyResult) -> StrategyResult:
+    """``found`` (searched on ``problem``'s objective costs) with its plan simulated on the
+    true costs, or without a plan where it breaks a power cap."""
+    if found.plan is None:
+        return found
+    simulation = simulate(found.plan, problem.graph, problem.costs, problem.budgets)
+    broken = power_violation(found.plan, problem.costs, problem.objective)
+    if broken is not None or not simulation.valid:
+        why = broken or str(simulation.violation)
+        return StrategyResult(found.strategy, None, None, f"no plan within the power caps: {why}")
+    return replace(found, plan=with_prediction(found.plan, simulation), simulation=simulation)
+
+
+def _run(name: str, problem: Problem, device: str | None) -> StrategyResult:
     if name == AUTO:
         return auto(problem, device)
     strategy = STRATEGIES.get(name)
@@ -176,6 +201,11 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
         known = ", ".join([AUTO, *STRATEGIES])
         raise StrategyError(f"unknown strategy {name!r}; known strategies: {known}")
     info = REGISTRY.get(name)
+    if info is not None and info.offloads and not problem.offloading:
+        raise StrategyError(
+            f"{name} offloads, and offloading is planned for time alone: choose another "
+            "strategy for this objective or these power caps"
+        )
     if info is not None and info.places_over_devices:
         return strategy(problem, device)  # type: ignore[arg-type]
     if device is not None:

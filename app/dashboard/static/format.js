@@ -20,6 +20,29 @@ export function ms(x) {
   return `${x >= 100 ? x.toFixed(1) : x >= 1 ? x.toFixed(2) : x.toPrecision(3)} ms`;
 }
 
+export function mj(x) {
+  if (x === null || x === undefined) return "—";
+  if (x >= 1000) return `${(x / 1000).toFixed(2)} J`;
+  return `${x >= 100 ? x.toFixed(1) : x >= 1 ? x.toFixed(2) : x.toPrecision(3)} mJ`;
+}
+
+/** A job's objective (time, energy, or time + alpha x energy) and power caps, in words. */
+export function objectiveText(objective) {
+  const o = objective || { kind: "time" };
+  const text = o.kind === "weighted" ? `time + ${o.alpha} ms/mJ × energy` : o.kind;
+  const caps = Object.entries(o.power_caps_w || {}).map(([d, w]) => `${d} ≤ ${w} W`);
+  if (o.board_cap_w !== null && o.board_cap_w !== undefined) caps.push(`board ≤ ${o.board_cap_w} W`);
+  return caps.length ? `${text}; power caps: ${caps.join(", ")}` : text;
+}
+
+/** A value of a job's objective: ms (time), mJ (energy), or the weighted sum's number. */
+export function objectiveValue(objective) {
+  const kind = (objective || {}).kind || "time";
+  if (kind === "energy") return mj;
+  if (kind === "weighted") return (x) => (x === null || x === undefined ? "—" : x.toPrecision(4));
+  return ms;
+}
+
 export function percent(fraction, digits = 1) {
   if (fraction === null || fraction === undefined) return "—";
   return `${(fraction * 100).toFixed(digits)}%`;

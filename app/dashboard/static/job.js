@@ -6,7 +6,7 @@
 import { api, ApiError, downloadJson, request } from "./api.js";
 import { deviceColor, heatmap, legend, lineChart, responsive, swatch, transferLane } from "./charts.js";
 import { facts, h, replace, table } from "./dom.js";
-import { bytes, ms, percent, seconds, shortId } from "./format.js";
+import { bytes, mj, ms, objectiveText, objectiveValue, percent, seconds, shortId } from "./format.js";
 import { announce, clearError, report } from "./notify.js";
 import { every } from "./poll.js";
 import { FINISHED, heading, jobDuration, statusBadge, timeEl } from "./widgets.js";
@@ -62,6 +62,7 @@ function inputsFacts(job, model, nodes) {
     ["Devices", spec.devices.map(deviceText).join("; ")],
     ["Budgets", budgets],
     ["Strategy", spec.strategy],
+    ["Objective", objectiveText(spec.objective)],
     ["Solver", solver],
     ["Costs", costsText(spec.costs, nodes)],
     ["Created", timeEl(job.created_at)],
@@ -72,9 +73,10 @@ function inputsFacts(job, model, nodes) {
 
 function progressFacts(job) {
   const p = job.progress;
+  const value = objectiveValue(job.spec.objective);
   return facts([
-    ["Incumbent", ms(p.incumbent_ms)],
-    ["Bound", ms(p.bound_ms)],
+    ["Incumbent", value(p.incumbent_ms)],
+    ["Bound", value(p.bound_ms)],
     ["Gap", percent(p.gap, 2)],
     ["Elapsed", seconds(p.elapsed_s)],
     ["Solver status", job.solver_status || "—"],
@@ -82,7 +84,7 @@ function progressFacts(job) {
   ], { id: "progress-facts" });
 }
 
-function progressChart(points, width) {
+function progressChart(points, width, value) {
   const series = (key) => points.filter((p) => p[key] !== null && p[key] !== undefined)
     .map((p) => [p.elapsed_s, p[key]]);
   // A value holds until the solver reports the next one: steps, drawn on to the last report.
@@ -92,7 +94,7 @@ function progressChart(points, width) {
     label: `Incumbent and bound over time: ${points.length} points`,
     xLabel: "elapsed (s)",
     xFormat: (v) => `${v.toFixed(1)} s`,
-    yFormat: (v) => ms(v),
+    yFormat: (v) => value(v),
     className: "line-chart progress-chart",
     zeroBased: false,
     series: [
@@ -201,11 +203,12 @@ function overheadText(overhead) {
 
 function baselinesView(baselines, job, schedule) {
   const devices = job.spec.devices.map((d) => d.name);
-  const own = job.progress.incumbent_ms;
+  const own = schedule?.predicted_ms ?? job.progress.incumbent_ms;
   const ownRow = h("tr", { class: "this-job", dataset: { strategy: job.spec.strategy } },
     h("th", { scope: "row" }, `${job.spec.strategy} (this job)`),
     h("td", { class: "num" }, ms(own)),
     h("td", { class: "num" }, own && baselines.ideal_ms ? overheadText(own / baselines.ideal_ms - 1) : "—"),
+    h("td", { class: "num" }, mj(schedule?.energy_mj)),
     devices.map((d) => h("td", { class: "num" }, bytes(schedule?.peak_bytes[d]))),
     h("td", {}, "yes"),
     h("td", {}, job.solver_status || ""));
@@ -213,6 +216,7 @@ function baselinesView(baselines, job, schedule) {
     h("th", { scope: "row" }, item.strategy),
     h("td", { class: "num" }, ms(item.predicted_ms)),
     h("td", { class: "num" }, overheadText(item.overhead)),
+    h("td", { class: "num" }, mj(item.energy_mj)),
     devices.map((d) => h("td", { class: "num" }, bytes(item.peak_bytes?.[d]))),
     h("td", {}, item.valid === null ? "—" : item.valid ? "yes" : "no (over budget)"),
     h("td", { class: "wrap" }, item.note || "")));
@@ -220,7 +224,7 @@ function baselinesView(baselines, job, schedule) {
     note(`Each baseline on the same graph, costs and budgets. Ideal (no recomputation, ` +
       `unlimited memory): ${ms(baselines.ideal_ms)}.`),
     table("Baselines on the same inputs",
-      ["Strategy", "Predicted time", "Over ideal", ...devices.map((d) => `Peak ${d}`), "Fits budgets", "Note"],
+      ["Strategy", "Predicted time", "Over ideal", "Predicted energy", ...devices.map((d) => `Peak ${d}`), "Fits budgets", "Note"],
       [ownRow, ...rows], { id: "baselines-table" }));
 }
 
@@ -307,12 +311,14 @@ function executionsTable(executions, job, nodes) {
       h("td", { class: "num" }, ratio(m.total_ms, p.total_ms)),
       devices.map((d) => h("td", { class: "num" },
         `${bytes(p.peak_bytes?.[d])} / ${bytes(m.peak_bytes?.[d])}`)),
+      h("td", { class: "num", title: m.energy_note || "" },
+        `${mj(p.energy_mj)} / ${m.energy_mj === undefined || m.energy_mj === null ? "not measured" : mj(m.energy_mj)}`),
       h("td", {}, gradientsText(e)),
       h("td", {}, e.error || ""));
   });
   const main = table("Executions: predicted against measured",
     ["Node", "Status", "Predicted time", "Measured time", "Measured / predicted",
-      ...devices.map((d) => `Peak ${d} predicted / measured`), "Gradients", "Error"],
+      ...devices.map((d) => `Peak ${d} predicted / measured`), "Energy predicted / measured", "Gradients", "Error"],
     rows, { id: "executions-table" });
   return h("div", {}, main, executions.filter((e) => e.sized).map((e) => sizedSteps(e, devices)));
 }
@@ -388,7 +394,7 @@ export async function jobPage(view, { signal }, id) {
   const progressView = responsive(progressBox, (width) => {
     const shown = points;
     progressBox.dataset.points = String(shown.length);
-    if (shown.length > 0) return progressChart(shown, width);
+    if (shown.length > 0) return progressChart(shown, width, objectiveValue(job?.spec.objective));
     return note(job && job.status === "queued" ? "Waiting for a worker." : "No progress reported yet.");
   }, signal);
   const drawProgress = () => progressView.update();

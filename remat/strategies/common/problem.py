@@ -10,6 +10,7 @@ from remat.compiler import compile_plan
 from remat.costs import CostModel
 from remat.devices import format_bytes
 from remat.graph import Graph
+from remat.objective import Objective, objective_costs
 from remat.plan import Plan, PlanDevice, Predicted
 from remat.schedule import Schedule
 from remat.simulator import Simulation, simulate
@@ -38,12 +39,26 @@ class SolverSettings:
 
 @dataclass(frozen=True)
 class Problem:
-    """A graph, its cost model and a budget in bytes per device (None: unlimited)."""
+    """A graph, its cost model, a budget in bytes per device (None: unlimited) and what a
+    plan minimises (``remat.objective``). ``offloading``: plans may send activations to
+    host memory (not where the search's costs are an objective's other than time)."""
 
     graph: Graph
     costs: CostModel
     budgets: Mapping[str, int | None]
     solver: SolverSettings = field(default_factory=SolverSettings)
+    objective: Objective = field(default_factory=Objective)
+    offloading: bool = True
+
+    def in_objective_units(self) -> Problem:
+        """The problem strategies search where the objective is not time alone: its costs
+        are the objective's (``remat.objective.objective_costs``), its objective time."""
+        return replace(
+            self,
+            costs=objective_costs(self.costs, self.objective),
+            objective=Objective(),
+            offloading=False,
+        )
 
     @property
     def cancelled(self) -> bool:
@@ -132,6 +147,7 @@ def with_prediction(plan: Plan, simulation: Simulation) -> Plan:
         simulation.copy_ms,
         simulation.peak_bytes,
         simulation.transfer_ms,
+        simulation.energy_mj,
     )
     return Plan(plan.strategy, plan.devices, plan.steps, predicted, plan.solver, plan.version)
 

@@ -47,6 +47,12 @@ within the device's memory limit as the timed ones do. Such a device is ``energy
 "measured"`` in the table. A device without a counter gets no energy and ``energy:
 "model"`` (remat's power model stands in), with the reason in ``energy_note``.
 
+On a CUDA device the timed passes also measure each node's workspace: the allocator's
+peak while the node runs, less what was allocated before it and its output (cuDNN's and
+cuBLAS's scratch buffers, a convolution's backward above all), the most over the passes,
+into the table's ``workspace_bytes``; the planners charge it while the node runs. A CPU
+device's kernels are taken to hold none.
+
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
 """
@@ -205,6 +211,17 @@ def host_link(runtime: Runtime, warmup: int, repeats: int) -> dict[str, float]:
     return link
 
 
+def _with_workspace(runtime: Runtime, compute: Callable[[], Value]) -> tuple[Value, float, int]:
+    """``compute`` timed on a CUDA device, with the scratch memory its kernels held: the
+    allocator's peak during the call less what was allocated before it and the output."""
+    device = runtime.torch_device
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    value, ms = runtime.timed(compute)
+    peak = torch.cuda.max_memory_allocated(device)
+    return value, ms, max(0, peak - before - value_bytes(value))
+
+
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
@@ -249,6 +266,8 @@ class _Session:
         }
         self.copies: dict[int, dict[str, float]] = {i: {} for i in range(n)}
         self.output_bytes = [0] * n
+        # per CUDA device, per node: the most scratch memory its kernel held in a timed pass
+        self.workspace: dict[str, dict[int, int]] = {}
         copy_passes = 1 if len(runtimes) > 1 else 0
         self.total = sum(len(steps) for steps in passes) * (warmup + repeats + copy_passes)
         # Per device: its energy counter, or None and why (``_counter``).
@@ -316,6 +335,11 @@ class _Session:
             "compute_spread_ms": spread,
             "output_bytes": self.output_bytes[node.id],
             "energy_mj": energy,
+            "workspace_bytes": {
+                name: per_node[node.id]
+                for name, per_node in self.workspace.items()
+                if per_node.get(node.id, 0) > 0
+            },
         }
 
     def table_device(self, runtime: Runtime) -> dict[str, Any]:
@@ -359,6 +383,10 @@ class _Session:
                 if energy is not None and index not in timed:
                     timed.add(index)
                     value, ms = self._measure_energy(runtime, energy, index, compute), 0.0
+                elif record is not None and runtime.is_cuda:
+                    value, ms, scratch = _with_workspace(runtime, compute)
+                    workspace = self.workspace.setdefault(runtime.name, {})
+                    workspace[index] = max(workspace.get(index, 0), scratch)
                 else:
                     value, ms = runtime.timed(compute)
                 nbytes = value_bytes(value)

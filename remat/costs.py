@@ -1,6 +1,7 @@
 """Cost models: per node per device compute time, per node per device pair copy time, per
-node output bytes, each device's link to its host memory (offloading), and each node's
-energy per device with the devices' idle power (``remat.energy``). Either
+node output bytes, each device's link to its host memory (offloading), each node's energy
+per device with the devices' idle power (``remat.energy``), and each node's workspace per
+device (scratch memory its kernel holds while it runs; measured, 0 where not). Either
 analytical (FLOPs and bandwidth) or profiled (a cost table measured by agents); a model
 always names its source.
 
@@ -79,6 +80,12 @@ class CostModel:
     output_bytes: np.ndarray
     host: tuple[HostLink, ...] = ()
     energy: Energy | None = None
+    # workspace_bytes[i, d]: scratch memory node i's kernel holds on device d while it
+    # runs, beyond its inputs and output (None: none anywhere)
+    workspace_bytes: np.ndarray | None = None
+
+    def workspace(self, node: int, d: int) -> int:
+        return 0 if self.workspace_bytes is None else int(self.workspace_bytes[node, d])
 
     def energy_model(self) -> Energy:
         """The energy costs: measured or modelled where given, else the power model over
@@ -248,6 +255,7 @@ MAX_TABLE_BYTES = 1 << 50  # 1 PiB: no output is larger
 # A table's times and sizes: finite, non-negative and bounded (tables come from agents and
 # files; a NaN or 1e300 would poison every plan solved with them).
 TableMs = Annotated[float, Field(ge=0, le=MAX_TABLE_MS, allow_inf_nan=False)]
+TableBytes = Annotated[int, Field(ge=0, le=MAX_TABLE_BYTES)]
 TableMj = Annotated[float, Field(ge=0, le=MAX_TABLE_MS * MAX_POWER_W, allow_inf_nan=False)]
 
 
@@ -258,6 +266,8 @@ class _TableNode(BaseModel):
     compute_spread_ms: dict[str, TableMs] = Field(default_factory=dict)
     # Measured dynamic energy per device (idle baseline subtracted), where counters exist.
     energy_mj: dict[str, TableMj] = Field(default_factory=dict)
+    # Scratch memory per device the node's kernel holds while it runs (absent: 0).
+    workspace_bytes: dict[str, TableBytes] = Field(default_factory=dict)
 
 
 MAX_LINK_BYTES_PER_S = 1e15
@@ -302,8 +312,14 @@ class CostTable(BaseModel):
             spread = {n: ms for n, ms in costs.compute_spread_ms.items() if n in chosen}
             times = {n: costs.compute_ms[n] for n in names}
             energy = {n: mj for n, mj in costs.energy_mj.items() if n in chosen}
+            scratch = {n: b for n, b in costs.workspace_bytes.items() if n in chosen}
             return costs.model_copy(
-                update={"compute_ms": times, "compute_spread_ms": spread, "energy_mj": energy}
+                update={
+                    "compute_ms": times,
+                    "compute_spread_ms": spread,
+                    "energy_mj": energy,
+                    "workspace_bytes": scratch,
+                }
             )
 
         def copies(pairs: dict[str, float]) -> dict[str, float]:
@@ -353,6 +369,7 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
     compute = np.zeros((n, D))
     copy = np.zeros((n, D, D))
     out = np.zeros(n, dtype=np.int64)
+    workspace = np.zeros((n, D), dtype=np.int64)
     for node in graph.nodes:
         entry = table.nodes.get(node.name)
         if entry is None:
@@ -360,7 +377,15 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
         missing = [d for d in names if d not in entry.compute_ms]
         if missing:
             raise InvalidInputError(f"cost table: node {node.name!r} has no time on {missing[0]}")
+        for what, per_device in (("workspace", entry.workspace_bytes), ("energy", entry.energy_mj)):
+            stray = sorted(set(per_device) - set(names))
+            if stray:
+                raise InvalidInputError(
+                    f"cost table: node {node.name!r} has {what} on {stray[0]}, which the "
+                    "table lacks"
+                )
         compute[node.id] = [entry.compute_ms[d] for d in names]
+        workspace[node.id] = [entry.workspace_bytes.get(d, 0) for d in names]
         out[node.id] = entry.output_bytes
         pairs = table.copy_ms.get(node.name, {})
         for a, src in enumerate(names):
@@ -378,7 +403,8 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
         for d in devices
     )
     energy = _table_energy(graph, table, devices, compute)
-    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host, energy)
+    scratch = workspace if workspace.any() else None
+    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host, energy, scratch)
 
 
 def _table_energy(
@@ -430,6 +456,11 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
                 compute_ms={d: float(model.compute_ms[n.id, j]) for j, d in enumerate(names)},
                 output_bytes=int(model.output_bytes[n.id]),
                 energy_mj={d: float(energy.q_mj[n.id, j]) for j, d in enumerate(names)},
+                workspace_bytes={
+                    d: model.workspace(n.id, j)
+                    for j, d in enumerate(names)
+                    if model.workspace(n.id, j)
+                },
             )
             for n in graph.nodes
         },

@@ -29,7 +29,10 @@ transfers, and the machine's static power (every device's idle power and the boa
 the predicted time.
 
 Memory is checked at every instant: after each step and when a transfer starts later
-than the step that issued it. Step kinds are dispatched through ``_HANDLERS``, so later
+than the step that issued it. While a node computes, its device also holds the kernel's
+workspace (``CostModel.workspace_bytes``: scratch memory beyond inputs and output, Beaumont
+et al.'s ``ex_i``), released when the step ends: it counts in the peak and against the
+budget, not in the memory after the step. Step kinds are dispatched through ``_HANDLERS``, so later
 kinds (paging) add a handler without touching the others.
 """
 
@@ -109,6 +112,7 @@ class _State:
     clock: float = 0.0  # the compute lane's time
     computes: int = 0
     dynamic_mj: float = 0.0  # the compute steps' energy above idle
+    scratch: tuple[int, int] | None = None  # (device, workspace bytes) during this step
     step: int = 0  # the index of the step being replayed
     # Allocations of transfers that start after the step that issued them:
     # (time, order, device, bytes, step index).
@@ -180,6 +184,9 @@ def _compute(state: _State, step: Compute) -> None:
             state.readable(dep, d, f"compute {name} on {step.device}: dependency")
     state.allocate(step.node, d)
     state.computed.add(step.node)
+    workspace = state.costs.workspace(step.node, d)
+    if workspace:
+        state.scratch = (d, workspace)
     duration = float(state.costs.compute_ms[step.node, d])
     state.dynamic_mj += float(state.q_mj[step.node, d])
     state.compute_ms += duration
@@ -329,6 +336,11 @@ def simulate(
 
     def measure(step: int) -> Violation | None:
         used = {name: state.memory[d] for name, d in placed}
+        if state.scratch is not None:  # the workspace of the node this step computes
+            d, workspace = state.scratch
+            state.scratch = None
+            name = state.costs.devices[d].name
+            used[name] += workspace
         for name, value in used.items():
             if value > peaks[name]:
                 peaks[name] = value

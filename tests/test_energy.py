@@ -229,3 +229,22 @@ def test_negative_or_non_finite_energy_is_refused(bad):
     table["devices"][0]["idle_w"] = -5
     with pytest.raises(ValueError, match="idle_w"):
         CostTable.model_validate(table)
+
+
+def test_a_capped_search_over_devices_is_never_without_a_plan_one_device_has():
+    from remat.problem import model_graph
+
+    graph = model_graph(ZOO["transformer"](batch=8))
+    devices = [Device("cpu0", DeviceKind.CPU, {"threads": "8"}), GPU]
+    plain = problem_from_graph(graph, devices=devices)
+    energy = plain.costs.energy_model()
+    draws = energy.draw_w(plain.costs.compute_ms)[:, 1]
+    objective = Objective(caps_w={"gpu0": energy.idle_w[1] + float(np.median(draws))})
+    budgets = {"cpu0": "50%", "gpu0": "50%"}
+    capped = problem_from_graph(graph, devices=devices, budgets=budgets, objective=objective)
+    alone = run_strategy("greedy_evict", capped, "cpu0")
+    assert alone.plan is not None  # a plan within the caps exists, on the CPU
+    result = run_strategy("xengine", capped.within(4))
+    assert result.plan is not None, result.message
+    assert power_violation(result.plan, capped.costs, objective) is None
+    assert result.plan.predicted.total_ms <= alone.plan.predicted.total_ms + 1e-9

@@ -108,6 +108,24 @@ def test_profile_on_cpu_and_cuda() -> None:  # pragma: no cover - GPU only
     assert set(table.host_links) == {"cpu0", "cuda0"}  # cuda0: pinned, both directions
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_profile_has_workspace_and_the_plan_its_peak() -> None:  # pragma: no cover
+    """The table's workspace makes the prediction cover what the allocator holds: a
+    checkpoint-all plan's allocator peak within 2% or 2 MiB of the simulated one."""
+    model = samples.vgg16(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    gpu = Device("cuda0", DeviceKind.CUDA)
+    table = profile(model, graph, [gpu], repeats=2)
+    costs = profiled_costs(graph, table)
+    assert costs.workspace_bytes is None or (costs.workspace_bytes >= 0).all()
+    plan = run_strategy("checkpoint_all", Problem(graph, costs, {}), "cuda0").plan
+    assert plan is not None and plan.predicted is not None
+    report = execute(model, graph, plan, [gpu])
+    predicted = plan.predicted.peak_bytes["cuda0"]
+    measured = report.allocator_peak_bytes["cuda0"]
+    assert measured <= predicted + max(0.02 * predicted, 2 << 20), (measured, predicted)
+
+
 def _half_of_checkpoint_all(graph: Graph) -> int:
     """Bytes halfway between the fixed memory and checkpoint-all's peak on one CPU."""
     ref = reference(graph, analytical_costs(graph, [CPU0]))

@@ -58,6 +58,7 @@ here, once there. So the simulated memory never exceeds U at any step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -224,11 +225,15 @@ def build_checkmate(
     m = M // unit
     fixed = fixed_bytes / unit
     b = Builder()
-    R, S, U, FREE = _variables(b, st, T, scaled_budget(budget_bytes, unit, fixed_bytes))
+    budget = scaled_budget(budget_bytes, unit, fixed_bytes)
+    R, S, U, FREE = _variables(b, st, T, budget)
     S_next = np.vstack([S[1:], np.full((1, n), -1)])
     host = None if transfers is None else _host_variables(b, st, R, S, S_next)
     _dependencies(b, st, R, S, None if host is None else (host[2], host[3]))
     _memory(b, st, m, fixed, R, S, U, FREE, None if host is None else host[2])
+    if costs.workspace_bytes is not None and math.isfinite(budget):
+        scratch = costs.workspace_bytes[:, costs.device_index(device)]
+        _workspace(b, R, U, -(-scratch // unit), budget)
     _free(b, st, R, S_next, FREE, None if host is None else host[0])
     cost = np.zeros(b.n_vars)
     ti, ii = np.nonzero(R >= 0)
@@ -392,6 +397,14 @@ def _memory(
     ft, fe = np.nonzero(FREE >= 0)
     # FREE[t,i,k] lowers U from column k+2 (after node k+1) on; k < t, so that row exists.
     b.entries(row_of[ft, st.edge_v[fe] + 2], FREE[ft, fe], m[st.edge_u[fe]])
+
+
+def _workspace(b: Builder, R: np.ndarray, U: np.ndarray, w: np.ndarray, budget: float) -> None:
+    """(9) while node k runs: U[t,k+1] + w_k R[t,k] <= budget, w_k its kernel's workspace
+    in memory units, rounded up (Checkmate's temporary memory; Beaumont et al.'s ex_i)."""
+    tt, kk = np.nonzero((R >= 0) & (w[None, :] > 0))
+    keys = np.stack([tt, kk], axis=1)
+    b.rows("9 workspace", keys, [U[tt, kk + 1], R[tt, kk]], [1, w[kk]], -np.inf, budget)
 
 
 def _free(

@@ -9,7 +9,8 @@ every node is computed once). The paper's constraints:
 * precedence: every present computation of v finds each dependency u retained, i.e. some
   present interval of u with s_ul < s_vj < e_ul;
 * memory: the retained values never exceed the budget (a cumulative constraint over the
-  intervals, demand M_i);
+  intervals, demand M_i), nor do they with the workspace of the node computed in a slot
+  (an interval of that one slot, demand its kernel's scratch memory);
 * objective: the total compute time, sum_i C_i sum_j a_ij.
 
 The time axis is Checkmate's stage order (``remat.compiler`` emits it): the slot of
@@ -154,6 +155,9 @@ def build_moccasin(
     M = np.asarray(costs.output_bytes, dtype=np.int64)
     unit = memory_unit(M)
     m = M // unit
+    w = np.zeros(n, dtype=np.int64)  # each node's workspace on its device, units rounded up
+    if costs.workspace_bytes is not None:
+        w = -(-costs.workspace_bytes[np.arange(n), columns[home]] // unit)
     model = cp_model.CpModel()
     horizon = n * n
     nodes: list[tuple[Computation, ...]] = []
@@ -169,6 +173,9 @@ def build_moccasin(
             horizon if st.is_output[i] else model.new_int_var(first_start + 1, end_max, f"e[{i},0]")
         )
         own = [Computation(i, i, first_end, True)]
+        if w[i] > 0:
+            intervals[d].append(model.new_fixed_size_interval_var(first_start, 1, f"W[{i},0]"))
+            demands[d].append(int(w[i]))
         if int(m[i]) > 0:
             size = first_end - first_start
             intervals[d].append(model.new_interval_var(first_start, size, first_end, f"I[{i},0]"))
@@ -184,6 +191,10 @@ def build_moccasin(
             model.add(prev.end <= n * t).only_enforce_if(a)  # ends before the next stage
             if j > 1:
                 model.add_implication(a, prev.present)
+            if w[i] > 0:
+                scratch = model.new_optional_fixed_size_interval_var(start, 1, a, f"W[{i},{j}]")
+                intervals[d].append(scratch)
+                demands[d].append(int(w[i]))
             if int(m[i]) > 0:
                 size = model.new_int_var(0, end_max, f"d[{i},{j}]")
                 model.add(size == e - start).only_enforce_if(a)

@@ -368,6 +368,8 @@ def build_xengine(
     _assignment(b, st, v)
     _dependencies(b, st, v)
     _memory(b, st, fx, M // unit, unit, v)
+    if costs.workspace_bytes is not None:
+        _workspace(b, v, -(-costs.workspace_bytes[:, dev].T // unit), budget)
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
@@ -617,6 +619,16 @@ def _copies(b: Builder, st: Structure, fx: _Fixed, v: _Variables) -> None:
             row_of[some] = rows
             tt, pp = np.nonzero(recompute >= 0)
             b.entries(row_of[pp], recompute[tt, pp], np.ones(tt.shape[0]))
+
+
+def _workspace(b: Builder, v: _Variables, w: np.ndarray, budget: np.ndarray) -> None:
+    """(6) while node k runs on d: U[d,t,k+1] + w[d,k] R[d,t,k] <= budget[d], w its
+    kernel's workspace in memory units, rounded up (Beaumont et al.'s ex_i)."""
+    limited = np.isfinite(budget)[:, None, None]
+    dd, tt, kk = np.nonzero((v.R >= 0) & (w[:, None, :] > 0) & limited)
+    keys = np.stack([dd, tt, kk], axis=1)
+    cols = [v.U[dd, tt, kk + 1], v.R[dd, tt, kk]]
+    b.rows("6 workspace", keys, cols, [1, w[dd, kk]], -np.inf, budget[dd])
 
 
 def _stage_energy(b: Builder, v: _Variables, q: np.ndarray, caps: PowerCaps) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from remat.errors import StrategyError
-from remat.objective import power_violation
+from remat.objective import forbidden, power_violation
 from remat.simulator import simulate
 from remat.strategies.auto import AUTO, auto
 from remat.strategies.baselines import TABLE_1
@@ -177,7 +177,35 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
     ones: predicted time and energy, and the power caps."""
     if problem.objective.time_only:
         return _run(name, problem, device)
-    return judged(problem, _run(name, problem.in_objective_units(), device))
+    searched = problem.in_objective_units()
+    result = judged(problem, _run(name, searched, device))
+    if result.feasible or device is not None or (name != AUTO and name not in MULTI_DEVICE):
+        return result
+    return _within_caps(problem, searched, result)
+
+
+def _within_caps(problem: Problem, searched: Problem, broken: StrategyResult) -> StrategyResult:
+    """Where a search over every device found no plan within the power caps: ``auto`` on
+    each device that every node may run on, the cheapest by the objective, or ``broken``.
+    A one-device plan keeps the caps by construction, so a capped multi-device search is
+    never worse than one."""
+    over = forbidden(problem.costs, problem.objective)
+    free = [d.name for j, d in enumerate(problem.costs.devices) if not over[:, j].any()]
+    seconds = max(searched.solver.search.min_solve_s, searched.solver.options.time_limit_s / 4)
+    found = [judged(problem, auto(searched.within(seconds), name)) for name in free]
+    plans = [r for r in found if r.feasible and r.simulation is not None]
+    if not plans:
+        return broken
+    objective = problem.objective
+
+    def value(r: StrategyResult) -> float:
+        assert r.simulation is not None
+        return objective.value(r.simulation.total_ms, r.simulation.energy_mj)
+
+    best = min(plans, key=value)
+    where = next(n for n, r in zip(free, found, strict=True) if r is best)
+    note = f"{broken.strategy} found no plan within the power caps; auto on {where}"
+    return replace(best, strategy=broken.strategy, message=note)
 
 
 def judged(problem: Problem, found: StrategyResult) -> StrategyResult:

@@ -6,7 +6,7 @@ allocates v's output while every input of v is resident on d, and d holds the fi
 tensors of every node it computes (plus gradient buffers for backward nodes) for the whole
 plan. So on d, at v's step,
 
-    memory >= fixed(d) + M_v + sum of M_u over v's distinct inputs u,
+    memory >= fixed(d) + M_v + sum of M_u over v's distinct inputs u + workspace(v, d),
 
 with fixed(d) the fixed memory of every node when d is the only device, and at least v's
 own when there are several. A node whose floor exceeds the budget of every device it may
@@ -33,7 +33,7 @@ class Need:
     node: int
     device: str
     fixed_bytes: int  # parameters, inputs and gradient buffers the device holds
-    value_bytes: int  # the node's output and inputs, resident at its step
+    value_bytes: int  # the node's output and inputs, resident at its step, and its workspace
     budget: int
 
     @property
@@ -43,8 +43,8 @@ class Need:
     def describe(self) -> str:
         return (
             f"{format_bytes(self.total)} on {self.device} ({format_bytes(self.fixed_bytes)} "
-            f"fixed, {format_bytes(self.value_bytes)} for its inputs and output), over the "
-            f"budget of {format_bytes(self.budget)}"
+            f"fixed, {format_bytes(self.value_bytes)} for its inputs, output and workspace), "
+            f"over the budget of {format_bytes(self.budget)}"
         )
 
 
@@ -75,10 +75,14 @@ def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
     graph, sizes = problem.graph, problem.costs.output_bytes
     everything = device_fixed_bytes(problem, devices[0]) if len(devices) == 1 else None
     worst: Shortfall | None = None
+    index = {name: problem.costs.device_index(name) for name in budgets}
     for node in graph.nodes:
         values = int(sizes[node.id]) + sum(int(sizes[u]) for u in set(node.deps))
         fixed = held_fixed_bytes(graph, [node.id]) if everything is None else everything
-        needs = tuple(Need(node.id, d, fixed, values, b) for d, b in budgets.items())
+        needs = tuple(
+            Need(node.id, d, fixed, values + problem.costs.workspace(node.id, index[d]), b)
+            for d, b in budgets.items()
+        )
         if any(need.total <= need.budget for need in needs):
             continue
         if worst is None or needs[0].total > worst.needs[0].total:

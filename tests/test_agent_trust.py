@@ -151,6 +151,7 @@ def test_an_execution_stores_the_plans_prediction_not_the_agents(client, planned
     assert execution["predicted"] == {
         "total_ms": expected["total_ms"],
         "peak_bytes": expected["peak_bytes"],
+        "energy_mj": expected["energy_mj"],
     }
     assert execution["measured"]["total_ms"] == 2.0
 

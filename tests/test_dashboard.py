@@ -664,6 +664,28 @@ def test_an_api_error_is_shown_in_plain_words(ui, server):
     ui.shot("error")
 
 
+def test_the_form_submits_an_energy_objective_and_says_what_no_plan_can_meet(ui, server):
+    ui.allowed.append("status of 422")
+    model = server.need("model")
+    page = ui.page
+    ui.go(f"#/models/{model['id']}")
+    page.locator("#job-strategy").select_option("chen_sqrt")  # a quick job
+    page.get_by_label("Minimise").select_option("weighted")
+    page.get_by_label("Alpha (ms per mJ)").fill("0.02")
+    page.get_by_label("Power caps (W)").fill("cpu0=5")  # below the CPU's idle power
+    page.get_by_role("button", name="Submit job").click()
+    expect(page.get_by_role("alert")).to_contain_text("below its idle power")
+    page.get_by_label("Power caps (W)").fill("cpu0=500")
+    page.get_by_role("button", name="Submit job").click()
+    page.wait_for_url("**/#/jobs/*")
+    job_id = page.url.rsplit("/", 1)[1]
+    spec = _job(server, job_id)["spec"]
+    assert spec["objective"]["kind"] == "weighted" and spec["objective"]["alpha"] == 0.02
+    assert spec["objective"]["power_caps_w"] == {"cpu0": 500.0}
+    expect(page.locator("#job-inputs")).to_contain_text("time + 0.02 ms/mJ × energy")
+    expect(page.locator("#job-inputs")).to_contain_text("cpu0 ≤ 500 W")
+
+
 def test_an_unreachable_server_and_a_missing_job_are_said_plainly(ui, server):
     ui.allowed += ["status of 404", "net::ERR_FAILED"]
     ui.go("#/jobs/0123456789abcdef")

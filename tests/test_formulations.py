@@ -16,7 +16,7 @@ from remat.costs import CostModel, CostSource, analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.errors import ScheduleError
 from remat.formulations import build_checkmate, single_device_fixed_bytes
-from remat.formulations.xengine import PowerCaps, build_xengine
+from remat.formulations.xengine import build_xengine
 from remat.graph import Graph
 from remat.plan import PlanDevice
 from remat.schedule import Schedule
@@ -538,59 +538,6 @@ def test_a_300_stage_graph_builds_with_pruned_variables() -> None:
     assert counts["var R"] <= T * (T + 1) // 2 and counts["var S"] <= T * (T - 1) // 2
     assert counts["var FREE"] < T * E // 2  # the paper's T x |E|, halved by pruning
     assert xengine.model.n_vars > 2 * checkmate.model.n_vars
-
-
-# --- energy (XEngine section 5.1) -----------------------------------------------------------------
-
-
-def energy_setup() -> tuple[Graph, CostModel, np.ndarray]:
-    """dev1 is twice as fast as dev0 but uses ten times the energy per operator."""
-    graph = training_graph(chain(3))
-    costs = hand_costs(graph, 2, seed=3)
-    compute = costs.compute_ms.copy()
-    compute[:, 1] = compute[:, 0] / 2
-    costs = replace(costs, compute_ms=compute)
-    energy = np.stack([compute[:, 0], 10 * compute[:, 0]], axis=1)
-    return graph, costs, energy
-
-
-def test_energy_term_moves_work_to_the_frugal_device() -> None:
-    graph, costs, energy = energy_setup()
-    budgets = {"dev0": None, "dev1": None}
-    fast, x = solve(build_xengine(graph, costs, budgets).model)
-    assert fast == pytest.approx(costs.ideal_ms("dev1"))
-    alpha = 1.0
-    formulation = build_xengine(graph, costs, budgets, energy=energy, alpha=alpha)
-    objective, x = solve(formulation.model)
-    assert x is not None
-    schedule = formulation.decode(x)
-    assert not schedule.R[1].any()  # energy outweighs time: everything on dev0
-    used = float((schedule.R[0].sum(axis=0) * energy[:, 0]).sum())
-    assert objective == pytest.approx(assert_fits(graph, costs, schedule, budgets) + alpha * used)
-
-
-def test_power_caps() -> None:
-    graph, costs, energy = energy_setup()
-    budgets = {"dev0": None, "dev1": None}
-    hungry = int(np.argmax(energy[:, 1]))
-    caps = PowerCaps(per_op={"dev1": float(energy[hungry, 1]) - 0.5})  # eq. 18
-    formulation = build_xengine(graph, costs, budgets, energy=energy, power_caps=caps)
-    objective, x = solve(formulation.model)
-    assert objective is not None and x is not None
-    schedule = formulation.decode(x)
-    assert not schedule.R[1, :, hungry].any()
-    assert schedule.R[1].any()  # the rest still runs on the fast device
-    board = 1.0
-    cap = board + float(np.minimum(energy[:, 0], energy[:, 1]).max())  # eq. 19
-    caps = PowerCaps(per_stage=cap, board=board)
-    formulation = build_xengine(graph, costs, budgets, energy=energy, power_caps=caps)
-    objective, x = solve(formulation.model)
-    assert x is not None
-    schedule = formulation.decode(x)
-    per_stage = (schedule.R * energy.T[:, None, :]).sum(axis=(0, 2))
-    assert (per_stage + board <= cap + 1e-9).all()
-    caps = PowerCaps(per_stage=cap - 0.5, board=board)
-    assert solve(build_xengine(graph, costs, budgets, energy, power_caps=caps).model)[0] is None
 
 
 # --- every backend agrees with brute force ----------------------------------------------------

@@ -12,7 +12,7 @@ from remat.formulations.checkmate import (
     build_checkmate,
     single_device_fixed_bytes,
 )
-from remat.formulations.xengine import PowerCaps, XEngineModel, build_xengine
+from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.schedule import Schedule
 from remat.solvers.model import MILPModel
 
@@ -34,7 +34,6 @@ class Formulation(Protocol):
 __all__ = [
     "CheckmateModel",
     "Formulation",
-    "PowerCaps",
     "XEngineModel",
     "build_checkmate",
     "build_xengine",

@@ -1,5 +1,6 @@
 """XEngine's MIQP (Schuler et al., section 3.2): placement + rematerialization on several
-devices, with the energy extension of section 5.1.
+devices. The energy objectives of section 5.1 (eq. 17-19) reach it through its costs
+(``remat.objective.objective_costs``: c[d,i] becomes the objective's cost of a compute).
 
 Variables (device d, stage t, node i; all 0-based, stage t first computes node t):
 
@@ -11,9 +12,7 @@ Variables (device d, stage t, node i; all 0-based, stage t first computes node t
 
 Objective (1): sum c[d,i] R[d,t,i] + W, W = sum w[u,d,d'] R[d',t,v] Z[d,t,u] over stages,
 edges (u,v) and device pairs d != d' (w[u,d,d] = 0): the bilinear terms go to
-``MILPModel.quadratic`` (backends without MIQP solve ``linearized()``). With energy (eq. 17)
-the objective adds alpha * sum q[d,i] R[d,t,i]; power caps add eq. 18 (no operator above
-Q_d^Max on device d) and eq. 19 (a stage's energy plus Q_Board within Q^Max).
+``MILPModel.quadratic`` (backends without MIQP solve ``linearized()``).
 
 Constraints: (5) Z, (7) R lower triangular, (8)+(9) exactly one device computes node t in
 stage t, (10) S strictly lower triangular, (11) keep only what was on the same device,
@@ -57,7 +56,7 @@ is Checkmate's (no copies; H, G are forced to 1): the optima coincide.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -76,15 +75,6 @@ from remat.formulations.common import (
 from remat.graph import Graph, Mode, NodeKind
 from remat.schedule import Schedule
 from remat.solvers.model import MILPModel, ProductRows
-
-
-@dataclass(frozen=True)
-class PowerCaps:
-    """Energy limits of XEngine section 5.1, in the units of the energy matrix."""
-
-    per_op: Mapping[str, float] = field(default_factory=dict)  # Q_d^Max by device (18)
-    per_stage: float | None = None  # Q^Max for one stage, all devices (19)
-    board: float = 0.0  # Q_Board, drawn in every stage (19)
 
 
 @dataclass(frozen=True)
@@ -338,14 +328,8 @@ def build_xengine(
     graph: Graph,
     costs: CostModel,
     budgets: Mapping[str, int | None],
-    energy: np.ndarray | None = None,
-    alpha: float = 0.0,
-    power_caps: PowerCaps | None = None,
 ) -> XEngineModel:
-    """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order).
-
-    ``energy[i, d]``: energy of node i on cost-model device d (eq. 17-19); needed when
-    ``alpha`` is nonzero or ``power_caps`` is given."""
+    """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order)."""
     names = tuple(d.name for d in costs.devices if d.name in budgets)
     unknown = set(budgets) - set(names)
     if unknown:
@@ -353,9 +337,6 @@ def build_xengine(
     if not names:
         raise InvalidInputError("xengine needs at least one device")
     dev = np.array([costs.device_index(name) for name in names])
-    if (alpha or power_caps is not None) and energy is None:
-        raise InvalidInputError("the energy extension needs an energy matrix")
-    q = None if energy is None else np.asarray(energy, dtype=float)[:, dev].T  # [D, n]
     st = Structure.of(graph)
     fx = _Fixed.of(graph)
     M = np.asarray(costs.output_bytes, dtype=np.int64)
@@ -364,7 +345,7 @@ def build_xengine(
     integral = not (np.concatenate([fx.sizes, fx.grad_sizes]) % unit).any()
     budget = np.array([_budget(budgets[name], unit, integral) for name in names])
     b = Builder()
-    v = _Variables.create(b, st, fx, names, budget, q, power_caps)
+    v = _Variables.create(b, st, fx, names, budget)
     _assignment(b, st, v)
     _dependencies(b, st, v)
     _memory(b, st, fx, M // unit, unit, v)
@@ -373,11 +354,9 @@ def build_xengine(
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
-    if q is not None and power_caps is not None and power_caps.per_stage is not None:
-        _stage_energy(b, v, q, power_caps)
     cost = np.zeros(b.n_vars)
     dd, tt, ii = np.nonzero(v.R >= 0)
-    cost[v.R[dd, tt, ii]] = compute[dd, ii] + (alpha * q[dd, ii] if q is not None else 0.0)
+    cost[v.R[dd, tt, ii]] = compute[dd, ii]
     quadratic, keys = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])
     cover = _copy_cover(st, v, keys, b.n_vars)
     model = replace(b.model(cost, quadratic), product_rows=cover)
@@ -417,8 +396,6 @@ class _Variables:
         fx: _Fixed,
         names: tuple[str, ...],
         budget: np.ndarray,
-        q: np.ndarray | None,
-        caps: PowerCaps | None,
     ) -> _Variables:
         D, T, n = len(names), st.n, st.n
         t, i = np.arange(T)[:, None], np.arange(n)[None, :]
@@ -426,13 +403,7 @@ class _Variables:
         out = st.is_output[None, :]
         r_mask = np.broadcast_to(diag | (below & useful), (D, T, n))
         s_mask = np.broadcast_to(below & (useful | out), (D, T, n))
-        ub = np.ones((D, T, n))
-        if q is not None and caps is not None:
-            for d, name in enumerate(names):  # (18): q[d,i] R[d,t,i] <= Q_d^Max
-                cap = caps.per_op.get(name)
-                if cap is not None:
-                    ub[d, :, q[d] > cap] = 0.0
-        R = b.variables("R", r_mask, True, ub=ub, names=_labels("R", names, r_mask))  # (2), (7)
+        R = b.variables("R", r_mask, True, names=_labels("R", names, r_mask))  # (2), (7)
         S = b.variables("S", s_mask, True, names=_labels("S", names, s_mask))  # (2), (10)
         z_mask = r_mask | s_mask
         Z = b.variables("Z", z_mask, True, names=_labels("Z", names, z_mask))  # (5)
@@ -629,15 +600,6 @@ def _workspace(b: Builder, v: _Variables, w: np.ndarray, budget: np.ndarray) -> 
     keys = np.stack([dd, tt, kk], axis=1)
     cols = [v.U[dd, tt, kk + 1], v.R[dd, tt, kk]]
     b.rows("6 workspace", keys, cols, [1, w[dd, kk]], -np.inf, budget[dd])
-
-
-def _stage_energy(b: Builder, v: _Variables, q: np.ndarray, caps: PowerCaps) -> None:
-    """(19) sum_{d,i} q[d,i] R[d,t,i] + Q_Board <= Q^Max in every stage."""
-    T = v.R.shape[1]
-    assert caps.per_stage is not None
-    rows = b.rows("19", np.arange(T)[:, None], [], [], -np.inf, caps.per_stage - caps.board)
-    dd, tt, ii = np.nonzero(v.R >= 0)
-    b.entries(rows[tt], v.R[dd, tt, ii], q[dd, ii])
 
 
 def _copy_cost(

@@ -224,7 +224,37 @@ function jobBody(form, model) {
     costs: costs === "analytical" ? "analytical" : { node_id: costs },
   };
   if (value("job-batch")) body.batch = Number(value("job-batch"));
+  const objective = { kind: value("job-objective") };
+  if (objective.kind === "weighted") objective.alpha = Number(value("job-alpha"));
+  const caps = value("job-power-caps");
+  if (caps) {
+    objective.power_caps_w = Object.fromEntries(caps.split(",").map((item) => {
+      const [name, watts] = item.split("=").map((part) => part.trim());
+      return [name, Number(watts)];
+    }));
+  }
+  if (objective.kind !== "time" || caps) body.objective = objective;
   return body;
+}
+
+/** What the plan minimises and the power it may draw (XEngine eq. 17-19). */
+function objectiveFields() {
+  const kind = select("job-objective", [
+    ["time", "time (default)"], ["energy", "energy"], ["weighted", "time + alpha × energy"],
+  ], "time");
+  const alpha = h("input", { id: "job-alpha", type: "number", min: "0", step: "any", value: "0.01", disabled: true });
+  kind.addEventListener("change", () => { alpha.disabled = kind.value !== "weighted"; });
+  return h("fieldset", {},
+    h("legend", {}, "Objective"),
+    h("div", { class: "field-row" },
+      field("job-objective", "Minimise", kind),
+      field("job-alpha", "Alpha (ms per mJ)", alpha),
+      field("job-power-caps", "Power caps (W)", h("input", {
+        id: "job-power-caps", placeholder: "none, or gpu0=150,cpu0=60", autocomplete: "off", spellcheck: "false",
+      }))),
+    h("p", { class: "help" },
+      "Energy is measured by the node's profile where its devices have counters, else a power model's. ",
+      "A power cap keeps every operator off a device where it would draw more."));
 }
 
 function jobForm(model, nodes, catalog) {
@@ -285,6 +315,7 @@ function jobForm(model, nodes, catalog) {
           ...nodes.map((n) => [n.id, `measured on node ${n.name} (${n.status})`]),
         ], "analytical"))),
       strategyHelp),
+    objectiveFields(),
     h("button", { type: "submit", class: "primary", id: "submit-job" }, "Submit job"));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();

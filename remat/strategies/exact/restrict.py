@@ -39,7 +39,6 @@ import numpy as np
 from remat.errors import ScheduleError
 from remat.formulations.xengine import XEngineModel
 from remat.solvers.model import MILPModel
-from remat.strategies.baselines import best_baseline
 from remat.strategies.common.problem import Problem, StrategyResult, cheapest
 from remat.strategies.exact.rins import Offer, improve_by_rins, solve_beside, solve_relaxation
 from remat.strategies.exact.state import Search
@@ -114,8 +113,8 @@ def _evict_on_each_device(search: Search, names: tuple[str, ...]) -> None:
     so a second device must not leave a more expensive plan than eviction on one, and the
     warm start on several devices has only the baselines and the multi-device heuristic.
     With the warm start's time budget; skipped on a device whose ideal (every node once, on
-    it) is not under the incumbent, or where no baseline fits it alone (there one device
-    recomputes too much, and eviction would delay the phases after it)."""
+    it) is not under the incumbent. Also where no baseline fits the device alone: there
+    eviction may still find the cheapest plan of all (a slow second device)."""
     problem = search.problem
     config = problem.solver.search
     seconds = min(
@@ -126,8 +125,6 @@ def _evict_on_each_device(search: Search, names: tuple[str, ...]) -> None:
         if search.side_stop().is_set():
             return
         if incumbent_ms is not None and problem.costs.ideal_ms(name) >= incumbent_ms:
-            continue
-        if best_baseline(problem, (name,)) is None:
             continue
         logger.debug("restrictions: greedy eviction on %s alone", name)
         search.offer(greedy_evict(problem, name, min(seconds, search.time_left())))

@@ -40,7 +40,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -223,6 +223,19 @@ def counter_for(runtime: Runtime, powercap: Path | str = POWERCAP) -> tuple[Coun
         counter, reason = rapl_counter(powercap)
     if counter is None:
         return None, reason
+    return counter, counter.description
+
+
+def counter_of(
+    runtime: Runtime, given: Mapping[str, Counter | None] | None
+) -> tuple[Counter | None, str]:
+    """The device's counter as ``counter_for`` gives it, unless ``given`` names the device
+    (a counter, or None: none there): what the profiler and the executor read."""
+    if given is None or runtime.name not in given:
+        return counter_for(runtime)
+    counter = given[runtime.name]
+    if counter is None:
+        return None, "no energy counter was given for this device"
     return counter, counter.description
 
 

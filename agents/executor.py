@@ -99,9 +99,8 @@ tensors, copying gradients to the host), a little more than the timed part of a 
 ``energy_note`` names the counters read and the devices they cover, and the devices left
 uncounted with the reason (their energy is not in ``energy_mj``); without any counter
 there is no ``energy_mj`` and the note gives the reasons. A counter that fails to read
-drops the measurement, not the execution. The report's JSON carries these keys only when
-asked (``to_json(energy=True)``): the server's ``Measured`` (``remat.agent_protocol``)
-forbids keys it does not know.
+drops the measurement, not the execution. The report's JSON carries both in ``measured``
+(``remat.agent_protocol.Measured``), and the plan's predicted energy in ``predicted``.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ import numpy as np
 import onnx
 import torch
 
-from agents.energy_counters import Counter, counter_for
+from agents.energy_counters import Counter, counter_of
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
@@ -273,10 +272,7 @@ def _energy_counters(
     distinct: dict[str, tuple[Counter, list[str]]] = {}
     missing: dict[str, str] = {}
     for name, runtime in runtimes.items():
-        if given is not None and name in given:
-            counter, reason = given[name], "no energy counter was given for this device"
-        else:
-            counter, reason = counter_for(runtime)
+        counter, reason = counter_of(runtime, given)
         if counter is None:
             missing[name] = reason
         else:

@@ -70,7 +70,7 @@ import numpy as np
 import onnx
 import torch
 
-from agents.energy_counters import Counter, counter_for, energy_per_run_mj, idle_watts
+from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
 from agents.program import Program, Value, build_program, value_bytes
 from agents.torch_devices import (
@@ -112,7 +112,7 @@ def profile(
     total)`` counts node evaluations over all passes (the energy pass too); it is called
     at the start, at most every ``PROGRESS_INTERVAL_S`` while profiling, and at the end.
     ``energy_counters``: per device name, the counter to measure energy with (None: no
-    energy there); a device it does not name gets ``counter_for``'s."""
+    energy there); a device it does not name gets ``counter_for``'s (``counter_of``)."""
     if not devices:
         raise DeviceError("no devices to profile")
     names = [d.name for d in devices]
@@ -122,7 +122,7 @@ def profile(
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     runtimes = [_limited(runtime_of(d), (memory_bytes or {}).get(d.name)) for d in devices]
     passes = [_pass_steps(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
-    counters = [_counter(r, energy_counters) for r in runtimes]
+    counters = [counter_of(r, energy_counters) for r in runtimes]
     program = build_program(model, graph)
     session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters)
     with gc_paused(), ieee_fp32():
@@ -136,19 +136,6 @@ def profile(
             "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
         }
     )
-
-
-def _counter(
-    runtime: Runtime, given: Mapping[str, Counter | None] | None
-) -> tuple[Counter | None, str]:
-    """The device's energy counter (``given``'s, else ``counter_for``'s) and what it reads,
-    or None and why there is none."""
-    if given is not None and runtime.name in given:
-        counter = given[runtime.name]
-        if counter is None:
-            return None, "no energy counter was given for this device"
-        return counter, counter.description
-    return counter_for(runtime)
 
 
 def _limited(runtime: Runtime, limit: int | None) -> Runtime:

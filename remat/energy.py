@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.devices import Device, DeviceKind
-from remat.errors import InvalidInputError
+from remat.devices import Device, DeviceKind, check_option
 
 LINK_W = 10.0
 """Power drawn by a copy between devices or a transfer to host memory while it runs."""
@@ -65,20 +64,13 @@ def power_spec(device: Device) -> PowerSpec:
 
 
 def _watts(device: Device, key: str, default: float) -> float:
+    """Option ``key`` in watts, checked by the rule every device option follows
+    (``remat.devices.NUMBER_OPTIONS``), else ``default``."""
     text = device.options.get(key)
     if text is None:
         return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidInputError(
-            f"device {device.name}: option {key}={text!r} is not a number of watts"
-        ) from None
-    if not 0 <= value <= MAX_POWER_W:
-        raise InvalidInputError(
-            f"device {device.name}: option {key}={text} must be in [0, {MAX_POWER_W:g}] W"
-        )
-    return value
+    check_option(key, text)
+    return float(text)
 
 
 @dataclass(frozen=True)

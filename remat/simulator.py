@@ -32,8 +32,8 @@ Memory is checked at every instant: after each step and when a transfer starts l
 than the step that issued it. While a node computes, its device also holds the kernel's
 workspace (``CostModel.workspace_bytes``: scratch memory beyond inputs and output, Beaumont
 et al.'s ``ex_i``), released when the step ends: it counts in the peak and against the
-budget, not in the memory after the step. Step kinds are dispatched through ``_HANDLERS``, so later
-kinds (paging) add a handler without touching the others.
+budget, not in the memory after the step. Step kinds are dispatched through
+``_HANDLERS``, so later kinds (paging) add a handler without touching the others.
 """
 
 from __future__ import annotations

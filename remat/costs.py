@@ -1,5 +1,6 @@
 """Cost models: per node per device compute time, per node per device pair copy time, per
-node output bytes, each device's link to its host memory (offloading), each node's energy
+node output bytes, each device's links to its host memory (offloading) and to storage
+(paging), each node's energy
 per device with the devices' idle power (``remat.energy``), and each node's workspace per
 device (scratch memory its kernel holds while it runs; measured, 0 where not). Either
 analytical (FLOPs and bandwidth) or profiled (a cost table measured by agents); a model
@@ -16,7 +17,9 @@ Analytical defaults (all overridable per device with options ``flops=``, ``bandw
 Links: cpu<->cuda 12 GB/s + 10 us (PCIe 3 x16 in practice); cuda<->cuda 50 GB/s + 5 us;
 cpu<->cpu 10 GB/s + 1 us (a memcpy between two thread pools). A device's host link (options
 ``host_bandwidth=`` in B/s, ``host_latency_us=``) defaults to its kind's link with a CPU:
-cuda 12 GB/s + 10 us each way, cpu 10 GB/s + 1 us.
+cuda 12 GB/s + 10 us each way, cpu 10 GB/s + 1 us. Its storage link (paging; options
+``storage_write_bandwidth=``, ``storage_read_bandwidth=``, ``storage_latency_us=``)
+defaults to an SSD: 1 GB/s written, 1.5 GB/s read, 100 us per page.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from remat.devices import Device, DeviceKind
+from remat.devices import Device, DeviceKind, Tier
 from remat.energy import (
     MAX_POWER_W,
     Energy,
@@ -51,38 +54,40 @@ class CostSource(StrEnum):
 
 
 @dataclass(frozen=True)
-class HostLink:
-    """A device's link to its host memory: bandwidth each way and a latency per transfer
-    (Beaumont et al.'s beta, section 3.1 (C))."""
+class Link:
+    """A device's link to a slower tier (``Tier``: its host's memory, or storage):
+    bandwidth each way and a latency per transfer (Beaumont et al.'s beta, section 3.1
+    (C); PORT's lambda^bandwidth)."""
 
-    to_host_bytes_per_s: float
-    from_host_bytes_per_s: float
+    out_bytes_per_s: float  # device -> tier (offload, page out)
+    in_bytes_per_s: float  # tier -> device (prefetch, page in)
     latency_ms: float
 
-    def offload_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
-        return np.asarray(nbytes, dtype=float) / self.to_host_bytes_per_s * 1e3 + self.latency_ms
+    def out_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
+        return np.asarray(nbytes, dtype=float) / self.out_bytes_per_s * 1e3 + self.latency_ms
 
-    def prefetch_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
-        return np.asarray(nbytes, dtype=float) / self.from_host_bytes_per_s * 1e3 + self.latency_ms
+    def in_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
+        return np.asarray(nbytes, dtype=float) / self.in_bytes_per_s * 1e3 + self.latency_ms
 
 
 @dataclass(frozen=True)
 class CostModel:
     """compute_ms[i, d], copy_ms[i, d_from, d_to] and output_bytes[i] for one graph,
-    each device's host link (``host``: empty, or one per device; where empty, the
-    analytical default of the device, ``host_link``), and energy (None: the power model
-    over ``compute_ms``, ``energy_model``)."""
+    each device's links to its host's memory and to storage (``host``, ``storage``: empty,
+    or one per device; where empty, the device's default, ``link``), and energy (None:
+    the power model over ``compute_ms``, ``energy_model``)."""
 
     source: CostSource
     devices: tuple[Device, ...]
     compute_ms: np.ndarray
     copy_ms: np.ndarray
     output_bytes: np.ndarray
-    host: tuple[HostLink, ...] = ()
+    host: tuple[Link, ...] = ()
     energy: Energy | None = None
     # workspace_bytes[i, d]: scratch memory node i's kernel holds on device d while it
     # runs, beyond its inputs and output (None: none anywhere)
     workspace_bytes: np.ndarray | None = None
+    storage: tuple[Link, ...] = ()
 
     def workspace(self, node: int, d: int) -> int:
         return 0 if self.workspace_bytes is None else int(self.workspace_bytes[node, d])
@@ -94,16 +99,18 @@ class CostModel:
             return self.energy
         return Energy(timed_energy_mj(self.devices, self.compute_ms), idle_power(self.devices))
 
-    def host_link(self, d: int) -> HostLink:
-        return self.host[d] if self.host else default_host_link(self.devices[d])
+    def link(self, d: int, tier: Tier = Tier.HOST) -> Link:
+        """Device ``d``'s link to ``tier``."""
+        links = self.host if tier is Tier.HOST else self.storage
+        return links[d] if links else default_link(self.devices[d], tier)
 
-    def offload_ms(self, d: int) -> np.ndarray:
-        """Per node: the time to send its output from device ``d`` to the host."""
-        return self.host_link(d).offload_ms(self.output_bytes)
+    def out_ms(self, d: int, tier: Tier = Tier.HOST) -> np.ndarray:
+        """Per node: the time to send its output from device ``d`` to ``tier``."""
+        return self.link(d, tier).out_ms(self.output_bytes)
 
-    def prefetch_ms(self, d: int) -> np.ndarray:
-        """Per node: the time to bring its output back from the host to device ``d``."""
-        return self.host_link(d).prefetch_ms(self.output_bytes)
+    def in_ms(self, d: int, tier: Tier = Tier.HOST) -> np.ndarray:
+        """Per node: the time to bring its output back from ``tier`` to device ``d``."""
+        return self.link(d, tier).in_ms(self.output_bytes)
 
     def device_index(self, name: str) -> int:
         for index, device in enumerate(self.devices):
@@ -189,17 +196,35 @@ HOST_LINKS: Mapping[DeviceKind, LinkSpec] = {
 """Each kind's link to its host memory where neither the device's options nor a profile
 say otherwise: PCIe 3 x16 for a GPU, a memcpy for a CPU (an emulated device's host)."""
 
+STORAGE_WRITE = LinkSpec(1e9, 100e-6)
+STORAGE_READ = LinkSpec(1.5e9, 100e-6)
+"""The storage link where neither the device's options nor a profile say otherwise: an
+edge board's SSD (PORT's regime), 1 GB/s written, 1.5 GB/s read, 100 us per page."""
 
-def default_host_link(device: Device) -> HostLink:
-    """The device's host link from its options (``host_bandwidth``, ``host_latency_us``) or
-    its kind's default (``HOST_LINKS``)."""
-    base = HOST_LINKS[device.kind]
-    rate = _option(device.options, "host_bandwidth", base.bytes_per_s)
-    latency = device.options.get("host_latency_us")
-    latency_us = base.latency_s * 1e6 if latency is None else float(latency)
+
+def default_link(device: Device, tier: Tier) -> Link:
+    """The device's link to ``tier`` from its options (``host_bandwidth``,
+    ``host_latency_us``; ``storage_write_bandwidth``, ``storage_read_bandwidth``,
+    ``storage_latency_us``) or the defaults (``HOST_LINKS``, ``STORAGE_WRITE``,
+    ``STORAGE_READ``)."""
+    options = device.options
+    if tier is Tier.HOST:
+        base = HOST_LINKS[device.kind]
+        rate = _option(options, "host_bandwidth", base.bytes_per_s)
+        return Link(rate, rate, _latency_ms(options, "host_latency_us", base.latency_s))
+    return Link(
+        _option(options, "storage_write_bandwidth", STORAGE_WRITE.bytes_per_s),
+        _option(options, "storage_read_bandwidth", STORAGE_READ.bytes_per_s),
+        _latency_ms(options, "storage_latency_us", STORAGE_WRITE.latency_s),
+    )
+
+
+def _latency_ms(options: Mapping[str, str], key: str, default_s: float) -> float:
+    value = options.get(key)
+    latency_us = default_s * 1e6 if value is None else float(value)
     if not 0 <= latency_us < math.inf:
-        raise InvalidInputError("device option host_latency_us must be a non-negative number")
-    return HostLink(rate, rate, latency_us * 1e-3)
+        raise InvalidInputError(f"device option {key} must be a non-negative number")
+    return latency_us * 1e-3
 
 
 def analytical_costs(
@@ -228,9 +253,17 @@ def analytical_costs(
             if a != b:
                 link = params.links[frozenset({devices[a].kind, devices[b].kind})]
                 copy_s[:, a, b] = out / link.bytes_per_s + link.latency_s
-    host = tuple(default_host_link(d) for d in devices)
+    host = tuple(default_link(d, Tier.HOST) for d in devices)
+    storage = tuple(default_link(d, Tier.STORAGE) for d in devices)
     return CostModel(
-        CostSource.ANALYTICAL, tuple(devices), compute_s * 1e3, copy_s * 1e3, out, host, energy
+        CostSource.ANALYTICAL,
+        tuple(devices),
+        compute_s * 1e3,
+        copy_s * 1e3,
+        out,
+        host,
+        energy,
+        storage=storage,
     )
 
 
@@ -281,21 +314,32 @@ class _TableHostLink(BaseModel):
     from_host_bytes_per_s: LinkRate
     latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
 
-    def link(self) -> HostLink:
-        return HostLink(
-            self.to_host_bytes_per_s, self.from_host_bytes_per_s, self.latency_us * 1e-3
-        )
+    def link(self) -> Link:
+        return Link(self.to_host_bytes_per_s, self.from_host_bytes_per_s, self.latency_us * 1e-3)
+
+
+class _TableStorageLink(BaseModel):
+    """A node's measured storage as a device pages to it: files written and fsync'd, and
+    read back."""
+
+    write_bytes_per_s: LinkRate
+    read_bytes_per_s: LinkRate
+    latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+
+    def link(self) -> Link:
+        return Link(self.write_bytes_per_s, self.read_bytes_per_s, self.latency_us * 1e-3)
 
 
 class CostTable(BaseModel):
     """The cost table format of the agents (keys are training-graph node names;
-    ``host_links`` by device name, where measured)."""
+    ``host_links`` and ``storage_links`` by device name, where measured)."""
 
     source: CostSource
     devices: list[_TableDevice] = Field(min_length=1)
     nodes: dict[str, _TableNode]
     copy_ms: dict[str, dict[str, TableMs]] = Field(default_factory=dict)
     host_links: dict[str, _TableHostLink] = Field(default_factory=dict)
+    storage_links: dict[str, _TableStorageLink] = Field(default_factory=dict)
 
     def restricted(self, names: list[str]) -> CostTable:
         """The table's costs for the devices ``names`` only, in that order (a job may use
@@ -331,6 +375,7 @@ class CostTable(BaseModel):
                 "nodes": {key: node(costs) for key, costs in self.nodes.items()},
                 "copy_ms": {key: copies(pairs) for key, pairs in self.copy_ms.items()},
                 "host_links": {n: link for n, link in self.host_links.items() if n in chosen},
+                "storage_links": {n: link for n, link in self.storage_links.items() if n in chosen},
             }
         )
 
@@ -399,12 +444,22 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
     if (compute < 0).any() or (copy < 0).any():
         raise InvalidInputError("cost table: times must not be negative")
     host = tuple(
-        table.host_links[d.name].link() if d.name in table.host_links else default_host_link(d)
+        table.host_links[d.name].link()
+        if d.name in table.host_links
+        else default_link(d, Tier.HOST)
+        for d in devices
+    )
+    storage = tuple(
+        table.storage_links[d.name].link()
+        if d.name in table.storage_links
+        else default_link(d, Tier.STORAGE)
         for d in devices
     )
     energy = _table_energy(graph, table, devices, compute)
     scratch = workspace if workspace.any() else None
-    return CostModel(CostSource.PROFILED, devices, compute, copy, out, host, energy, scratch)
+    return CostModel(
+        CostSource.PROFILED, devices, compute, copy, out, host, energy, scratch, storage
+    )
 
 
 def _table_energy(
@@ -475,11 +530,20 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
         },
         host_links={
             d.name: _TableHostLink(
-                to_host_bytes_per_s=link.to_host_bytes_per_s,
-                from_host_bytes_per_s=link.from_host_bytes_per_s,
+                to_host_bytes_per_s=link.out_bytes_per_s,
+                from_host_bytes_per_s=link.in_bytes_per_s,
                 latency_us=link.latency_ms * 1e3,
             )
             for j, d in enumerate(model.devices)
-            for link in (model.host_link(j),)
+            for link in (model.link(j, Tier.HOST),)
+        },
+        storage_links={
+            d.name: _TableStorageLink(
+                write_bytes_per_s=link.out_bytes_per_s,
+                read_bytes_per_s=link.in_bytes_per_s,
+                latency_us=link.latency_ms * 1e3,
+            )
+            for j, d in enumerate(model.devices)
+            for link in (model.link(j, Tier.STORAGE),)
         },
     )

@@ -15,6 +15,15 @@ class DeviceKind(StrEnum):
     CUDA = "cuda"
 
 
+class Tier(StrEnum):
+    """Where a device's tensors can go and come back from, on a transfer lane beside its
+    compute: its host's memory (offloading, Beaumont et al.) or the node's secondary
+    storage (paging, PORT)."""
+
+    HOST = "host"
+    STORAGE = "storage"
+
+
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 
@@ -44,6 +53,9 @@ NUMBER_OPTIONS: dict[str, NumberOption] = {
     "launch_us": NumberOption(0, 1e6, low_open=True),  # launch overhead, microseconds
     "host_bandwidth": NumberOption(0, 1e15, low_open=True),  # link to host memory, B/s
     "host_latency_us": NumberOption(0, 1e6),  # per transfer to or from the host, microseconds
+    "storage_write_bandwidth": NumberOption(0, 1e15, low_open=True),  # paging out, B/s
+    "storage_read_bandwidth": NumberOption(0, 1e15, low_open=True),  # paging in, B/s
+    "storage_latency_us": NumberOption(0, 1e6),  # per page out or in, microseconds
     "idle_w": NumberOption(0, 1e6),  # power drawn idle, watts (remat.energy)
     "busy_w": NumberOption(0, 1e6),  # power drawn computing beyond idle, watts
 }

@@ -4,8 +4,10 @@ Version 1 has the steps of one sequential lane: ``compute``, ``copy`` and ``free
 Version 2 adds transfers between a device and its host memory that run on the device's
 transfer lane, concurrently with compute (Beaumont et al., assumptions (B)-(E)):
 ``offload`` starts sending a tensor to the host, ``prefetch`` starts bringing it back, and
-``wait`` holds the compute lane until a transfer has completed. A version-1 plan is a
-version-2 plan without transfers and means what it meant.
+``wait`` holds the compute lane until a transfer has completed. Version 3 adds paging to
+the node's storage (PORT), on a second lane per device with the same rules: ``page_out``
+and ``page_in``, ended by a ``wait`` too. Each version's plans are plans of the next and
+mean what they meant; a plan is written as the lowest version that holds its steps.
 
 Steps are small slotted dataclasses so that plans of hundreds of thousands of steps stay
 cheap to build and simulate; ``plan_to_json``/``plan_from_json`` convert to and from the
@@ -18,15 +20,17 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from remat.devices import Device, DeviceKind
+from remat.devices import Device, DeviceKind, Tier
 from remat.errors import InvalidInputError
 
-PLAN_VERSION = 2  # the latest; a plan without transfers is written as version 1
-VERSIONS = (1, 2)
-TRANSFER_OPS = frozenset({"offload", "prefetch", "wait"})
-"""The step kinds of version 2: refused in a version-1 document."""
+PLAN_VERSION = 3  # the latest; a plan is written as the lowest version that holds it
+VERSIONS = (1, 2, 3)
+TRANSFER_OPS = frozenset({"offload", "prefetch", "page_out", "page_in", "wait"})
+"""The step kinds on transfer lanes: refused in a version-1 document."""
+PAGE_OPS = frozenset({"page_out", "page_in"})
+"""The step kinds of version 3: refused in a version-1 or -2 document."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class Offload:
     node: int
     device: str
     op: str = field(default="offload", init=False)
+    tier: ClassVar[Tier] = Tier.HOST
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +80,40 @@ class Prefetch:
     node: int
     device: str
     op: str = field(default="prefetch", init=False)
+    tier: ClassVar[Tier] = Tier.HOST
+
+
+@dataclass(frozen=True, slots=True)
+class PageOut:
+    """Start writing ``node``'s tensor from ``device``'s memory to the node's storage on
+    the device's paging lane. The device copy stays readable and counted until a ``wait``
+    for it: its memory is released once the write has completed."""
+
+    stage: int
+    node: int
+    device: str
+    op: str = field(default="page_out", init=False)
+    tier: ClassVar[Tier] = Tier.STORAGE
+
+
+@dataclass(frozen=True, slots=True)
+class PageIn:
+    """Start reading ``node``'s tensor back from storage to ``device`` on the device's
+    paging lane; its memory is reserved when the read starts, and it is readable after a
+    ``wait`` for it."""
+
+    stage: int
+    node: int
+    device: str
+    op: str = field(default="page_in", init=False)
+    tier: ClassVar[Tier] = Tier.STORAGE
 
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Hold the compute lane until the last transfer of ``node`` on ``device`` has
-    completed: after an offload the device copy is released, after a prefetch the tensor
-    is readable."""
+    """Hold the compute lane until the transfer of ``node`` on ``device`` (on either of
+    its lanes) has completed: after an offload or a page-out the device copy is released,
+    after a prefetch or a page-in the tensor is readable."""
 
     stage: int
     node: int
@@ -89,7 +121,11 @@ class Wait:
     op: str = field(default="wait", init=False)
 
 
-Step = Compute | Copy | Free | Offload | Prefetch | Wait
+Step = Compute | Copy | Free | Offload | Prefetch | PageOut | PageIn | Wait
+SENDS: dict[Tier, type[Offload] | type[PageOut]] = {Tier.HOST: Offload, Tier.STORAGE: PageOut}
+"""The step that sends a tensor from a device to each tier."""
+BRINGS: dict[Tier, type[Prefetch] | type[PageIn]] = {Tier.HOST: Prefetch, Tier.STORAGE: PageIn}
+"""The step that brings a tensor back from each tier."""
 
 
 @dataclass(frozen=True)
@@ -131,13 +167,15 @@ class Plan:
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
     version: int = 0
-    """1 or 2; 0 (the default): the lowest that holds the steps, 2 where any step is a
-    transfer, else 1, so that agents that read version 1 execute every plan without
-    transfers."""
+    """1, 2 or 3; 0 (the default): the lowest that holds the steps (3 where any step
+    pages, 2 where any other is a transfer, else 1), so that agents that read an earlier
+    version execute every plan it holds."""
 
     def __post_init__(self) -> None:
         if self.version == 0:
-            object.__setattr__(self, "version", 2 if self.transfers else 1)
+            ops = {step.op for step in self.steps}
+            version = 3 if ops & PAGE_OPS else 2 if ops & TRANSFER_OPS else 1
+            object.__setattr__(self, "version", version)
 
     @property
     def budgets(self) -> dict[str, int | None]:
@@ -145,8 +183,13 @@ class Plan:
 
     @property
     def transfers(self) -> bool:
-        """Whether any step runs on a transfer lane (offload, prefetch, wait)."""
+        """Whether any step runs on a transfer lane (offload, prefetch, paging, wait)."""
         return any(step.op in TRANSFER_OPS for step in self.steps)
+
+    @property
+    def pages(self) -> bool:
+        """Whether any step pages to storage."""
+        return any(step.op in PAGE_OPS for step in self.steps)
 
 
 # --- JSON -------------------------------------------------------------------------------
@@ -203,7 +246,7 @@ def plan_from_json(document: Any) -> Plan:
         raise InvalidInputError("plan: expected a JSON object")
     version = document.get("version")
     if isinstance(version, bool) or version not in VERSIONS:
-        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1 or 2)")
+        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1, 2 or 3)")
     devices = tuple(_device(d, i) for i, d in enumerate(_list(document, "devices")))
     steps = tuple(_step(s, i, version) for i, s in enumerate(_list(document, "steps")))
     strategy = document.get("strategy")
@@ -257,8 +300,11 @@ def _step(raw: Any, index: int, version: int) -> Step:
     op = raw.get("op")
     if not isinstance(op, str) or op not in _STEP_FIELDS:
         raise InvalidInputError(f"{where}: unknown op {op!r}")
-    if version == 1 and op in TRANSFER_OPS:
-        raise InvalidInputError(f"{where}: op {op!r} needs plan version 2 (this plan is 1)")
+    need = 3 if op in PAGE_OPS else 2 if op in TRANSFER_OPS else 1
+    if version < need:
+        raise InvalidInputError(
+            f"{where}: op {op!r} needs plan version {need} (this plan is {version})"
+        )
     fields = _STEP_FIELDS[op]
     values = []
     for name, kind in fields:
@@ -275,6 +321,8 @@ _STEP_FIELDS: dict[str, list[tuple[str, type]]] = {
     "free": [("stage", int), ("node", int), ("device", str)],
     "offload": [("stage", int), ("node", int), ("device", str)],
     "prefetch": [("stage", int), ("node", int), ("device", str)],
+    "page_out": [("stage", int), ("node", int), ("device", str)],
+    "page_in": [("stage", int), ("node", int), ("device", str)],
     "wait": [("stage", int), ("node", int), ("device", str)],
 }
 _STEP_TYPES: dict[str, type] = {
@@ -283,6 +331,8 @@ _STEP_TYPES: dict[str, type] = {
     "free": Free,
     "offload": Offload,
     "prefetch": Prefetch,
+    "page_out": PageOut,
+    "page_in": PageIn,
     "wait": Wait,
 }
 

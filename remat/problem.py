@@ -28,11 +28,12 @@ from remat.budgets import check_fixed_memory, check_sizes, resolve_budgets
 from remat.costs import (
     CostModel,
     CostTable,
+    Link,
     analytical_costs,
-    default_host_link,
+    default_link,
     profiled_costs,
 )
-from remat.devices import MAX_BYTES, Device, DeviceKind, Size, parse_size
+from remat.devices import MAX_BYTES, Device, DeviceKind, Size, Tier, parse_size
 from remat.errors import InvalidInputError
 from remat.graph import Graph, Mode
 from remat.loss import MEAN_SQUARE, Loss
@@ -147,22 +148,29 @@ def cost_model(
     graph: Graph, devices: Sequence[Device] | None = None, table: CostTable | None = None
 ) -> CostModel:
     """``graph``'s costs on the named devices: from ``table`` restricted to them (all the
-    table's devices when None), else analytical (one ``cpu0`` when None). A device's host
-    link is the one its options name (``host_bandwidth``), else the table's measurement,
-    else its kind's default."""
+    table's devices when None), else analytical (one ``cpu0`` when None). A device's links
+    to its host and to storage are the ones its options name (``host_bandwidth``,
+    ``storage_*``), else the table's measurements, else the defaults."""
     names = _device_names(devices, table)
     if table is None:
         return analytical_costs(graph, list(devices or [DEFAULT_DEVICE]))
     costs = profiled_costs(graph, table.restricted(names))
     if devices is None:
         return costs
-    host = tuple(
-        costs.host_link(j)
-        if d.name in table.host_links and "host_bandwidth" not in d.options
-        else default_host_link(d)
-        for j, d in enumerate(devices)
+
+    def links(tier: Tier, measured: Mapping[str, object], option: str) -> tuple[Link, ...]:
+        return tuple(
+            costs.link(j, tier)
+            if d.name in measured and not any(k.startswith(option) for k in d.options)
+            else default_link(d, tier)
+            for j, d in enumerate(devices)
+        )
+
+    return replace(
+        costs,
+        host=links(Tier.HOST, table.host_links, "host_"),
+        storage=links(Tier.STORAGE, table.storage_links, "storage_"),
     )
-    return replace(costs, host=host)
 
 
 def _device_names(devices: Sequence[Device] | None, table: CostTable | None) -> list[str]:

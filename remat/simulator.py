@@ -20,9 +20,13 @@ a ``wait`` for it, which holds the compute lane until the transfer has completed
 releases it; a prefetched tensor's memory is reserved when its transfer starts, and it is
 readable only after a ``wait`` for it. Every action thus happens as early as the plan's
 order and its data allow: the no-wait schedule of Proposition 1 for the plan's transfers.
-Predicted time is the compute lane's: compute and copy times, plus the time it waits for
-transfers (``stall_ms``), plus any transfer still running when it ends; a plan without
-transfers costs the sum of its compute and copy times, as in version 1.
+Paging (plan version 3) runs on a second lane per device, to the node's storage, by the
+same rules: ``page_out`` as ``offload``, ``page_in`` as ``prefetch`` (PORT's M^out and
+M^in), each tier's link its own (``CostModel.link``). A tensor has at most one transfer
+in flight on a device, so that a ``wait`` names one. Predicted time is the compute lane's:
+compute and copy times, plus the time it waits for transfers (``stall_ms``), plus any
+transfer still running when it ends; a plan without transfers costs the sum of its compute
+and copy times, as in version 1.
 
 Energy (``remat.energy``): each compute step's dynamic energy, ``LINK_W`` over copies and
 transfers, and the machine's static power (every device's idle power and the board's) over
@@ -45,10 +49,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from remat.costs import CostModel
-from remat.devices import format_bytes
+from remat.devices import Tier, format_bytes
 from remat.energy import LINK_W
 from remat.graph import Graph, Mode, NodeKind
-from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Step, Wait
+from remat.plan import Compute, Copy, Free, Offload, PageIn, PageOut, Plan, Prefetch, Step, Wait
 
 
 @dataclass(frozen=True)
@@ -87,13 +91,13 @@ class _PlanInvalid(Exception):
 
 @dataclass
 class _Lane:
-    """A device's transfer lane to its host: when it is next free, the tensors in flight
-    (node -> the time their transfer completes) and the tensors on the host."""
+    """A device's transfer lane to a tier: when it is next free, the tensors in flight
+    (node -> the time their transfer completes) and the tensors held on the tier."""
 
     free_at: float = 0.0
-    leaving: dict[int, float] = field(default_factory=dict)  # offloaded, not yet released
-    arriving: dict[int, float] = field(default_factory=dict)  # prefetched, not yet waited
-    host: set[int] = field(default_factory=set)
+    leaving: dict[int, float] = field(default_factory=dict)  # sent, not yet released
+    arriving: dict[int, float] = field(default_factory=dict)  # brought back, not yet waited
+    held: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -103,7 +107,7 @@ class _State:
     device_index: dict[str, int]
     resident: list[set[int]]  # counted on the device (readable, leaving or arriving)
     memory: list[int]
-    lanes: list[_Lane]
+    lanes: dict[Tier, list[_Lane]]  # per tier, per device
     computed: set[int] = field(default_factory=set)
     compute_ms: float = 0.0
     copy_ms: float = 0.0
@@ -117,7 +121,7 @@ class _State:
     # Allocations of transfers that start after the step that issued them:
     # (time, order, device, bytes, step index).
     pending: list[tuple[float, int, int, int, int]] = field(default_factory=list)
-    host_ms: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    link_ms: dict[tuple[Tier, str, int], np.ndarray] = field(default_factory=dict)
     q_mj: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     def device(self, name: str) -> int:
@@ -144,25 +148,35 @@ class _State:
         starts the message."""
         if node not in self.resident[d]:
             raise _PlanInvalid(f"{what} {self.node_name(node)} is not resident there")
-        if node in self.lanes[d].arriving:
-            raise _PlanInvalid(
-                f"{what} {self.node_name(node)} is read before its prefetch completes "
-                "(no wait for it)"
-            )
+        for tier, lanes in self.lanes.items():
+            if node in lanes[d].arriving:
+                op = "prefetch" if tier is Tier.HOST else "page_in"
+                raise _PlanInvalid(
+                    f"{what} {self.node_name(node)} is read before its {op} completes "
+                    "(no wait for it)"
+                )
 
-    def transfer_ms_of(self, kind: str, d: int, node: int) -> float:
-        key = (kind, d)
-        if key not in self.host_ms:
-            self.host_ms[key] = (
-                self.costs.offload_ms(d) if kind == "offload" else self.costs.prefetch_ms(d)
-            )
-        return float(self.host_ms[key][node])
+    def arriving(self, node: int, d: int) -> bool:
+        return any(node in lanes[d].arriving for lanes in self.lanes.values())
 
-    def start_transfer(self, kind: str, d: int, node: int) -> tuple[float, float]:
-        """Queue a transfer on ``d``'s lane: its start and its end."""
-        lane = self.lanes[d]
+    def in_flight(self, node: int, d: int) -> bool:
+        return any(
+            node in lanes[d].leaving or node in lanes[d].arriving for lanes in self.lanes.values()
+        )
+
+    def transfer_ms_of(self, tier: Tier, direction: str, d: int, node: int) -> float:
+        key = (tier, direction, d)
+        if key not in self.link_ms:
+            self.link_ms[key] = (
+                self.costs.out_ms(d, tier) if direction == "out" else self.costs.in_ms(d, tier)
+            )
+        return float(self.link_ms[key][node])
+
+    def start_transfer(self, tier: Tier, direction: str, d: int, node: int) -> tuple[float, float]:
+        """Queue a transfer on ``d``'s lane to ``tier``: its start and its end."""
+        lane = self.lanes[tier][d]
         start = max(self.clock, lane.free_at)
-        duration = self.transfer_ms_of(kind, d, node)
+        duration = self.transfer_ms_of(tier, direction, d, node)
         lane.free_at = start + duration
         self.transfer_ms += duration
         return start, lane.free_at
@@ -178,9 +192,10 @@ def _compute(state: _State, step: Compute) -> None:
     d = state.device(step.device)
     if step.node in state.resident[d]:
         raise _PlanInvalid(f"node {name} is already resident on {step.device}")
-    resident, arriving = state.resident[d], state.lanes[d].arriving
+    resident = state.resident[d]
+    arriving = [lanes[d].arriving for lanes in state.lanes.values()]
     for dep in state.graph.nodes[step.node].deps:
-        if dep not in resident or dep in arriving:
+        if dep not in resident or any(dep in a for a in arriving):
             state.readable(dep, d, f"compute {name} on {step.device}: dependency")
     state.allocate(step.node, d)
     state.computed.add(step.node)
@@ -215,40 +230,46 @@ def _free(state: _State, step: Free) -> None:
     d = state.device(step.device)
     if step.node not in state.resident[d]:
         raise _PlanInvalid(f"free of {name} on {step.device}: not resident (double free)")
-    lane = state.lanes[d]
-    if step.node in lane.leaving or step.node in lane.arriving:
+    if state.in_flight(step.node, d):
         raise _PlanInvalid(
             f"free of {name} on {step.device}: its transfer is in flight (a wait ends it)"
         )
     state.release(step.node, d)
 
 
-def _offload(state: _State, step: Offload) -> None:
+_TO = {Tier.HOST: "its host", Tier.STORAGE: "storage"}
+
+
+def _send(state: _State, step: Offload | PageOut) -> None:
+    """An offload or a page-out: the tensor leaves on its tier's lane."""
     name = state.node_name(step.node)
     d = state.device(step.device)
-    state.readable(step.node, d, f"offload from {step.device}:")
-    lane = state.lanes[d]
-    if step.node in lane.leaving:
-        raise _PlanInvalid(f"offload of {name} from {step.device}: already being offloaded")
-    _, end = state.start_transfer("offload", d, step.node)
+    state.readable(step.node, d, f"{step.op} from {step.device}:")
+    if state.in_flight(step.node, d):
+        raise _PlanInvalid(f"{step.op} of {name} from {step.device}: a transfer of it is in flight")
+    lane = state.lanes[step.tier][d]
+    _, end = state.start_transfer(step.tier, "out", d, step.node)
     lane.leaving[step.node] = end
-    lane.host.add(step.node)
+    lane.held.add(step.node)
 
 
-def _prefetch(state: _State, step: Prefetch) -> None:
+def _bring(state: _State, step: Prefetch | PageIn) -> None:
+    """A prefetch or a page-in: the tensor comes back on its tier's lane, its memory
+    reserved when the transfer starts."""
     name = state.node_name(step.node)
     d = state.device(step.device)
-    lane = state.lanes[d]
-    if step.node not in lane.host:
+    lane = state.lanes[step.tier][d]
+    sent = "offload" if step.tier is Tier.HOST else "page_out"
+    if step.node not in lane.held:
         raise _PlanInvalid(
-            f"prefetch of {name} to {step.device}: not on its host (no offload before it)"
+            f"{step.op} of {name} to {step.device}: not on {_TO[step.tier]} (no {sent} before it)"
         )
     if step.node in state.resident[d]:
         raise _PlanInvalid(
-            f"prefetch of {name} to {step.device}: still resident there (a wait for its "
-            "offload releases it)"
+            f"{step.op} of {name} to {step.device}: still resident there (a wait for its "
+            f"{sent} releases it)"
         )
-    start, end = state.start_transfer("prefetch", d, step.node)
+    start, end = state.start_transfer(step.tier, "in", d, step.node)
     lane.arriving[step.node] = end
     state.resident[d].add(step.node)
     nbytes = int(state.costs.output_bytes[step.node])
@@ -262,22 +283,26 @@ def _prefetch(state: _State, step: Prefetch) -> None:
 def _wait(state: _State, step: Wait) -> None:
     name = state.node_name(step.node)
     d = state.device(step.device)
-    lane = state.lanes[d]
-    if step.node in lane.leaving:
-        state.wait_until(lane.leaving.pop(step.node))
-        state.release(step.node, d)
-    elif step.node in lane.arriving:
-        state.wait_until(lane.arriving.pop(step.node))
-    else:
-        raise _PlanInvalid(f"wait for {name} on {step.device}: no transfer of it is in flight")
+    for lanes in state.lanes.values():
+        lane = lanes[d]
+        if step.node in lane.leaving:
+            state.wait_until(lane.leaving.pop(step.node))
+            state.release(step.node, d)
+            return
+        if step.node in lane.arriving:
+            state.wait_until(lane.arriving.pop(step.node))
+            return
+    raise _PlanInvalid(f"wait for {name} on {step.device}: no transfer of it is in flight")
 
 
 _HANDLERS: dict[str, Callable[[_State, Step], None]] = {
     "compute": _compute,  # type: ignore[dict-item]
     "copy": _copy,  # type: ignore[dict-item]
     "free": _free,  # type: ignore[dict-item]
-    "offload": _offload,  # type: ignore[dict-item]
-    "prefetch": _prefetch,  # type: ignore[dict-item]
+    "offload": _send,  # type: ignore[dict-item]
+    "prefetch": _bring,  # type: ignore[dict-item]
+    "page_out": _send,  # type: ignore[dict-item]
+    "page_in": _bring,  # type: ignore[dict-item]
     "wait": _wait,  # type: ignore[dict-item]
 }
 
@@ -323,7 +348,7 @@ def simulate(
         {name: costs.device_index(name) for name in names},
         [set() for _ in costs.devices],
         [0] * len(costs.devices),
-        [_Lane() for _ in costs.devices],
+        {tier: [_Lane() for _ in costs.devices] for tier in Tier},
     )
     energy = costs.energy_model()
     state.q_mj = energy.q_mj
@@ -377,7 +402,8 @@ def simulate(
         violation = start_pending(float("inf"))
     if violation is None:
         violation = _final_check(state, graph)
-    tail = max((lane.free_at for lane in state.lanes), default=0.0) - state.clock
+    ends = [lane.free_at for lanes in state.lanes.values() for lane in lanes]
+    tail = max(ends, default=0.0) - state.clock
     total = state.compute_ms + state.copy_ms
     if state.stall_ms or tail > 0:  # a plan without transfers costs its steps' sum, exactly
         total += state.stall_ms + max(tail, 0.0)
@@ -420,8 +446,8 @@ def _final_check(state: _State, graph: Graph) -> Violation | None:
             return Violation(-1, f"node {state.node_name(node.id)} is never computed")
     for output in graph.outputs:
         if not any(
-            output in resident and output not in lane.arriving
-            for resident, lane in zip(state.resident, state.lanes, strict=True)
+            output in resident and not state.arriving(output, d)
+            for d, resident in enumerate(state.resident)
         ):
             return Violation(
                 -1, f"output {state.node_name(output)} is not resident when the plan ends"

@@ -81,11 +81,12 @@ from remat.solvers.model import MILPModel
 
 
 @dataclass(frozen=True)
-class HostTransfers:
-    """Per value, the time to send it to the host and to bring it back (ms)."""
+class Transfers:
+    """Per value, the time to send it to a tier (the host, or storage) and to bring it
+    back (ms)."""
 
-    offload_ms: np.ndarray
-    prefetch_ms: np.ndarray
+    out_ms: np.ndarray
+    in_ms: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def build_checkmate(
     device: str,
     budget_bytes: int | None,
     fixed_bytes: int,
-    transfers: HostTransfers | None = None,
+    transfers: Transfers | None = None,
 ) -> CheckmateModel:
     """Checkmate's MILP (eq. 9) for ``graph`` on ``device`` with frontier-advancing stages;
     with ``transfers``, offloading too (the module docstring)."""
@@ -245,7 +246,7 @@ def build_checkmate(
         cost = np.concatenate([cost, np.zeros(b.n_vars - cost.shape[0])])
         cost[W] = 1.0
         tt, ii = np.nonzero(LATE >= 0)
-        cost[LATE[tt, ii]] = transfers.prefetch_ms[ii]
+        cost[LATE[tt, ii]] = transfers.in_ms[ii]
         extra = {"OFF": OFF, "HOST": HOST, "PRE": PRE, "LATE": LATE, "W": W}
     model = b.model(cost)
     Sfull = np.vstack([S, np.full((1, n), -1)])
@@ -277,7 +278,7 @@ def _transfers(
     S: np.ndarray,
     S_next: np.ndarray,
     C: np.ndarray,
-    transfers: HostTransfers,
+    transfers: Transfers,
     OFF: np.ndarray,
     HOST: np.ndarray,
     PRE: np.ndarray,
@@ -307,9 +308,9 @@ def _transfers(
     stages = np.arange(T)
     rows = b.rows("wait", stages[:, None], [W], [1], 0, np.inf)
     tt, ii = np.nonzero(OFF >= 0)
-    b.entries(rows[tt], OFF[tt, ii], -transfers.offload_ms[ii])
+    b.entries(rows[tt], OFF[tt, ii], -transfers.out_ms[ii])
     tt, ii = np.nonzero(PRE >= 0)
-    b.entries(rows[tt], PRE[tt, ii], -transfers.prefetch_ms[ii])
+    b.entries(rows[tt], PRE[tt, ii], -transfers.in_ms[ii])
     tt, ii = np.nonzero(R >= 0)
     b.entries(rows[tt], R[tt, ii], C[ii])
 

@@ -1,7 +1,10 @@
 """Offloading activations to host memory, transfers overlapping compute (Beaumont et al.,
 docs/strategies.md "Offloading"): what the offloading strategies share.
 
-Every offloading plan here is a plan on one device without transfers, by default
+The same plans page to storage (PORT) where the base's ``tier`` is ``Tier.STORAGE``:
+``page_out`` and ``page_in`` on the paging lane instead of ``offload`` and ``prefetch``,
+over the device's storage link. Every offloading plan here is a plan on one device
+without transfers, by default
 checkpoint-all (each node computed once, in the graph's order, each value freed after its
 last reader; ``offload_remat`` also offloads over plans that recompute), with some
 activations sent to the host and brought back: ``offload_base`` analyses that plan,
@@ -29,9 +32,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from remat.devices import format_bytes
+from remat.devices import Tier, format_bytes
 from remat.graph import NodeKind
-from remat.plan import Compute, Free, Offload, Plan, Prefetch, SolverInfo, Step, Wait
+from remat.plan import BRINGS, SENDS, Compute, Free, Plan, SolverInfo, Step, Wait
 from remat.simulator import simulate
 from remat.solvers.backend import relative_gap
 from remat.strategies.baselines.checkpoint_all import checkpoint_all
@@ -54,7 +57,8 @@ class OffloadBase:
     ``candidates``: the activations, in production order; for each, the step that
     computes it (``produced``), its last reader before the boundary (``last_forward``, or
     ``produced``), its first reader from the boundary on (``first_backward``) and the step
-    that frees it (``freed``; the plan's length where none does)."""
+    that frees it (``freed``; the plan's length where none does). ``tier``: where the
+    activations go (the host: offloading; storage: paging)."""
 
     device: str
     d: int
@@ -67,13 +71,16 @@ class OffloadBase:
     first_backward: dict[int, int]
     freed: dict[int, int]
     compute_ms: float
+    tier: Tier = Tier.HOST
 
     @property
     def peak_bytes(self) -> int:
         return int(self.memory.max(initial=0))
 
 
-def offload_base(problem: Problem, device: str, plan: Plan | None = None) -> OffloadBase | None:
+def offload_base(
+    problem: Problem, device: str, plan: Plan | None = None, tier: Tier = Tier.HOST
+) -> OffloadBase | None:
     """``plan`` (on ``device`` alone, without transfers; where None, checkpoint-all with
     unlimited memory) analysed; None where it has no valid replay. In a plan that
     recomputes, a candidate is the instance of a value that is computed before the
@@ -132,17 +139,18 @@ def offload_base(problem: Problem, device: str, plan: Plan | None = None) -> Off
         first_backward,
         freed,
         simulation.compute_ms,
+        tier,
     )
 
 
 def offload_bound_ms(problem: Problem, base: OffloadBase) -> float:
     """Proposition 3: the base plan's compute, or the time to send the memory above the
-    budget to the host and back, whichever is longer (Proposition 2: any valid plan that
+    budget to the tier and back, whichever is longer (Proposition 2: any valid plan that
     runs the base plan's computations in its order offloads at least ``M_peak - M_GPU``)."""
     budget = problem.budgets.get(base.device)
     excess = 0 if budget is None else max(base.peak_bytes - budget, 0)
-    link = problem.costs.host_link(base.d)
-    transfers_ms = excess * (1 / link.to_host_bytes_per_s + 1 / link.from_host_bytes_per_s) * 1e3
+    link = problem.costs.link(base.d, base.tier)
+    transfers_ms = excess * (1 / link.out_bytes_per_s + 1 / link.in_bytes_per_s) * 1e3
     return max(base.compute_ms, transfers_ms)
 
 
@@ -165,10 +173,11 @@ def offload_result(
     total, bound = simulation.total_ms, offload_bound_ms(problem, base)
     info = SolverInfo("feasible", total, bound, relative_gap(total, bound))
     plan = replace(with_prediction(evaluation.plan, simulation), strategy=strategy, solver=info)
-    sent = [s.node for s in plan.steps if isinstance(s, Offload)]
+    sent = [s.node for s in plan.steps if isinstance(s, SENDS[base.tier])]
     nbytes = int(problem.costs.output_bytes[sent].sum()) if sent else 0
+    verb = "offloads" if base.tier is Tier.HOST else "pages out"
     message = (
-        f"{strategy}: offloads {len(sent)} activations ({format_bytes(nbytes)}), "
+        f"{strategy}: {verb} {len(sent)} activations ({format_bytes(nbytes)}), "
         f"{total:.4g} ms against a bound of {bound:.4g} ms (Proposition 3)"
     )
     return StrategyResult(strategy, plan, simulation, message)
@@ -211,7 +220,8 @@ def _forward(
     costs, d, device = problem.costs, base.d, base.device
     sizes = costs.output_bytes
     compute_ms = costs.compute_ms[:, d]
-    offload_ms = costs.offload_ms(d)
+    offload_ms = costs.out_ms(d, base.tier)
+    send = SENDS[base.tier]
     sending = set(chosen)
     in_flight: list[tuple[float, int]] = []  # (transfer end, node), in lane order
     clock = lane = 0.0
@@ -242,7 +252,7 @@ def _forward(
                 start = max(clock, lane)
                 lane = start + float(offload_ms[step.node])
                 in_flight.append((lane, step.node))
-                steps.append(Offload(step.stage, step.node, device))
+                steps.append(send(step.stage, step.node, device))
     stage = base.steps[base.boundary].stage if base.boundary < len(base.steps) else 0
     while in_flight:
         release(0, stage)
@@ -264,6 +274,7 @@ def _backward(
         memory[: base.freed[v] - b + 1] -= int(sizes[v])
     if memory.max(initial=0) > limit:
         return None
+    bring = BRINGS[base.tier]
     issue: dict[int, list[int]] = {}
     waits: dict[int, list[int]] = {}
     earliest = b
@@ -280,7 +291,7 @@ def _backward(
     steps: list[Step] = []
     for q in range(b, end):
         step = base.steps[q]
-        steps.extend(Prefetch(step.stage, v, base.device) for v in issue.get(q, ()))
+        steps.extend(bring(step.stage, v, base.device) for v in issue.get(q, ()))
         steps.extend(Wait(step.stage, v, base.device) for v in waits.get(q, ()))
         steps.append(step)
     return steps

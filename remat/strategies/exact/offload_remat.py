@@ -35,7 +35,7 @@ from itertools import pairwise
 from remat.compiler import compile_plan
 from remat.devices import format_bytes
 from remat.errors import ScheduleError
-from remat.formulations.checkmate import HostTransfers, build_checkmate
+from remat.formulations.checkmate import Transfers, build_checkmate
 from remat.plan import SolverInfo
 from remat.schedule import schedule_of_steps
 from remat.solvers.backend import relative_gap
@@ -168,7 +168,7 @@ def _solve(
     without one) and a note on the solve."""
     costs = problem.costs
     d = costs.device_index(device)
-    transfers = HostTransfers(costs.offload_ms(d), costs.prefetch_ms(d))
+    transfers = Transfers(costs.out_ms(d), costs.in_ms(d))
     fixed = device_fixed_bytes(problem, device)
     model = build_checkmate(
         problem.graph, costs, device, problem.budgets.get(device), fixed, transfers

@@ -46,6 +46,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from remat.devices import Tier
 from remat.plan import Compute
 from remat.strategies.common.offload import (
     OffloadBase,
@@ -70,12 +71,13 @@ class _Walk:
     moved: list[float]
 
 
-def offload_dynprog(problem: Problem, device: str) -> StrategyResult:
-    base = offload_base(problem, device)
+def offload_dynprog(problem: Problem, device: str, tier: Tier = Tier.HOST) -> StrategyResult:
+    """DYNPROG's plan on ``device``: offloading to its host, or paging to storage."""
+    base = offload_base(problem, device, tier=tier)
     deadline = time.monotonic() + problem.solver.options.time_limit_s
     best = None if base is None else offload_set_plan(problem, base, deadline)
     if base is None or best is None:
-        return _renamed(offload_greedy(problem, device))  # says what offloading needs
+        return _renamed(offload_greedy(problem, device, tier))  # says what offloading needs
     result = offload_result(problem, base, NAME, best)
     if time.monotonic() > deadline:
         limit = problem.solver.options.time_limit_s
@@ -122,9 +124,9 @@ def _dynprog(
     costs, d = problem.costs, base.d
     sizes = [float(costs.output_bytes[v]) for v in candidates]
     slot = max(sum(sizes) / problem.solver.search.offload_slots, 1.0)
-    link = costs.host_link(d)
-    to_host = link.to_host_bytes_per_s / 1e3  # bytes per ms
-    from_host = link.from_host_bytes_per_s / 1e3
+    link = costs.link(d, base.tier)
+    to_host = link.out_bytes_per_s / 1e3  # bytes per ms
+    from_host = link.in_bytes_per_s / 1e3
     b, end = base.boundary, len(base.steps)
     forward = _walk(problem, base, range(b), budget, to_host)
     backward = _walk(problem, base, range(end - 1, b - 1, -1), budget, from_host)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from remat.devices import format_bytes
+from remat.devices import Tier, format_bytes
 from remat.strategies.common.offload import (
     OffloadBase,
     judged_plan,
@@ -28,8 +28,9 @@ from remat.strategies.common.problem import Evaluation, Problem, StrategyResult
 NAME = "offload_greedy"
 
 
-def offload_greedy(problem: Problem, device: str) -> StrategyResult:
-    base = offload_base(problem, device)
+def offload_greedy(problem: Problem, device: str, tier: Tier = Tier.HOST) -> StrategyResult:
+    """GREEDY's plan on ``device``: offloading to its host, or paging to storage."""
+    base = offload_base(problem, device, tier=tier)
     if base is None:
         return StrategyResult(NAME, None, None, f"{NAME}: checkpoint-all has no plan on {device}")
     found = greedy_plan(problem, base)

@@ -123,6 +123,13 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
         "strategies (default: the cost table's measurement, else 12GB/s for cuda, 10GB/s "
         "for cpu)",
     )
+    plan.add_argument(
+        "--storage-bandwidth",
+        metavar="RATE",
+        help="each device's link to the node's storage, e.g. 1GB/s, both ways, for paging "
+        "(strategy port; default: the cost table's measurement, else 1GB/s written and "
+        "1.5GB/s read)",
+    )
     _objective_arguments(plan)
     _solver_arguments(plan)
     output = plan.add_mutually_exclusive_group()
@@ -544,12 +551,19 @@ def _problem(args: argparse.Namespace) -> Problem:
     """``plan``'s problem, on the ``--device`` devices only (all of ``--costs``' without)."""
     devices = _devices(args)
     table = None if args.costs is None else load_cost_table(args.costs)
-    if args.host_bandwidth is not None:
-        rate = parse_rate(args.host_bandwidth)
+    rates = {
+        "host_bandwidth": args.host_bandwidth,
+        "storage_write_bandwidth": args.storage_bandwidth,
+        "storage_read_bandwidth": args.storage_bandwidth,
+    }
+    for option, text in rates.items():
+        if text is None:
+            continue
+        rate = parse_rate(text)
         named = devices or (
             [Device(d.name, d.kind) for d in table.devices] if table else [DEFAULT_DEVICE]
         )
-        devices = [with_option(d, "host_bandwidth", f"{rate:g}") for d in named]
+        devices = [with_option(d, option, f"{rate:g}") for d in named]
     return build_problem(
         **_model_options(args),
         devices=devices,

@@ -27,9 +27,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from remat.costs import CostModel
+from remat.devices import Tier
 from remat.errors import ScheduleError
 from remat.graph import Graph
-from remat.plan import Compute, Copy, Free, Offload, Plan, PlanDevice, Prefetch, Step, Wait
+from remat.plan import BRINGS, SENDS, Compute, Copy, Free, Plan, PlanDevice, Step, Wait
 from remat.schedule import Schedule
 
 
@@ -40,7 +41,10 @@ def compile_plan(
     strategy: str,
     costs: CostModel | None = None,
     transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    tier: Tier = Tier.HOST,
 ) -> Plan:
+    """The plan of ``schedule`` (the module docstring); with ``transfers``, its sends to
+    and returns from ``tier`` (offloads and prefetches, or page-outs and page-ins)."""
     names = tuple(d.name for d in devices)
     if set(schedule.devices) - set(names):
         raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
@@ -48,8 +52,8 @@ def compile_plan(
         emitter = _Emitter(graph, schedule, costs)
     else:
         if len(schedule.devices) != 1:
-            raise ScheduleError("transfers to host memory are compiled on one device")
-        emitter = _TransferEmitter(graph, schedule, costs, *transfers)
+            raise ScheduleError("transfers to another tier are compiled on one device")
+        emitter = _TransferEmitter(graph, schedule, costs, *transfers, tier)
     for t in range(schedule.stages):
         emitter.stage(t)
     return Plan(strategy, tuple(devices), tuple(emitter.steps))
@@ -144,8 +148,8 @@ class _Emitter:
 
 
 class _TransferEmitter(_Emitter):
-    """One device's stages with transfers to and from host memory around them: ``off[t, i]``
-    offloads value i during stage t, ``pre[t, i]`` prefetches it, ``late[t, i]`` at its
+    """One device's stages with transfers to and from ``tier`` around them: ``off[t, i]``
+    sends value i during stage t, ``pre[t, i]`` brings it back, ``late[t, i]`` at its
     end (the module docstring)."""
 
     def __init__(
@@ -156,9 +160,11 @@ class _TransferEmitter(_Emitter):
         off: np.ndarray,
         pre: np.ndarray,
         late: np.ndarray,
+        tier: Tier,
     ) -> None:
         super().__init__(graph, schedule, costs)
         self.off, self.pre, self.late = off, pre, late
+        self.send, self.bring = SENDS[tier], BRINGS[tier]
         self.leaving: set[int] = set()
         self.device = self.devices[0]
 
@@ -167,10 +173,10 @@ class _TransferEmitter(_Emitter):
         fetched = [int(i) for i in np.flatnonzero(self.pre[t])]
         for i in sent:
             if not self.resident[0, i]:
-                raise ScheduleError(f"stage {t}: offloads node {i}, which is not resident")
-            self.steps.append(Offload(t, i, self.device))
+                raise ScheduleError(f"stage {t}: sends node {i}, which is not resident")
+            self.steps.append(self.send(t, i, self.device))
             self.leaving.add(i)
-        self.steps.extend(Prefetch(t, i, self.device) for i in fetched)
+        self.steps.extend(self.bring(t, i, self.device) for i in fetched)
         super().stage(t)
         for i in sent:
             self.steps.append(Wait(t, i, self.device))
@@ -180,7 +186,7 @@ class _TransferEmitter(_Emitter):
             self.steps.append(Wait(t, i, self.device))
             self.resident[0, i] = True
         last = [int(i) for i in np.flatnonzero(self.late[t])]
-        self.steps.extend(Prefetch(t, i, self.device) for i in last)
+        self.steps.extend(self.bring(t, i, self.device) for i in last)
         for i in last:
             self.steps.append(Wait(t, i, self.device))
             self.resident[0, i] = True

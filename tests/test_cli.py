@@ -147,6 +147,16 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
             ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"],
             "'many' is not watts",
         ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--storage-bandwidth", "fast"],
+            "'fast'",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--device", "cpu0:cpu:storage_read_bandwidth=0"],
+            "storage_read_bandwidth",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, make, args, message):
@@ -176,6 +186,18 @@ def test_plan_for_energy_prints_the_plans_energy_and_objective(tmp_path):
     assert text.returncode == 0, text.stderr
     assert "objective:  time + 0.01 ms/mJ x energy" in text.stdout
     assert "mJ (power model)" in text.stdout
+
+
+def test_port_pages_over_the_storage_bandwidth_given(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(samples.vgg16().SerializeToString())
+    args = ["plan", str(path), "--batch", "8", "--budget", "cpu0=75%", "--strategy", "port"]
+    result = remat(*args, "--storage-bandwidth", "20GB/s", "--time-limit", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["strategy"] == "port"
+    assert plan["devices"][0]["options"]["storage_read_bandwidth"] == "2e+10"
+    assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
 
 
 def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):

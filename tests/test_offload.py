@@ -20,7 +20,7 @@ from remat.costs import (
     cost_table_of,
     profiled_costs,
 )
-from remat.devices import Device, DeviceKind, parse_device
+from remat.devices import Device, DeviceKind, Tier, parse_device
 from remat.errors import InvalidInputError
 from remat.plan import (
     Compute,
@@ -343,7 +343,9 @@ def test_the_joint_milps_plans_cost_what_the_model_says():
     g, costs = _setup()
     problem = Problem(g, costs, {"cuda0": FIXED + 3000})
     evicted = run_strategy("greedy_evict", problem, "cuda0")
-    solved, note = offload_remat_solve(problem, "cuda0", [evicted], 30.0)
+    solved, note, _ = offload_remat_solve(
+        problem, "cuda0", [evicted], 30.0, Tier.HOST, "offload_remat"
+    )
     assert solved is not None, note
     assert "optimal" in note
     ops = [s.op for s in solved.plan.steps]

@@ -22,6 +22,7 @@ from remat.strategies.common.problem import Problem, StrategyResult, with_predic
 from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_milp
 from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.offload_remat import offload_remat
+from remat.strategies.exact.port import port
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.input_aware import input_aware
@@ -38,7 +39,9 @@ class StrategyInfo:
     runs once over every device (its device argument is ignored); the others run on one
     device, and ``run_strategy`` tries each device when none is named. ``offloads``: its
     plans send activations to host memory, so where no device is named it runs on the
-    devices whose memory is apart from the host's, if any."""
+    devices whose memory is apart from the host's, if any. ``pages``: its plans page
+    activations to storage, on any device. Plans with transfers are made for time alone
+    (transfers overlap compute)."""
 
     name: str
     kind: Kind
@@ -46,6 +49,7 @@ class StrategyInfo:
     description: str
     run: Strategy = field(repr=False, compare=False)
     offloads: bool = False
+    pages: bool = False
 
     def as_json(self) -> dict[str, str | bool]:
         """The fields a client sees (everything but ``run``)."""
@@ -130,6 +134,16 @@ REGISTRY |= {
             "offload_dynprog.",
             offload_remat,
             offloads=True,
+        ),
+        StrategyInfo(
+            "port",
+            "exact",
+            False,
+            "PORT's ILP: keep, recompute or page each activation to storage, decided "
+            "together; first the least time, then the fewest recomputations and page "
+            "transfers within 1% of it.",
+            port,
+            pages=True,
         ),
         StrategyInfo(
             "xengine",
@@ -229,9 +243,10 @@ def _run(name: str, problem: Problem, device: str | None) -> StrategyResult:
         known = ", ".join([AUTO, *STRATEGIES])
         raise StrategyError(f"unknown strategy {name!r}; known strategies: {known}")
     info = REGISTRY.get(name)
-    if info is not None and info.offloads and not problem.offloading:
+    if info is not None and (info.offloads or info.pages) and not problem.offloading:
+        what = "offloads" if info.offloads else "pages"
         raise StrategyError(
-            f"{name} offloads, and offloading is planned for time alone: choose another "
+            f"{name} {what}, and transfers are planned for time alone: choose another "
             "strategy for this objective or these power caps"
         )
     if info is not None and info.places_over_devices:

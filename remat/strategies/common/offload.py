@@ -47,6 +47,17 @@ from remat.strategies.common.problem import (
 )
 
 
+def named(strategy: str, tier: Tier) -> str:
+    """An offloading strategy's label for ``tier``: its name, or for paging the same
+    algorithm as ``page_...`` (``page_greedy``, ``page_dynprog``; parts of ``port``)."""
+    return strategy if tier is Tier.HOST else strategy.replace("offload_", "page_", 1)
+
+
+def sending(tier: Tier) -> str:
+    """What sending activations to ``tier`` is called: offloading, or paging."""
+    return "offloading" if tier is Tier.HOST else "paging"
+
+
 @dataclass(frozen=True)
 class OffloadBase:
     """A plan on one device without transfers (checkpoint-all's by default), analysed for

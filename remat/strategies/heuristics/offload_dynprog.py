@@ -51,6 +51,7 @@ from remat.plan import Compute
 from remat.strategies.common.offload import (
     OffloadBase,
     judged_plan,
+    named,
     offload_base,
     offload_bound_ms,
     offload_result,
@@ -77,8 +78,9 @@ def offload_dynprog(problem: Problem, device: str, tier: Tier = Tier.HOST) -> St
     deadline = time.monotonic() + problem.solver.options.time_limit_s
     best = None if base is None else offload_set_plan(problem, base, deadline)
     if base is None or best is None:
-        return _renamed(offload_greedy(problem, device, tier))  # says what offloading needs
-    result = offload_result(problem, base, NAME, best)
+        # GREEDY's result says what sending needs
+        return _renamed(offload_greedy(problem, device, tier), tier)
+    result = offload_result(problem, base, named(NAME, tier), best)
     if time.monotonic() > deadline:
         limit = problem.solver.options.time_limit_s
         result = replace(result, message=f"{result.message} (DYNPROG stopped at {limit:g} s)")
@@ -105,11 +107,12 @@ def offload_set_plan(
     return min(plans, key=lambda e: e.cost_ms, default=None)
 
 
-def _renamed(result: StrategyResult) -> StrategyResult:
+def _renamed(result: StrategyResult, tier: Tier) -> StrategyResult:
     """GREEDY's result under this strategy's name."""
-    plan = None if result.plan is None else replace(result.plan, strategy=NAME)
-    message = result.message.replace("offload_greedy", NAME)
-    return replace(result, strategy=NAME, plan=plan, message=message)
+    name = named(NAME, tier)
+    plan = None if result.plan is None else replace(result.plan, strategy=name)
+    message = result.message.replace(named("offload_greedy", tier), name)
+    return replace(result, strategy=name, plan=plan, message=message)
 
 
 def _dynprog(

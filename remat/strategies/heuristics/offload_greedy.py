@@ -19,9 +19,11 @@ from remat.devices import Tier, format_bytes
 from remat.strategies.common.offload import (
     OffloadBase,
     judged_plan,
+    named,
     offload_base,
     offload_floor_bytes,
     offload_result,
+    sending,
 )
 from remat.strategies.common.problem import Evaluation, Problem, StrategyResult
 
@@ -31,21 +33,22 @@ NAME = "offload_greedy"
 def offload_greedy(problem: Problem, device: str, tier: Tier = Tier.HOST) -> StrategyResult:
     """GREEDY's plan on ``device``: offloading to its host, or paging to storage."""
     base = offload_base(problem, device, tier=tier)
+    name = named(NAME, tier)
     if base is None:
-        return StrategyResult(NAME, None, None, f"{NAME}: checkpoint-all has no plan on {device}")
+        return StrategyResult(name, None, None, f"{name}: checkpoint-all has no plan on {device}")
     found = greedy_plan(problem, base)
     if found is None:
         budget = problem.budgets.get(device)
         floor = offload_floor_bytes(problem, base)
         return StrategyResult(
-            NAME,
+            name,
             None,
             None,
-            f"{NAME}: no plan fits {format_bytes(budget or 0)} on {device}; offloading every "
+            f"{name}: no plan fits {format_bytes(budget or 0)} on {device}; {sending(tier)} every "
             f"activation still needs {format_bytes(floor)} ({floor} B)",
             min_budget_bytes={device: floor},
         )
-    return offload_result(problem, base, NAME, found)
+    return offload_result(problem, base, name, found)
 
 
 def greedy_plan(problem: Problem, base: OffloadBase) -> Evaluation | None:

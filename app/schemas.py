@@ -260,11 +260,11 @@ Pair = Annotated[list[int], Field(min_length=2, max_length=2)]
 
 
 class TransferOut(BaseModel):
-    """A transfer to (offload) or from (prefetch) host memory: the steps that issue it and
-    that wait for it."""
+    """A transfer to (offload) or from (prefetch) host memory, or to (page_out) or from
+    (page_in) storage: the steps that issue it and that wait for it."""
 
     node: int
-    kind: Literal["offload", "prefetch"]
+    kind: Literal["offload", "prefetch", "page_out", "page_in"]
     issued: int
     done: int
 
@@ -272,7 +272,7 @@ class TransferOut(BaseModel):
 class ScheduleOut(BaseModel):
     """R and S per device as sparse (stage, node) pairs, and bytes resident on each device
     after each step with its budget (XEngine figures 3 and 4); the transfers on each
-    device's lane to host memory (plans of version 2)."""
+    device's lanes to host memory and storage (plans of version 2 and 3)."""
 
     devices: list[str]
     nodes: list[str]

@@ -1,11 +1,12 @@
 """A plan as stage matrices, for drawing (XEngine figure 3): per device, which nodes are
 computed in each stage (R) and which values are resident when the stage starts (S); and
-its transfers to and from host memory as spans of steps, each device's transfer lane.
+its transfers to and from host memory and storage as spans of steps, on each device's
+transfer lanes.
 
 Derived from the plan's steps alone, so it works for every strategy, stitched plans
 included: a compute puts its value on its device, a copy on the destination, a prefetch
-brings it back from the host, a free removes it, and so does the wait that completes an
-offload. Pairs are sparse (stage, node) lists: a 1,000-node graph's dense matrices
+or a page-in brings it back, a free removes it, and so does the wait that completes an
+offload or a page-out. Pairs are sparse (stage, node) lists: a 1,000-node graph's dense matrices
 would hold millions of cells per device.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Wait
+from remat.plan import Compute, Copy, Free, Offload, PageIn, PageOut, Plan, Prefetch, Wait
 
 Cell = tuple[int, int]  # (stage, node)
 
@@ -31,7 +32,7 @@ class TransferSpan:
     wait that ends it (the plan's last step where none does)."""
 
     node: int
-    kind: str  # "offload" or "prefetch"
+    kind: str  # "offload", "prefetch", "page_out" or "page_in"
     issued: int
     done: int
 
@@ -41,7 +42,7 @@ def transfer_spans(plan: Plan) -> dict[str, list[TransferSpan]]:
     spans: dict[str, list[TransferSpan]] = {d.name: [] for d in plan.devices}
     open_: dict[tuple[str, int], tuple[str, int]] = {}
     for index, step in enumerate(plan.steps):
-        if isinstance(step, Offload | Prefetch):
+        if isinstance(step, Offload | Prefetch | PageOut | PageIn):
             open_[(step.device, step.node)] = (step.op, index)
         elif isinstance(step, Wait) and (step.device, step.node) in open_:
             kind, issued = open_.pop((step.device, step.node))
@@ -73,9 +74,9 @@ def stage_matrices(plan: Plan) -> StageMatrices:
             resident[step.dst].add(step.node)
         elif isinstance(step, Free):
             resident[step.device].discard(step.node)
-        elif isinstance(step, Offload):
+        elif isinstance(step, Offload | PageOut):
             leaving[step.device].add(step.node)
-        elif isinstance(step, Prefetch):
+        elif isinstance(step, Prefetch | PageIn):
             resident[step.device].add(step.node)
         elif isinstance(step, Wait) and step.node in leaving[step.device]:
             leaving[step.device].discard(step.node)

@@ -181,6 +181,29 @@ def test_an_offloading_job_serves_a_version_2_plan(api: InProcessApi) -> None:
     assert plan["solver"]["bound"] <= plan["predicted"]["total_ms"]
 
 
+def test_a_paging_job_serves_a_version_3_plan_and_its_lane(api: InProcessApi) -> None:
+    """A storage as fast as memory: paging alone costs the ideal, so port pages."""
+    client = api.client
+    fast = {"storage_write_bandwidth": 1e15, "storage_read_bandwidth": 1e15}
+    devices = [{"name": "cpu0", "kind": "cpu", "options": fast | {"storage_latency_us": 0}}]
+    job = submitted(
+        client, uploaded(client), strategy="port", devices=devices, budgets={"cpu0": "60%"}
+    )
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
+    assert plan["version"] == 3 and plan["strategy"] == "port"
+    assert {"page_out", "page_in", "wait"} <= {step["op"] for step in plan["steps"]}
+    schedule = client.get(f"/v1/jobs/{job['id']}/schedule").json()
+    kinds = {span["kind"] for span in schedule["transfers"]["cpu0"]}
+    assert kinds == {"page_out", "page_in"}
+    slow = [{"name": "cpu0", "kind": "cpu", "options": {"storage_read_bandwidth": 0}}]
+    refused = client.post("/v1/jobs", json=quick_job(uploaded(client), devices=slow))
+    assert refused.status_code == 422
+    assert "storage_read_bandwidth" in refused.json()["detail"]
+
+
 def test_a_job_minimises_the_energy_it_asks_for(api: InProcessApi) -> None:
     client = api.client
     devices = [{"name": "cpu0", "kind": "cpu"}, {"name": "gpu0", "kind": "cuda"}]

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from app.schemas import TransferOut
 from remat.costs import (
     CostModel,
     CostSource,
@@ -33,6 +34,7 @@ from remat.plan import (
     plan_from_json,
     plan_to_json,
 )
+from remat.plan_view import stage_matrices, transfer_spans
 from remat.simulator import simulate
 from remat.strategies import Problem, run_strategy
 from remat.strategies.common.problem import StrategyResult
@@ -259,3 +261,16 @@ def test_port_is_refused_for_an_energy_objective():
     problem = Problem(g, costs, {"cpu0": FIXED + 3000}, objective=Objective("energy"))
     with pytest.raises(StrategyError, match="port pages"):
         run_strategy("port", problem, "cpu0")
+
+
+def test_the_schedule_view_shows_pages_on_their_lane_and_paged_values_off_the_device():
+    plan = _plan(PAGED)
+    spans = transfer_spans(plan)["cpu0"]
+    assert [(s.kind, s.node, s.issued, s.done) for s in spans] == [
+        ("page_out", 0, 1, 3),
+        ("page_in", 0, 12, 13),
+    ]
+    resident = stage_matrices(plan).S["cpu0"]
+    assert (2, 0) not in resident  # paged out: off the device when stage 2 starts
+    assert (6, 0) not in resident and (1, 0) in resident
+    assert TransferOut(node=0, kind="page_in", issued=12, done=13).kind == "page_in"

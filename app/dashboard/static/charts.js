@@ -258,14 +258,16 @@ export function transferLane({ spans, steps, names, color, device, width }) {
   const margin = { left: 72, right: 16, top: 4, bottom: 4 };
   const plotW = Math.max(120, width - margin.left - margin.right);
   const row = 14;
-  const kinds = ["offload", "prefetch"];
+  const present = new Set(spans.map((one) => one.kind));
+  const kinds = ["offload", "prefetch", "page_out", "page_in"].filter(
+    (kind, index) => index < 2 || present.has(kind));
   const height = margin.top + margin.bottom + row * kinds.length;
   const x = (v) => (v / Math.max(steps - 1, 1)) * plotW;
   const svg = s("svg", {
     class: "transfer-lane",
     viewBox: `0 0 ${plotW + margin.left + margin.right} ${height}`,
     role: "img",
-    "aria-label": `Transfers of ${device} to and from host memory: ${spans.length}`,
+    "aria-label": `Transfers of ${device} to and from host memory and storage: ${spans.length}`,
     dataset: { device, transfers: String(spans.length) },
   });
   kinds.forEach((kind, index) => {
@@ -276,7 +278,7 @@ export function transferLane({ spans, steps, names, color, device, width }) {
       const name = names[span.node] ?? String(span.node);
       svg.append(s("rect", {
         x: x0, y: top + 2, width: Math.max(x(span.done) - x(span.issued), 2), height: row - 4,
-        fill: color, "fill-opacity": kind === "offload" ? 0.85 : 0.45,
+        fill: color, "fill-opacity": kind === "offload" || kind === "page_out" ? 0.85 : 0.45,
         dataset: { node: String(span.node), kind, issued: String(span.issued), done: String(span.done) },
       }, s("title", {}, `${kind} of node ${span.node} ${name}: steps ${span.issued}–${span.done}`)));
     }

@@ -12,7 +12,10 @@ back (its lease released) and the agent exits. With ``--parent-pid`` (``remat se
 local agent) it also exits when that process does, however it ends.
 
 Tasks run the kernels of the ``[agent]`` extra (PyTorch): ``agents.profiler`` and
-``agents.executor``.
+``agents.executor``. Plans that page (plan version 3) write their tensors to the node's
+storage directory (``--storage``, else ``$REMAT_STORAGE``, else ``~/.cache/remat/storage``,
+``agents.storage``), which the profiler measures too; one named that is missing, not a
+directory or not writable ends the agent at start with status 2.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from agents.client import AgentClient, Rejected, StaleLease, Stopped, Unauthorized
+from agents.errors import StorageError
+from agents.storage import STORAGE_ENV, resolve_storage
 from remat.agent_protocol import (
     AgentDevice,
     Enrolled,
@@ -67,6 +72,7 @@ class AgentConfig:
     cache_dir: Path
     lease_wait_s: float = 20.0
     parent_pid: int | None = None  # exit when this process (the agent's parent) is gone
+    storage: Path | None = None  # where plans page to (None: ``resolve_storage``'s default)
 
 
 @dataclass
@@ -287,7 +293,8 @@ class Agent:
         model = self._model(payload.model)
         devices = self._devices(payload.devices)
         measure = partial(profile, devices=devices, repeats=payload.repeats,
-                          warmup=payload.warmup, memory_bytes=payload.memory_bytes)  # fmt: skip
+                          warmup=payload.warmup, memory_bytes=payload.memory_bytes,
+                          storage=self.config.storage)  # fmt: skip
         if payload.sizes is None:
             report = _ProgressReporter(self.client, task)
             graph = payload.model.graph(model)
@@ -309,7 +316,9 @@ class Agent:
             return self._execute_sized(payload)
         model, graph = self._model_and_graph(payload.model)
         plan = plan_from_json(payload.plan)
-        return execute(model, graph, plan, self.config.devices).to_json()
+        return execute(
+            model, graph, plan, self.config.devices, storage=self.config.storage
+        ).to_json()
 
     def _execute_sized(self, payload: ExecutePayload) -> dict[str, Any]:
         """A family's steps in order, each size's graph and plan built at its first step
@@ -334,7 +343,14 @@ class Agent:
                 ref = payload.model.model_copy(update={"inputs": run.inputs[key]})
                 built[size] = (ref.graph(model), plan_from_json(run.plans[key]))
             graph, plan = built[size]
-            report = execute(model, graph, plan, self.config.devices, warmup=1 if first else 0)
+            report = execute(
+                model,
+                graph,
+                plan,
+                self.config.devices,
+                warmup=1 if first else 0,
+                storage=self.config.storage,
+            )
             if first:
                 checks.append((report.gradients_match, report.max_rel_error))
             steps.append(
@@ -441,6 +457,12 @@ def _parser() -> argparse.ArgumentParser:
         default=Path.home() / ".remat" / "agent",
         help="where downloaded models are kept",
     )
+    parser.add_argument(
+        "--storage",
+        type=Path,
+        help=f"the directory plans page tensors to (default: ${STORAGE_ENV}, else "
+        "~/.cache/remat/storage, created if missing)",
+    )
     parser.add_argument("--lease-wait", type=float, default=20.0, help="long-poll seconds")
     parser.add_argument(
         "--parent-pid",
@@ -460,6 +482,10 @@ def _parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> AgentConfig:
     if not args.enroll_token:
         raise RematError("an enrollment token is required: --enroll-token or REMAT_ENROLL_TOKEN")
+    try:
+        storage = resolve_storage(args.storage)
+    except StorageError as exc:
+        raise RematError(str(exc)) from None
     if args.device:
         devices = [parse_device(text) for text in args.device]
     else:
@@ -474,6 +500,7 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         cache_dir=args.cache_dir,
         lease_wait_s=args.lease_wait,
         parent_pid=args.parent_pid,
+        storage=storage,
     )
 
 

@@ -25,3 +25,9 @@ class DeviceError(TaskError):
 
 class DeviceOutOfMemory(TaskError):
     """A device ran out of memory; the message names the device and the step."""
+
+
+class StorageError(TaskError):
+    """The node's storage cannot be used for paging: a directory that is missing or not
+    writable, or a file that could not be written or read back; the message names the
+    directory and the OS's reason."""

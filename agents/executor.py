@@ -1,6 +1,7 @@
-"""The executor: runs a plan step by step (compute, copy, free, and the transfers to host
-memory of plan version 2: offload, prefetch, wait) on the node's devices and reports what
-it measured next to what the simulator predicted.
+"""The executor: runs a plan step by step (compute, copy, free, the transfers to host
+memory of plan version 2: offload, prefetch, wait, and the paging to storage of version 3:
+page_out, page_in, ended by a wait too) on the node's devices and reports what it measured
+next to what the simulator predicted.
 
 Time. The measured runs time the whole plan, from its first step until every device is
 done; nothing between steps waits for a device (no CUDA synchronisation or events per
@@ -48,17 +49,40 @@ what issuing it took on the compute lane; a wait's is how long it blocked (CUDA:
 compute stream passed the event). Transfers still running after the last step (an offload
 never waited for) are waited for before the run's total time is taken.
 
-Memory of transfers. An offloaded value counts on its device until its wait releases it,
-as in the simulator; a host copy counts on no device. A prefetched value counts from the
-prefetch step itself (its memory is reserved, and on CUDA allocated, when the compute lane
-issues it), which is simple and conservative: the simulator reserves it when the transfer
-starts, later than the step where the lane is still busy with earlier transfers. So the
-account (and a CPU device's measured peak) is at least the simulator's peak, and exceeds
-it only where a prefetch queues behind another transfer while the compute lane releases
-memory in between (a wait for an earlier offload, a free), by at most the bytes of such
-prefetches. The offloading strategies reserve a prefetch's memory from the step that
-issues it (``remat.strategies.common.offload``), so their plans stay within their budgets
-here too; on their plans the account equals the simulator's peak.
+Paging (plan version 3). Each device that pages also has a paging lane to the node's
+storage, beside its lane to host memory and run by the same rules (one transfer at a time
+in plan order, each after the compute steps issued before it): a thread of its own that
+writes and reads the files (one worker, made for each run and shut down at its end, also
+on failure), and on CUDA a side stream of its own for the copies between the device and
+pinned host buffers, which that thread issues as it comes to each transfer. A run that
+pages works in a directory of its own, made in the storage directory (``storage``, the
+agent's ``--storage``; ``agents.storage``) and removed with its files when the run ends,
+however it ends. A ``page_out`` writes the value's bytes as they lie in its storage (its
+layout kept to rebuild it) to a file of its own on the lane (CUDA: once the side stream
+has copied them into pinned host memory), fsyncs the file and drops it from the page cache
+(``POSIX_FADV_DONTNEED``): the ``wait`` for it blocks until all that is done, so the
+device copy is released only once the write has completed, and a later ``page_in`` reads
+the disk rather than a copy left in memory. A ``page_in`` allocates the value's device
+memory when the compute lane issues it and reads the file into it on the lane (CUDA: into
+pinned host memory, then copied to the device on the side stream, followed by an event);
+the value is readable once its ``wait`` has returned. A file that cannot be written or
+read (a full disk: ENOSPC; EFBIG, EIO) fails the run at the ``wait`` for it (at the run's
+end for a page-out never waited for) with ``StorageError``: one line naming the node, the
+storage directory and the OS's reason.
+
+Memory of transfers. An offloaded or paged-out value counts on its device until its wait
+releases it, as in the simulator; a host copy or a file counts on no device. A prefetched
+or paged-in value counts from its step itself (its memory is reserved when the compute
+lane issues it, and allocated then too on CUDA, and for a page-in on a CPU), which is
+simple and conservative: the simulator reserves it when the transfer starts, later than
+the step where the lane is still busy with earlier transfers. So the account (and a CPU
+device's measured peak) is at least the simulator's peak, and exceeds it only where a
+prefetch or page-in queues behind another transfer on its lane while the compute lane
+releases memory in between (a wait for an earlier offload or page-out, a free), by at
+most the bytes of such transfers. The offloading strategies, over either tier, reserve
+that memory from the step that issues it (``remat.strategies.common.offload``), so their
+plans stay within their budgets here too; on their plans the account equals the
+simulator's peak.
 
 Numerics. In training, the parameter and input gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is
@@ -110,6 +134,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,8 +142,9 @@ import onnx
 import torch
 
 from agents.energy_counters import Counter, counter_of
-from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError
+from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, StorageError
 from agents.program import Program, Value, build_program, value_bytes
+from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
     Runtime,
     check_memory,
@@ -131,7 +157,18 @@ from agents.torch_devices import (
 from remat.costs import analytical_costs
 from remat.devices import Device
 from remat.graph import Graph, Mode, NodeKind
-from remat.plan import Compute, Copy, Free, Offload, Plan, Prefetch, Step, Wait
+from remat.plan import (
+    Compute,
+    Copy,
+    Free,
+    Offload,
+    PageIn,
+    PageOut,
+    Plan,
+    Prefetch,
+    Step,
+    Wait,
+)
 from remat.simulator import Simulation, simulate
 
 TOLERANCE = 1e-4
@@ -205,6 +242,7 @@ def execute(
     warmup: int = 1,
     repeats: int = 1,
     energy_counters: Mapping[str, Counter | None] | None = None,
+    storage: str | Path | None = None,
 ) -> ExecutionReport:
     """Run ``plan`` (for ``graph``, built by remat from ``model``) on ``devices`` (the
     node's; None: the plan's own). ``warmup`` unmeasured runs come first; of ``repeats``
@@ -214,19 +252,23 @@ def execute(
     inputs not given and the masks of training-mode Dropouts. The measured runs' energy is
     read where counters exist (module docstring); ``energy_counters``: per device name,
     the counter to read (None: none there), a device it does not name gets
-    ``counter_for``'s."""
+    ``counter_for``'s. ``storage``: the node's storage directory, where a plan that pages
+    writes its files (None: ``$REMAT_STORAGE``, else ``~/.cache/remat/storage``, see
+    ``agents.storage.resolve_storage``); a plan that does not page never touches it."""
     runtimes = bind_devices(plan, devices)
     simulation = check_plan(plan, graph)
+    directory = resolve_storage(storage) if plan.pages else None
     program = build_program(model, graph, inputs, seed)
+    run = partial(_Run, program, plan, runtimes, storage=directory)
     with gc_paused(), ieee_fp32():
         for _ in range(warmup):
-            _Run(program, plan, runtimes).run()
+            run().run()
         measured, energy_mj, energy_note = _metered(
             runtimes,
             energy_counters,
-            lambda: [_Run(program, plan, runtimes).run() for _ in range(max(repeats, 1))],
+            lambda: [run().run() for _ in range(max(repeats, 1))],
         )
-        steps = _Run(program, plan, runtimes, timed_steps=True).run()
+        steps = run(timed_steps=True).run()
     chosen = sorted(measured, key=lambda r: r.total_ms)[(len(measured) - 1) // 2]
     report = ExecutionReport(
         total_ms=chosen.total_ms,
@@ -464,8 +506,8 @@ def _step_devices(step: Step) -> tuple[str, ...]:
 
 def check_plan(plan: Plan, graph: Graph) -> Simulation:
     """The simulator's replay of ``plan`` under its own budgets; PlanRejectedError with the
-    violation if it rejects it. Transfers to host memory (plan version 2) are checked like
-    every other step: the executor runs them."""
+    violation if it rejects it. Transfers to host memory (plan version 2) and paging to
+    storage (version 3) are checked like every other step: the executor runs them."""
     devices = [Device(d.name, d.kind, dict(d.options)) for d in plan.devices]
     simulation = simulate(plan, graph, analytical_costs(graph, devices))
     if simulation.violation is not None:
@@ -505,11 +547,13 @@ def max_relative_error(
 class _Transfer:
     """A transfer in flight on a lane."""
 
-    offload: bool  # else a prefetch
-    future: Future[Value] | None = None  # CPU: the copy, made on the lane's thread
+    offload: bool  # out of the device (an offload, a page-out); else in (prefetch, page-in)
+    # the lane thread's work: CPU, the host copy; paging, the file written or read (CUDA: a
+    # page-in's event after its copy to the device, with its pinned buffers)
+    future: Future[Any] | None = None
     event: Any = None  # CUDA: a torch.cuda.Event recorded on the side stream after the copy
-    copy: Value = ()  # CUDA: the copy (pinned host tensors, or device tensors)
-    reserved: int = 0  # a prefetch: the bytes accounted when it was issued
+    copy: Value = ()  # CUDA: the copy; a page-in: the device bytes it reads into
+    reserved: int = 0  # a prefetch or a page-in: the bytes accounted when it was issued
 
 
 class _Lane:
@@ -599,6 +643,165 @@ class _Lane:
         self.host.clear()
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How a tensor lies in its storage: what rebuilds it around the same bytes read back."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    nbytes: int  # its storage's, all of it: what value_bytes counts
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Layout:
+        return cls(
+            t.dtype,
+            tuple(t.size()),
+            tuple(t.stride()),
+            int(t.storage_offset()),
+            t.untyped_storage().nbytes(),
+        )
+
+    def around(self, raw: torch.Tensor) -> torch.Tensor:
+        """The tensor over ``raw``'s bytes (a uint8 tensor of ``nbytes``)."""
+        tensor = torch.empty(0, dtype=self.dtype, device=raw.device)
+        return tensor.set_(raw.untyped_storage(), self.offset, self.size, self.stride)
+
+
+class _PagingLane:
+    """A device's paging lane to the node's storage (plan version 3): a thread of its own
+    that writes and reads the files, one transfer at a time in plan order, and on CUDA a
+    side stream for the copies between the device and pinned host buffers; the transfers
+    in flight (by node) and the layouts of the values paged out, whose bytes are in a file
+    per value in the run's directory."""
+
+    def __init__(self, runtime: Runtime, directory: Path) -> None:
+        self.runtime = runtime
+        self.directory = directory
+        self.paged: dict[int, tuple[_Layout, ...]] = {}
+        self.in_flight: dict[int, _Transfer] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-paging-lane")
+        self.stream: Any = None
+        if runtime.is_cuda:
+            self.stream = torch.cuda.Stream(device=runtime.torch_device)
+
+    def _file(self, node: int) -> Path:
+        return self.directory / f"{self.runtime.name}-{node}"
+
+    def page_out(self, node: int, value: Value) -> None:
+        """Start writing ``value`` (resident on the device) to its file, fsync'd."""
+        self.paged[node] = tuple(_Layout.of(t) for t in value)
+        raws = tuple(_raw(t) for t in value)
+        path = self._file(node)
+        if self.stream is None:
+            future = self.pool.submit(write_through, path, _views(raws))
+            self.in_flight[node] = _Transfer(True, future=future)
+            return
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(self.runtime.torch_device))  # its producer
+        for t in value:
+            t.record_stream(side)  # its memory is not reused before the copy has read it
+        future = self.pool.submit(_copy_then_write, side, path, raws)
+        self.in_flight[node] = _Transfer(True, future=future)
+
+    def reserved(self, node: int) -> int:
+        """The bytes ``node``'s value holds on the device once paged back in."""
+        return sum(layout.nbytes for layout in self.paged[node])
+
+    def page_in(self, node: int, reserved: int) -> None:
+        """Start reading ``node``'s file back into fresh device memory, allocated here."""
+        device = self.runtime.torch_device
+        raws = tuple(
+            torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+            for layout in self.paged[node]
+        )
+        path = self._file(node)
+        future: Future[Any]
+        if self.stream is None:
+            future = self.pool.submit(read_back, path, _views(raws))
+        else:
+            side = self.stream
+            # Allocated on the compute stream, here (where it is accounted); the side
+            # stream waits for the compute stream, so the memory's earlier users are done.
+            side.wait_stream(torch.cuda.current_stream(device))
+            for r in raws:
+                r.record_stream(side)
+            future = self.pool.submit(_read_then_copy, side, path, raws)
+        self.in_flight[node] = _Transfer(False, future=future, copy=raws, reserved=reserved)
+
+    def wait(self, node: int) -> tuple[_Transfer, Value]:
+        """Block the compute lane until ``node``'s transfer is complete (a page-out's file
+        written and fsync'd; a page-in's value on the device): the transfer and, for a
+        page-in, the value. The ``OSError`` of a file that failed propagates."""
+        transfer = self.in_flight.pop(node)
+        assert transfer.future is not None
+        done = transfer.future.result()
+        if transfer.offload:
+            return transfer, ()
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.runtime.torch_device)
+            compute.wait_event(done[0])
+            compute.synchronize()  # the wait's time is its own, as on the host lane
+        layouts = self.paged[node]
+        return transfer, tuple(
+            layout.around(raw) for layout, raw in zip(layouts, transfer.copy, strict=True)
+        )
+
+    def drain(self) -> tuple[int, bool, OSError] | None:
+        """Wait for the transfers still in flight (a page-out never waited for): the first
+        that failed (node, whether out, its error), or None."""
+        for node, transfer in self.in_flight.items():
+            assert transfer.future is not None
+            try:
+                transfer.future.result()
+            except OSError as error:
+                return node, transfer.offload, error
+        return None
+
+    def close(self) -> None:
+        """Stop the lane's thread (after the file it may be writing or reading); the run
+        removes the files (``agents.storage.scratch_directory``)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.in_flight.clear()
+        self.paged.clear()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over all of ``t``'s storage: its bytes as they lie."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _views(raws: Value) -> list[memoryview]:
+    """The bytes of host uint8 tensors (``_raw``'s, or pinned buffers), to write or fill."""
+    return [r.numpy().data for r in raws]
+
+
+def _copy_then_write(side: Any, path: Path, device: Value) -> None:
+    """CUDA page-out, on the lane's thread: the device bytes copied into pinned buffers on
+    the side stream, then, once the copy is done, written through to the file."""
+    with torch.cuda.device(side.device), torch.cuda.stream(side):
+        host = tuple(
+            torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True).copy_(r, non_blocking=True)
+            for r in device
+        )
+        copied = _recorded(side)
+    copied.synchronize()
+    write_through(path, _views(host))
+
+
+def _read_then_copy(side: Any, path: Path, device: Value) -> tuple[Any, Value]:
+    """CUDA page-in, on the lane's thread: the file into pinned buffers, then copied into
+    the device memory on the side stream; an event after the copies, and the buffers (kept
+    until the wait)."""
+    host = tuple(torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in device)
+    read_back(path, _views(host))
+    with torch.cuda.device(side.device), torch.cuda.stream(side):
+        for target, source in zip(device, host, strict=True):
+            target.copy_(source, non_blocking=True)
+    return _recorded(side), host
+
+
 def _cloned(value: Value) -> Value:
     """A copy of ``value`` in fresh memory, made on one thread (numpy's memcpy where the
     type allows, not torch's parallel copy): a lane's copy must leave the compute's
@@ -647,6 +850,7 @@ class _Run:
         plan: Plan,
         runtimes: Mapping[str, Runtime],
         timed_steps: bool = False,
+        storage: Path | None = None,
     ) -> None:
         self.program = program
         self.plan = plan
@@ -654,15 +858,20 @@ class _Run:
         # each compute and copy step timed on its device (CUDA: synchronised, with events);
         # else their step times are 0 and only the run's total counts
         self.timed_steps = timed_steps
+        self.storage = storage  # the node's storage directory, where the plan pages
         computed: dict[str, list[int]] = {name: [] for name in runtimes}
         transferring: set[str] = set()
+        paging: set[str] = set()
         for step in plan.steps:
             if isinstance(step, Compute):
                 computed[step.device].append(step.node)
             elif isinstance(step, Offload | Prefetch):
                 transferring.add(step.device)
+            elif isinstance(step, PageOut | PageIn):
+                paging.add(step.device)
         self.computed = computed
-        self.transferring = sorted(transferring)  # the devices whose lanes the run uses
+        self.transferring = sorted(transferring)  # the devices whose host lanes it uses
+        self.paging = sorted(paging)  # the devices whose paging lanes it uses
         self.resident: dict[str, dict[int, Value]] = {name: {} for name in runtimes}
         self.live = dict.fromkeys(runtimes, 0)
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
@@ -672,16 +881,33 @@ class _Run:
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
         self.lanes: dict[str, _Lane] = {}  # of the devices that transfer, made per run
+        self.pagers: dict[str, _PagingLane] = {}  # of the devices that page, made per run
+        self.directory: Path | None = None  # the run's own, in the storage directory
 
     def run(self) -> _Result:
+        """The run, in a directory of its own in the storage directory where it pages
+        (removed with its files when the run ends, also on failure, after the lanes)."""
+        if not self.paging:
+            return self._run()
+        assert self.storage is not None, "a plan that pages needs the storage directory"
+        with scratch_directory(self.storage, "run-") as directory:
+            self.directory = directory
+            return self._run()
+
+    def _run(self) -> _Result:
         try:
             self._place_fixed()
             for name in self.transferring:
                 self._lane(name)
+            for name in self.paging:
+                self._pager(name)
             start = time.perf_counter()
             step_ms = [self._step(index, step) for index, step in enumerate(self.plan.steps)]
             for lane in self.lanes.values():
                 lane.drain()
+            for pager in self.pagers.values():
+                if (failed := pager.drain()) is not None:
+                    raise self._storage_failed(*failed)
             for runtime in self.runtimes.values():
                 runtime.synchronize()
             total_ms = (time.perf_counter() - start) * 1e3
@@ -744,8 +970,11 @@ class _Run:
 
     def _release(self) -> None:
         lanes, self.lanes = self.lanes, {}
+        pagers, self.pagers = self.pagers, {}
         for lane in lanes.values():
             lane.close()
+        for pager in pagers.values():
+            pager.close()
         self.resident = {name: {} for name in self.runtimes}
         self.fixed, self.buffers = {}, {}
         if any(r.is_cuda for r in self.runtimes.values()):
@@ -771,6 +1000,10 @@ class _Run:
                 ms = self._offload(step)
             elif isinstance(step, Prefetch):
                 ms = self._prefetch(step)
+            elif isinstance(step, PageOut):
+                ms = self._page_out(step)
+            elif isinstance(step, PageIn):
+                ms = self._page_in(step)
             elif isinstance(step, Wait):
                 ms = self._wait(step)
             else:  # the simulator accepted it, so a newer step kind this agent lacks
@@ -874,9 +1107,44 @@ class _Run:
         lane.prefetch(step.node, reserved)
         return (time.perf_counter() - start) * 1e3
 
+    def _pager(self, device: str) -> _PagingLane:
+        pager = self.pagers.get(device)
+        if pager is None:
+            assert self.directory is not None
+            pager = self.pagers[device] = _PagingLane(self.runtimes[device], self.directory)
+        return pager
+
+    def _page_out(self, step: PageOut) -> float:
+        start = time.perf_counter()
+        self._pager(step.device).page_out(step.node, self.resident[step.device][step.node])
+        return (time.perf_counter() - start) * 1e3
+
+    def _page_in(self, step: PageIn) -> float:
+        start = time.perf_counter()
+        pager = self._pager(step.device)
+        reserved = pager.reserved(step.node)
+        self._allocated(step.device, reserved)  # from the issue on, as a prefetch
+        pager.page_in(step.node, reserved)
+        return (time.perf_counter() - start) * 1e3
+
+    def _storage_failed(self, node: int, out: bool, error: OSError) -> StorageError:
+        """The one-line error of a file that could not be written or read back."""
+        name = self.program.graph.nodes[node].name
+        where = f"out to {self.storage}" if out else f"in from {self.storage}"
+        return StorageError(f"paging node {node} ({name}) {where} failed: {describe(error)}")
+
     def _wait(self, step: Wait) -> float:
         start = time.perf_counter()
-        transfer, copy = self._lane(step.device).wait(step.node)
+        lane = self.lanes.get(step.device)
+        if lane is not None and step.node in lane.in_flight:
+            transfer, copy = lane.wait(step.node)
+        else:  # the simulator accepted it: on the paging lane
+            pager = self._pager(step.device)
+            out = pager.in_flight[step.node].offload
+            try:
+                transfer, copy = pager.wait(step.node)
+            except OSError as error:
+                raise self._storage_failed(step.node, out, error) from error
         if transfer.offload:  # the device copy is released
             self._drop(step.device, step.node)
         else:  # readable now; accounted when it was issued

@@ -33,6 +33,17 @@ emulated device's transfer thread makes), the median of ``warmup + repeats`` cop
 ``warmup``. The small copy's time is the latency; the bandwidth is the big buffer's bytes
 over its time less the latency (``host_links``).
 
+So is each device's link to the node's storage (paging, plan version 3), in a directory of
+its own in the storage directory (``storage``), removed afterwards: a 16 MiB buffer
+written to a file, fsync'd and dropped from the page cache, then read back (CUDA: copied
+from the device into pinned host memory before the write and back after the read, as the
+executor's paging lane does), and a 4 KiB one the same way; each ``STORAGE_REPEATS``
+times, the median. The latency is the mean of the small write's and the small read's
+times; each bandwidth is the big buffer's bytes over its time less that latency (at least
+half its time), so that the link's model gives the big transfers their measured time
+(``storage_links``). A storage directory that cannot be written fails the profile
+(``StorageError``).
+
 Each device with an energy counter (``agents.energy_counters``: RAPL for CPU packages, NVML
 for CUDA GPUs) gets one more pass, after the others, that measures energy, since a plan's
 energy is a cost a job may minimise (``remat.energy``). First its idle power: the counter's
@@ -64,6 +75,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,8 +83,9 @@ import onnx
 import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
-from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
+from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.program import Program, Value, build_program, value_bytes
+from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
     DEFAULT_THREADS,
     Runtime,
@@ -104,6 +117,7 @@ def profile(
     on_progress: Progress | None = None,
     memory_bytes: Mapping[str, int] | None = None,
     energy_counters: Mapping[str, Counter | None] | None = None,
+    storage: str | Path | None = None,
 ) -> CostTable:
     """The cost table of ``graph`` (built by remat from ``model``) on ``devices``.
 
@@ -112,7 +126,9 @@ def profile(
     total)`` counts node evaluations over all passes (the energy pass too); it is called
     at the start, at most every ``PROGRESS_INTERVAL_S`` while profiling, and at the end.
     ``energy_counters``: per device name, the counter to measure energy with (None: no
-    energy there); a device it does not name gets ``counter_for``'s (``counter_of``)."""
+    energy there); a device it does not name gets ``counter_for``'s (``counter_of``).
+    ``storage``: the node's storage directory, whose link each device pages over is
+    measured (None: ``agents.storage.resolve_storage``'s default)."""
     if not devices:
         raise DeviceError("no devices to profile")
     names = [d.name for d in devices]
@@ -123,6 +139,7 @@ def profile(
     runtimes = [_limited(runtime_of(d), (memory_bytes or {}).get(d.name)) for d in devices]
     passes = [_pass_steps(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
     counters = [counter_of(r, energy_counters) for r in runtimes]
+    directory = resolve_storage(storage)
     program = build_program(model, graph)
     session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters)
     with gc_paused(), ieee_fp32():
@@ -134,6 +151,7 @@ def profile(
             "nodes": {node.name: session.entry(node) for node in graph.nodes},
             "copy_ms": {node.name: session.copies[node.id] for node in graph.nodes},
             "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
+            "storage_links": {r.name: storage_link(r, directory) for r in runtimes},
         }
     )
 
@@ -196,6 +214,71 @@ def host_link(runtime: Runtime, warmup: int, repeats: int) -> dict[str, float]:
         link[key] = min(HOST_LINK_BYTES / seconds, MAX_LINK_BYTES_PER_S)
     link["latency_us"] = float(statistics.mean(latencies)) * 1e3
     return link
+
+
+STORAGE_LINK_BYTES = 16 << 20
+STORAGE_LATENCY_BYTES = 4 << 10
+STORAGE_REPEATS = 3
+
+
+def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
+    """The measured link between ``runtime``'s device and the node's storage in
+    ``storage``, both directions (the module docstring), as a cost table's
+    ``storage_links`` entry; ``StorageError`` where the files cannot be written or read."""
+    device = runtime.torch_device
+
+    def median_ms(nbytes: int, path: Path) -> tuple[float, float]:
+        """The median times of writing ``nbytes`` from the device and reading them back."""
+        on_device = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=runtime.is_cuda)
+        view = [host.numpy().data]
+
+        def write() -> None:
+            if runtime.is_cuda:
+                host.copy_(on_device)
+            write_through(path, view)
+
+        def read() -> None:
+            read_back(path, view)
+            if runtime.is_cuda:
+                on_device.copy_(host)
+
+        writes, reads = [], []
+        for _ in range(STORAGE_REPEATS):
+            writes.append(_wall_ms(runtime, write))
+            reads.append(_wall_ms(runtime, read))
+        return float(statistics.median(writes)), float(statistics.median(reads))
+
+    try:
+        with scratch_directory(storage, "profile-") as directory:
+            small = median_ms(STORAGE_LATENCY_BYTES, directory / "small")
+            big = median_ms(STORAGE_LINK_BYTES, directory / "big")
+    except OSError as error:
+        raise StorageError(
+            f"measuring the storage {storage} for {runtime.name} failed: {describe(error)}"
+        ) from None
+    latency_ms = statistics.mean(small)
+
+    def rate(ms: float) -> float:
+        seconds = max(ms - latency_ms, ms / 2, 1e-6) / 1e3
+        return min(STORAGE_LINK_BYTES / seconds, MAX_LINK_BYTES_PER_S)
+
+    return {
+        "write_bytes_per_s": rate(big[0]),
+        "read_bytes_per_s": rate(big[1]),
+        "latency_us": latency_ms * 1e3,
+    }
+
+
+def _wall_ms(runtime: Runtime, work: Callable[[], None]) -> float:
+    """``work``'s wall-clock time on ``runtime``'s device, synchronised before and after:
+    the file's part runs on the host, which a device's events would not see."""
+    runtime.activate()
+    runtime.synchronize()
+    start = time.perf_counter()
+    work()
+    runtime.synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _with_workspace(runtime: Runtime, compute: Callable[[], Value]) -> tuple[Value, float, int]:

@@ -56,6 +56,8 @@ LAYERS: dict[str, set[str]] = {
         "test_max_batch",
         "test_moccasin",
         "test_optimal",
+        "test_paging",
+        "test_paging_execution",
         "test_placed",
         "test_pytorch_gradients",
         "test_restrict",

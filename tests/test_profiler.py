@@ -1,21 +1,23 @@
 """The profiler: a measured cost table the cost model accepts for the same graph, with
-positive times per node and device, copies in both directions, the graph's bytes, and
-progress while it runs."""
+positive times per node and device, copies in both directions, the graph's bytes, the
+links to host memory and to storage, and progress while it runs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
 import torch
 
-from agents.errors import DeviceError, DeviceOutOfMemory, TaskError
+from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import execute
 from agents.profiler import median_and_spread, profile
 from remat import samples
 from remat.budgets import fixed_bytes, reference
 from remat.costs import CostSource, analytical_costs, profiled_costs
-from remat.devices import Device, DeviceKind, with_option
+from remat.devices import Device, DeviceKind, Tier, with_option
 from remat.graph import Graph, Mode
 from remat.onnx_ingest import forward_graph
 from remat.strategies import Problem, run_strategy
@@ -60,16 +62,26 @@ def test_profile_is_a_cost_table_for_the_graph(mode: Mode) -> None:
     assert done == sorted(done) and {t for _, t in progress} == {total}
 
 
-def test_one_device_has_no_copies_and_round_trips_through_json() -> None:
+def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -> None:
     model = samples.transformer_block(batch=1)
     graph = for_mode(forward_graph(model), Mode.TRAINING)
-    table = profile(model, graph, [CPU0], repeats=1, warmup=0)
+    table = profile(model, graph, [CPU0], repeats=1, warmup=0, storage=tmp_path)
     assert all(pairs == {} for pairs in table.copy_ms.values())
     link = table.host_links["cpu0"]  # measured: a memcpy into host memory and back
     assert link.to_host_bytes_per_s > 0 and link.from_host_bytes_per_s > 0
     assert link.latency_us >= 0
+    # measured: files written through to the storage directory and read back
+    stored = table.storage_links["cpu0"]
+    assert stored.write_bytes_per_s > 0 and stored.read_bytes_per_s > 0
+    assert stored.latency_us > 0
+    assert list(tmp_path.iterdir()) == []  # the probe files and their directory are gone
+    costs = profiled_costs(graph, table)
+    assert costs.link(0, Tier.STORAGE) == stored.link()
+    assert costs.link(0, Tier.STORAGE).out_bytes_per_s == stored.write_bytes_per_s
+    assert costs.link(0, Tier.STORAGE).in_bytes_per_s == stored.read_bytes_per_s
     again = type(table).model_validate_json(table.model_dump_json())
-    assert profiled_costs(graph, again).link(0) == profiled_costs(graph, table).link(0)
+    assert profiled_costs(graph, again).link(0) == costs.link(0)
+    assert profiled_costs(graph, again).link(0, Tier.STORAGE) == costs.link(0, Tier.STORAGE)
     assert (
         profiled_costs(graph, again).compute_ms == profiled_costs(graph, table).compute_ms
     ).all()
@@ -78,6 +90,15 @@ def test_one_device_has_no_copies_and_round_trips_through_json() -> None:
 def test_median_and_interquartile_range() -> None:
     assert median_and_spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0)
     assert median_and_spread([5.0]) == (5.0, 0.0)
+
+
+def test_a_storage_directory_that_cannot_be_used_is_named(tmp_path: Path) -> None:
+    model = samples.chain(2, batch=1)
+    graph = forward_graph(model)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(StorageError, match=f"the storage {afile} is not a directory"):
+        profile(model, graph, [CPU0], repeats=1, warmup=0, storage=afile)
 
 
 def test_bad_device_lists_are_refused() -> None:

@@ -26,7 +26,7 @@ from remat.agent_protocol import MAX_SIZED_STEPS, AgentDevice, LossSpec, Name, S
 from remat.devices import DeviceKind
 from remat.energy import MAX_POWER_W
 from remat.graph import Mode
-from remat.objective import MAX_ALPHA, Objective, ObjectiveKind
+from remat.objective import MAX_ALPHA, MAX_TIME_CAP_MS, Objective, ObjectiveKind
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 
 T = TypeVar("T")
@@ -72,13 +72,15 @@ Watts = Annotated[float, Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False)]
 
 class ObjectiveSpec(Strict):
     """What the plan minimises (``remat.objective``): time, energy, or time + alpha x energy
-    (XEngine eq. 17), with power caps per device and for the board (eq. 18-19)."""
+    (XEngine eq. 17), with power caps per device and for the board (eq. 18-19), and a
+    runtime cap (POET's deadline: no plan slower than ``time_cap_ms``)."""
 
     kind: ObjectiveKind = ObjectiveKind.TIME
     alpha: float | None = Field(default=None, gt=0, le=MAX_ALPHA, allow_inf_nan=False)
     power_caps_w: dict[Name, Watts] = Field(default_factory=dict, max_length=MAX_DEVICES)
     board_cap_w: Watts | None = None
     board_w: float = Field(default=0.0, ge=0, le=MAX_POWER_W, allow_inf_nan=False)
+    time_cap_ms: float | None = Field(default=None, gt=0, le=MAX_TIME_CAP_MS, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _alpha_with_weighted(self) -> ObjectiveSpec:
@@ -88,7 +90,12 @@ class ObjectiveSpec(Strict):
 
     def to_objective(self) -> Objective:
         return Objective(
-            self.kind, self.alpha or 0.0, dict(self.power_caps_w), self.board_cap_w, self.board_w
+            self.kind,
+            self.alpha or 0.0,
+            dict(self.power_caps_w),
+            self.board_cap_w,
+            self.board_w,
+            self.time_cap_ms,
         )
 
 

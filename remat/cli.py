@@ -334,6 +334,13 @@ def _objective_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help="the board's own draw besides the devices' (default 0)",
     )
+    group.add_argument(
+        "--time-cap",
+        type=_positive_float,
+        metavar="MS",
+        help="a runtime cap: no plan slower than this (with --objective energy: POET's "
+        "objective, which port plans for)",
+    )
 
 
 def _objective(args: argparse.Namespace) -> Objective:
@@ -352,6 +359,7 @@ def _objective(args: argparse.Namespace) -> Objective:
         caps,
         args.board_cap,
         args.board_power,
+        args.time_cap,
     )
 
 

@@ -13,6 +13,10 @@ power p_{d,i} = q_{d,i} / c_{d,i}. Eq. 18 caps a device's draw (its idle power a
 eq. 19 caps the machine's (the board's, every idle power and p_{d,i}). A placement over a
 cap is forbidden: the plan may not compute i on d.
 
+A runtime cap (POET's mu^deadline, eq. 2 of PORT's section 4.2: energy, or any objective,
+with the plan's time at most ``time_cap_ms``) is kept by judging: a plan over it is
+refused; ``port`` plans under it (POET's objective, in its ILP).
+
 Every objective is linear in the steps of a plan: a compute of i on d costs
 w_t c_{d,i} + w_e (q_{d,i} + P_s c_{d,i}), a copy w_t w + w_e (LINK_W + P_s) w, with P_s the
 static power. ``objective_costs`` is the cost model whose times are those costs, so every
@@ -38,6 +42,7 @@ from remat.graph import Graph
 from remat.plan import Compute, Plan
 
 MAX_ALPHA = 1e6  # ms per mJ: beyond it, time no longer counts next to energy
+MAX_TIME_CAP_MS = 1e9  # about 11 days: beyond any training step
 
 
 class ObjectiveKind(StrEnum):
@@ -56,6 +61,7 @@ class Objective:
     caps_w: Mapping[str, float] = field(default_factory=dict)
     board_cap_w: float | None = None
     board_w: float = 0.0
+    time_cap_ms: float | None = None  # POET's runtime cap: the plan's time at most this
 
     def __post_init__(self) -> None:
         if self.kind is ObjectiveKind.WEIGHTED and not 0 < self.alpha <= MAX_ALPHA:
@@ -76,6 +82,10 @@ class Objective:
             raise InvalidInputError(
                 f"board power {self.board_w:g} W is not in [0, {MAX_POWER_W:g}] W"
             )
+        if self.time_cap_ms is not None and not 0 < self.time_cap_ms <= MAX_TIME_CAP_MS:
+            raise InvalidInputError(
+                f"runtime cap {self.time_cap_ms:g} ms is not in (0, {MAX_TIME_CAP_MS:g}] ms"
+            )
 
     @property
     def capped(self) -> bool:
@@ -84,7 +94,7 @@ class Objective:
     @property
     def time_only(self) -> bool:
         """Time, uncapped: strategies search on the cost model as it is."""
-        return self.kind is ObjectiveKind.TIME and not self.capped
+        return self.kind is ObjectiveKind.TIME and not self.capped and self.time_cap_ms is None
 
     @property
     def weights(self) -> tuple[float, float]:
@@ -112,7 +122,8 @@ class Objective:
         caps = [f"{name} <= {w:g} W" for name, w in self.caps_w.items()]
         if self.board_cap_w is not None:
             caps.append(f"board <= {self.board_cap_w:g} W")
-        return text + (f" (power caps: {', '.join(caps)})" if caps else "")
+        text += f" (power caps: {', '.join(caps)})" if caps else ""
+        return text + (f", time <= {self.time_cap_ms:g} ms" if self.time_cap_ms else "")
 
 
 def with_board(costs: CostModel, objective: Objective) -> CostModel:

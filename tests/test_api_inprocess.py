@@ -245,6 +245,7 @@ def test_a_job_minimises_the_energy_it_asks_for(api: InProcessApi) -> None:
         ({"power_caps_w": {"gpu3": 100}}, "power cap for unknown device 'gpu3'"),
         ({"power_caps_w": {"cpu0": 5}}, "is below its idle power"),
         ({"board_cap_w": 1e12}, "body.objective.board_cap_w"),
+        ({"kind": "energy", "time_cap_ms": 0}, "body.objective.time_cap_ms"),
     ],
 )
 def test_an_objective_no_plan_can_meet_is_refused(

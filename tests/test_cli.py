@@ -154,6 +154,11 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
         ),
         (
             lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            ["plan", "{p}", "--batch", "2", "--time-cap", "1e12"],
+            "runtime cap",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
             ["plan", "{p}", "--batch", "2", "--device", "cpu0:cpu:storage_read_bandwidth=0"],
             "storage_read_bandwidth",
         ),
@@ -190,9 +195,9 @@ def test_plan_for_energy_prints_the_plans_energy_and_objective(tmp_path):
 
 def test_port_pages_over_the_storage_bandwidth_given(tmp_path):
     path = tmp_path / "m.onnx"
-    path.write_bytes(samples.vgg16().SerializeToString())
-    args = ["plan", str(path), "--batch", "8", "--budget", "cpu0=75%", "--strategy", "port"]
-    result = remat(*args, "--storage-bandwidth", "20GB/s", "--time-limit", "8", "--json")
+    path.write_bytes(samples.chain().SerializeToString())
+    args = ["plan", str(path), "--batch", "2", "--budget", "cpu0=60%", "--strategy", "port"]
+    result = remat(*args, "--storage-bandwidth", "20GB/s", "--time-limit", "4", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["strategy"] == "port"

@@ -20,7 +20,7 @@ from remat.costs import (
 )
 from remat.devices import Device, DeviceKind, Tier, parse_device
 from remat.errors import InvalidInputError, StrategyError
-from remat.objective import Objective
+from remat.objective import Objective, ObjectiveKind
 from remat.plan import (
     PAGE_OPS,
     Compute,
@@ -256,11 +256,11 @@ def test_the_beta_solve_keeps_the_time_and_needs_no_more_computations_or_pages()
     assert second.simulation.computes + paged(second) <= first.simulation.computes + paged(first)
 
 
-def test_port_is_refused_for_an_energy_objective():
+def test_offloading_is_refused_for_an_energy_objective():
     g, costs = _setup()
-    problem = Problem(g, costs, {"cpu0": FIXED + 3000}, objective=Objective("energy"))
-    with pytest.raises(StrategyError, match="port pages"):
-        run_strategy("port", problem, "cpu0")
+    problem = Problem(g, costs, {"cpu0": FIXED + 3000}, objective=Objective(ObjectiveKind.ENERGY))
+    with pytest.raises(StrategyError, match="offload_greedy offloads"):
+        run_strategy("offload_greedy", problem, "cpu0")
 
 
 def test_the_schedule_view_shows_pages_on_their_lane_and_paged_values_off_the_device():
@@ -274,3 +274,37 @@ def test_the_schedule_view_shows_pages_on_their_lane_and_paged_values_off_the_de
     assert (2, 0) not in resident  # paged out: off the device when stage 2 starts
     assert (6, 0) not in resident and (1, 0) in resident
     assert TransferOut(node=0, kind="page_in", issued=12, done=13).kind == "page_in"
+
+
+def test_port_plans_for_energy_under_a_runtime_cap_as_poet_does():
+    g, costs = _setup(storage_bytes_per_ms=2000.0)
+    budget = {"cpu0": FIXED + 3000}
+    by_time = run_strategy("port", Problem(g, costs, budget), "cpu0")
+    assert by_time.feasible, by_time.message
+    energy = Objective(ObjectiveKind.ENERGY)
+    by_energy = run_strategy("port", Problem(g, costs, budget, objective=energy), "cpu0")
+    assert by_energy.feasible, by_energy.message
+    assert "POET solve" in by_energy.message
+    assert by_energy.simulation.energy_mj <= by_time.simulation.energy_mj + 1e-9
+    info = by_energy.plan.solver
+    assert info.objective == pytest.approx(by_energy.simulation.energy_mj)
+    assert info.bound <= info.objective  # the ideal's energy
+    capped = Objective(ObjectiveKind.ENERGY, time_cap_ms=by_time.simulation.total_ms)
+    within = run_strategy("port", Problem(g, costs, budget, objective=capped), "cpu0")
+    assert within.feasible and within.simulation.total_ms <= by_time.simulation.total_ms
+    tight = Objective(ObjectiveKind.ENERGY, time_cap_ms=costs.ideal_ms("cpu0") / 2)
+    refused = run_strategy("port", Problem(g, costs, budget, objective=tight), "cpu0")
+    assert not refused.feasible and "runtime cap" in refused.message
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, 1e12])
+def test_a_runtime_cap_out_of_range_is_refused(cap):
+    with pytest.raises(InvalidInputError, match="runtime cap"):
+        Objective(ObjectiveKind.ENERGY, time_cap_ms=cap)
+
+
+def test_other_strategies_keep_the_runtime_cap_by_judging():
+    g, costs = _setup()
+    tight = Objective(time_cap_ms=costs.ideal_ms("cpu0") / 2)
+    result = run_strategy("checkpoint_all", Problem(g, costs, {}, objective=tight), "cpu0")
+    assert not result.feasible and "no plan within the runtime cap" in result.message

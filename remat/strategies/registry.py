@@ -41,7 +41,8 @@ class StrategyInfo:
     plans send activations to host memory, so where no device is named it runs on the
     devices whose memory is apart from the host's, if any. ``pages``: its plans page
     activations to storage, on any device. Plans with transfers are made for time alone
-    (transfers overlap compute)."""
+    (transfers overlap compute), except by a strategy that plans ``any_objective`` itself
+    on the true costs (``port``: POET's objective)."""
 
     name: str
     kind: Kind
@@ -50,6 +51,7 @@ class StrategyInfo:
     run: Strategy = field(repr=False, compare=False)
     offloads: bool = False
     pages: bool = False
+    any_objective: bool = False
 
     def as_json(self) -> dict[str, str | bool]:
         """The fields a client sees (everything but ``run``)."""
@@ -144,6 +146,7 @@ REGISTRY |= {
             "transfers within 1% of it.",
             port,
             pages=True,
+            any_objective=True,
         ),
         StrategyInfo(
             "xengine",
@@ -191,6 +194,9 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
     ones: predicted time and energy, and the power caps."""
     if problem.objective.time_only:
         return _run(name, problem, device)
+    info = REGISTRY.get(name)
+    if info is not None and info.any_objective:
+        return judged(problem, _run(name, problem, device))
     searched = problem.in_objective_units()
     result = judged(problem, _run(name, searched, device))
     if result.feasible or device is not None or (name != AUTO and name not in MULTI_DEVICE):
@@ -224,7 +230,7 @@ def _within_caps(problem: Problem, searched: Problem, broken: StrategyResult) ->
 
 def judged(problem: Problem, found: StrategyResult) -> StrategyResult:
     """``found`` (searched on ``problem``'s objective costs) with its plan simulated on the
-    true costs, or without a plan where it breaks a power cap."""
+    true costs, or without a plan where it breaks a power cap or the runtime cap."""
     if found.plan is None:
         return found
     simulation = simulate(found.plan, problem.graph, problem.costs, problem.budgets)
@@ -232,6 +238,15 @@ def judged(problem: Problem, found: StrategyResult) -> StrategyResult:
     if broken is not None or not simulation.valid:
         why = broken or str(simulation.violation)
         return StrategyResult(found.strategy, None, None, f"no plan within the power caps: {why}")
+    cap = problem.objective.time_cap_ms
+    if cap is not None and simulation.total_ms > cap:
+        return StrategyResult(
+            found.strategy,
+            None,
+            None,
+            f"no plan within the runtime cap: {found.strategy}'s takes "
+            f"{simulation.total_ms:.4g} ms, over {cap:g} ms",
+        )
     return replace(found, plan=with_prediction(found.plan, simulation), simulation=simulation)
 
 

@@ -23,7 +23,18 @@ the tolerance of the cheapest one the simulator accepted, the one with the fewes
 computations and page transfers; so it is never slower than the tolerance allows, and
 never worse in time than rematerialization alone or paging alone by more than it.
 
-The bound reported is the ideal (every node once, no transfers), as ``offload_remat``'s.
+POET's objective (PORT section 4.2, eq. 1-2), where the problem's objective is energy or
+the weighted sum (``remat.objective``), optionally with a runtime cap: the same search
+for time, then a second solve of the same model whose objective is the plan's energy (or
+the weighted sum) and whose time is at most the cap, from the first incumbent where it
+keeps the cap. Energy is linear in the model's variables as the simulator counts it: q_i
+per computation, ``LINK_W`` over each transfer's time, and the static power over the
+time (the first objective's expression). The plan returned is, among every plan within
+the cap, the one of least objective; the bound is the ideal's objective (every node once,
+at the ideal's time, no transfers), a lower bound of any plan's.
+
+The bound reported under the time objective is the ideal (every node once, no
+transfers), as ``offload_remat``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +46,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from remat.devices import Tier
-from remat.plan import PAGE_OPS
+from remat.energy import LINK_W
+from remat.objective import Objective
+from remat.plan import PAGE_OPS, SolverInfo
+from remat.solvers.backend import relative_gap
+from remat.solvers.model import MILPModel
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.offload_remat import (
     JointSearch,
@@ -57,11 +72,15 @@ def port(problem: Problem, device: str) -> StrategyResult:
     plans, note = list(search.plans), search.note
     tolerance = config.port_time_tolerance
     left = limit - (time.monotonic() - started)
+    objective = problem.objective
     if search.joint is not None and not problem.cancelled and left > 0:
-        second, why = _secondary(problem, device, search.joint, tolerance, left)
+        solve = _secondary if objective.time_only else _poet
+        second, why = solve(problem, device, search.joint, tolerance, left)
         note = f"{note}; {why}"
         if second is not None:
             plans.append(second)
+    if not objective.time_only:
+        return _within_cap(problem, device, plans, note, time.monotonic() - started)
     chosen = lexicographic(plans, tolerance)
     elapsed = time.monotonic() - started
     result = best_of(problem, device, JointSearch(plans, note, elapsed, search.joint), NAME, chosen)
@@ -101,6 +120,104 @@ def lexicographic(plans: list[StrategyResult], tolerance: float) -> StrategyResu
     return min(close, key=secondary)
 
 
+def _within_cap(
+    problem: Problem, device: str, plans: list[StrategyResult], note: str, seconds: float
+) -> StrategyResult:
+    """POET's choice: among the plans within the runtime cap, the least objective, with
+    the ideal's objective as the bound."""
+    objective = problem.objective
+    cap = objective.time_cap_ms
+    found = JointSearch(plans, note, seconds)
+    timed = {
+        id(p): (
+            p.simulation.total_ms,
+            objective.value(p.simulation.total_ms, p.simulation.energy_mj),
+        )
+        for p in plans
+        if p.feasible and p.plan is not None and p.simulation is not None
+    }
+    if not timed:
+        return best_of(problem, device, found, NAME)
+    kept = [p for p in plans if id(p) in timed and (cap is None or timed[id(p)][0] <= cap)]
+    if not kept:
+        fastest = min(ms for ms, _ in timed.values())
+        return StrategyResult(
+            NAME,
+            None,
+            None,
+            f"{NAME}: no plan keeps the runtime cap of {cap:g} ms (the fastest found takes "
+            f"{fastest:.4g} ms); {note}",
+        )
+    best = min(kept, key=lambda p: timed[id(p)][1])
+    result = best_of(problem, device, found, NAME, best)
+    assert result.plan is not None
+    total, bound = timed[id(best)][1], ideal_objective(problem, device, objective)
+    info = SolverInfo("feasible", total, bound, relative_gap(total, bound), seconds)
+    return replace(result, plan=replace(result.plan, solver=info))
+
+
+def ideal_objective(problem: Problem, device: str, objective: Objective) -> float:
+    """The objective of every node once on ``device`` at the ideal's time, no transfers:
+    below any plan's."""
+    costs = problem.costs
+    d = costs.device_index(device)
+    energy = costs.energy_model()
+    ideal = costs.ideal_ms(device)
+    return objective.value(ideal, float(energy.q_mj[:, d].sum()) + energy.static_w * ideal)
+
+
+def with_row(model: MILPModel, row: np.ndarray, upper: float) -> MILPModel:
+    """``model`` with the constraint ``row . x <= upper``."""
+    return replace(
+        model,
+        A=sp.vstack([model.A, sp.csr_array(row.reshape(1, -1))], format="csr"),
+        row_lb=np.append(model.row_lb, -np.inf),
+        row_ub=np.append(model.row_ub, upper),
+    )
+
+
+def _poet(
+    problem: Problem, device: str, joint: JointSolve, tolerance: float, seconds: float
+) -> tuple[StrategyResult | None, str]:
+    """POET's solve (the module docstring): the objective's expression over the joint
+    model, the time at most the runtime cap; its plan where the simulator accepts it."""
+    model, objective = joint.model, problem.objective
+    first = model.model
+    costs = problem.costs
+    d = costs.device_index(device)
+    energy = costs.energy_model()
+    c_time = first.c
+    c_energy = energy.static_w * c_time
+    tt, ii = np.nonzero(model.R >= 0)
+    c_energy[model.R[tt, ii]] += energy.q_mj[ii, d]
+    transfers = (
+        (model.OFF, costs.out_ms(d, Tier.STORAGE)),
+        (model.PRE, costs.in_ms(d, Tier.STORAGE)),
+    )
+    for matrix, ms in (*transfers, (model.LATE, costs.in_ms(d, Tier.STORAGE))):
+        tt, ii = np.nonzero(matrix >= 0)
+        c_energy[matrix[tt, ii]] += LINK_W * ms[ii]
+    w_t, w_e = objective.weights
+    cap = objective.time_cap_ms
+    start = joint.x if cap is None or float(c_time @ joint.x) + first.offset <= cap else None
+    poet = replace(
+        first,
+        c=w_t * c_time + w_e * c_energy,
+        offset=(w_t + w_e * energy.static_w) * first.offset,
+        start=start,
+    )
+    if cap is not None:
+        poet = with_row(poet, c_time, cap - first.offset)
+    solved = solve_alone(problem, poet, max(seconds, 1.0))
+    note = f"POET solve ({objective.describe()}): {solved.status.value}"
+    if solved.x is None:
+        return None, note
+    found, refused = joint_plan(problem, device, replace(joint, x=solved.x), Tier.STORAGE, NAME)
+    if found is None:
+        return None, f"{note}; its plan was refused: {refused}"
+    return found, note
+
+
 def _secondary(
     problem: Problem, device: str, joint: JointSolve, tolerance: float, seconds: float
 ) -> tuple[StrategyResult | None, str]:
@@ -113,16 +230,7 @@ def _secondary(
         index = matrix[matrix >= 0]
         c[index] = 1.0
     bound = joint.objective * (1 + tolerance) - first.offset
-    row = sp.csr_array(first.c.reshape(1, -1))
-    second = replace(
-        first,
-        c=c,
-        offset=0.0,
-        A=sp.vstack([first.A, row], format="csr"),
-        row_lb=np.append(first.row_lb, -np.inf),
-        row_ub=np.append(first.row_ub, bound),
-        start=joint.x,
-    )
+    second = with_row(replace(first, c=c, offset=0.0, start=joint.x), first.c, bound)
     solved = solve_alone(problem, second, max(seconds, 1.0))
     note = f"beta solve: {solved.status.value}"
     if solved.x is None:

@@ -507,9 +507,17 @@ def _step_devices(step: Step) -> tuple[str, ...]:
 def check_plan(plan: Plan, graph: Graph) -> Simulation:
     """The simulator's replay of ``plan`` under its own budgets; PlanRejectedError with the
     violation if it rejects it. Transfers to host memory (plan version 2) and paging to
-    storage (version 3) are checked like every other step: the executor runs them."""
+    storage (version 3) are checked like every other step: the executor runs them. Plans
+    over several devices of one memory pool are refused (not executed yet)."""
     devices = [Device(d.name, d.kind, dict(d.options)) for d in plan.devices]
-    simulation = simulate(plan, graph, analytical_costs(graph, devices))
+    pools = [d.memory_space for d in devices]
+    shared = sorted({pool for pool in pools if pools.count(pool) > 1})
+    if shared:
+        raise PlanRejectedError(
+            f"the plan runs several devices on memory pool {shared[0]!r}: the executor does "
+            "not yet hold one set of tensors for a pool's devices"
+        )
+    simulation = simulate(plan, graph, analytical_costs(graph, devices).pooled())
     if simulation.violation is not None:
         raise PlanRejectedError(f"the simulator rejects the plan: {simulation.violation}")
     return simulation

@@ -329,6 +329,48 @@ def _offload(rows: Rows) -> str:
     return _table(pivoted, columns, ("bound ms", *strategies))
 
 
+def _port(rows: Rows) -> str:
+    """One line per model and budget: the ideal and each strategy's makespan as a ratio to
+    it (``-``: no plan at this budget), the best marked, and ``port``'s recomputations and
+    page transfers; after a model's lines, the smallest budget each strategy found a plan
+    for, among those tried."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    lines: dict[str, dict[str, dict[str, dict[str, str]]]] = {}
+    for r in rows:
+        lines.setdefault(_named(r, "model"), {}).setdefault(r["budget"], {})[r["strategy"]] = r
+    pivoted = []
+    for model, by_budget in lines.items():
+        smallest: dict[str, float] = {}
+        for budget, by in by_budget.items():
+            first = next(iter(by.values()))
+            line = {"model": model, "budget": budget, "ideal": _f(first, "ideal_ms", ".4g")}
+            ratios = {s: float(by[s]["ratio"]) for s in strategies if by.get(s, {}).get("ratio")}
+            best = min(ratios.values(), default=None)
+            for strategy in strategies:
+                value = ratios.get(strategy)
+                text = "-" if value is None else f"{value:.3f}"
+                line[strategy] = f"**{text}**" if value is not None and value == best else text
+                if value is not None:
+                    percent = float(budget.rstrip("%"))
+                    smallest[strategy] = min(smallest.get(strategy, percent), percent)
+            port = by.get("port", {})
+            line["recomputations"] = port.get("recomputations") or "-"
+            line["page transfers"] = port.get("page_transfers") or "-"
+            pivoted.append(line)
+        least = {s: f"{smallest[s]:.0f}%" if s in smallest else "none" for s in strategies}
+        pivoted.append({"model": model, "budget": "smallest feasible, among those tried"} | least)
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: r["model"]),
+        ("budget", lambda r: r["budget"]),
+        ("ideal ms", lambda r: r.get("ideal", "")),
+        *[(s, partial(_get, key=s)) for s in strategies],
+        ("port recomputations", lambda r: r.get("recomputations", "")),
+        ("port page transfers", lambda r: r.get("page transfers", "")),
+    ]
+    right = ("ideal ms", *strategies, "port recomputations", "port page transfers")
+    return _table(pivoted, columns, right)
+
+
 def _eager(rows: Rows) -> str:
     columns: list[Column] = [
         ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
@@ -368,6 +410,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "agent": _agent,
     "models": _models,
     "offload": _offload,
+    "port": _port,
     "eager": _eager,
     "energy": _energy,
 }

@@ -3,11 +3,11 @@ the checks a problem's sizes and budgets must pass before anything is planned.""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.costs import CostModel
-from remat.devices import MAX_BYTES, Size, format_bytes
+from remat.devices import MAX_BYTES, Device, Size, format_bytes
 from remat.errors import InvalidInputError
 from remat.graph import Graph
 from remat.simulator import held_fixed_bytes
@@ -41,37 +41,75 @@ def fixed_bytes(graph: Graph) -> int:
     return held_fixed_bytes(graph, range(len(graph)))
 
 
+def pools(devices: Sequence[Device]) -> dict[str, list[str]]:
+    """The memory pools of ``devices`` (option ``pool``): pool -> its devices' names.
+    ``InvalidInputError`` where a pool has a device's name (a budget by that name would
+    mean either)."""
+    found: dict[str, list[str]] = {}
+    names = {d.name for d in devices}
+    for device in devices:
+        pool = device.options.get("pool")
+        if pool is None:
+            continue
+        if pool in names:
+            raise InvalidInputError(
+                f"pool {pool!r} of {device.name} has the name of a device: name it otherwise"
+            )
+        found.setdefault(pool, []).append(device.name)
+    return found
+
+
+def check_budget_names(devices: Sequence[Device], names: Collection[str]) -> None:
+    """``InvalidInputError`` unless each of ``names`` (budgets' keys) is a device without
+    a pool or a pool, and no pool has a budget of its own and one for its devices."""
+    shared = pools(devices)
+    alone = [d.name for d in devices if "pool" not in d.options]
+    for name in names:
+        device = next((d for d in devices if d.name == name), None)
+        if device is not None and "pool" in device.options:
+            pool = device.options["pool"]
+            raise InvalidInputError(
+                f"budget for {name}, which shares pool {pool!r}: give the pool's budget "
+                f"(--budget {pool}=SIZE), which holds all its devices"
+            )
+        if device is None and name not in shared:
+            known = ", ".join(sorted(alone))
+            extra = f"; pools: {', '.join(sorted(shared))}" if shared else ""
+            raise InvalidInputError(f"budget for unknown device {name!r} (devices: {known}{extra})")
+
+
 def resolve_budgets(
     sizes: Mapping[str, Size | None], graph: Graph, costs: CostModel
 ) -> dict[str, int | None]:
-    """Bytes per device of ``costs``; devices without a size (or with None) are unlimited.
-    A percentage refers to the checkpoint-all peak on the first device (see
-    ``Size.resolve``), computed once and only when some size is a percentage."""
-    names = [d.name for d in costs.devices]
-    unknown = sorted(set(sizes) - set(names))
-    if unknown:
-        raise InvalidInputError(
-            f"budget for unknown device {unknown[0]!r} (devices: {', '.join(sorted(names))})"
-        )
+    """Bytes per device of ``costs``; devices without a size (or with None) are unlimited,
+    and each device of a pool has the pool's (the simulator counts the pool once: see
+    ``remat.simulator``). A percentage refers to the checkpoint-all peak on the first
+    device (see ``Size.resolve``), computed once and only when some size is a
+    percentage."""
+    check_budget_names(costs.devices, sizes)
     percent = any(s is not None and s.percent is not None for s in sizes.values())
     ref = reference(graph, costs) if percent else None
-    budgets: dict[str, int | None] = dict.fromkeys(names)
-    for name, size in sizes.items():
+    budgets: dict[str, int | None] = dict.fromkeys(d.name for d in costs.devices)
+    for device in costs.devices:
+        size = sizes.get(device.memory_space)
         if size is not None:
-            budgets[name] = (
+            budgets[device.name] = (
                 size.resolve(0, 0) if ref is None else size.resolve(ref.fixed_bytes, ref.peak_bytes)
             )
     return budgets
 
 
-def check_fixed_memory(graph: Graph, budgets: Mapping[str, int | None]) -> None:
+def check_fixed_memory(
+    graph: Graph, budgets: Mapping[str, int | None], devices: Sequence[Device]
+) -> None:
     """Parameters, inputs and gradient buffers live somewhere for the whole step: budgets
     that together hold less admit no plan at all (``InvalidInputError``). Any unlimited
-    device holds them."""
+    device holds them; a pool's budget counts once."""
     if any(b is None for b in budgets.values()):
         return
     fixed = fixed_bytes(graph)
-    total = sum(b for b in budgets.values() if b is not None)
+    spaces = {d.memory_space: budgets[d.name] for d in devices if d.name in budgets}
+    total = sum(b for b in spaces.values() if b is not None)
     if total < fixed:
         raise InvalidInputError(
             f"the budgets ({format_bytes(total)} in all) are below the fixed memory of "

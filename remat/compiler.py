@@ -13,6 +13,10 @@ holding it unless it is checkpointed there for the next stage or a later node of
 never freed. As Checkmate section 4.9 suggests, checkpoints that no node of a stage reads
 and that are not kept for the next stage are freed at the start of the stage.
 
+Devices that share a memory pool (option ``pool`` on the plan's devices) hold one set of
+tensors: a value on the pool is resident for each of them, read without a copy, kept while
+any of them keeps it (S), and freed once.
+
 With ``transfers`` (one device: the offloads OFF[t,i], prefetches PRE[t,i] and late
 prefetches LATE[t,i] of ``remat.formulations.checkmate`` with transfers), a stage starts by
 offloading, then prefetching, its values and ends with a wait for each, then prefetches
@@ -22,7 +26,7 @@ releases it), a prefetched one is resident from its wait.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -48,22 +52,34 @@ def compile_plan(
     names = tuple(d.name for d in devices)
     if set(schedule.devices) - set(names):
         raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
+    pools = {d.name: d.options.get("pool") or d.name for d in devices}
     if transfers is None:
-        emitter = _Emitter(graph, schedule, costs)
+        emitter = _Emitter(graph, schedule, costs, pools)
     else:
         if len(schedule.devices) != 1:
             raise ScheduleError("transfers to another tier are compiled on one device")
-        emitter = _TransferEmitter(graph, schedule, costs, *transfers, tier)
+        emitter = _TransferEmitter(graph, schedule, costs, pools, *transfers, tier)
     for t in range(schedule.stages):
         emitter.stage(t)
     return Plan(strategy, tuple(devices), tuple(emitter.steps))
 
 
 class _Emitter:
-    def __init__(self, graph: Graph, schedule: Schedule, costs: CostModel | None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        schedule: Schedule,
+        costs: CostModel | None,
+        pools: Mapping[str, str],
+    ) -> None:
         self.graph = graph
         self.schedule = schedule
         self.devices = schedule.devices
+        spaces = [pools.get(name, name) for name in self.devices]
+        # shared[d, e]: devices d and e hold one set of tensors (one pool, or d = e)
+        self.shared = np.array([[a == b for b in spaces] for a in spaces], dtype=bool)
+        # lead[d]: d is the first device of its pool, which emits its frees
+        self.lead = np.array([spaces.index(a) == d for d, a in enumerate(spaces)], dtype=bool)
         self.users = graph.users()
         n = len(graph)
         self.keep = np.zeros(n, dtype=bool)
@@ -98,8 +114,10 @@ class _Emitter:
         self._free_where(t, np.ones_like(computed))
 
     def _saved_next(self, t: int) -> np.ndarray:
+        """Per device, the values kept into stage t + 1 on it or on a device of its pool."""
         S = self.schedule.S
-        return S[:, t + 1] if t + 1 < self.schedule.stages else np.zeros_like(S[:, 0])
+        saved = S[:, t + 1] if t + 1 < self.schedule.stages else np.zeros_like(S[:, 0])
+        return (self.shared.astype(np.int64) @ saved.astype(np.int64)) > 0
 
     def _check_checkpoints(self, t: int) -> None:
         unavailable = self.schedule.S[:, t] & ~self.resident
@@ -111,7 +129,7 @@ class _Emitter:
 
     def _free_where(self, t: int, candidates: np.ndarray) -> None:
         doomed = self.resident & candidates[None, :] & ~self.keep & ~self._saved_next(t)
-        for d, i in np.argwhere(doomed):
+        for d, i in np.argwhere(doomed & self.lead[:, None]):
             self._emit_free(t, int(i), int(d))
 
     def _compute(self, t: int, k: int, d: int) -> None:
@@ -121,7 +139,7 @@ class _Emitter:
             if not self.resident[d, dep]:
                 self._copy_in(t, dep, d)
         self.steps.append(Compute(t, k, self.devices[d]))
-        self.resident[d, k] = True
+        self.resident[self.shared[d], k] = True
 
     def _copy_in(self, t: int, node: int, d: int) -> None:
         sources = [int(s) for s in np.flatnonzero(self.resident[:, node])]
@@ -132,19 +150,19 @@ class _Emitter:
         if (copy_ms := self.copy_ms) is not None:
             sources.sort(key=lambda s: copy_ms[node, s, d])
         self.steps.append(Copy(t, node, self.devices[sources[0]], self.devices[d]))
-        self.resident[d, node] = True
+        self.resident[self.shared[d], node] = True
 
     def _free_after(self, t: int, k: int, computed: np.ndarray) -> None:
         saved_next = self._saved_next(t)
         for i in (*self.graph.nodes[k].deps, k):
             if self.keep[i] or any(computed[j] for j in self.users[i] if j > k):
                 continue
-            for d in np.flatnonzero(self.resident[:, i] & ~saved_next[:, i]):
+            for d in np.flatnonzero(self.resident[:, i] & ~saved_next[:, i] & self.lead):
                 self._emit_free(t, i, int(d))
 
     def _emit_free(self, t: int, i: int, d: int) -> None:
         self.steps.append(Free(t, i, self.devices[d]))
-        self.resident[d, i] = False
+        self.resident[self.shared[d], i] = False
 
 
 class _TransferEmitter(_Emitter):
@@ -157,12 +175,13 @@ class _TransferEmitter(_Emitter):
         graph: Graph,
         schedule: Schedule,
         costs: CostModel | None,
+        pools: Mapping[str, str],
         off: np.ndarray,
         pre: np.ndarray,
         late: np.ndarray,
         tier: Tier,
     ) -> None:
-        super().__init__(graph, schedule, costs)
+        super().__init__(graph, schedule, costs, pools)
         self.off, self.pre, self.late = off, pre, late
         self.send, self.bring = SENDS[tier], BRINGS[tier]
         self.leaving: set[int] = set()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -111,6 +111,15 @@ class CostModel:
     def in_ms(self, d: int, tier: Tier = Tier.HOST) -> np.ndarray:
         """Per node: the time to bring its output back from ``tier`` to device ``d``."""
         return self.link(d, tier).in_ms(self.output_bytes)
+
+    def pooled(self) -> CostModel:
+        """This model with no copy time between devices that share a memory pool (option
+        ``pool``): a tensor on the pool is already where each of them reads it."""
+        spaces = [d.memory_space for d in self.devices]
+        same = np.array([[a == b for b in spaces] for a in spaces], dtype=bool)
+        if not (same & ~np.eye(len(spaces), dtype=bool)).any():
+            return self
+        return replace(self, copy_ms=np.where(same[None, :, :], 0.0, self.copy_ms))
 
     def device_index(self, name: str) -> int:
         for index, device in enumerate(self.devices):

@@ -64,7 +64,10 @@ TEXT_OPTIONS: dict[str, int] = {"model": 128}  # free text (a GPU's model name):
 # ``memory``: what the node's agent may hold on the device; its executor and profiler never
 # hold more (a smaller device emulated on a CPU; a share of a GPU).
 SIZE_OPTIONS = ("memory",)
-OPTION_KEYS = (*NUMBER_OPTIONS, *SIZE_OPTIONS, *TEXT_OPTIONS)
+# Names: ``pool``, the memory pool a device shares with others (PORT-M's unified memory: a
+# CPU and an integrated GPU); a budget is then the pool's, for all its devices at once.
+NAME_OPTIONS = ("pool",)
+OPTION_KEYS = (*NUMBER_OPTIONS, *SIZE_OPTIONS, *TEXT_OPTIONS, *NAME_OPTIONS)
 _INTEGER = re.compile(r"[0-9]+")
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]*")
 
@@ -77,6 +80,13 @@ def check_option(key: str, value: str) -> None:
             raise InvalidInputError(
                 f"device option {key} must be a size in bytes above 0 (e.g. 268435456, "
                 "256MiB, 2GiB), at most 1 EiB"
+            )
+        return
+    if key in NAME_OPTIONS:
+        if len(value) > 64 or not _NAME.fullmatch(value):
+            raise InvalidInputError(
+                f"device option {key} must be a name: a letter, then letters, digits, "
+                "'_', '.' or '-', at most 64 characters"
             )
         return
     if key in TEXT_OPTIONS:
@@ -125,6 +135,11 @@ class Device:
         return option_bytes(value) if value is not None else None
 
     @property
+    def memory_space(self) -> str:
+        """Where its memory is counted: its pool (option ``pool``), else itself."""
+        return self.options.get("pool") or self.name
+
+    @property
     def has_own_memory(self) -> bool:
         """Its memory is apart from its host's: offloading to the host frees some. A CPU
         device's memory is the host's (offloading there only emulates a device)."""
@@ -154,6 +169,8 @@ def parse_device(spec: str) -> Device:
             key, sep, value = item.partition("=")
             if not sep or not key:
                 raise InvalidInputError(f"device {spec!r}: option {item!r} is not key=value")
+            if key in options:
+                raise InvalidInputError(f"device {spec!r}: option {key} is given twice")
             try:
                 check_option(key, value)
             except InvalidInputError as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import onnx
 
-from remat.budgets import check_fixed_memory, check_sizes, resolve_budgets
+from remat.budgets import check_budget_names, check_fixed_memory, check_sizes, resolve_budgets
 from remat.costs import (
     CostModel,
     CostTable,
@@ -85,7 +85,7 @@ def build_problem(
     """The problem of planning ``model`` (see ``model_graph``) on ``devices`` under
     ``budgets``; the rest as ``problem_from_graph``. Devices and budgets are checked
     before the model is loaded."""
-    _checked_sizes(_device_names(devices, table), budgets or {})
+    _checked_sizes(_devices(devices, table), budgets or {})
     graph = model_graph(
         model,
         batch=batch,
@@ -133,14 +133,14 @@ def problem_from_graph(
     strategy says what it needs). ``objective``: what plans minimise and the power caps
     they keep (default: time), checked against the costs (``remat.objective``)."""
     names = _device_names(devices, table)
-    sizes = _checked_sizes(names, budgets or {})
+    sizes = _checked_sizes(_devices(devices, table), budgets or {})
     check_sizes(graph, len(names), max_cost_bytes)
     objective = objective or Objective()
     costs = with_board(cost_model(graph, devices, table), objective)
     check_objective(graph, costs, objective)
     resolved = resolve_budgets(sizes, graph, costs)
     if check_fixed:
-        check_fixed_memory(graph, resolved)
+        check_fixed_memory(graph, resolved, costs.devices)
     return Problem(graph, costs, resolved, solver or SolverSettings(), objective)
 
 
@@ -153,7 +153,7 @@ def cost_model(
     ``storage_*``), else the table's measurements, else the defaults."""
     names = _device_names(devices, table)
     if table is None:
-        return analytical_costs(graph, list(devices or [DEFAULT_DEVICE]))
+        return analytical_costs(graph, list(devices or [DEFAULT_DEVICE])).pooled()
     costs = profiled_costs(graph, table.restricted(names))
     if devices is None:
         return costs
@@ -166,11 +166,16 @@ def cost_model(
             for j, d in enumerate(devices)
         )
 
+    pooled = tuple(
+        replace(c, options={**c.options, "pool": d.options["pool"]}) if "pool" in d.options else c
+        for c, d in zip(costs.devices, devices, strict=True)
+    )
     return replace(
         costs,
+        devices=pooled,
         host=links(Tier.HOST, table.host_links, "host_"),
         storage=links(Tier.STORAGE, table.storage_links, "storage_"),
-    )
+    ).pooled()
 
 
 def _device_names(devices: Sequence[Device] | None, table: CostTable | None) -> list[str]:
@@ -192,13 +197,21 @@ def _device_names(devices: Sequence[Device] | None, table: CostTable | None) -> 
     return names
 
 
-def _checked_sizes(names: Sequence[str], budgets: Mapping[str, Budget]) -> dict[str, Size | None]:
-    """``budgets`` parsed, each for one of ``names``."""
-    unknown = sorted(set(budgets) - set(names))
-    if unknown:
-        raise InvalidInputError(
-            f"budget for unknown device {unknown[0]!r} (devices: {', '.join(sorted(names))})"
-        )
+def _devices(devices: Sequence[Device] | None, table: CostTable | None) -> list[Device]:
+    """The devices a problem uses (``_device_names``), with their options."""
+    names = _device_names(devices, table)
+    if devices is not None:
+        return list(devices)
+    if table is not None:
+        return [Device(d.name, d.kind) for d in table.devices if d.name in names]
+    return [DEFAULT_DEVICE]
+
+
+def _checked_sizes(
+    devices: Sequence[Device], budgets: Mapping[str, Budget]
+) -> dict[str, Size | None]:
+    """``budgets`` parsed, each for a device of ``devices`` or a pool of them."""
+    check_budget_names(devices, budgets)
     return {name: _size(name, budget) for name, budget in budgets.items()}
 
 

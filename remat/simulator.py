@@ -32,6 +32,13 @@ Energy (``remat.energy``): each compute step's dynamic energy, ``LINK_W`` over c
 transfers, and the machine's static power (every device's idle power and the board's) over
 the predicted time.
 
+Memory pools (option ``pool`` on the plan's devices: a CPU and an integrated GPU sharing one
+memory, PORT-M): the devices of a pool hold one set of resident tensors and one fixed
+memory (the rule above over every node they compute), counted once against the pool's
+budget (each of its devices carries it as ``budget_bytes``); a tensor on the pool is
+readable by all of them, so a copy between two of them is refused (it is already there).
+Each of them reports the pool's memory as its own.
+
 Memory is checked at every instant: after each step and when a transfer starts later
 than the step that issued it. While a node computes, its device also holds the kernel's
 workspace (``CostModel.workspace_bytes``: scratch memory beyond inputs and output, Beaumont
@@ -105,8 +112,9 @@ class _State:
     graph: Graph
     costs: CostModel
     device_index: dict[str, int]
-    resident: list[set[int]]  # counted on the device (readable, leaving or arriving)
-    memory: list[int]
+    resident: list[set[int]]  # counted on the device (readable, leaving or arriving); one
+    # set shared by the devices of a pool
+    memory: list[int]  # per device, the memory of its pool: index with ``space``
     lanes: dict[Tier, list[_Lane]]  # per tier, per device
     computed: set[int] = field(default_factory=set)
     compute_ms: float = 0.0
@@ -123,6 +131,8 @@ class _State:
     pending: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     link_ms: dict[tuple[Tier, str, int], np.ndarray] = field(default_factory=dict)
     q_mj: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    space: list[int] = field(default_factory=list)  # device -> the first device of its pool
+    members: list[list[int]] = field(default_factory=list)  # device -> its pool's devices
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -137,11 +147,11 @@ class _State:
 
     def allocate(self, node: int, d: int) -> None:
         self.resident[d].add(node)
-        self.memory[d] += int(self.costs.output_bytes[node])
+        self.memory[self.space[d]] += int(self.costs.output_bytes[node])
 
     def release(self, node: int, d: int) -> None:
         self.resident[d].discard(node)
-        self.memory[d] -= int(self.costs.output_bytes[node])
+        self.memory[self.space[d]] -= int(self.costs.output_bytes[node])
 
     def readable(self, node: int, d: int, what: str) -> None:
         """Raise unless ``node`` can be read on ``d``: resident, and not arriving. ``what``
@@ -157,11 +167,16 @@ class _State:
                 )
 
     def arriving(self, node: int, d: int) -> bool:
-        return any(node in lanes[d].arriving for lanes in self.lanes.values())
+        return any(
+            node in lanes[e].arriving for lanes in self.lanes.values() for e in self.members[d]
+        )
 
     def in_flight(self, node: int, d: int) -> bool:
+        """A transfer of ``node`` is in flight on a lane of ``d``'s pool."""
         return any(
-            node in lanes[d].leaving or node in lanes[d].arriving for lanes in self.lanes.values()
+            node in lanes[e].leaving or node in lanes[e].arriving
+            for lanes in self.lanes.values()
+            for e in self.members[d]
         )
 
     def transfer_ms_of(self, tier: Tier, direction: str, d: int, node: int) -> float:
@@ -217,6 +232,11 @@ def _copy(state: _State, step: Copy) -> None:
     if step.node not in state.resident[src]:
         raise _PlanInvalid(f"copy of {name}: not resident on {step.src}")
     state.readable(step.node, src, f"copy from {step.src}:")
+    if state.space[src] == state.space[dst]:
+        raise _PlanInvalid(
+            f"copy of {name} from {step.src} to {step.dst}: they share one memory pool, "
+            "where it is already"
+        )
     if step.node in state.resident[dst]:
         raise _PlanInvalid(f"copy of {name}: already resident on {step.dst}")
     state.allocate(step.node, dst)
@@ -274,7 +294,7 @@ def _bring(state: _State, step: Prefetch | PageIn) -> None:
     state.resident[d].add(step.node)
     nbytes = int(state.costs.output_bytes[step.node])
     if start <= state.clock:
-        state.memory[d] += nbytes
+        state.memory[state.space[d]] += nbytes
     else:  # reserved when the transfer starts (assumption (E))
         order = len(state.pending)
         heapq.heappush(state.pending, (start, order, d, nbytes, state.step))
@@ -320,14 +340,21 @@ def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
     return sum(graph.fixed[t].nbytes for t in held) + sum(graph.fixed[t].nbytes for t in gradients)
 
 
+def memory_spaces(plan: Plan) -> dict[str, str]:
+    """Each device of ``plan`` -> where its memory is counted: its pool, else itself."""
+    return {d.name: d.options.get("pool") or d.name for d in plan.devices}
+
+
 def fixed_bytes(graph: Graph, plan: Plan) -> dict[str, int]:
-    """Fixed memory per device of a plan (steps naming unknown nodes are skipped here and
-    reported by the replay)."""
-    computed: dict[str, set[int]] = {d.name: set() for d in plan.devices}
+    """Fixed memory per device of a plan, its pool's where it shares one (steps naming
+    unknown nodes are skipped here and reported by the replay)."""
+    spaces = memory_spaces(plan)
+    computed: dict[str, set[int]] = {space: set() for space in spaces.values()}
     for step in plan.steps:
-        if isinstance(step, Compute) and step.device in computed and 0 <= step.node < len(graph):
-            computed[step.device].add(step.node)
-    return {name: held_fixed_bytes(graph, nodes) for name, nodes in computed.items()}
+        if isinstance(step, Compute) and step.device in spaces and 0 <= step.node < len(graph):
+            computed[spaces[step.device]].add(step.node)
+    held = {space: held_fixed_bytes(graph, nodes) for space, nodes in computed.items()}
+    return {name: held[space] for name, space in spaces.items()}
 
 
 def simulate(
@@ -342,30 +369,40 @@ def simulate(
     budgets = dict(plan.budgets if budgets is None else budgets)
     names = [d.name for d in plan.devices]
     fixed = fixed_bytes(graph, plan)
+    where = {name: costs.device_index(name) for name in names}
+    first: dict[str, int] = {}
+    space = list(range(len(costs.devices)))
+    for name, pool in memory_spaces(plan).items():
+        space[where[name]] = first.setdefault(pool, where[name])
+    members = [[e for e in range(len(space)) if space[e] == space[d]] for d in range(len(space))]
+    shared: dict[int, set[int]] = {}
     state = _State(
         graph,
         costs,
-        {name: costs.device_index(name) for name in names},
-        [set() for _ in costs.devices],
+        where,
+        [shared.setdefault(space[d], set()) for d in range(len(costs.devices))],
         [0] * len(costs.devices),
         {tier: [_Lane() for _ in costs.devices] for tier in Tier},
+        space=space,
+        members=members,
     )
     energy = costs.energy_model()
     state.q_mj = energy.q_mj
     for name in names:
-        state.memory[state.device_index[name]] = fixed[name]
+        state.memory[space[where[name]]] = fixed[name]
     timeline: dict[str, list[int]] = {name: [] for name in names}
     peaks = dict(fixed)
 
-    placed = [(name, state.device_index[name]) for name in names]
+    placed = [(name, space[where[name]]) for name in names]
 
     def measure(step: int) -> Violation | None:
-        used = {name: state.memory[d] for name, d in placed}
+        used = {name: state.memory[s] for name, s in placed}
         if state.scratch is not None:  # the workspace of the node this step computes
             d, workspace = state.scratch
             state.scratch = None
-            name = state.costs.devices[d].name
-            used[name] += workspace
+            for name, s in placed:
+                if s == space[d]:
+                    used[name] += workspace
         for name, value in used.items():
             if value > peaks[name]:
                 peaks[name] = value
@@ -375,7 +412,7 @@ def simulate(
         """Reserve the memory of the transfers that have started by ``until``."""
         while state.pending and state.pending[0][0] <= until:
             _, _, d, nbytes, step = heapq.heappop(state.pending)
-            state.memory[d] += nbytes
+            state.memory[space[d]] += nbytes
             if (found := measure(step)) is not None:
                 return found
         return None
@@ -394,8 +431,8 @@ def simulate(
         violation = measure(index)
         if violation is None and state.pending:
             violation = start_pending(state.clock)
-        for name, d in placed:
-            timeline[name].append(state.memory[d])
+        for name, s in placed:
+            timeline[name].append(state.memory[s])
         if violation is not None:
             break
     if violation is None:

@@ -544,3 +544,23 @@ def test_bad_ranges_are_refused_at_submit(api: InProcessApi, overrides, detail) 
     answer = client.post("/v1/jobs", json=quick_job(model_id, **overrides))
     assert answer.status_code == 422, answer.text
     assert detail in answer.text
+
+
+def test_a_job_on_two_devices_sharing_a_pool_takes_the_pools_budget(api: InProcessApi) -> None:
+    client = api.client
+    devices = [
+        {"name": "cpu0", "kind": "cpu", "options": {"pool": "ram"}},
+        {"name": "gpu0", "kind": "cuda", "options": {"pool": "ram"}},
+    ]
+    job = submitted(
+        client, uploaded(client), strategy="greedy_evict", devices=devices, budgets={"ram": "80%"}
+    )
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
+    budgets = {d["budget_bytes"] for d in plan["devices"]}
+    assert len(budgets) == 1 and all(d["options"]["pool"] == "ram" for d in plan["devices"])
+    body = quick_job(uploaded(client), devices=devices, budgets={"cpu0": "80%"})
+    refused = client.post("/v1/jobs", json=body)
+    assert refused.status_code == 422 and "shares pool 'ram'" in refused.json()["detail"]

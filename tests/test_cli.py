@@ -159,6 +159,22 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
         ),
         (
             lambda p: p.write_bytes(samples.chain().SerializeToString()),
+            [
+                "plan",
+                "{p}",
+                "--batch",
+                "2",
+                "--device",
+                "cpu0:cpu:pool=ram",
+                "--device",
+                "gpu0:cuda:pool=ram",
+                "--budget",
+                "cpu0=1MiB",
+            ],
+            "shares pool 'ram'",
+        ),
+        (
+            lambda p: p.write_bytes(samples.chain().SerializeToString()),
             ["plan", "{p}", "--batch", "2", "--device", "cpu0:cpu:storage_read_bandwidth=0"],
             "storage_read_bandwidth",
         ),

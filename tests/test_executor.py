@@ -349,6 +349,15 @@ def test_a_plan_the_simulator_rejects_is_refused() -> None:
         execute(model, graph, small, DEVICES)
 
 
+def test_a_plan_over_two_devices_of_one_pool_is_refused_for_now() -> None:
+    model, graph, plan = _chain_plan()
+    pooled = tuple(
+        PlanDevice(name, DeviceKind.CPU, None, {"pool": "ram"}) for name in ("cpu0", "cpu1")
+    )
+    with pytest.raises(PlanRejectedError, match="memory pool 'ram'"):
+        execute(model, graph, Plan(plan.strategy, pooled, plan.steps), DEVICES)
+
+
 def test_a_device_this_node_lacks_is_refused() -> None:
     model, graph, plan = _chain_plan()
     with pytest.raises(DeviceError, match=r"'cpu0'.*this node does not have.*cpu7"):

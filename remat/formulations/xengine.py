@@ -42,6 +42,13 @@ F + R[d',t,j] <= 1; they hold at every integer point and tighten the LP relaxati
 products y = R[d',t,v] Z[d,t,u] (``_copy_cover``, rows only the linearization states):
 sum_{d != d'} y >= R[d',t,v] - Z[d',t,u], from (12).
 
+Devices that share a memory pool (option ``pool``): their memory is bounded together, sum_d
+U[d,t,c] <= the pool's budget over the pool's devices d at every point (t, c), beside each
+U's own bound (6). It counts a tensor held by two of them twice, and a fixed tensor that
+both read twice: conservative, as the simulator counts each once. Copies between them
+cost nothing (the cost model's copy times within a pool are 0) and the compiler emits
+none: the tensor is already there.
+
 ``keep_all`` restricts the model to placement (no recomputation, every value kept on its
 device until its last use), ``placed`` to a given placement: models whose optima are plans,
 never bounds.
@@ -351,6 +358,7 @@ def build_xengine(
     _memory(b, st, fx, M // unit, unit, v)
     if costs.workspace_bytes is not None:
         _workspace(b, v, -(-costs.workspace_bytes[:, dev].T // unit), budget)
+    _pools(b, v, [costs.devices[j].memory_space for j in dev], budget)
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
@@ -600,6 +608,18 @@ def _workspace(b: Builder, v: _Variables, w: np.ndarray, budget: np.ndarray) -> 
     keys = np.stack([dd, tt, kk], axis=1)
     cols = [v.U[dd, tt, kk + 1], v.R[dd, tt, kk]]
     b.rows("6 workspace", keys, cols, [1, w[dd, kk]], -np.inf, budget[dd])
+
+
+def _pools(b: Builder, v: _Variables, spaces: list[str], budget: np.ndarray) -> None:
+    """sum over a pool's devices d of U[d,t,c] <= its budget, at every (t, c)."""
+    for pool in sorted(set(spaces)):
+        members = [d for d, space in enumerate(spaces) if space == pool]
+        if len(members) < 2 or not np.isfinite(budget[members[0]]):
+            continue
+        tt, cc = np.nonzero(v.U[members[0]] >= 0)
+        keys = np.stack([tt, cc], axis=1)
+        cols = [v.U[d, tt, cc] for d in members]
+        b.rows(f"6 pool {pool}", keys, cols, [1.0] * len(members), -np.inf, budget[members[0]])
 
 
 def _copy_cost(

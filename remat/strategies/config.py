@@ -159,9 +159,12 @@ class SearchConfig:
     """``offload_remat``: the share of the time left after GREEDY for ``checkmate_milp``'s
     search (and, beside it, the offloading heuristics) before the joint MILP starts from its
     plan (all of it where the joint model is not built)."""
-    port_secondary_share: float = 0.25
+    port_secondary_share: float = 0.15
     """``port``: the share of the time limit kept for the second (beta) solve of PORT's
     lexicographic objectives."""
+    port_remat_share: float = 0.75
+    """``port``: the share of its search's time for ``checkmate_milp`` (and beside it the
+    paging heuristics) before the joint MILP (``offload_remat_share`` for offloading)."""
     port_time_tolerance: float = 0.01
     """``port``: how far above the best time (relative) a plan may be and still be chosen
     for fewer computations and page transfers (PORT's beta objectives)."""

@@ -89,10 +89,13 @@ def offload_remat(problem: Problem, device: str) -> StrategyResult:
     return best_of(problem, device, search, NAME)
 
 
-def joint_search(problem: Problem, device: str, tier: Tier, name: str) -> JointSearch:
+def joint_search(
+    problem: Problem, device: str, tier: Tier, name: str, remat_share: float | None = None
+) -> JointSearch:
     """The search of the module docstring, sending activations to ``tier``; strategy
-    ``name`` in messages. Its plans include an infeasible one with the least memory
-    needed where none fits."""
+    ``name`` in messages; ``remat_share``: the remat search's share of the time left
+    (default ``offload_remat_share``). Its plans include an infeasible one with the least
+    memory needed where none fits."""
     started = time.monotonic()
     if (unfit_result := unfit(problem, name, (device,))) is not None:
         return JointSearch([unfit_result], "", 0.0)
@@ -102,7 +105,7 @@ def joint_search(problem: Problem, device: str, tier: Tier, name: str) -> JointS
     if _reaches(plans, ideal, config.proven_gap):
         return JointSearch(plans, f"{sending(tier)} alone costs the ideal: no solve", 0.0)
     large = len(problem.graph) > config.decompose_min_nodes
-    share = 1.0 if large else config.offload_remat_share
+    share = 1.0 if large else remat_share or config.offload_remat_share
     seconds = (limit - (time.monotonic() - started)) * share
     deadline = time.monotonic() + seconds
     beside = Beside(offloading_plans, picklable(problem), device, deadline, tier)

@@ -10,9 +10,11 @@ and then costs the difference (its wait W[t]), so every plan PORT admits is admi
 the objective stays the simulator's time.
 
 The search is ``offload_remat``'s (``joint_search``) over storage, for ``1 -
-port_secondary_share`` of the time limit: GREEDY's and DYNPROG's paging plans,
-``checkmate_milp``'s rematerialization alone, greedy eviction to looser budgets with paging
-over its plans, and the joint MILP from the best remat plan. Then the objectives, in turn
+port_secondary_share`` of the time limit, of which ``port_remat_share`` goes to the remat
+search (paging is slower than offloading, so rematerialization carries more plans):
+GREEDY's and DYNPROG's paging plans, ``checkmate_milp``'s rematerialization alone,
+greedy eviction to looser budgets with paging over its plans, and the joint MILP from the
+best remat plan. Then the objectives, in turn
 (PORT's alpha, then beta): first the total time (alpha, eq. 3); then, among plans within
 ``port_time_tolerance`` of the best time, the fewest computations (beta_1, PORT-M section
 4.3.3: needless recomputation) plus page transfers (beta_2, eq. 4: needless paging),
@@ -68,7 +70,7 @@ def port(problem: Problem, device: str) -> StrategyResult:
     started = time.monotonic()
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     first = problem.within(limit * (1 - config.port_secondary_share))
-    search = joint_search(first, device, Tier.STORAGE, NAME)
+    search = joint_search(first, device, Tier.STORAGE, NAME, config.port_remat_share)
     plans, note = list(search.plans), search.note
     tolerance = config.port_time_tolerance
     left = limit - (time.monotonic() - started)

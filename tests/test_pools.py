@@ -1,0 +1,164 @@
+"""Devices that share one memory pool (issue 36 section 1, PORT-M's unified memory): the
+device option, budgets per pool, the simulator and the compiler counting a pool once, and
+XEngine's model bounding the pool's memory together."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from remat import samples
+from remat.compiler import compile_plan
+from remat.costs import CostModel, CostSource, analytical_costs
+from remat.devices import Device, DeviceKind, parse_device
+from remat.errors import InvalidInputError
+from remat.formulations.xengine import build_xengine
+from remat.plan import Compute, Copy, Free, Plan, PlanDevice
+from remat.problem import build_problem
+from remat.schedule import Schedule
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import SolverSettings, run_strategy
+from remat.training import training_graph
+
+from graphs import chain
+
+CPU = Device("cpu0", DeviceKind.CPU, {"pool": "ram"})
+GPU = Device("gpu0", DeviceKind.CUDA, {"pool": "ram"})
+
+
+def _costs(devices=(CPU, GPU)):
+    g = training_graph(chain(3))
+    n, D = len(g), len(devices)
+    out = np.array([node.output_bytes for node in g.nodes], dtype=np.int64)
+    costs = CostModel(CostSource.PROFILED, tuple(devices), np.ones((n, D)), np.ones((n, D, D)), out)
+    return g, costs.pooled()
+
+
+def _plan(steps, budget=None, devices=(CPU, GPU)):
+    return Plan("hand", tuple(PlanDevice.of(d, budget) for d in devices), tuple(steps))
+
+
+def test_a_pool_is_a_device_option_and_a_device_has_one():
+    device = parse_device("gpu0:cuda:pool=ram")
+    assert device.memory_space == "ram" and parse_device("cpu0:cpu").memory_space == "cpu0"
+    with pytest.raises(InvalidInputError, match="option pool is given twice"):
+        parse_device("gpu0:cuda:pool=ram,pool=vram")
+    with pytest.raises(InvalidInputError, match="pool must be a name"):
+        parse_device("gpu0:cuda:pool=9 lives")
+
+
+def test_a_budget_is_the_pools_and_every_device_of_it_carries_it():
+    model = samples.chain()
+    devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("gpu0:cuda:pool=ram")]
+    problem = build_problem(model, batch=2, devices=devices, budgets={"ram": "1MiB"})
+    assert problem.budgets == {"cpu0": 1 << 20, "gpu0": 1 << 20}
+    assert problem.costs.copy_ms.max() == 0.0  # no copy within a pool costs anything
+
+
+@pytest.mark.parametrize(
+    ("devices", "budgets", "message"),
+    [
+        (["cpu0:cpu:pool=ram", "gpu0:cuda:pool=ram"], {"cpu0": "1MiB"}, "shares pool 'ram'"),
+        (["cpu0:cpu:pool=ram", "gpu0:cuda"], {"vram": "1MiB"}, "pools: ram"),
+        (["cpu0:cpu:pool=gpu0", "gpu0:cuda"], {}, "has the name of a device"),
+        (
+            ["cpu0:cpu:pool=ram", "gpu0:cuda:pool=ram"],
+            {"ram": "1MiB", "gpu0": "1MiB"},
+            "budget for gpu0",
+        ),
+    ],
+)
+def test_pool_budgets_that_mean_nothing_are_refused(devices, budgets, message):
+    with pytest.raises(InvalidInputError, match=message):
+        build_problem(
+            samples.chain(),
+            batch=2,
+            devices=[parse_device(d) for d in devices],
+            budgets=budgets,
+        )
+
+
+def test_the_devices_of_a_pool_read_each_others_tensors_and_count_them_once():
+    g, costs = _costs()
+    # chain(3): 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3), 5 reads (1, 4), 6 (0, 5)
+    steps = [
+        Compute(0, 0, "cpu0"),
+        Compute(1, 1, "gpu0"),  # reads node 0 from the pool: no copy
+        Compute(2, 2, "cpu0"),
+        Compute(3, 3, "gpu0"),
+        Compute(4, 4, "gpu0"),
+        Free(4, 2, "cpu0"),
+        Free(4, 3, "gpu0"),
+        Compute(5, 5, "cpu0"),
+        Free(5, 1, "gpu0"),
+        Free(5, 4, "cpu0"),
+        Compute(6, 6, "gpu0"),
+    ]
+    separate = simulate(_plan(steps, devices=(Device("cpu0", DeviceKind.CPU), GPU)), g, costs)
+    assert not separate.valid and "not resident" in separate.violation.message
+    result = simulate(_plan(steps), g, costs)
+    assert result.valid, result.violation
+    assert result.copy_ms == 0
+    fixed = result.fixed_bytes
+    # one pool: the parameters read on either device are held once, with their gradients
+    assert fixed["cpu0"] == fixed["gpu0"] == 1400
+    assert (
+        result.peak_bytes["cpu0"] == result.peak_bytes["gpu0"] == 1400 + 5000
+    )  # after node 4: values 0 to 4
+    over = simulate(_plan(steps, budget=1400 + 4999), g, costs)
+    assert not over.valid and over.violation.over_budget
+
+
+def test_a_copy_within_a_pool_is_refused():
+    g, costs = _costs()
+    result = simulate(_plan([Compute(0, 0, "cpu0"), Copy(0, 0, "cpu0", "gpu0")]), g, costs)
+    assert not result.valid
+    assert "share one memory pool, where it is already" in result.violation.message
+
+
+def test_the_compiler_emits_no_copy_within_a_pool_and_frees_a_tensor_once():
+    g, costs = _costs()
+    n = len(g)
+    R = np.zeros((2, n, n), dtype=bool)
+    for t in range(n):
+        R[t % 2, t, t] = True  # alternate devices: every read crosses between them
+    S = np.zeros((2, n, n), dtype=bool)
+    for t in range(1, n):
+        for i in range(t):
+            if any(j >= t for j in g.users()[i]):
+                S[(t + 1) % 2, t, i] = True  # kept "on" the other device of the pool
+    schedule = Schedule(("cpu0", "gpu0"), R, S)
+    plan = compile_plan(g, schedule, _plan([]).devices, "hand", costs)
+    assert not any(isinstance(s, Copy) for s in plan.steps)
+    frees = [(s.node) for s in plan.steps if isinstance(s, Free)]
+    assert len(frees) == len(set(frees))
+    assert simulate(plan, g, costs).valid
+
+
+def test_xengine_bounds_a_pools_memory_together():
+    g = training_graph(chain(3))
+    devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("gpu0:cuda:pool=ram")]
+    costs = analytical_costs(g, devices).pooled()
+    model = build_xengine(g, costs, {"cpu0": 5000, "gpu0": 5000})
+    labels = [block.label for block in model.builder.row_blocks]
+    assert "6 pool ram" in labels
+    apart = analytical_costs(g, [Device("cpu0", DeviceKind.CPU), Device("gpu0", DeviceKind.CUDA)])
+    assert "6 pool ram" not in [
+        block.label
+        for block in build_xengine(g, apart, {"cpu0": 5000, "gpu0": 5000}).builder.row_blocks
+    ]
+
+
+def test_xengine_plans_two_devices_of_a_pool_within_its_budget():
+    devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("gpu0:cuda:pool=ram")]
+    solver = SolverSettings(options=SolveOptions(time_limit_s=8))
+    problem = build_problem(
+        samples.vgg16(), batch=2, devices=devices, budgets={"ram": "90%"}, solver=solver
+    )
+    result = run_strategy("xengine", problem)
+    assert result.feasible, result.message
+    assert not any(isinstance(s, Copy) for s in result.plan.steps)
+    verdict = simulate(result.plan, problem.graph, problem.costs)
+    budget = problem.budgets["cpu0"]
+    assert verdict.valid and max(verdict.peak_bytes.values()) <= budget

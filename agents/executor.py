@@ -70,6 +70,12 @@ read (a full disk: ENOSPC; EFBIG, EIO) fails the run at the ``wait`` for it (at 
 end for a page-out never waited for) with ``StorageError``: one line naming the node, the
 storage directory and the OS's reason.
 
+Memory pools. Devices that share a pool (``pool`` in the plan's device options) hold one
+set of resident values, one set of fixed tensors and gradient buffers (for every node any
+of them computes) and one account, as the simulator does, and each reports the pool's
+peak. Only a pool of devices of one kind runs: a CPU's and a GPU's tensors are apart in
+PyTorch, so such a pool is refused.
+
 Memory of transfers. An offloaded or paged-out value counts on its device until its wait
 releases it, as in the simulator; a host copy or a file counts on no device. A prefetched
 or paged-in value counts from its step itself (its memory is reserved when the compute
@@ -507,16 +513,17 @@ def _step_devices(step: Step) -> tuple[str, ...]:
 def check_plan(plan: Plan, graph: Graph) -> Simulation:
     """The simulator's replay of ``plan`` under its own budgets; PlanRejectedError with the
     violation if it rejects it. Transfers to host memory (plan version 2) and paging to
-    storage (version 3) are checked like every other step: the executor runs them. Plans
-    over several devices of one memory pool are refused (not executed yet)."""
+    storage (version 3) are checked like every other step: the executor runs them. A
+    memory pool of devices of two kinds is refused."""
     devices = [Device(d.name, d.kind, dict(d.options)) for d in plan.devices]
-    pools = [d.memory_space for d in devices]
-    shared = sorted({pool for pool in pools if pools.count(pool) > 1})
-    if shared:
-        raise PlanRejectedError(
-            f"the plan runs several devices on memory pool {shared[0]!r}: the executor does "
-            "not yet hold one set of tensors for a pool's devices"
-        )
+    for pool in sorted({d.memory_space for d in devices}):
+        kinds = sorted({d.kind.value for d in devices if d.memory_space == pool})
+        if len(kinds) > 1:
+            raise PlanRejectedError(
+                f"memory pool {pool!r} has {' and '.join(kinds)} devices: the executor holds a "
+                "pool's tensors on one kind of device (a CPU's and a GPU's tensors are apart "
+                "in PyTorch)"
+            )
     simulation = simulate(plan, graph, analytical_costs(graph, devices).pooled())
     if simulation.violation is not None:
         raise PlanRejectedError(f"the simulator rejects the plan: {simulation.violation}")
@@ -880,11 +887,18 @@ class _Run:
         self.computed = computed
         self.transferring = sorted(transferring)  # the devices whose host lanes it uses
         self.paging = sorted(paging)  # the devices whose paging lanes it uses
-        self.resident: dict[str, dict[int, Value]] = {name: {} for name in runtimes}
-        self.live = dict.fromkeys(runtimes, 0)
+        # Where each device's memory is counted: its pool (one set of tensors, one fixed
+        # memory and one account for all its devices, as the simulator's), else itself.
+        pools = {d.name: d.options.get("pool") or d.name for d in plan.devices}
+        self.space = {name: pools.get(name, name) for name in runtimes}
+        self.resident: dict[str, dict[int, Value]] = {}
+        self._share_resident()
+        self.live = dict.fromkeys(self.space.values(), 0)
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
         self.fixed: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        # per memory space: its fixed tensors and gradient buffers
+        self.fixed_on: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.fixed_bytes: dict[str, int] = {}
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
@@ -931,7 +945,7 @@ class _Run:
                 peaks,
                 self._gradients(),
                 self._outputs(),
-                dict(self.peaks),
+                {name: self.peaks[space] for name, space in self.space.items()},
                 allocator,
             )
         finally:
@@ -939,8 +953,19 @@ class _Run:
 
     # --- setup and teardown --------------------------------------------------------------
 
+    def _share_resident(self) -> None:
+        """Empty resident values, one dict per memory space, shared by a pool's devices."""
+        spaces: dict[str, dict[int, Value]] = {}
+        self.resident = {name: spaces.setdefault(s, {}) for name, s in self.space.items()}
+
     def _place_fixed(self) -> None:
+        placed: set[str] = set()
         for name in self.runtimes:
+            space = self.space[name]
+            if space in placed:  # a pool's: its first device placed them for all
+                self.fixed[name], self.buffers[name] = self.fixed_on[space]
+                continue
+            placed.add(space)
             try:
                 self._place_fixed_on(name)
             except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -963,18 +988,23 @@ class _Run:
                 _requested_bytes(device, "current"),
                 torch.cuda.memory_allocated(device),
             )
-        held = self.program.held_fixed(self.computed[name])
+        space = self.space[name]
+        computed = [
+            node for other, s in self.space.items() if s == space for node in self.computed[other]
+        ]
+        held = self.program.held_fixed(computed)
         # Emulated CPU devices share the host's tensors; each is accounted per device.
         self.fixed[name] = {t: self.program.fixed[t].to(device) for t in held}
-        buffers = self.program.gradient_buffers(self.computed[name])
+        buffers = self.program.gradient_buffers(computed)
         self.buffers[name] = {
             t: torch.zeros_like(self.program.fixed[t], device=device) for t in buffers
         }
-        self.fixed_bytes[name] = sum(
+        self.fixed_on[space] = (self.fixed[name], self.buffers[name])
+        self.fixed_bytes[space] = sum(
             value_bytes((t,)) for t in (*self.fixed[name].values(), *self.buffers[name].values())
         )
-        self.peaks[name] = self.fixed_bytes[name]
-        check_memory(runtime, self.fixed_bytes[name])
+        self.peaks[space] = self.fixed_bytes[space]
+        check_memory(runtime, self.fixed_bytes[space])
 
     def _release(self) -> None:
         lanes, self.lanes = self.lanes, {}
@@ -983,8 +1013,8 @@ class _Run:
             lane.close()
         for pager in pagers.values():
             pager.close()
-        self.resident = {name: {} for name in self.runtimes}
-        self.fixed, self.buffers = {}, {}
+        self._share_resident()
+        self.fixed, self.buffers, self.fixed_on = {}, {}, {}
         if any(r.is_cuda for r in self.runtimes.values()):
             torch.cuda.empty_cache()
 
@@ -992,7 +1022,7 @@ class _Run:
         runtime = self.runtimes[name]
         if runtime.is_cuda:
             return _requested_bytes(runtime.torch_device, "peak") - self.baseline[name][0]
-        return self.peaks[name]
+        return self.peaks[self.space[name]]
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -1025,10 +1055,11 @@ class _Run:
     def _allocated(self, device: str, nbytes: int) -> None:
         """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
         reservation (only allocations can raise a peak)."""
-        self.live[device] += nbytes
-        used = self.fixed_bytes[device] + self.live[device]
-        if used > self.peaks[device]:
-            self.peaks[device] = used
+        space = self.space[device]
+        self.live[space] += nbytes
+        used = self.fixed_bytes[space] + self.live[space]
+        if used > self.peaks[space]:
+            self.peaks[space] = used
             check_memory(self.runtimes[device], used)
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
@@ -1093,7 +1124,7 @@ class _Run:
     def _drop(self, device: str, node: int) -> None:
         """Release ``node``'s value on ``device`` and its bytes from the account."""
         value = self.resident[device].pop(node)
-        self.live[device] -= value_bytes(value)
+        self.live[self.space[device]] -= value_bytes(value)
         del value
 
     def _lane(self, device: str) -> _Lane:
@@ -1164,7 +1195,7 @@ class _Run:
 
     def _gradients(self) -> dict[str, torch.Tensor]:
         total: dict[str, torch.Tensor] = {}
-        for buffers in self.buffers.values():
+        for buffers in {id(b): b for b in self.buffers.values()}.values():  # a pool's once
             for name, buffer in buffers.items():
                 if name in self.program.trainable:
                     host = buffer.to("cpu")

@@ -132,7 +132,10 @@ class _State:
     link_ms: dict[tuple[Tier, str, int], np.ndarray] = field(default_factory=dict)
     q_mj: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     space: list[int] = field(default_factory=list)  # device -> the first device of its pool
-    members: list[list[int]] = field(default_factory=list)  # device -> its pool's devices
+    # device -> the lanes' tensors in flight (arriving; leaving or arriving) of its pool
+    incoming: list[list[dict[int, float]]] = field(default_factory=list)
+    moving: list[list[dict[int, float]]] = field(default_factory=list)
+    in_transit: int = 0  # transfers in flight on every lane
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -159,7 +162,8 @@ class _State:
         if node not in self.resident[d]:
             raise _PlanInvalid(f"{what} {self.node_name(node)} is not resident there")
         for tier, lanes in self.lanes.items():
-            if node in lanes[d].arriving:
+            pool = (lane for e, lane in enumerate(lanes) if self.space[e] == self.space[d])
+            if any(node in lane.arriving for lane in pool):
                 op = "prefetch" if tier is Tier.HOST else "page_in"
                 raise _PlanInvalid(
                     f"{what} {self.node_name(node)} is read before its {op} completes "
@@ -167,17 +171,12 @@ class _State:
                 )
 
     def arriving(self, node: int, d: int) -> bool:
-        return any(
-            node in lanes[e].arriving for lanes in self.lanes.values() for e in self.members[d]
-        )
+        """``node`` is coming back on a lane of ``d``'s pool."""
+        return self.in_transit > 0 and any(node in arriving for arriving in self.incoming[d])
 
     def in_flight(self, node: int, d: int) -> bool:
         """A transfer of ``node`` is in flight on a lane of ``d``'s pool."""
-        return any(
-            node in lanes[e].leaving or node in lanes[e].arriving
-            for lanes in self.lanes.values()
-            for e in self.members[d]
-        )
+        return self.in_transit > 0 and any(node in moving for moving in self.moving[d])
 
     def transfer_ms_of(self, tier: Tier, direction: str, d: int, node: int) -> float:
         key = (tier, direction, d)
@@ -208,9 +207,9 @@ def _compute(state: _State, step: Compute) -> None:
     if step.node in state.resident[d]:
         raise _PlanInvalid(f"node {name} is already resident on {step.device}")
     resident = state.resident[d]
-    arriving = [lanes[d].arriving for lanes in state.lanes.values()]
+    incoming = [a for a in state.incoming[d] if a] if state.in_transit else []
     for dep in state.graph.nodes[step.node].deps:
-        if dep not in resident or any(dep in a for a in arriving):
+        if dep not in resident or (incoming and any(dep in a for a in incoming)):
             state.readable(dep, d, f"compute {name} on {step.device}: dependency")
     state.allocate(step.node, d)
     state.computed.add(step.node)
@@ -270,6 +269,7 @@ def _send(state: _State, step: Offload | PageOut) -> None:
     lane = state.lanes[step.tier][d]
     _, end = state.start_transfer(step.tier, "out", d, step.node)
     lane.leaving[step.node] = end
+    state.in_transit += 1
     lane.held.add(step.node)
 
 
@@ -291,6 +291,7 @@ def _bring(state: _State, step: Prefetch | PageIn) -> None:
         )
     start, end = state.start_transfer(step.tier, "in", d, step.node)
     lane.arriving[step.node] = end
+    state.in_transit += 1
     state.resident[d].add(step.node)
     nbytes = int(state.costs.output_bytes[step.node])
     if start <= state.clock:
@@ -308,9 +309,11 @@ def _wait(state: _State, step: Wait) -> None:
         if step.node in lane.leaving:
             state.wait_until(lane.leaving.pop(step.node))
             state.release(step.node, d)
+            state.in_transit -= 1
             return
         if step.node in lane.arriving:
             state.wait_until(lane.arriving.pop(step.node))
+            state.in_transit -= 1
             return
     raise _PlanInvalid(f"wait for {name} on {step.device}: no transfer of it is in flight")
 
@@ -384,8 +387,11 @@ def simulate(
         [0] * len(costs.devices),
         {tier: [_Lane() for _ in costs.devices] for tier in Tier},
         space=space,
-        members=members,
     )
+    for d in range(len(space)):
+        lanes = [state.lanes[tier][e] for tier in Tier for e in members[d]]
+        state.incoming.append([lane.arriving for lane in lanes])
+        state.moving.append([m for lane in lanes for m in (lane.leaving, lane.arriving)])
     energy = costs.energy_model()
     state.q_mj = energy.q_mj
     for name in names:

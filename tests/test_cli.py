@@ -154,11 +154,6 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
         ),
         (
             lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--time-cap", "1e12"],
-            "runtime cap",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
             [
                 "plan",
                 "{p}",
@@ -172,11 +167,6 @@ def test_budget_below_the_fixed_memory_is_rejected_before_planning(vgg):
                 "cpu0=1MiB",
             ],
             "shares pool 'ram'",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--device", "cpu0:cpu:storage_read_bandwidth=0"],
-            "storage_read_bandwidth",
         ),
     ],
 )
@@ -213,12 +203,15 @@ def test_port_pages_over_the_storage_bandwidth_given(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(samples.chain().SerializeToString())
     args = ["plan", str(path), "--batch", "2", "--budget", "cpu0=60%", "--strategy", "port"]
-    result = remat(*args, "--storage-bandwidth", "20GB/s", "--time-limit", "4", "--json")
+    poet = ["--objective", "energy", "--time-cap", "1000"]  # POET's: energy within 1 s
+    result = remat(*args, *poet, "--storage-bandwidth", "20GB/s", "--time-limit", "2", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["strategy"] == "port"
     assert plan["devices"][0]["options"]["storage_read_bandwidth"] == "2e+10"
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
+    assert plan["predicted"]["total_ms"] <= 1000
+    assert plan["solver"]["objective"] == pytest.approx(plan["predicted"]["energy_mj"])
 
 
 def test_griewank_on_a_non_linear_graph_is_a_clear_error(tmp_path):

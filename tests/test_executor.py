@@ -349,13 +349,31 @@ def test_a_plan_the_simulator_rejects_is_refused() -> None:
         execute(model, graph, small, DEVICES)
 
 
-def test_a_plan_over_two_devices_of_one_pool_is_refused_for_now() -> None:
-    model, graph, plan = _chain_plan()
+def test_a_plan_over_two_devices_of_one_pool_shares_their_tensors() -> None:
+    """Every other node on the pool's second device, no copies: it reads the first's
+    tensors, the pool holds each tensor and parameter once, as the simulator counts."""
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
     pooled = tuple(
-        PlanDevice(name, DeviceKind.CPU, None, {"pool": "ram"}) for name in ("cpu0", "cpu1")
+        PlanDevice(d.name, DeviceKind.CPU, None, {**d.options, "pool": "ram"}) for d in DEVICES
     )
-    with pytest.raises(PlanRejectedError, match="memory pool 'ram'"):
-        execute(model, graph, Plan(plan.strategy, pooled, plan.steps), DEVICES)
+    steps = tuple(
+        Compute(s.stage, s.node, "cpu1") if isinstance(s, Compute) and s.node % 2 else s
+        for s in plan.steps
+    )
+    shared = Plan(plan.strategy, pooled, steps)
+    report = execute(model, graph, shared, DEVICES)
+    _assert_matches(report, shared)
+    assert report.peak_bytes["cpu0"] == report.peak_bytes["cpu1"]
+    alone = execute(model, graph, plan, DEVICES)
+    assert report.peak_bytes["cpu0"] == alone.peak_bytes["cpu0"]  # the same tensors, once
+    mixed = (
+        PlanDevice("cpu0", DeviceKind.CPU, None, {"pool": "ram"}),
+        PlanDevice("cuda0", DeviceKind.CUDA, None, {"pool": "ram"}),
+    )
+    with pytest.raises(PlanRejectedError, match="memory pool 'ram' has cpu and cuda devices"):
+        executor.check_plan(Plan(plan.strategy, mixed, plan.steps), graph)
 
 
 def test_a_device_this_node_lacks_is_refused() -> None:

@@ -152,7 +152,7 @@ def test_xengine_bounds_a_pools_memory_together():
 
 def test_xengine_plans_two_devices_of_a_pool_within_its_budget():
     devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("gpu0:cuda:pool=ram")]
-    solver = SolverSettings(options=SolveOptions(time_limit_s=8))
+    solver = SolverSettings(options=SolveOptions(time_limit_s=4))
     problem = build_problem(
         samples.vgg16(), batch=2, devices=devices, budgets={"ram": "90%"}, solver=solver
     )

@@ -75,7 +75,7 @@ def port(problem: Problem, device: str) -> StrategyResult:
     tolerance = config.port_time_tolerance
     left = limit - (time.monotonic() - started)
     objective = problem.objective
-    if search.joint is not None and not problem.cancelled and left > 0:
+    if search.joint is not None and not problem.cancelled and left >= config.min_solve_s:
         solve = _secondary if objective.time_only else _poet
         second, why = solve(problem, device, search.joint, tolerance, left)
         note = f"{note}; {why}"
@@ -210,14 +210,9 @@ def _poet(
     )
     if cap is not None:
         poet = with_row(poet, c_time, cap - first.offset)
-    solved = solve_alone(problem, poet, max(seconds, 1.0))
-    note = f"POET solve ({objective.describe()}): {solved.status.value}"
-    if solved.x is None:
-        return None, note
-    found, refused = joint_plan(problem, device, replace(joint, x=solved.x), Tier.STORAGE, NAME)
-    if found is None:
-        return None, f"{note}; its plan was refused: {refused}"
-    return found, note
+    return _solve_again(
+        problem, device, joint, poet, seconds, f"POET solve ({objective.describe()})"
+    )
 
 
 def _secondary(
@@ -233,8 +228,21 @@ def _secondary(
         c[index] = 1.0
     bound = joint.objective * (1 + tolerance) - first.offset
     second = with_row(replace(first, c=c, offset=0.0, start=joint.x), first.c, bound)
-    solved = solve_alone(problem, second, max(seconds, 1.0))
-    note = f"beta solve: {solved.status.value}"
+    return _solve_again(problem, device, joint, second, seconds, "beta solve")
+
+
+def _solve_again(
+    problem: Problem,
+    device: str,
+    joint: JointSolve,
+    model: MILPModel,
+    seconds: float,
+    label: str,
+) -> tuple[StrategyResult | None, str]:
+    """The joint model solved again as ``model`` (another objective, a bounding row) for
+    ``seconds``: its plan where the simulator accepts it, and a note led by ``label``."""
+    solved = solve_alone(problem, model, max(seconds, 1.0))
+    note = f"{label}: {solved.status.value}"
     if solved.x is None:
         return None, note
     found, refused = joint_plan(problem, device, replace(joint, x=solved.x), Tier.STORAGE, NAME)

@@ -302,6 +302,20 @@ def _models(rows: Rows) -> str:
     return _table(rows, columns, ("ONNX nodes", "graph nodes", "s"))
 
 
+def _ratio_cells(
+    line: dict[str, str], by: dict[str, dict[str, str]], strategies: list[str]
+) -> list[str]:
+    """Each strategy's ratio in ``line`` (``-``: no plan), the best in bold; the strategies
+    that have one."""
+    ratios = {s: float(by[s]["ratio"]) for s in strategies if by.get(s, {}).get("ratio")}
+    best = min(ratios.values(), default=None)
+    for strategy in strategies:
+        value = ratios.get(strategy)
+        text = "-" if value is None else f"{value:.3f}"
+        line[strategy] = f"**{text}**" if value is not None and value == best else text
+    return list(ratios)
+
+
 def _offload(rows: Rows) -> str:
     """One line per model and budget: Proposition 3's bound and each strategy's makespan
     as a ratio to it (``-``: no plan at this budget), the best marked."""
@@ -313,12 +327,7 @@ def _offload(rows: Rows) -> str:
     for (model, budget), by in lines.items():
         first = next(iter(by.values()))
         line = {"model": model, "budget": budget, "bound": _f(first, "bound_ms", ".4g")}
-        ratios = {s: float(by[s]["ratio"]) for s in strategies if by.get(s, {}).get("ratio")}
-        best = min(ratios.values(), default=None)
-        for strategy in strategies:
-            value = ratios.get(strategy)
-            text = "-" if value is None else f"{value:.3f}"
-            line[strategy] = f"**{text}**" if value is not None and value == best else text
+        _ratio_cells(line, by, strategies)
         pivoted.append(line)
     columns: list[Column] = [
         ("model (nodes)", lambda r: r["model"]),
@@ -344,15 +353,9 @@ def _port(rows: Rows) -> str:
         for budget, by in by_budget.items():
             first = next(iter(by.values()))
             line = {"model": model, "budget": budget, "ideal": _f(first, "ideal_ms", ".4g")}
-            ratios = {s: float(by[s]["ratio"]) for s in strategies if by.get(s, {}).get("ratio")}
-            best = min(ratios.values(), default=None)
-            for strategy in strategies:
-                value = ratios.get(strategy)
-                text = "-" if value is None else f"{value:.3f}"
-                line[strategy] = f"**{text}**" if value is not None and value == best else text
-                if value is not None:
-                    percent = float(budget.rstrip("%"))
-                    smallest[strategy] = min(smallest.get(strategy, percent), percent)
+            for strategy in _ratio_cells(line, by, strategies):
+                percent = float(budget.rstrip("%"))
+                smallest[strategy] = min(smallest.get(strategy, percent), percent)
             port = by.get("port", {})
             line["recomputations"] = port.get("recomputations") or "-"
             line["page transfers"] = port.get("page_transfers") or "-"

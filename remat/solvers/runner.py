@@ -1,8 +1,8 @@
 """Solve a ``MILPModel`` with one backend in a fresh subprocess.
 
-Every solve runs in its own ``spawn``-ed process (docs/architecture.md, section "Solver
-subprocesses"): ortools and highspy cannot
-be imported into the same process, and a process gives clean cancellation, time limits and
+Every solve runs in its own process (docs/architecture.md, section "Solver subprocesses"),
+forked by multiprocessing's fork server (``process_context``): ortools and highspy cannot be
+imported into the same process, and a process gives clean cancellation, time limits and
 crash isolation. The child streams progress and incumbents back over a pipe; the parent
 delivers progress to ``on_progress``, stops the child cooperatively on cancel or at the hard
 time limit (and terminates it if it does not stop), and turns every solver failure into a
@@ -13,8 +13,9 @@ The child's time limit keeps counting meanwhile: a held solve does less, never l
 held child is resumed while the parent reads a message from it: an incumbent is larger than
 a pipe holds, and a child stopped half-way through sending one would never finish it.
 
-As with any ``spawn``, the caller's ``__main__`` must be importable without side effects
-(scripts guard their entry point with ``if __name__ == "__main__"``): the child re-imports it.
+As with ``spawn``, the caller's ``__main__`` must be importable without side effects
+(scripts guard their entry point with ``if __name__ == "__main__"``): the fork server
+imports it.
 
 The backends are ``SOLVERS``, one module each (``highs``, ``cpsat``, ``scip``, ``gurobi``),
 whose ``solve`` follows ``remat.solvers.backend.Backend``; adding one is a module, an
@@ -36,6 +37,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -80,6 +82,19 @@ DEFAULT_GRACE_S = 5.0  # beyond time_limit_s: process start, imports, model buil
 
 # ----------------------------------------------------------------------------- child side
 
+PRELOAD = ("__main__", "remat.solvers.runner", "remat.strategies")
+"""What the fork server imports once, so that a child forked from it starts at once."""
+
+
+def process_context() -> Any:
+    """The multiprocessing context of every solve and ``Beside`` worker: ``forkserver``,
+    its server preloading ``PRELOAD``. A child is forked from that clean, single-threaded
+    server, never from the caller (whose threads a fork would copy mid-state), and does not
+    import Python and numpy anew as a ``spawn``-ed one does."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
 
 def _child_main(
     backend: str,
@@ -88,6 +103,7 @@ def _child_main(
     stop: Any,  # multiprocessing Event
 ) -> None:
     die_with_parent()
+    _leave_fork_server()
     lock = threading.Lock()  # solver threads may report concurrently
 
     def send(message: tuple[Any, ...]) -> None:
@@ -128,6 +144,20 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
         return
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
+
+
+def _leave_fork_server() -> None:
+    """Close the fork server's liveness pipe, which a child forked by it inherits so that it
+    could start processes of its own (a solve starts none). The server exits when every
+    holder of the pipe's write end is gone, and its children then die with it
+    (``die_with_parent``); a child suspended by ``hold`` would hold it forever, and keep the
+    server and itself alive after its caller was killed. CPython keeps the descriptor on
+    its fork server singleton, a private attribute: without it there is nothing to close."""
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if server is not None and fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -232,11 +262,11 @@ def _run_child(
 ) -> _Outcome:
     if flags.cancelled():
         return _Outcome(_empty(SolveStatus.UNKNOWN, backend, 0.0, "cancelled before start"))
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     receiver, sender = ctx.Pipe(duplex=False)
     inbox, outbox = ctx.Pipe(duplex=False)
     stop = ctx.Event()
-    # The model does not travel in the process arguments: spawn writes those to the child
+    # The model does not travel in the process arguments: start() writes those to the child
     # while holding the pipe's read end itself, so a child that dies while bootstrapping
     # (e.g. an unguarded __main__) would block start() forever on a model over 64 KiB.
     process = ctx.Process(

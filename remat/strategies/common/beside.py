@@ -1,25 +1,25 @@
 """Work beside a search in a subprocess.
 
-A strategy that runs a heuristic and an exact search in one time limit has two poor
-choices in one process: one after the other (the search gets only what the heuristic
-leaves), or in a thread (the heuristic's Python holds the interpreter lock that the
-search's orchestration needs: on bert_base the search's plan was then worse than with the
-heuristic's time taken away). A ``spawn``-ed process shares the cores with the search's
-solver processes at the same priority, and its result arrives over a pipe. (At the lowest
-priority the heuristic got no core while the solvers held both of a 2-core machine, and
-did not finish in time.) The work is a module-level function whose arguments and result
+A strategy that runs a heuristic and an exact search in one time limit has two poor choices
+in one process: one after the other (the search gets only what the heuristic leaves), or in
+a thread (the heuristic's Python holds the interpreter lock that the search's orchestration
+needs: on bert_base the search's plan was then worse than with the heuristic's time taken
+away). A process (``remat.solvers.runner.process_context``) shares the cores with the
+search's solver processes at the same priority, and its result arrives over a pipe. (At the
+lowest priority the heuristic got no core while the solvers held both of a 2-core machine,
+and did not finish in time.) The work is a module-level function whose arguments and result
 pickle: no callbacks or events (strip a ``Problem``'s solver settings with ``picklable``).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Generic, TypeVar
 
+from remat.solvers.runner import process_context
 from remat.strategies.common.problem import Problem, SolverSettings
 
 T = TypeVar("T")
@@ -37,7 +37,7 @@ class Beside(Generic[T]):
     """``work(*args)`` running in its own process from construction on."""
 
     def __init__(self, work: Callable[..., T], *args: Any) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self._receiver, sender = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_child, args=(sender, work, args), name="remat-beside", daemon=True

@@ -167,7 +167,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     the best. It is stopped with the solves beside it, so on a loaded machine it may end
     before its root relaxation lifts it above the ideal: that it does lift it is
     ``test_cover``'s to show."""
-    quick = SolverSettings(options=SolveOptions(time_limit_s=25, gap=0.01, threads=2))
+    quick = SolverSettings(options=SolveOptions(time_limit_s=12, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
     solve_alone = xengine_module.checkmate_milp

@@ -40,15 +40,23 @@ def builder(model, devices=(CPU,), budget=VGG_BUDGET, solver=None):
     return problems_by_batch(model, devices=devices, budgets=budgets, solver=solver)
 
 
+@pytest.fixture(scope="module")
+def vgg_auto():
+    """The default search (``auto`` under the default bound) on VGG, which two tests read."""
+    return max_batch(builder(VGG))
+
+
 def within_bound(result, problem, bound=None):
     limit = (bound or CostBound()).limit_ms(problem.graph, problem.costs)
     return result.feasible and result.simulation.total_ms <= limit * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "chen_greedy"])
-def test_found_batch_fits_under_the_bound_and_the_next_does_not(strategy):
+def test_found_batch_fits_under_the_bound_and_the_next_does_not(strategy, request):
     build = builder(VGG)
-    found = max_batch(build, strategy)
+    found = (
+        request.getfixturevalue("vgg_auto") if strategy == "auto" else max_batch(build, strategy)
+    )
     assert found.batch is not None and not found.capped and not found.interrupted
     assert found.best.batch == found.batch and found.best.fits
 
@@ -85,9 +93,9 @@ def test_default_bound_is_one_extra_forward_pass_eq_10():
     assert trial.fits and trial.bound_ms == pytest.approx(by_hand, rel=1e-12)
 
 
-def test_zero_overhead_is_the_checkpoint_all_max_batch():
+def test_zero_overhead_is_the_checkpoint_all_max_batch(vgg_auto):
     build = builder(VGG)
-    default = max_batch(build)
+    default = vgg_auto
     tight = max_batch(build, bound=CostBound(0.0))
     checkpoint_all = max_batch(build, "checkpoint_all")
     assert tight.batch <= default.batch

@@ -15,7 +15,10 @@ and that are not kept for the next stage are freed at the start of the stage.
 
 Devices that share a memory pool (option ``pool`` on the plan's devices) hold one set of
 tensors: a value on the pool is resident for each of them, read without a copy, kept while
-any of them keeps it (S), and freed once.
+any of them keeps it (S), and freed once. A ``concurrent`` plan (PORT-M) frees nothing
+inside a stage, only before its computes and after them, so that each stage's computes
+are one section that its devices run at once (``remat.plan.Plan.concurrent``): its memory
+is the stage's checkpoints plus every value it computes, PORT-M's stage memory.
 
 With ``transfers`` (one device: the offloads OFF[t,i], prefetches PRE[t,i] and late
 prefetches LATE[t,i] of ``remat.formulations.checkmate`` with transfers), a stage starts by
@@ -46,22 +49,24 @@ def compile_plan(
     costs: CostModel | None = None,
     transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     tier: Tier = Tier.HOST,
+    concurrent: bool = False,
 ) -> Plan:
     """The plan of ``schedule`` (the module docstring); with ``transfers``, its sends to
-    and returns from ``tier`` (offloads and prefetches, or page-outs and page-ins)."""
+    and returns from ``tier`` (offloads and prefetches, or page-outs and page-ins);
+    ``concurrent``, its stages' computes run at once across devices."""
     names = tuple(d.name for d in devices)
     if set(schedule.devices) - set(names):
         raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
     pools = {d.name: d.options.get("pool") or d.name for d in devices}
     if transfers is None:
-        emitter = _Emitter(graph, schedule, costs, pools)
+        emitter = _Emitter(graph, schedule, costs, pools, concurrent)
     else:
-        if len(schedule.devices) != 1:
+        if len(schedule.devices) != 1 or concurrent:
             raise ScheduleError("transfers to another tier are compiled on one device")
         emitter = _TransferEmitter(graph, schedule, costs, pools, *transfers, tier)
     for t in range(schedule.stages):
         emitter.stage(t)
-    return Plan(strategy, tuple(devices), tuple(emitter.steps))
+    return Plan(strategy, tuple(devices), tuple(emitter.steps), concurrent=concurrent)
 
 
 class _Emitter:
@@ -71,8 +76,10 @@ class _Emitter:
         schedule: Schedule,
         costs: CostModel | None,
         pools: Mapping[str, str],
+        concurrent: bool = False,
     ) -> None:
         self.graph = graph
+        self.concurrent = concurrent
         self.schedule = schedule
         self.devices = schedule.devices
         spaces = [pools.get(name, name) for name in self.devices]
@@ -108,7 +115,8 @@ class _Emitter:
         for k in order:
             for d in np.flatnonzero(R[:, t, k]):
                 self._compute(t, k, int(d))
-            self._free_after(t, k, computed)
+            if not self.concurrent:
+                self._free_after(t, k, computed)
         # The schedule is the authority on what survives a stage: anything left that is not
         # saved for the next one (e.g. a copy-source replica) is freed at the stage's end.
         self._free_where(t, np.ones_like(computed))

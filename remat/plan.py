@@ -6,8 +6,11 @@ transfer lane, concurrently with compute (Beaumont et al., assumptions (B)-(E)):
 ``offload`` starts sending a tensor to the host, ``prefetch`` starts bringing it back, and
 ``wait`` holds the compute lane until a transfer has completed. Version 3 adds paging to
 the node's storage (PORT), on a second lane per device with the same rules: ``page_out``
-and ``page_in``, ended by a ``wait`` too. Each version's plans are plans of the next and
-mean what they meant; a plan is written as the lowest version that holds its steps.
+and ``page_in``, ended by a ``wait`` too. Version 4 marks a plan ``concurrent`` (PORT-M,
+devices sharing one memory): its consecutive ``compute`` steps run at once, each device
+its own in plan order, and every other step waits until they have ended (``Plan``). Each
+version's plans are plans of the next and mean what they meant; a plan is written as the
+lowest version that holds it.
 
 Steps are small slotted dataclasses so that plans of hundreds of thousands of steps stay
 cheap to build and simulate; ``plan_to_json``/``plan_from_json`` convert to and from the
@@ -25,8 +28,8 @@ from typing import Any, ClassVar
 from remat.devices import Device, DeviceKind, Tier
 from remat.errors import InvalidInputError
 
-PLAN_VERSION = 3  # the latest; a plan is written as the lowest version that holds it
-VERSIONS = (1, 2, 3)
+PLAN_VERSION = 4  # the latest; a plan is written as the lowest version that holds it
+VERSIONS = (1, 2, 3, 4)
 TRANSFER_OPS = frozenset({"offload", "prefetch", "page_out", "page_in", "wait"})
 """The step kinds on transfer lanes: refused in a version-1 document."""
 PAGE_OPS = frozenset({"page_out", "page_in"})
@@ -167,15 +170,24 @@ class Plan:
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
     version: int = 0
-    """1, 2 or 3; 0 (the default): the lowest that holds the steps (3 where any step
-    pages, 2 where any other is a transfer, else 1), so that agents that read an earlier
-    version execute every plan it holds."""
+    """1 to 4, at least the lowest that holds the plan (4 where it is concurrent, 3 where
+    any step pages, 2 where any other is a transfer, else 1), which 0 (the default) and
+    any lower value become, so that agents that read an earlier version execute every
+    plan it holds."""
+    concurrent: bool = False
+    """Version 4 (PORT-M): a run of consecutive ``compute`` steps is one section, whose
+    steps run at once across devices. Each device runs its steps of a section in plan
+    order, each as soon as its device is free and the inputs computed earlier in the
+    section have been; a step of any other kind starts once every compute before it has
+    ended. Memory after each step is as in plan order (a section only allocates), so the
+    plan-order peak holds; the kernels' workspaces of a section may overlap."""
 
     def __post_init__(self) -> None:
-        if self.version == 0:
-            ops = {step.op for step in self.steps}
-            version = 3 if ops & PAGE_OPS else 2 if ops & TRANSFER_OPS else 1
-            object.__setattr__(self, "version", version)
+        ops = {step.op for step in self.steps}
+        need = 3 if ops & PAGE_OPS else 2 if ops & TRANSFER_OPS else 1
+        need = 4 if self.concurrent else need
+        if self.version < need:  # also a plan replaced into a later version's
+            object.__setattr__(self, "version", need)
 
     @property
     def budgets(self) -> dict[str, int | None]:
@@ -218,6 +230,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         ],
         "steps": [_step_to_json(s) for s in plan.steps],
     }
+    if plan.concurrent:
+        document["concurrent"] = True
     if plan.predicted is not None:
         p = plan.predicted
         document["predicted"] = {
@@ -246,7 +260,12 @@ def plan_from_json(document: Any) -> Plan:
         raise InvalidInputError("plan: expected a JSON object")
     version = document.get("version")
     if isinstance(version, bool) or version not in VERSIONS:
-        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1, 2 or 3)")
+        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1 to 4)")
+    concurrent = document.get("concurrent", False)
+    if not isinstance(concurrent, bool):
+        raise InvalidInputError("plan: 'concurrent' must be true or false")
+    if concurrent and version < 4:
+        raise InvalidInputError(f"plan: 'concurrent' needs plan version 4 (this plan is {version})")
     devices = tuple(_device(d, i) for i, d in enumerate(_list(document, "devices")))
     steps = tuple(_step(s, i, version) for i, s in enumerate(_list(document, "steps")))
     strategy = document.get("strategy")
@@ -255,7 +274,7 @@ def plan_from_json(document: Any) -> Plan:
     predicted = _predicted(document.get("predicted"))
     solver = document.get("solver")
     solver_info = SolverInfo(**solver) if isinstance(solver, Mapping) else None
-    return Plan(strategy, devices, steps, predicted, solver_info, version)
+    return Plan(strategy, devices, steps, predicted, solver_info, version, concurrent)
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -39,6 +39,14 @@ budget (each of its devices carries it as ``budget_bytes``); a tensor on the poo
 readable by all of them, so a copy between two of them is refused (it is already there).
 Each of them reports the pool's memory as its own.
 
+Concurrent plans (version 4, PORT-M's stages on devices sharing a pool): a run of
+consecutive compute steps is one section. Each device runs its steps of the section in plan
+order, each starting when its device is free and the inputs computed earlier in the
+section have been (on any device); the section takes its longest chain, and any other
+step starts after it. A section only allocates, so memory after each of its steps is
+memory in plan order, an upper bound of every instant; while a step runs, the largest
+workspace of each other device of its pool in the section so far counts beside its own.
+
 Memory is checked at every instant: after each step and when a transfer starts later
 than the step that issued it. While a node computes, its device also holds the kernel's
 workspace (``CostModel.workspace_bytes``: scratch memory beyond inputs and output, Beaumont
@@ -108,6 +116,24 @@ class _Lane:
 
 
 @dataclass
+class _Section:
+    """A concurrent plan's run of compute steps under way: times from its start."""
+
+    start: float
+    free_at: dict[int, float] = field(default_factory=dict)  # device -> when next free
+    ends: dict[int, float] = field(default_factory=dict)  # node -> when computed
+    workspace: dict[int, int] = field(default_factory=dict)  # device -> largest so far
+    span: float = 0.0
+
+    def run(self, node: int, d: int, deps: Iterable[int], duration: float) -> float:
+        """Schedule ``node`` on ``d``; return how much the section lengthens."""
+        begin = max([self.free_at.get(d, 0.0), *(self.ends.get(u, 0.0) for u in deps)])
+        self.free_at[d] = self.ends[node] = begin + duration
+        span, self.span = self.span, max(self.span, begin + duration)
+        return self.span - span
+
+
+@dataclass
 class _State:
     graph: Graph
     costs: CostModel
@@ -136,6 +162,9 @@ class _State:
     incoming: list[list[dict[int, float]]] = field(default_factory=list)
     moving: list[list[dict[int, float]]] = field(default_factory=list)
     in_transit: int = 0  # transfers in flight on every lane
+    concurrent: bool = False  # the plan's sections of compute steps run at once
+    section: _Section | None = None  # the section under way, in a concurrent plan
+    overlap_ms: float = 0.0  # compute time the sections' overlap saves
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -214,13 +243,25 @@ def _compute(state: _State, step: Compute) -> None:
     state.allocate(step.node, d)
     state.computed.add(step.node)
     workspace = state.costs.workspace(step.node, d)
-    if workspace:
-        state.scratch = (d, workspace)
     duration = float(state.costs.compute_ms[step.node, d])
     state.dynamic_mj += float(state.q_mj[step.node, d])
     state.compute_ms += duration
-    state.clock += duration
     state.computes += 1
+    if not state.concurrent:
+        state.clock += duration
+        if workspace:
+            state.scratch = (d, workspace)
+        return
+    section = state.section = state.section or _Section(state.clock)
+    longer = section.run(step.node, d, state.graph.nodes[step.node].deps, duration)
+    state.clock += longer
+    state.overlap_ms += duration - longer
+    section.workspace[d] = max(section.workspace.get(d, 0), workspace)
+    beside = sum(
+        w for e, w in section.workspace.items() if e != d and state.space[e] == state.space[d]
+    )
+    if workspace or beside:
+        state.scratch = (d, workspace + beside)
 
 
 def _copy(state: _State, step: Copy) -> None:
@@ -387,6 +428,7 @@ def simulate(
         [0] * len(costs.devices),
         {tier: [_Lane() for _ in costs.devices] for tier in Tier},
         space=space,
+        concurrent=plan.concurrent,
     )
     for d in range(len(space)):
         lanes = [state.lanes[tier][e] for tier in Tier for e in members[d]]
@@ -426,6 +468,8 @@ def simulate(
     violation = _over_budget(fixed, budgets, -1, "fixed memory (parameters, inputs)")
     for index, step in enumerate(plan.steps if violation is None else ()):
         state.step = index
+        if step.op != "compute":
+            state.section = None  # the section's computes have ended
         try:
             handler = _HANDLERS.get(step.op)
             if handler is None:
@@ -447,7 +491,7 @@ def simulate(
         violation = _final_check(state, graph)
     ends = [lane.free_at for lanes in state.lanes.values() for lane in lanes]
     tail = max(ends, default=0.0) - state.clock
-    total = state.compute_ms + state.copy_ms
+    total = state.compute_ms + state.copy_ms - state.overlap_ms
     if state.stall_ms or tail > 0:  # a plan without transfers costs its steps' sum, exactly
         total += state.stall_ms + max(tail, 0.0)
     link_mj = LINK_W * (state.copy_ms + state.transfer_ms)

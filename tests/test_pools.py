@@ -4,6 +4,8 @@ XEngine's model bounding the pool's memory together."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from remat.costs import CostModel, CostSource, analytical_costs
 from remat.devices import Device, DeviceKind, parse_device
 from remat.errors import InvalidInputError
 from remat.formulations.xengine import build_xengine
-from remat.plan import Compute, Copy, Free, Plan, PlanDevice
+from remat.plan import Compute, Copy, Free, Plan, PlanDevice, plan_from_json, plan_to_json
 from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
@@ -21,7 +23,7 @@ from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, run_strategy
 from remat.training import training_graph
 
-from graphs import chain
+from graphs import chain, diamond
 
 CPU = Device("cpu0", DeviceKind.CPU, {"pool": "ram"})
 GPU = Device("gpu0", DeviceKind.CUDA, {"pool": "ram"})
@@ -162,3 +164,112 @@ def test_xengine_plans_two_devices_of_a_pool_within_its_budget():
     verdict = simulate(result.plan, problem.graph, problem.costs)
     budget = problem.budgets["cpu0"]
     assert verdict.valid and max(verdict.peak_bytes.values()) <= budget
+
+
+def _diamond_costs():
+    g = diamond()
+    out = np.array([node.output_bytes for node in g.nodes], dtype=np.int64)
+    ones = np.ones((len(g), 2))
+    costs = CostModel(CostSource.PROFILED, (CPU, GPU), ones, np.zeros((len(g), 2, 2)), out)
+    return g, costs
+
+
+def test_a_concurrent_plans_computes_overlap_across_the_pools_devices():
+    """diamond: 0 -> (1, 2) -> 3, every node 1 ms. Concurrent, 1 on cpu0 and 2 on gpu0 run
+    at once after 0, and 3 waits for both: 3 ms of the 4 ms of compute; a free between two
+    computes ends a section, and a plan that is not concurrent runs them in turn."""
+    g, costs = _diamond_costs()
+    steps = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "gpu0")]
+    steps += [Compute(2, 3, "cpu0")]
+    plan = replace(_plan(steps), concurrent=True)
+    result = simulate(plan, g, costs)
+    assert result.valid and result.total_ms == 3.0 and result.compute_ms == 4.0
+    assert plan.version == 4 and _plan(steps).version == 1
+    assert simulate(_plan(steps), g, costs).total_ms == 4.0
+    split = [*steps[:2], Free(1, 0, "cpu0"), *steps[2:]]
+    assert simulate(replace(_plan(split), concurrent=True), g, costs).violation is not None
+    late = [*steps[:3], Compute(2, 3, "gpu0")]  # 3 after 2 on gpu0: still 1 + 1 + 1
+    assert simulate(replace(_plan(late), concurrent=True), g, costs).total_ms == 3.0
+    one = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "cpu0")]
+    one += [Compute(2, 3, "cpu0")]
+    assert simulate(replace(_plan(one), concurrent=True), g, costs).total_ms == 4.0
+
+
+def test_a_concurrent_plan_is_version_4_and_says_so_in_json():
+    plan = replace(_plan([Compute(0, 0, "cpu0")]), concurrent=True)
+    document = plan_to_json(plan)
+    assert document["version"] == 4 and document["concurrent"] is True
+    assert plan_from_json(document).concurrent
+    assert "concurrent" not in plan_to_json(_plan([Compute(0, 0, "cpu0")]))
+    with pytest.raises(InvalidInputError, match="'concurrent' needs plan version 4"):
+        plan_from_json(document | {"version": 3})
+    with pytest.raises(InvalidInputError, match="'concurrent' must be true or false"):
+        plan_from_json(document | {"concurrent": "yes"})
+
+
+def test_the_compiler_frees_nothing_inside_a_concurrent_stage():
+    """Stage 1 computes 1 on cpu0 and 2 on gpu0 beside it: concurrent, the stage's frees
+    come after both, and its two computes overlap."""
+    g, costs = _diamond_costs()
+    R = np.zeros((2, 4, 4), dtype=bool)
+    S = np.zeros((2, 4, 4), dtype=bool)
+    R[0, 0, 0] = R[0, 1, 1] = R[1, 1, 2] = R[0, 2, 3] = True  # stage 1 also computes 2
+    R[0, 3, 3] = False
+    S[0, 1, 0] = S[0, 2, 1] = S[0, 2, 2] = True
+    schedule = Schedule(("cpu0", "gpu0"), R[:, :3], S[:, :3])
+    devices = _plan([]).devices
+    plan = compile_plan(g, schedule, devices, "hand", costs, concurrent=True)
+    assert plan.concurrent
+    ops = [s.op for s in plan.steps if s.stage == 1]
+    assert ops == ["compute", "compute", "free"]
+    sequential = compile_plan(g, schedule, devices, "hand", costs)
+    fast, slow = (simulate(p, g, costs) for p in (plan, sequential))
+    assert fast.valid and slow.valid
+    assert fast.total_ms == slow.total_ms - 1.0
+
+
+POOLED_CPUS = [
+    parse_device("cpu0:cpu:pool=ram,threads=2"),
+    parse_device("cpu1:cpu:pool=ram,threads=2"),
+]
+
+
+def test_port_ms_model_bounds_a_stage_by_its_longest_device_and_its_memory_by_the_pool():
+    g = training_graph(chain(3))
+    costs = analytical_costs(g, POOLED_CPUS).pooled()
+    labels = {
+        block.label
+        for block in build_xengine(g, costs, {"cpu0": 9000, "cpu1": 9000}, True).builder.row_blocks
+    }
+    assert {"PORT-M A", "PORT-M once ram", "PORT-M memory ram"} <= labels
+    sequential = build_xengine(g, costs, {"cpu0": 9000, "cpu1": 9000})
+    assert not any(block.label.startswith("PORT-M") for block in sequential.builder.row_blocks)
+
+
+def test_port_m_hides_recomputation_on_the_pools_other_device():
+    """The chain sample at 70% on two equal CPUs sharing their memory: XEngine's optimum
+    recomputes on the way back, one device at a time; PORT-M recomputes on one CPU while
+    the other computes, and its concurrent plan is faster, within the pool's budget."""
+    solver = SolverSettings(options=SolveOptions(time_limit_s=6))
+    problem = build_problem(
+        samples.chain(), batch=2, devices=POOLED_CPUS, budgets={"ram": "70%"}, solver=solver
+    )
+    apart = run_strategy("xengine", problem)
+    result = run_strategy("port_m", problem)
+    assert apart.feasible and result.feasible, result.message
+    assert result.plan.concurrent and result.plan.version == 4
+    assert result.plan.strategy == "port_m"
+    verdict = simulate(result.plan, problem.graph, problem.costs)
+    assert verdict.valid and verdict.total_ms == pytest.approx(result.simulation.total_ms)
+    assert max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
+    assert verdict.total_ms < apart.simulation.total_ms * 0.95
+    assert verdict.computes > apart.simulation.computes  # more recomputation, hidden
+
+
+def test_port_m_says_it_needs_devices_that_share_a_pool():
+    devices = [parse_device("cpu0:cpu"), parse_device("cpu1:cpu")]
+    problem = build_problem(samples.chain(), batch=2, devices=devices)
+    result = run_strategy("port_m", problem)
+    assert not result.feasible
+    assert "port_m plans devices that share one memory pool" in result.message
+    assert "cpu0:cpu0, cpu1:cpu1" in result.message

@@ -135,6 +135,8 @@ class XEngineModel:
     G: np.ndarray  # [D, gradient buffers]
     L: np.ndarray  # [D, T, n]: a copy of output o stays on d (latched)
     builder: Builder
+    A: np.ndarray  # [T]: PORT-M's stage times (``concurrent``), else empty
+    stage_costs: np.ndarray | None  # [D, n]: c[d,i] of A's rows, where concurrent
 
     def lp_relaxation(self) -> MILPModel:
         return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
@@ -253,6 +255,8 @@ class XEngineModel:
         x[self.F[self.F >= 0]] = free
         x[self.C[self.C >= 0]] = copy
         x[self.U[self.U >= 0]] = self._memory(R, S, H, G, L, free, copy)[self.U >= 0]
+        if self.stage_costs is not None:  # PORT-M: each stage's longest device
+            x[self.A] = np.einsum("dti,di->dt", R, self.stage_costs).max(axis=0)
         return x
 
     def _frees(self, R: np.ndarray, S: np.ndarray) -> np.ndarray:
@@ -335,8 +339,10 @@ def build_xengine(
     graph: Graph,
     costs: CostModel,
     budgets: Mapping[str, int | None],
+    concurrent: bool = False,
 ) -> XEngineModel:
-    """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order)."""
+    """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order);
+    ``concurrent``, PORT-M's over devices that share memory pools (``_stages``)."""
     names = tuple(d.name for d in costs.devices if d.name in budgets)
     unknown = set(budgets) - set(names)
     if unknown:
@@ -354,24 +360,51 @@ def build_xengine(
     b = Builder()
     v = _Variables.create(b, st, fx, names, budget)
     _assignment(b, st, v)
-    _dependencies(b, st, v)
+    _dependencies(b, st, v, concurrent)
     _memory(b, st, fx, M // unit, unit, v)
+    workspace = np.zeros((len(names), st.n), dtype=np.int64)
     if costs.workspace_bytes is not None:
-        _workspace(b, v, -(-costs.workspace_bytes[:, dev].T // unit), budget)
-    _pools(b, v, [costs.devices[j].memory_space for j in dev], budget)
+        workspace = -(-costs.workspace_bytes[:, dev].T // unit)
+        _workspace(b, v, workspace, budget)
+    spaces = [costs.devices[j].memory_space for j in dev]
+    _pools(b, v, spaces, budget)
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
+    A = np.full(0, -1)
+    if concurrent:
+        A = _stages(b, v, compute, spaces, M // unit, workspace.max(axis=1), budget)
     cost = np.zeros(b.n_vars)
-    dd, tt, ii = np.nonzero(v.R >= 0)
-    cost[v.R[dd, tt, ii]] = compute[dd, ii]
+    if concurrent:
+        cost[A] = 1.0
+    else:
+        dd, tt, ii = np.nonzero(v.R >= 0)
+        cost[v.R[dd, tt, ii]] = compute[dd, ii]
     quadratic, keys = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])
     cover = _copy_cover(st, v, keys, b.n_vars)
     model = replace(b.model(cost, quadratic), product_rows=cover)
     D, n = len(names), st.n
     S = np.concatenate([v.S, np.full((D, 1, n), -1)], axis=1)
     return XEngineModel(
-        model, graph, names, st, unit, M // unit, fx, v.R, S, v.Z, v.U, v.F, v.C, v.H, v.G, v.L, b
+        model,
+        graph,
+        names,
+        st,
+        unit,
+        M // unit,
+        fx,
+        v.R,
+        S,
+        v.Z,
+        v.U,
+        v.F,
+        v.C,
+        v.H,
+        v.G,
+        v.L,
+        b,
+        A,
+        compute if concurrent else None,
     )
 
 
@@ -473,15 +506,20 @@ def _assignment(b: Builder, st: Structure, v: _Variables) -> None:
         b.rows(label, keys[has], cols, [1, -1], -np.inf, 0)
 
 
-def _dependencies(b: Builder, st: Structure, v: _Variables) -> None:
-    """(12) R[d,t,v] <= sum_{d'} (R[d',t,u] + S[d',t,u]) for every edge (u,v)."""
+def _dependencies(b: Builder, st: Structure, v: _Variables, concurrent: bool = False) -> None:
+    """(12) R[d,t,v] <= sum_{d'} (R[d',t,u] + S[d',t,u]) for every edge (u,v); concurrent,
+    PORT-M's R[d,t,v] <= R[d,t,u] + sum_{d'} S[d',t,u] (section 4.3.2): an input computed
+    in the same stage is computed on the same device, so that a stage's devices run apart."""
     D = v.R.shape[0]
     dd, tt, ee = np.nonzero(v.R[:, :, st.edge_v] >= 0)
     u, w = st.edge_u[ee], st.edge_v[ee]
     rows = b.rows("12", np.stack([dd, tt, u, w], axis=1), [v.R[dd, tt, w]], [1], -np.inf, 0)
+    minus = -np.ones(rows.shape[0])
+    if concurrent:
+        b.entries(rows, v.R[dd, tt, u], minus)
     for other in range(D):
-        minus = -np.ones(rows.shape[0])
-        b.entries(rows, v.R[other, tt, u], minus)
+        if not concurrent:
+            b.entries(rows, v.R[other, tt, u], minus)
         b.entries(rows, v.S[other, tt, u], minus)
 
 
@@ -620,6 +658,46 @@ def _pools(b: Builder, v: _Variables, spaces: list[str], budget: np.ndarray) -> 
         keys = np.stack([tt, cc], axis=1)
         cols = [v.U[d, tt, cc] for d in members]
         b.rows(f"6 pool {pool}", keys, cols, [1.0] * len(members), -np.inf, budget[members[0]])
+
+
+def _stages(
+    b: Builder,
+    v: _Variables,
+    compute: np.ndarray,
+    spaces: list[str],
+    m: np.ndarray,
+    workspace: np.ndarray,
+    budget: np.ndarray,
+) -> np.ndarray:
+    """PORT-M (section 4.3): the devices of a stage compute at once, so its time is
+    A[t] >= sum_i c[d,i] R[d,t,i] for every device d, and the objective sum_t A[t]. A
+    concurrent plan frees nothing inside a stage (``remat.compiler``): a pool's memory
+    during stage t is sum over its devices d of U[d,t,0] + sum_i m_i R[d,t,i], within its
+    budget less each device's largest workspace, and a pool computes a node at most once
+    per stage (its devices hold one copy). Returns A's indices."""
+    D, T, _ = v.R.shape
+    A = b.variables("A", np.ones(T, dtype=bool), False, 0.0, np.inf, [f"A[{t}]" for t in range(T)])
+    dd, tt = np.nonzero(np.ones((D, T), dtype=bool))
+    longest = b.rows("PORT-M A", np.stack([dd, tt], axis=1), [A[tt]], [1], 0, np.inf)
+    longest = longest.reshape(D, T)
+    rd, rt, ri = np.nonzero(v.R >= 0)
+    b.entries(longest[rd, rt], v.R[rd, rt, ri], -compute[rd, ri])
+    for pool in sorted(set(spaces)):
+        members = [d for d, space in enumerate(spaces) if space == pool]
+        if len(members) > 1:
+            tt, ii = np.nonzero((v.R[members] >= 0).sum(axis=0) > 1)
+            cols = [v.R[d, tt, ii] for d in members]
+            b.rows(f"PORT-M once {pool}", np.stack([tt, ii], axis=1), cols, [1] * len(cols), 0, 1)
+        if not np.isfinite(budget[members[0]]):
+            continue
+        cap = budget[members[0]] - workspace[members].sum()
+        stages = np.arange(T)
+        cols = [v.U[d, stages, 0] for d in members]
+        rows = b.rows(f"PORT-M memory {pool}", stages[:, None], cols, [1] * len(cols), -np.inf, cap)
+        for d in members:
+            rt, ri = np.nonzero(v.R[d] >= 0)
+            b.entries(rows[rt], v.R[d, rt, ri], m[ri])
+    return A
 
 
 def _copy_cost(

@@ -165,6 +165,9 @@ class SearchConfig:
     port_remat_share: float = 0.75
     """``port``: the share of its search's time for ``checkmate_milp`` (and beside it the
     paging heuristics) before the joint MILP (``offload_remat_share`` for offloading)."""
+    port_m_xengine_share: float = 0.5
+    """``port_m``: the share of the time limit for XEngine's search (whose plans are
+    compiled concurrent where they fit) before PORT-M's MILP starts from its plan."""
     port_time_tolerance: float = 0.01
     """``port``: how far above the best time (relative) a plan may be and still be chosen
     for fewer computations and page transfers (PORT's beta objectives)."""

@@ -23,6 +23,7 @@ from remat.strategies.exact.checkmate import checkmate_lp_rounding, checkmate_mi
 from remat.strategies.exact.moccasin import moccasin
 from remat.strategies.exact.offload_remat import offload_remat
 from remat.strategies.exact.port import port
+from remat.strategies.exact.port_m import port_m
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.input_aware import input_aware
@@ -147,6 +148,14 @@ REGISTRY |= {
             port,
             pages=True,
             any_objective=True,
+        ),
+        StrategyInfo(
+            "port_m",
+            "exact",
+            True,
+            "PORT-M's ILP over devices sharing one memory pool: a stage's devices compute "
+            "at once (concurrent plans), so recomputation on one hides behind another's work.",
+            port_m,
         ),
         StrategyInfo(
             "xengine",

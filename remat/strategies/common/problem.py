@@ -99,11 +99,20 @@ class Evaluation:
 def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
     """Compile ``schedule`` and simulate it under the problem's budgets. A candidate that
     is correct but over budget comes back with the budget violation; the peak it reached
-    is still recorded (simulated without budgets)."""
-    plan = compile_plan(
-        problem.graph, schedule, problem.plan_devices(schedule.devices), strategy, problem.costs
+    is still recorded (simulated without budgets). On two or more devices of one memory
+    pool it is also compiled concurrent (PORT-M's stages, ``compile_plan``): that plan,
+    no slower and needing no less memory, is taken where it fits."""
+    devices = problem.plan_devices(schedule.devices)
+    plan = compile_plan(problem.graph, schedule, devices, strategy, problem.costs)
+    evaluation = evaluate_plan(problem, plan, schedule)
+    pools = [d.options["pool"] for d in devices if d.options.get("pool")]
+    if len(pools) == len(set(pools)):
+        return evaluation
+    concurrent = compile_plan(
+        problem.graph, schedule, devices, strategy, problem.costs, concurrent=True
     )
-    return evaluate_plan(problem, plan, schedule)
+    overlapped = evaluate_plan(problem, concurrent, schedule)
+    return overlapped if overlapped.fits else evaluation
 
 
 def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None) -> Evaluation:
@@ -149,7 +158,7 @@ def with_prediction(plan: Plan, simulation: Simulation) -> Plan:
         simulation.transfer_ms,
         simulation.energy_mj,
     )
-    return Plan(plan.strategy, plan.devices, plan.steps, predicted, plan.solver, plan.version)
+    return replace(plan, predicted=predicted)
 
 
 def select_best(strategy: str, evaluations: Iterable[Evaluation]) -> StrategyResult:

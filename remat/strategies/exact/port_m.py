@@ -1,0 +1,87 @@
+"""port_m: PORT-M (section 4.3) over the devices of one memory pool, which compute at once.
+
+The model is XEngine's with PORT-M's changes (``build_xengine``'s ``concurrent``): a
+stage's time is its longest device's, A_t = max_n R[t,:,n] . Psi_n, and the objective
+sum_t A_t (PORT-M's alpha); an input computed in the stage is computed on the reader's
+device (PORT-M's R[t,j,n] <= R[t,i,n] + S[t,i]); nothing is freed inside a stage, so the
+pool's memory during it is its checkpoints plus everything it computes. Its plans are
+concurrent (plan version 4): the devices run each stage's computes at once. Concurrency
+hides recomputation: a stage recomputes on one device what it needs while another
+computes, so PORT-M pays off where the budget forces recomputation, and at a budget where
+nothing is recomputed it plans as XEngine does.
+
+The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
+plans on a pool are compiled concurrent wherever they fit (``evaluate``); then PORT-M's
+MILP for the rest, started from XEngine's plan where that plan satisfies the model. The
+plan returned is the faster of the two. No bound is reported: the ideal bounds PORT-M's
+model but not every concurrent plan, whose sections may overlap independent nodes across
+stages too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+from remat.errors import ScheduleError
+from remat.formulations.xengine import build_xengine
+from remat.plan import SolverInfo
+from remat.strategies.common.problem import (
+    Problem,
+    StrategyResult,
+    evaluate,
+    select_best,
+    with_prediction,
+)
+from remat.strategies.exact.search import solve_alone
+from remat.strategies.exact.xengine import xengine
+
+NAME = "port_m"
+
+
+def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
+    """PORT-M's plan over every device of the cost model, which must share one memory
+    pool; ``device`` is ignored: the strategy places operators."""
+    started = time.monotonic()
+    devices = problem.costs.devices
+    names = tuple(d.name for d in devices)
+    if len(names) < 2 or len({d.memory_space for d in devices}) != 1:
+        message = (
+            "port_m plans devices that share one memory pool (option pool=NAME on two or "
+            f"more devices); these are {', '.join(d.name + ':' + d.memory_space for d in devices)}"
+        )
+        return StrategyResult(NAME, None, None, message)
+    config, limit = problem.solver.search, problem.solver.options.time_limit_s
+    first = xengine(problem.within(limit * config.port_m_xengine_share))
+    budgets = {name: problem.budgets.get(name) for name in names}
+    formulation = build_xengine(problem.graph, problem.costs, budgets, concurrent=True)
+    model = formulation.model
+    if first.schedule is not None:
+        # not where it reads across devices inside a stage, or frees inside one
+        with contextlib.suppress(ScheduleError):
+            model = replace(model, start=formulation.encode(first.schedule, repair=False))
+    left = limit - (time.monotonic() - started)
+    if problem.cancelled or left < config.min_solve_s:
+        return _named(first, "no time left for PORT-M's MILP")
+    solved = solve_alone(problem, model, left)
+    candidates = []
+    if solved.x is not None:
+        candidates.append(evaluate(problem, formulation.decode(solved.x), NAME))
+    found = select_best(NAME, candidates)
+    note = f"PORT-M MILP: {solved.status.value}"
+    if found.plan is None or found.simulation is None:
+        return _named(first, note)
+    fastest = found.simulation.total_ms
+    if first.feasible and first.simulation and first.simulation.total_ms <= fastest:
+        return _named(first, note)
+    info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
+    plan = replace(with_prediction(found.plan, found.simulation), solver=info)
+    return replace(found, plan=plan, message=note)
+
+
+def _named(result: StrategyResult, note: str) -> StrategyResult:
+    """XEngine's ``result`` as port_m's, ``note`` added to its message."""
+    plan = None if result.plan is None else replace(result.plan, strategy=NAME)
+    message = "; ".join(part for part in (result.message, note) if part)
+    return replace(result, strategy=NAME, plan=plan, message=message)

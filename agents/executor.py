@@ -76,6 +76,15 @@ of them computes) and one account, as the simulator does, and each reports the p
 peak. Only a pool of devices of one kind runs: a CPU's and a GPU's tensors are apart in
 PyTorch, so such a pool is refused.
 
+Concurrent plans (version 4, PORT-M). A run of consecutive compute steps is one section:
+each device runs its steps of it in plan order on a thread of its own (one per device,
+made for the section), a step waiting for the inputs another device computes in the
+section, and the step after the section waits until every thread is done. PyTorch's
+kernels release the interpreter lock, so two CPU devices of a pool (each its own thread
+count) compute at once. The account takes each allocation under a lock; a section only
+allocates, so its peak is the plan-order peak. A failing step stops the section's other
+threads at their next step and fails the run as a sequential one would.
+
 Memory of transfers. An offloaded or paged-out value counts on its device until its wait
 releases it, as in the simulator; a host copy or a file counts on no device. A prefetched
 or paged-in value counts from its step itself (its memory is reserved when the compute
@@ -135,6 +144,7 @@ drops the measurement, not the execution. The report's JSON carries both in ``me
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -895,6 +905,7 @@ class _Run:
         self._share_resident()
         self.live = dict.fromkeys(self.space.values(), 0)
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
+        self.lock = threading.Lock()  # the account and ``accumulated``, in a section
         self.fixed: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
         # per memory space: its fixed tensors and gradient buffers
@@ -924,7 +935,7 @@ class _Run:
             for name in self.paging:
                 self._pager(name)
             start = time.perf_counter()
-            step_ms = [self._step(index, step) for index, step in enumerate(self.plan.steps)]
+            step_ms = self._steps()
             for lane in self.lanes.values():
                 lane.drain()
             for pager in self.pagers.values():
@@ -1026,6 +1037,55 @@ class _Run:
 
     # --- steps ---------------------------------------------------------------------------
 
+    def _steps(self) -> list[float]:
+        """Every step's time, in plan order; a concurrent plan's sections at once."""
+        if not self.plan.concurrent:
+            return [self._step(index, step) for index, step in enumerate(self.plan.steps)]
+        times: list[float] = []
+        section: list[tuple[int, Compute]] = []
+        for index, step in enumerate(self.plan.steps):
+            if isinstance(step, Compute):
+                section.append((index, step))
+                continue
+            times += self._section(section)
+            section = []
+            times.append(self._step(index, step))
+        return times + self._section(section)
+
+    def _section(self, steps: list[tuple[int, Compute]]) -> list[float]:
+        """A section of a concurrent plan: each device's steps in plan order on a thread of
+        its own, each after the inputs that other devices compute in the section."""
+        by_device: dict[str, list[tuple[int, Compute]]] = {}
+        for index, step in steps:
+            by_device.setdefault(step.device, []).append((index, step))
+        if len(by_device) < 2:
+            return [self._step(index, step) for index, step in steps]
+        done = {step.node: threading.Event() for _, step in steps}
+        failed = threading.Event()
+        times: dict[int, float] = {}
+
+        def run(own: list[tuple[int, Compute]]) -> None:
+            try:
+                for index, step in own:
+                    for dep in self.program.graph.nodes[step.node].deps:
+                        if (event := done.get(dep)) is not None:
+                            while not event.wait(0.05):
+                                if failed.is_set():
+                                    return
+                    if failed.is_set():
+                        return
+                    times[index] = self._step(index, step)
+                    done[step.node].set()
+            except BaseException:
+                failed.set()
+                raise
+
+        with ThreadPoolExecutor(len(by_device), thread_name_prefix="remat-section") as pool:
+            futures = [pool.submit(run, own) for own in by_device.values()]
+            for future in futures:
+                future.result()
+        return [times[index] for index, _ in steps]
+
     def _step(self, index: int, step: Step) -> float:
         try:
             if isinstance(step, Compute):
@@ -1056,11 +1116,12 @@ class _Run:
         """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
         reservation (only allocations can raise a peak)."""
         space = self.space[device]
-        self.live[space] += nbytes
-        used = self.fixed_bytes[space] + self.live[space]
-        if used > self.peaks[space]:
-            self.peaks[space] = used
-            check_memory(self.runtimes[device], used)
+        with self.lock:  # the devices of a concurrent section allocate from their threads
+            self.live[space] += nbytes
+            used = self.fixed_bytes[space] + self.live[space]
+            if used > self.peaks[space]:
+                self.peaks[space] = used
+                check_memory(self.runtimes[device], used)
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device
@@ -1076,10 +1137,11 @@ class _Run:
         runtime = self.runtimes[step.device]
         node = self.program.graph.nodes[step.node]
         grads = None
-        if node.kind is NodeKind.BACKWARD and step.node not in self.accumulated:
-            # A recomputed backward node must not add its parameter gradients twice.
-            self.accumulated.add(step.node)
-            grads = self.buffers[step.device]
+        with self.lock:
+            if node.kind is NodeKind.BACKWARD and step.node not in self.accumulated:
+                # A recomputed backward node must not add its parameter gradients twice.
+                self.accumulated.add(step.node)
+                grads = self.buffers[step.device]
         resident = self.resident[step.device]
         value, ms = self._timed(
             runtime,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -374,6 +375,39 @@ def test_a_plan_over_two_devices_of_one_pool_shares_their_tensors() -> None:
     )
     with pytest.raises(PlanRejectedError, match="memory pool 'ram' has cpu and cuda devices"):
         executor.check_plan(Plan(plan.strategy, mixed, plan.steps), graph)
+
+
+def test_a_concurrent_plans_sections_run_on_a_thread_per_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pooled plan above made concurrent: its sections run on a thread per device, a
+    step on one waiting for the inputs the other computes in the section; the gradients
+    and the pool's peak are those of the plan run in turn."""
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
+    pooled = tuple(
+        PlanDevice(d.name, DeviceKind.CPU, None, {**d.options, "pool": "ram"}) for d in DEVICES
+    )
+    steps = tuple(
+        Compute(s.stage, s.node, "cpu1") if isinstance(s, Compute) and s.node % 2 else s
+        for s in plan.steps
+    )
+    in_turn = Plan(plan.strategy, pooled, steps)
+    concurrent = Plan(plan.strategy, pooled, steps, concurrent=True)
+    threads: set[str] = set()
+    step = executor._Run._step
+
+    def watched(run: executor._Run, index: int, s: Step) -> float:
+        if isinstance(s, Compute):
+            threads.add(threading.current_thread().name)
+        return step(run, index, s)
+
+    monkeypatch.setattr(executor._Run, "_step", watched)
+    report = execute(model, graph, concurrent, DEVICES)
+    _assert_matches(report, concurrent)
+    assert len({name for name in threads if name.startswith("remat-section")}) == 2
+    assert report.peak_bytes == execute(model, graph, in_turn, DEVICES).peak_bytes
 
 
 def test_a_device_this_node_lacks_is_refused() -> None:

@@ -338,16 +338,17 @@ def _offload(rows: Rows) -> str:
     return _table(pivoted, columns, ("bound ms", *strategies))
 
 
-def _port(rows: Rows) -> str:
+def _by_budget(rows: Rows, extra: Callable[[dict[str, dict[str, str]]], dict[str, str]]) -> str:
     """One line per model and budget: the ideal and each strategy's makespan as a ratio to
-    it (``-``: no plan at this budget), the best marked, and ``port``'s recomputations and
-    page transfers; after a model's lines, the smallest budget each strategy found a plan
-    for, among those tried."""
+    it (``-``: no plan at this budget), the best marked, and ``extra``'s columns of the
+    line's rows by strategy; after a model's lines, the smallest budget each strategy found
+    a plan for, among those tried."""
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     lines: dict[str, dict[str, dict[str, dict[str, str]]]] = {}
     for r in rows:
         lines.setdefault(_named(r, "model"), {}).setdefault(r["budget"], {})[r["strategy"]] = r
     pivoted = []
+    extras: list[str] = []
     for model, by_budget in lines.items():
         smallest: dict[str, float] = {}
         for budget, by in by_budget.items():
@@ -356,10 +357,9 @@ def _port(rows: Rows) -> str:
             for strategy in _ratio_cells(line, by, strategies):
                 percent = float(budget.rstrip("%"))
                 smallest[strategy] = min(smallest.get(strategy, percent), percent)
-            port = by.get("port", {})
-            line["recomputations"] = port.get("recomputations") or "-"
-            line["page transfers"] = port.get("page_transfers") or "-"
-            pivoted.append(line)
+            more = extra(by)
+            extras = extras or list(more)
+            pivoted.append(line | more)
         least = {s: f"{smallest[s]:.0f}%" if s in smallest else "none" for s in strategies}
         pivoted.append({"model": model, "budget": "smallest feasible, among those tried"} | least)
     columns: list[Column] = [
@@ -367,11 +367,32 @@ def _port(rows: Rows) -> str:
         ("budget", lambda r: r["budget"]),
         ("ideal ms", lambda r: r.get("ideal", "")),
         *[(s, partial(_get, key=s)) for s in strategies],
-        ("port recomputations", lambda r: r.get("recomputations", "")),
-        ("port page transfers", lambda r: r.get("page transfers", "")),
+        *[(e, lambda r, e=e: r.get(e, "")) for e in extras],
     ]
-    right = ("ideal ms", *strategies, "port recomputations", "port page transfers")
-    return _table(pivoted, columns, right)
+    return _table(pivoted, columns, ("ideal ms", *strategies, *extras))
+
+
+def _port(rows: Rows) -> str:
+    """``_by_budget`` with ``port``'s recomputations and page transfers."""
+
+    def counts(by: dict[str, dict[str, str]]) -> dict[str, str]:
+        port = by.get("port", {})
+        return {
+            "port recomputations": port.get("recomputations") or "-",
+            "port page transfers": port.get("page_transfers") or "-",
+        }
+
+    return _by_budget(rows, counts)
+
+
+def _port_m(rows: Rows) -> str:
+    """``_by_budget`` with whether ``port_m``'s plan is concurrent."""
+
+    def concurrent(by: dict[str, dict[str, str]]) -> dict[str, str]:
+        flag = by.get("port_m", {}).get("concurrent", "")
+        return {"port_m concurrent": {"True": "yes", "False": "no"}.get(flag, "-")}
+
+    return _by_budget(rows, concurrent)
 
 
 def _eager(rows: Rows) -> str:
@@ -414,6 +435,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "models": _models,
     "offload": _offload,
     "port": _port,
+    "port_m": _port_m,
     "eager": _eager,
     "energy": _energy,
 }

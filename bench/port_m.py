@@ -1,0 +1,123 @@
+"""PORT-M (section 4.3) on an edge board whose CPU and GPU share one memory pool: the
+CPU ``cpu0:cpu:threads=4`` (analytical costs: 4 x 50 GFLOP/s, as in ``bench/port.py``) and
+an integrated GPU ``gpu0:cuda:flops=1e12,bandwidth=68e9,launch_us=20`` (near a Jetson Orin
+Nano's: about 1 TFLOP/s FP32, 68 GB/s LPDDR5 shared with the CPU), at budgets given as a
+share of the GPU's checkpoint-all peak. Each makespan is a ratio to the ideal (every node
+once on its fastest device, one at a time).
+
+Columns, each with ``--time-limit`` seconds:
+
+- ``checkmate_milp``: rematerialization alone, on the GPU with the pool's budget;
+- ``xengine apart``: XEngine over the CPU and the GPU with memories of their own, the
+  pool's budget split evenly between them;
+- ``xengine``: XEngine on the pool (its plans compiled concurrent where they fit);
+- ``port_m``: PORT-M's ILP on the pool, its plans concurrent.
+
+After a model's rows, the smallest budget each found a plan for, among those tried.
+Prints a markdown table and appends one row per model, budget and column to
+``bench/results/port_m.csv``; ``bench/report.py`` renders them.
+
+    cd bench && ../.venv/bin/python -W ignore port_m.py [--models torch:resnet18,vgg16,...]
+        [--budgets 100,75,50] [--time-limit 20] [--run LABEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from results import Writer, add_run_argument
+from solvers import bench_graph
+
+from remat.budgets import reference
+from remat.costs import analytical_costs
+from remat.devices import Size, parse_device
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
+
+MODELS = ("torch:resnet18", "vgg16", "torch:bert")
+CPU = "cpu0:cpu:threads=4"
+GPU = "gpu0:cuda:flops=1e12,bandwidth=68e9,launch_us=20"
+COLUMNS = ("checkmate_milp", "xengine apart", "xengine", "port_m")
+
+
+def solve(column: str, pooled: Problem, apart: Problem) -> StrategyResult:
+    if column == "checkmate_milp":
+        return run_strategy(column, pooled, "gpu0")
+    if column == "xengine apart":
+        return run_strategy("xengine", apart)
+    return run_strategy(column, pooled)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--budgets", default="100,75,50")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    add_run_argument(parser)
+    args = parser.parse_args()
+    pool = [parse_device(f"{CPU},pool=ram"), parse_device(f"{GPU},pool=ram")]
+    separate = [parse_device(CPU), parse_device(GPU)]
+    out = Writer("port_m", args.run)
+    print(f"| model (nodes) | budget | ideal ms | {' | '.join(COLUMNS)} | port_m concurrent |")
+    print("|---|---|---|" + "---|" * (len(COLUMNS) + 1))
+    solver = SolverSettings(options=SolveOptions(time_limit_s=args.time_limit))
+    for name in args.models.split(","):
+        graph = bench_graph(name, args.batch)
+        costs = analytical_costs(graph, pool).pooled()
+        apart_costs = analytical_costs(graph, separate)
+        ref = reference(graph, costs, "gpu0")
+        ideal = costs.ideal_ms()
+        label = f"{name} ({len(graph)})"
+        smallest: dict[str, float] = {}
+        for percent in (float(p) for p in args.budgets.split(",")):
+            budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+            pooled = Problem(graph, costs, {"cpu0": budget, "gpu0": budget}, solver)
+            half = budget // 2
+            apart = Problem(graph, apart_costs, {"cpu0": half, "gpu0": half}, solver)
+            cells: list[float | None] = []
+            concurrent = "-"
+            for column in COLUMNS:
+                started = time.monotonic()
+                result = solve(column, pooled, apart)
+                seconds = time.monotonic() - started
+                ms = result.simulation.total_ms if result.feasible and result.simulation else None
+                if ms is not None:
+                    smallest[column] = min(smallest.get(column, percent), percent)
+                if column == "port_m" and result.plan is not None:
+                    concurrent = "yes" if result.plan.concurrent else "no"
+                cells.append(ms)
+                out.add(
+                    {
+                        "model": name,
+                        "budget": f"{percent:.0f}%",
+                        "devices": "cpu0+gpu0",
+                        "objective": ms,
+                        "seconds": seconds,
+                        "strategy": column,
+                        "ideal_ms": ideal,
+                        "ratio": None if ms is None else ms / ideal,
+                        "concurrent": None if result.plan is None else result.plan.concurrent,
+                        "nodes": len(graph),
+                        "batch": args.batch,
+                        "budget_bytes": budget,
+                        "peak_bytes": ref.peak_bytes,
+                        "time_limit_s": args.time_limit,
+                        "note": result.message[:300],
+                    }
+                )
+            ratios = [f"{ms / ideal:.3f}" if ms is not None else "-" for ms in cells]
+            print(
+                f"| {label} | {percent:.0f}% | {ideal:.4g} | {' | '.join(ratios)} | {concurrent} |",
+                flush=True,
+            )
+        least = [f"{smallest[c]:.0f}%" if c in smallest else "none" for c in COLUMNS]
+        print(
+            f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -350,9 +351,9 @@ def test_a_plan_the_simulator_rejects_is_refused() -> None:
         execute(model, graph, small, DEVICES)
 
 
-def test_a_plan_over_two_devices_of_one_pool_shares_their_tensors() -> None:
-    """Every other node on the pool's second device, no copies: it reads the first's
-    tensors, the pool holds each tensor and parameter once, as the simulator counts."""
+def _pooled_resnet() -> tuple[onnx.ModelProto, Graph, Plan, Plan]:
+    """ResNet-18's checkpoint-all plan on cpu0, and the same steps with every other node
+    on cpu1, both devices in one pool."""
     model = MODELS["resnet18"]()
     graph = _graph(model)
     plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
@@ -363,7 +364,13 @@ def test_a_plan_over_two_devices_of_one_pool_shares_their_tensors() -> None:
         Compute(s.stage, s.node, "cpu1") if isinstance(s, Compute) and s.node % 2 else s
         for s in plan.steps
     )
-    shared = Plan(plan.strategy, pooled, steps)
+    return model, graph, plan, Plan(plan.strategy, pooled, steps)
+
+
+def test_a_plan_over_two_devices_of_one_pool_shares_their_tensors() -> None:
+    """Every other node on the pool's second device, no copies: it reads the first's
+    tensors, the pool holds each tensor and parameter once, as the simulator counts."""
+    model, graph, plan, shared = _pooled_resnet()
     report = execute(model, graph, shared, DEVICES)
     _assert_matches(report, shared)
     assert report.peak_bytes["cpu0"] == report.peak_bytes["cpu1"]
@@ -383,18 +390,8 @@ def test_a_concurrent_plans_sections_run_on_a_thread_per_device(
     """The pooled plan above made concurrent: its sections run on a thread per device, a
     step on one waiting for the inputs the other computes in the section; the gradients
     and the pool's peak are those of the plan run in turn."""
-    model = MODELS["resnet18"]()
-    graph = _graph(model)
-    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
-    pooled = tuple(
-        PlanDevice(d.name, DeviceKind.CPU, None, {**d.options, "pool": "ram"}) for d in DEVICES
-    )
-    steps = tuple(
-        Compute(s.stage, s.node, "cpu1") if isinstance(s, Compute) and s.node % 2 else s
-        for s in plan.steps
-    )
-    in_turn = Plan(plan.strategy, pooled, steps)
-    concurrent = Plan(plan.strategy, pooled, steps, concurrent=True)
+    model, graph, _, in_turn = _pooled_resnet()
+    concurrent = replace(in_turn, concurrent=True)
     threads: set[str] = set()
     step = executor._Run._step
 

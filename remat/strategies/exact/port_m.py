@@ -11,9 +11,10 @@ computes, so PORT-M pays off where the budget forces recomputation, and at a bud
 nothing is recomputed it plans as XEngine does.
 
 The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
-plans on a pool are compiled concurrent wherever they fit (``evaluate``); then PORT-M's
-MILP for the rest, started from XEngine's plan where that plan satisfies the model. The
-plan returned is the faster of the two. No bound is reported: the ideal bounds PORT-M's
+plans on a pool are compiled concurrent wherever they fit (``evaluate``); its schedule
+improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``);
+then PORT-M's MILP for the rest, started from the better of the two where it satisfies the
+model. The plan returned is the fastest. No bound is reported: the ideal bounds PORT-M's
 model but not every concurrent plan, whose sections may overlap independent nodes across
 stages too.
 """
@@ -36,6 +37,7 @@ from remat.strategies.common.problem import (
 )
 from remat.strategies.exact.search import solve_alone
 from remat.strategies.exact.xengine import xengine
+from remat.strategies.heuristics.recompute_ahead import recompute_ahead
 
 NAME = "port_m"
 
@@ -54,6 +56,12 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
         return StrategyResult(NAME, None, None, message)
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     first = xengine(problem.within(limit * config.port_m_xengine_share))
+    if first.schedule is not None:
+        ahead = recompute_ahead(problem, first.schedule, NAME)
+        if ahead.fits and first.simulation and ahead.cost_ms < first.simulation.total_ms:
+            plan = with_prediction(ahead.plan, ahead.simulation)
+            note = "recomputed a stage ahead on another device"
+            first = StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
     budgets = {name: problem.budgets.get(name) for name in names}
     formulation = build_xengine(problem.graph, problem.costs, budgets, concurrent=True)
     model = formulation.model

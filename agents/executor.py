@@ -185,7 +185,7 @@ from remat.plan import (
     Step,
     Wait,
 )
-from remat.simulator import Simulation, simulate
+from remat.simulator import Simulation, memory_spaces, simulate
 
 TOLERANCE = 1e-4
 # Against the float64 reference: how many times the host's own fp32 error is allowed.
@@ -899,7 +899,7 @@ class _Run:
         self.paging = sorted(paging)  # the devices whose paging lanes it uses
         # Where each device's memory is counted: its pool (one set of tensors, one fixed
         # memory and one account for all its devices, as the simulator's), else itself.
-        pools = {d.name: d.options.get("pool") or d.name for d in plan.devices}
+        pools = memory_spaces(plan)
         self.space = {name: pools.get(name, name) for name in runtimes}
         self.resident: dict[str, dict[int, Value]] = {}
         self._share_resident()

@@ -57,7 +57,7 @@ def compile_plan(
     names = tuple(d.name for d in devices)
     if set(schedule.devices) - set(names):
         raise ScheduleError(f"schedule uses devices {schedule.devices}, plan has {names}")
-    pools = {d.name: d.options.get("pool") or d.name for d in devices}
+    pools = {d.name: d.memory_space for d in devices}
     if transfers is None:
         emitter = _Emitter(graph, schedule, costs, pools, concurrent)
     else:

@@ -142,6 +142,12 @@ class PlanDevice:
     def of(cls, device: Device, budget_bytes: int | None) -> PlanDevice:
         return cls(device.name, device.kind, budget_bytes, dict(device.options))
 
+    @property
+    def memory_space(self) -> str:
+        """Where its memory is counted: its pool (option ``pool``), else itself
+        (``Device.memory_space``)."""
+        return self.options.get("pool") or self.name
+
 
 @dataclass(frozen=True)
 class Predicted:

@@ -9,7 +9,7 @@ in stage t, so R and S are lower triangular (S strictly).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +38,16 @@ class Schedule:
     @property
     def size(self) -> int:
         return self.R.shape[2]
+
+    def on_devices(self, names: Sequence[str]) -> Schedule:
+        """This schedule over ``names``, a superset of its devices (zeros elsewhere)."""
+        D, T, n = len(names), self.stages, self.size
+        R = np.zeros((D, T, n), dtype=bool)
+        S = np.zeros((D, T, n), dtype=bool)
+        for index, name in enumerate(self.devices):
+            R[names.index(name)] = self.R[index]
+            S[names.index(name)] = self.S[index]
+        return Schedule(tuple(names), R, S)
 
     @classmethod
     def single(cls, device: str, R: np.ndarray, S: np.ndarray) -> Schedule:

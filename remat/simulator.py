@@ -386,7 +386,7 @@ def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
 
 def memory_spaces(plan: Plan) -> dict[str, str]:
     """Each device of ``plan`` -> where its memory is counted: its pool, else itself."""
-    return {d.name: d.options.get("pool") or d.name for d in plan.devices}
+    return {d.name: d.memory_space for d in plan.devices}
 
 
 def fixed_bytes(graph: Graph, plan: Plan) -> dict[str, int]:

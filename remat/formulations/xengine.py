@@ -371,13 +371,13 @@ def build_xengine(
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
-    A = np.full(0, -1)
     if concurrent:
         A = _stages(b, v, compute, spaces, M // unit, workspace.max(axis=1), budget)
-    cost = np.zeros(b.n_vars)
-    if concurrent:
+        cost = np.zeros(b.n_vars)
         cost[A] = 1.0
     else:
+        A = np.full(0, -1)
+        cost = np.zeros(b.n_vars)
         dd, tt, ii = np.nonzero(v.R >= 0)
         cost[v.R[dd, tt, ii]] = compute[dd, ii]
     quadratic, keys = _copy_cost(st, v, costs.copy_ms[:, dev][:, :, dev])

@@ -105,8 +105,8 @@ def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
     devices = problem.plan_devices(schedule.devices)
     plan = compile_plan(problem.graph, schedule, devices, strategy, problem.costs)
     evaluation = evaluate_plan(problem, plan, schedule)
-    pools = [d.options["pool"] for d in devices if d.options.get("pool")]
-    if len(pools) == len(set(pools)):
+    spaces = [d.memory_space for d in devices]
+    if len(spaces) == len(set(spaces)):
         return evaluation
     concurrent = compile_plan(
         problem.graph, schedule, devices, strategy, problem.costs, concurrent=True

@@ -263,7 +263,7 @@ def _solved_whole(
     formulation = build(problem)
     model = formulation.model
     if warm is not None and warm.schedule is not None:
-        start = _encoded(formulation.encode, _on_devices(warm.schedule, names))
+        start = _encoded(formulation.encode, warm.schedule.on_devices(names))
         model = replace(model, start=start)
     offer = partial(offer_incumbent, search, formulation, strategy)
     side = [
@@ -636,14 +636,3 @@ def _encoded(encode: Callable[[Schedule], np.ndarray], schedule: Schedule) -> np
         return encode(schedule)
     except ScheduleError:
         return None
-
-
-def _on_devices(schedule: Schedule, names: Sequence[str]) -> Schedule:
-    """A single-device schedule embedded in an all-devices one (zeros elsewhere)."""
-    D, T, n = len(names), schedule.stages, schedule.size
-    R = np.zeros((D, T, n), dtype=bool)
-    S = np.zeros((D, T, n), dtype=bool)
-    for index, name in enumerate(schedule.devices):
-        R[names.index(name)] = schedule.R[index]
-        S[names.index(name)] = schedule.S[index]
-    return Schedule(tuple(names), R, S)

@@ -27,13 +27,9 @@ def recompute_ahead(problem: Problem, schedule: Schedule, strategy: str) -> Eval
     """The best plan found from ``schedule`` (itself where no move helps), over every
     device of the problem's cost model."""
     names = tuple(d.name for d in problem.costs.devices)
-    _, T, n = schedule.R.shape
-    R = np.zeros((len(names), T, n), dtype=bool)
-    S = np.zeros_like(R)
-    for k, name in enumerate(schedule.devices):
-        R[names.index(name)] |= schedule.R[k].astype(bool)
-        S[names.index(name)] |= schedule.S[k].astype(bool)
-    best = evaluate(problem, Schedule(names, R, S), strategy)
+    schedule = schedule.on_devices(names)
+    R, S, (_, T, n) = schedule.R, schedule.S, schedule.R.shape
+    best = evaluate(problem, schedule, strategy)
     if not best.fits or len(names) < 2:
         return best
     deps = [problem.graph.nodes[i].deps for i in range(n)]

@@ -3,10 +3,11 @@
 Two emulated CPU devices on one machine (cpu0 with 1 thread, cpu1 with 2; ``--devices``
 names others, e.g. ``cuda0:cuda`` or ``cpu0:cpu:threads=8 cuda0:cuda``), VGG-, ResNet-
 and U-Net-style models (``remat.samples``) in training mode, the same budget on each device
-(100% and 50% of the checkpoint-all peak). Per model: the agent's profiler measures the
-training graph on both devices; ``profiled_costs`` makes the cost model; ``xengine`` plans
-with a short time limit (a plan from ``placed_greedy`` or the single-device baselines if it
-finds none); the executor runs the plan. Targets:
+(100% and 50% of the checkpoint-all peak; devices sharing a pool, ``pool=NAME``, share
+one budget). Per model: the agent's profiler measures the training graph on both devices;
+``profiled_costs`` makes the cost model; ``xengine`` plans with a short time limit (a plan
+from ``placed_greedy`` or the single-device baselines if it finds none); the executor runs
+the plan. Targets:
 
 * measured peak per device = the simulator's prediction within 1% or 1 MiB (a CUDA
   device's measured peak is the allocator's, so it also holds kernels' temporaries);
@@ -15,7 +16,10 @@ finds none); the executor runs the plan. Targets:
   float64 autograd within 1e-4 or 10 times the host's fp32 error, see ``agents.executor``).
 
 ``--strategy offload_dynprog`` (or any other) plans with that strategy alone: offloading
-plans run their transfers on the executor's lanes, timed against the profiled host link.
+plans run their transfers on the executor's lanes, timed against the profiled host link;
+``--strategy port`` pages to the node's storage directory (``agents.storage``'s default),
+timed against the profiled storage link. The plan column counts a plan's host and page
+transfers, and the links the profiler measured are printed under the table.
 
 Prints a markdown table; each missed target is listed below it with by how much. Each
 row is appended to ``bench/results/agent.csv`` as it is measured (``bench/report.py``
@@ -51,7 +55,7 @@ from remat.costs import CostTable
 from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import RematError
 from remat.graph import Graph
-from remat.plan import Compute, Copy, Plan
+from remat.plan import PAGE_OPS, Compute, Copy, Offload, Plan, Prefetch
 from remat.problem import model_graph, problem_from_graph
 from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, StrategyResult, run_strategy
@@ -86,6 +90,7 @@ class Row:
     report: ExecutionReport
     profile_s: float
     plan_s: float
+    links: str  # the profiled links to host memory and storage (``_links``)
     misses: list[str] = field(default_factory=list)
 
 
@@ -127,6 +132,7 @@ def main() -> None:
             partial(profile, model, graph, devices, repeats=args.repeats, warmup=2),
             f"profiling {name}",
         )
+        print(f"... {name}: measured {_links(table)}", file=sys.stderr, flush=True)
         for budget in args.budgets.split(","):
             start = time.monotonic()
             try:
@@ -140,7 +146,9 @@ def main() -> None:
                 partial(execute, model, graph, plan, devices, warmup=1, repeats=args.repeats),
                 f"executing {name} at {budget}%",
             )
-            row = Row(name, len(graph), f"{budget}%", plan, report, profile_s, plan_s)
+            row = Row(
+                name, len(graph), f"{budget}%", plan, report, profile_s, plan_s, _links(table)
+            )
             row.misses = _misses(row)
             rows.append(row)
             out.add(_result(row, devices, args))
@@ -213,7 +221,7 @@ def _plan(
         problem = problem_from_graph(
             graph,
             devices=devices,
-            budgets=dict.fromkeys((d.name for d in devices), budget),
+            budgets=dict.fromkeys(dict.fromkeys(d.memory_space for d in devices), budget),
             table=table,
             solver=settings,
         )
@@ -285,7 +293,32 @@ def _placement(plan: Plan) -> str:
             computes[step.device] = computes.get(step.device, 0) + 1
     copies = sum(isinstance(s, Copy) for s in plan.steps)
     placed = " + ".join(f"{n} on {d}" for d, n in sorted(computes.items()))
-    return f"{placed}, {copies} copies"
+    text = f"{placed}, {copies} copies"
+    offloads = sum(isinstance(s, Offload | Prefetch) for s in plan.steps)
+    pages = sum(s.op in PAGE_OPS for s in plan.steps)
+    if offloads:
+        text += f", {offloads} host transfers"
+    if pages:
+        text += f", {pages} page transfers"
+    if plan.concurrent:
+        text += ", concurrent"
+    return text
+
+
+def _links(table: CostTable) -> str:
+    """The profiled links to host memory and storage, as the header states them."""
+    parts = []
+    for name, host in table.host_links.items():
+        parts.append(
+            f"{name} host link {host.to_host_bytes_per_s / 1e9:.2f} GB/s out, "
+            f"{host.from_host_bytes_per_s / 1e9:.2f} GB/s in"
+        )
+    for name, disk in table.storage_links.items():
+        parts.append(
+            f"{name} storage {disk.write_bytes_per_s / 1e9:.2f} GB/s written (fsync'd), "
+            f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.latency_us:.0f} us latency"
+        )
+    return "; ".join(parts)
 
 
 def _summary(row: Row) -> str:
@@ -354,6 +387,8 @@ def _print_table(rows: list[Row], args: argparse.Namespace, unplanned: list[str]
     timing = ", ".join(f"{r.model} {r.profile_s:.0f} s" for r in rows if r.budget.startswith("100"))
     planning = ", ".join(f"{r.model} {r.budget} {r.plan_s:.0f} s" for r in rows)
     print(f"\nProfiling took {timing}; planning {planning}.")
+    for model, links in dict((r.model, r.links) for r in rows).items():
+        print(f"Measured links ({model}'s profile): {links}.")
 
 
 def _result(row: Row, devices: list[Device], args: argparse.Namespace) -> dict[str, object]:
@@ -389,6 +424,7 @@ def _result(row: Row, devices: list[Device], args: argparse.Namespace) -> dict[s
         "allocator_peak": per_device(report.allocator_peak_bytes),
         "grad_rel_error": report.max_rel_error,
         "profile_s": row.profile_s,
+        "links": row.links,
         "targets": "met" if not row.misses else "missed: " + "; ".join(row.misses),
     }
 

@@ -8,12 +8,19 @@ once on its fastest device, one at a time).
 Columns, each with ``--time-limit`` seconds:
 
 - ``checkmate_milp``: rematerialization alone, on the GPU with the pool's budget;
+- ``poet``: POET's setting, one device with the pool's memory, rematerializing and paging
+  to the board's SSD (1 GB/s written, 1.5 GB/s read, 100 us per page, as in
+  ``bench/port.py``): ``port`` on the CPU alone and on the GPU alone, the faster of the two
+  (POET minimizes energy under a runtime cap; PORT's section 5 sets the cap tight, which
+  makes its plan the fastest one, and that is ``port``'s objective);
 - ``xengine apart``: XEngine over the CPU and the GPU with memories of their own, the
   pool's budget split evenly between them;
 - ``xengine``: XEngine on the pool (its plans compiled concurrent where they fit);
 - ``port_m``: PORT-M's ILP on the pool, its plans concurrent.
 
-After a model's rows, the smallest budget each found a plan for, among those tried.
+Beside them, ``poet`` over ``port_m`` (PORT's speedup over POET, section 5) and the
+device ``poet`` chose. After a model's rows, the smallest budget each found a plan for,
+among those tried.
 Prints a markdown table and appends one row per model, budget and column to
 ``bench/results/port_m.csv``; ``bench/report.py`` renders them.
 
@@ -31,19 +38,32 @@ from solvers import bench_graph
 
 from remat.budgets import reference
 from remat.costs import analytical_costs
-from remat.devices import Size, parse_device
+from remat.devices import Device, Size, parse_device, with_option
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
 
 MODELS = ("torch:resnet18", "vgg16", "torch:bert")
 CPU = "cpu0:cpu:threads=4"
 GPU = "gpu0:cuda:flops=1e12,bandwidth=68e9,launch_us=20"
-COLUMNS = ("checkmate_milp", "xengine apart", "xengine", "port_m")
+SSD = (("storage_write_bandwidth", 1e9), ("storage_read_bandwidth", 1.5e9))
+SSD_LATENCY = ("storage_latency_us", 100.0)
+COLUMNS = ("checkmate_milp", "poet", "xengine apart", "xengine", "port_m")
 
 
-def solve(column: str, pooled: Problem, apart: Problem) -> StrategyResult:
+def with_ssd(device: Device) -> Device:
+    for key, value in (*SSD, SSD_LATENCY):
+        device = with_option(device, key, f"{value:g}")
+    return device
+
+
+def solve(column: str, pooled: Problem, apart: Problem, alone: list[Problem]) -> StrategyResult:
     if column == "checkmate_milp":
         return run_strategy(column, pooled, "gpu0")
+    if column == "poet":
+        return min(
+            (run_strategy("port", problem) for problem in alone),
+            key=lambda r: r.simulation.total_ms if r.feasible and r.simulation else float("inf"),
+        )
     if column == "xengine apart":
         return run_strategy("xengine", apart)
     return run_strategy(column, pooled)
@@ -59,14 +79,17 @@ def main() -> None:
     args = parser.parse_args()
     pool = [parse_device(f"{CPU},pool=ram"), parse_device(f"{GPU},pool=ram")]
     separate = [parse_device(CPU), parse_device(GPU)]
+    single = [with_ssd(d) for d in separate]
     out = Writer("port_m", args.run)
-    print(f"| model (nodes) | budget | ideal ms | {' | '.join(COLUMNS)} | port_m concurrent |")
-    print("|---|---|---|" + "---|" * (len(COLUMNS) + 1))
+    extra = ("port_m concurrent", "poet / port_m", "poet's device")
+    print(f"| model (nodes) | budget | ideal ms | {' | '.join((*COLUMNS, *extra))} |")
+    print("|---|---|---|" + "---|" * (len(COLUMNS) + len(extra)))
     solver = SolverSettings(options=SolveOptions(time_limit_s=args.time_limit))
     for name in args.models.split(","):
         graph = bench_graph(name, args.batch)
         costs = analytical_costs(graph, pool).pooled()
         apart_costs = analytical_costs(graph, separate)
+        alone_costs = [analytical_costs(graph, [d]) for d in single]
         ref = reference(graph, costs, "gpu0")
         ideal = costs.ideal_ms()
         label = f"{name} ({len(graph)})"
@@ -76,17 +99,23 @@ def main() -> None:
             pooled = Problem(graph, costs, {"cpu0": budget, "gpu0": budget}, solver)
             half = budget // 2
             apart = Problem(graph, apart_costs, {"cpu0": half, "gpu0": half}, solver)
+            alone = [
+                Problem(graph, c, {d.name: budget}, solver)
+                for c, d in zip(alone_costs, single, strict=True)
+            ]
             cells: list[float | None] = []
-            concurrent = "-"
+            concurrent = poet_device = "-"
             for column in COLUMNS:
                 started = time.monotonic()
-                result = solve(column, pooled, apart)
+                result = solve(column, pooled, apart, alone)
                 seconds = time.monotonic() - started
                 ms = result.simulation.total_ms if result.feasible and result.simulation else None
                 if ms is not None:
                     smallest[column] = min(smallest.get(column, percent), percent)
                 if column == "port_m" and result.plan is not None:
                     concurrent = "yes" if result.plan.concurrent else "no"
+                if column == "poet" and result.plan is not None:
+                    poet_device = result.plan.devices[0].name
                 cells.append(ms)
                 out.add(
                     {
@@ -99,6 +128,11 @@ def main() -> None:
                         "ideal_ms": ideal,
                         "ratio": None if ms is None else ms / ideal,
                         "concurrent": None if result.plan is None else result.plan.concurrent,
+                        "plan_devices": (
+                            None
+                            if result.plan is None
+                            else "+".join(sorted({d.name for d in result.plan.devices}))
+                        ),
                         "nodes": len(graph),
                         "batch": args.batch,
                         "budget_bytes": budget,
@@ -108,13 +142,16 @@ def main() -> None:
                     }
                 )
             ratios = [f"{ms / ideal:.3f}" if ms is not None else "-" for ms in cells]
+            poet, port_m = cells[COLUMNS.index("poet")], cells[COLUMNS.index("port_m")]
+            speedup = f"{poet / port_m:.3f}x" if poet is not None and port_m is not None else "-"
             print(
-                f"| {label} | {percent:.0f}% | {ideal:.4g} | {' | '.join(ratios)} | {concurrent} |",
+                f"| {label} | {percent:.0f}% | {ideal:.4g} | {' | '.join(ratios)} | {concurrent} "
+                f"| {speedup} | {poet_device} |",
                 flush=True,
             )
         least = [f"{smallest[c]:.0f}%" if c in smallest else "none" for c in COLUMNS]
         print(
-            f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | |",
+            f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | | | |",
             flush=True,
         )
 

@@ -386,11 +386,23 @@ def _port(rows: Rows) -> str:
 
 
 def _port_m(rows: Rows) -> str:
-    """``_by_budget`` with whether ``port_m``'s plan is concurrent."""
+    """``_by_budget`` with whether ``port_m``'s plan is concurrent and, where the run has a
+    ``poet`` column, PORT-M's speedup over it and the device POET chose."""
+    with_poet = any(r["strategy"] == "poet" for r in rows)
 
     def concurrent(by: dict[str, dict[str, str]]) -> dict[str, str]:
-        flag = by.get("port_m", {}).get("concurrent", "")
-        return {"port_m concurrent": {"True": "yes", "False": "no"}.get(flag, "-")}
+        port_m = by.get("port_m", {})
+        flag = port_m.get("concurrent", "")
+        cells = {"port_m concurrent": {"True": "yes", "False": "no"}.get(flag, "-")}
+        if not with_poet:
+            return cells
+        poet = by.get("poet", {})
+        both = poet.get("objective") and port_m.get("objective")
+        cells["poet / port_m"] = (
+            f"{float(poet['objective']) / float(port_m['objective']):.3f}x" if both else "-"
+        )
+        cells["poet's device"] = poet.get("plan_devices") or "-"
+        return cells
 
     return _by_budget(rows, concurrent)
 

@@ -595,7 +595,9 @@ class _Lane:
         if runtime.is_cuda:
             self.stream = torch.cuda.Stream(device=runtime.torch_device)
         else:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-lane")
+            self.pool = _started(
+                ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-lane")
+            )
 
     def offload(self, node: int, value: Value) -> None:
         """Start copying ``value`` (resident on the device) into fresh host memory."""
@@ -706,7 +708,9 @@ class _PagingLane:
         self.directory = directory
         self.paged: dict[int, tuple[_Layout, ...]] = {}
         self.in_flight: dict[int, _Transfer] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-paging-lane")
+        self.pool = _started(
+            ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-paging-lane")
+        )
         self.stream: Any = None
         if runtime.is_cuda:
             self.stream = torch.cuda.Stream(device=runtime.torch_device)
@@ -790,6 +794,13 @@ class _PagingLane:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.in_flight.clear()
         self.paged.clear()
+
+
+def _started(pool: ThreadPoolExecutor) -> ThreadPoolExecutor:
+    """``pool`` with its thread running: a lane is made before the run is timed, and its
+    thread's start (on the first task) would otherwise fall on the run's first transfer."""
+    pool.submit(int).result()
+    return pool
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,16 @@ half its time), so that the link's model gives the big transfers their measured 
 (``storage_links``). A storage directory that cannot be written fails the profile
 (``StorageError``).
 
+On a CPU device a transfer runs on a thread beside the compute's (the executor's lanes), and
+takes cores, memory bandwidth and the kernel's time from it; how much is measured for each
+link (``compute_slowdown``, ``remat.costs.Link``): a compute probe (a matrix product and an
+elementwise pass, about ``SLOWDOWN_PROBE_MS`` per run, with the device's threads) timed
+alone and while a thread repeats the link's transfer (host: a 16 MiB memcpy, as the lane's;
+storage: a 16 MiB file written, fsync'd and read back), in ``SLOWDOWN_REPEATS`` pairs of
+runs (alone, then beside), the median of the pairs' ratios, at least 1. A CUDA device's
+transfers run on its copy engines and DMA, beside its kernels (Beaumont et al.'s assumption
+(D)): 1, not measured.
+
 Each device with an energy counter (``agents.energy_counters``: RAPL for CPU packages, NVML
 for CUDA GPUs) gets one more pass, after the others, that measures energy, since a plan's
 energy is a cost a job may minimise (``remat.energy``). First its idle power: the counter's
@@ -70,8 +80,10 @@ names, which ``remat.costs.profiled_costs`` turns into a cost model for the same
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -96,7 +108,7 @@ from agents.torch_devices import (
     is_out_of_memory,
     runtime_of,
 )
-from remat.costs import MAX_LINK_BYTES_PER_S, CostSource, CostTable
+from remat.costs import MAX_COMPUTE_SLOWDOWN, MAX_LINK_BYTES_PER_S, CostSource, CostTable
 from remat.devices import Device
 from remat.errors import RematError
 from remat.graph import Graph, Node, NodeKind
@@ -150,8 +162,13 @@ def profile(
             "devices": [session.table_device(r) for r in runtimes],
             "nodes": {node.name: session.entry(node) for node in graph.nodes},
             "copy_ms": {node.name: session.copies[node.id] for node in graph.nodes},
-            "host_links": {r.name: host_link(r, warmup, repeats) for r in runtimes},
-            "storage_links": {r.name: storage_link(r, directory) for r in runtimes},
+            "host_links": {
+                r.name: host_link(r, warmup, repeats) | slowdown(r, _host_copy) for r in runtimes
+            },
+            "storage_links": {
+                r.name: storage_link(r, directory) | slowdown(r, partial(_paged, directory))
+                for r in runtimes
+            },
         }
     )
 
@@ -268,6 +285,74 @@ def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
         "read_bytes_per_s": rate(big[1]),
         "latency_us": latency_ms * 1e3,
     }
+
+
+SLOWDOWN_PROBE_MS = 20.0
+SLOWDOWN_REPEATS = 5
+SLOWDOWN_LOAD_BYTES = 16 << 20
+
+
+Load = Callable[[threading.Event, threading.Event], None]
+"""A link's transfer repeated on a thread: ``load(ready, stop)`` sets ``ready`` once set up,
+just before its first transfer, and repeats until ``stop`` is set."""
+
+
+def slowdown(runtime: Runtime, load: Load) -> dict[str, float]:
+    """``runtime``'s compute slowdown while ``load`` runs on a thread beside it (the module
+    docstring), as a link entry's ``compute_slowdown``. Nothing on CUDA (1 by default)."""
+    if runtime.is_cuda:
+        return {}
+    device = runtime.torch_device
+    matrix = torch.rand(256, 256, device=device)
+    vector = torch.rand(1 << 20, device=device)
+
+    def once() -> None:
+        matrix @ matrix
+        vector.mul_(1.0)
+
+    runs = max(1, round(SLOWDOWN_PROBE_MS / max(_wall_ms(runtime, once), 1e-3)))
+
+    def probe() -> None:
+        for _ in range(runs):
+            once()
+
+    def beside() -> float:
+        ready, stop = threading.Event(), threading.Event()
+        thread = threading.Thread(target=load, args=(ready, stop), name="remat-profile-lane")
+        thread.start()
+        try:
+            ready.wait()
+            return _wall_ms(runtime, probe)
+        finally:
+            stop.set()
+            thread.join()
+
+    # In pairs, alone then beside, so that the machine's other work drifting between the
+    # runs weighs on both sides of each ratio alike.
+    ratios = [beside() / max(_wall_ms(runtime, probe), 1e-6) for _ in range(SLOWDOWN_REPEATS)]
+    return {"compute_slowdown": min(max(statistics.median(ratios), 1.0), MAX_COMPUTE_SLOWDOWN)}
+
+
+def _host_copy(ready: threading.Event, stop: threading.Event) -> None:
+    """The host lane's transfer on a CPU device, repeated: one thread's memcpy."""
+    source = np.ones(SLOWDOWN_LOAD_BYTES, dtype=np.uint8)
+    ready.set()
+    while not stop.is_set():
+        source.copy()
+
+
+def _paged(storage: Path, ready: threading.Event, stop: threading.Event) -> None:
+    """The paging lane's transfer, repeated: a file written, fsync'd and read back (until
+    a write fails: ``storage_link`` has reported the storage usable just before)."""
+    buffer = [np.ones(SLOWDOWN_LOAD_BYTES, dtype=np.uint8).data]
+    try:
+        with scratch_directory(storage, "profile-") as directory, contextlib.suppress(OSError):
+            ready.set()
+            while not stop.is_set():
+                write_through(directory / "load", buffer)
+                read_back(directory / "load", buffer)
+    finally:
+        ready.set()  # also where the directory could not be made: the probe runs alone
 
 
 def _wall_ms(runtime: Runtime, work: Callable[[], None]) -> float:

@@ -311,12 +311,14 @@ def _links(table: CostTable) -> str:
     for name, host in table.host_links.items():
         parts.append(
             f"{name} host link {host.to_host_bytes_per_s / 1e9:.2f} GB/s out, "
-            f"{host.from_host_bytes_per_s / 1e9:.2f} GB/s in"
+            f"{host.from_host_bytes_per_s / 1e9:.2f} GB/s in, compute slowdown "
+            f"{host.compute_slowdown:.2f}"
         )
     for name, disk in table.storage_links.items():
         parts.append(
             f"{name} storage {disk.write_bytes_per_s / 1e9:.2f} GB/s written (fsync'd), "
-            f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.latency_us:.0f} us latency"
+            f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.latency_us:.0f} us latency, "
+            f"compute slowdown {disk.compute_slowdown:.2f}"
         )
     return "; ".join(parts)
 

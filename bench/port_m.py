@@ -16,7 +16,8 @@ Columns, each with ``--time-limit`` seconds:
 - ``xengine apart``: XEngine over the CPU and the GPU with memories of their own, the
   pool's budget split evenly between them;
 - ``xengine``: XEngine on the pool (its plans compiled concurrent where they fit);
-- ``port_m``: PORT-M's ILP on the pool, its plans concurrent.
+- ``port_m``: PORT-M on the pool (``remat/strategies/exact/port_m.py``), paging to the
+  same SSD where its device alone does best so.
 
 Beside them, ``poet`` over ``port_m`` (PORT's speedup over POET, section 5) and the
 device ``poet`` chose. After a model's rows, the smallest budget each found a plan for,
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0)
     add_run_argument(parser)
     args = parser.parse_args()
-    pool = [parse_device(f"{CPU},pool=ram"), parse_device(f"{GPU},pool=ram")]
+    pool = [with_ssd(parse_device(f"{CPU},pool=ram")), with_ssd(parse_device(f"{GPU},pool=ram"))]
     separate = [parse_device(CPU), parse_device(GPU)]
     single = [with_ssd(d) for d in separate]
     out = Writer("port_m", args.run)

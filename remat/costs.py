@@ -62,6 +62,10 @@ class Link:
     out_bytes_per_s: float  # device -> tier (offload, page out)
     in_bytes_per_s: float  # tier -> device (prefetch, page in)
     latency_ms: float
+    # How much longer the device computes while a transfer runs on this link: 1 where they
+    # do not interfere (Beaumont et al.'s assumption (D): a GPU's copy engines), more where
+    # the transfer takes the compute's cores or memory bandwidth (measured by the profiler).
+    compute_slowdown: float = 1.0
 
     def out_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
         return np.asarray(nbytes, dtype=float) / self.out_bytes_per_s * 1e3 + self.latency_ms
@@ -314,6 +318,8 @@ class _TableNode(BaseModel):
 
 MAX_LINK_BYTES_PER_S = 1e15
 LinkRate = Annotated[float, Field(gt=0, le=MAX_LINK_BYTES_PER_S, allow_inf_nan=False)]
+MAX_COMPUTE_SLOWDOWN = 100.0
+ComputeSlowdown = Annotated[float, Field(ge=1.0, le=MAX_COMPUTE_SLOWDOWN, allow_inf_nan=False)]
 
 
 class _TableHostLink(BaseModel):
@@ -322,9 +328,15 @@ class _TableHostLink(BaseModel):
     to_host_bytes_per_s: LinkRate
     from_host_bytes_per_s: LinkRate
     latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    compute_slowdown: ComputeSlowdown = 1.0  # ``Link.compute_slowdown``
 
     def link(self) -> Link:
-        return Link(self.to_host_bytes_per_s, self.from_host_bytes_per_s, self.latency_us * 1e-3)
+        return Link(
+            self.to_host_bytes_per_s,
+            self.from_host_bytes_per_s,
+            self.latency_us * 1e-3,
+            self.compute_slowdown,
+        )
 
 
 class _TableStorageLink(BaseModel):
@@ -334,9 +346,15 @@ class _TableStorageLink(BaseModel):
     write_bytes_per_s: LinkRate
     read_bytes_per_s: LinkRate
     latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    compute_slowdown: ComputeSlowdown = 1.0  # ``Link.compute_slowdown``
 
     def link(self) -> Link:
-        return Link(self.write_bytes_per_s, self.read_bytes_per_s, self.latency_us * 1e-3)
+        return Link(
+            self.write_bytes_per_s,
+            self.read_bytes_per_s,
+            self.latency_us * 1e-3,
+            self.compute_slowdown,
+        )
 
 
 class CostTable(BaseModel):
@@ -542,6 +560,7 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
                 to_host_bytes_per_s=link.out_bytes_per_s,
                 from_host_bytes_per_s=link.in_bytes_per_s,
                 latency_us=link.latency_ms * 1e3,
+                compute_slowdown=link.compute_slowdown,
             )
             for j, d in enumerate(model.devices)
             for link in (model.link(j, Tier.HOST),)
@@ -551,6 +570,7 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
                 write_bytes_per_s=link.out_bytes_per_s,
                 read_bytes_per_s=link.in_bytes_per_s,
                 latency_us=link.latency_ms * 1e3,
+                compute_slowdown=link.compute_slowdown,
             )
             for j, d in enumerate(model.devices)
             for link in (model.link(j, Tier.STORAGE),)

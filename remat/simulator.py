@@ -28,6 +28,12 @@ compute and copy times, plus the time it waits for transfers (``stall_ms``), plu
 transfer still running when it ends; a plan without transfers costs the sum of its compute
 and copy times, as in version 1.
 
+Transfers and compute may interfere: where a device's link has a ``compute_slowdown`` f
+above 1 (``Link``; measured by the agent's profiler, e.g. a CPU whose transfer thread takes
+cores or memory bandwidth from its compute), a compute step on it progresses at 1/f of its
+rate while a transfer runs on that link, and takes longer by what it lost (``slowdown_ms``,
+in the total). Steps of a concurrent plan's sections are not slowed.
+
 Energy (``remat.energy``): each compute step's dynamic energy, ``LINK_W`` over copies and
 transfers, and the machine's static power (every device's idle power and the board's) over
 the predicted time.
@@ -94,6 +100,7 @@ class Simulation:
     transfer_ms: float = 0.0  # the transfer lanes' busy time (overlapped with compute)
     stall_ms: float = 0.0  # the compute lane's waits for transfers, in ``total_ms``
     energy_mj: float = 0.0
+    slowdown_ms: float = 0.0  # compute time lost to transfers beside it, in ``total_ms``
 
     @property
     def valid(self) -> bool:
@@ -165,6 +172,9 @@ class _State:
     concurrent: bool = False  # the plan's sections of compute steps run at once
     section: _Section | None = None  # the section under way, in a concurrent plan
     overlap_ms: float = 0.0  # compute time the sections' overlap saves
+    # per device: its transfers (start, end, compute slowdown) on links that slow its compute
+    busy: list[list[tuple[float, float, float]]] = field(default_factory=list)
+    slowdown_ms: float = 0.0  # compute time lost to them
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -222,7 +232,24 @@ class _State:
         duration = self.transfer_ms_of(tier, direction, d, node)
         lane.free_at = start + duration
         self.transfer_ms += duration
+        slowdown = self.costs.link(d, tier).compute_slowdown
+        if slowdown > 1.0:
+            self.busy[d].append((start, lane.free_at, slowdown))
         return start, lane.free_at
+
+    def compute_time(self, d: int, duration: float) -> float:
+        """How long ``duration`` ms of compute on ``d`` takes from the clock, progressing
+        at 1/f of its rate while a transfer with compute slowdown f runs on its links (the
+        largest f where several do)."""
+        spans = self.busy[d] = [span for span in self.busy[d] if span[1] > self.clock]
+        t, work = self.clock, duration
+        for point in sorted({p for span in spans for p in span[:2] if p > t}):
+            factor = max((f for start, end, f in spans if start <= t < end), default=1.0)
+            if (point - t) / factor >= work:
+                return t + work * factor - self.clock
+            work -= (point - t) / factor
+            t = point
+        return t + work - self.clock
 
     def wait_until(self, t: float) -> None:
         if t > self.clock:
@@ -248,7 +275,9 @@ def _compute(state: _State, step: Compute) -> None:
     state.compute_ms += duration
     state.computes += 1
     if not state.concurrent:
-        state.clock += duration
+        taken = state.compute_time(d, duration) if state.busy[d] else duration
+        state.slowdown_ms += taken - duration
+        state.clock += taken
         if workspace:
             state.scratch = (d, workspace)
         return
@@ -429,6 +458,7 @@ def simulate(
         {tier: [_Lane() for _ in costs.devices] for tier in Tier},
         space=space,
         concurrent=plan.concurrent,
+        busy=[[] for _ in costs.devices],
     )
     for d in range(len(space)):
         lanes = [state.lanes[tier][e] for tier in Tier for e in members[d]]
@@ -491,7 +521,7 @@ def simulate(
         violation = _final_check(state, graph)
     ends = [lane.free_at for lanes in state.lanes.values() for lane in lanes]
     tail = max(ends, default=0.0) - state.clock
-    total = state.compute_ms + state.copy_ms - state.overlap_ms
+    total = state.compute_ms + state.copy_ms + state.slowdown_ms - state.overlap_ms
     if state.stall_ms or tail > 0:  # a plan without transfers costs its steps' sum, exactly
         total += state.stall_ms + max(tail, 0.0)
     link_mj = LINK_W * (state.copy_ms + state.transfer_ms)
@@ -508,6 +538,7 @@ def simulate(
         state.transfer_ms,
         state.stall_ms,
         energy_mj,
+        state.slowdown_ms,
     )
 
 

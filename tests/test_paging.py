@@ -118,6 +118,35 @@ def test_a_page_out_releases_memory_at_its_wait_and_a_page_in_stalls_for_the_rea
     assert timeline[12] == timeline[11] + 1000
 
 
+def test_compute_beside_a_transfer_is_slowed_by_the_links_compute_slowdown():
+    """A link with compute slowdown 2: node 1 computes while x0 is paged out (1 -> 2 ms),
+    at half its rate for that millisecond (half of its work), then at its full rate, so it
+    ends at 2.5 ms instead of 2; node 6, after the page-in's wait, is not slowed. A link
+    without one (1) slows nothing."""
+    g, costs = _setup()
+    slowed = replace(costs, storage=(replace(costs.storage[0], compute_slowdown=2.0),))
+    result = simulate(_plan(PAGED), g, slowed)
+    assert result.valid, result.violation
+    assert result.compute_ms == 7.0
+    assert result.slowdown_ms == pytest.approx(0.5)
+    assert result.stall_ms == pytest.approx(1.0)
+    assert result.total_ms == pytest.approx(8.5)
+    assert simulate(_plan(PAGED), g, costs).slowdown_ms == 0.0
+
+
+@pytest.mark.parametrize("slowdown", [0.5, -1.0, "nan", 1e9])
+def test_a_tables_compute_slowdown_round_trips_and_out_of_range_is_refused(slowdown):
+    g, costs = _setup()
+    slowed = replace(costs, storage=(replace(costs.storage[0], compute_slowdown=1.5),))
+    table = cost_table_of(g, slowed)
+    assert table.storage_links["cpu0"].compute_slowdown == 1.5
+    assert profiled_costs(g, table).link(0, Tier.STORAGE).compute_slowdown == 1.5
+    document = table.model_dump(mode="json")
+    document["storage_links"]["cpu0"]["compute_slowdown"] = slowdown
+    with pytest.raises(ValueError, match="compute_slowdown"):
+        type(table).model_validate(document)
+
+
 def test_a_slower_storage_makes_compute_wait_and_the_host_link_is_not_used():
     g, costs = _setup(storage_bytes_per_ms=250.0, host_bytes_per_ms=1e9)
     result = simulate(_plan(PAGED), g, costs)

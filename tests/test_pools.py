@@ -15,7 +15,16 @@ from remat.costs import CostModel, CostSource, analytical_costs
 from remat.devices import Device, DeviceKind, parse_device
 from remat.errors import InvalidInputError
 from remat.formulations.xengine import build_xengine
-from remat.plan import Compute, Copy, Free, Plan, PlanDevice, plan_from_json, plan_to_json
+from remat.plan import (
+    PAGE_OPS,
+    Compute,
+    Copy,
+    Free,
+    Plan,
+    PlanDevice,
+    plan_from_json,
+    plan_to_json,
+)
 from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
@@ -265,6 +274,30 @@ def test_port_m_hides_recomputation_on_the_pools_other_device():
     assert verdict.valid and verdict.total_ms == pytest.approx(result.simulation.total_ms)
     assert max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
     assert verdict.total_ms < apart.simulation.total_ms * 0.95
+
+
+def test_port_m_pages_on_the_pools_fastest_device_where_that_beats_recomputing():
+    """The chain sample at 70% on a pool of a fast CPU and a slow one, with storage fast
+    enough to hide every page transfer: XEngine recomputes; port_m takes ``port``'s plan
+    on the fast CPU alone, which pages instead and runs at the ideal (POET's setting)."""
+    ssd = "storage_write_bandwidth=1e11,storage_read_bandwidth=1e11,storage_latency_us=0"
+    devices = [
+        parse_device(f"cpu0:cpu:pool=ram,threads=8,{ssd}"),
+        parse_device(f"cpu1:cpu:pool=ram,threads=1,{ssd}"),
+    ]
+    solver = SolverSettings(options=SolveOptions(time_limit_s=4))
+    problem = build_problem(
+        samples.chain(), batch=2, devices=devices, budgets={"ram": "70%"}, solver=solver
+    )
+    apart = run_strategy("xengine", problem)
+    result = run_strategy("port_m", problem)
+    assert apart.feasible and result.feasible, result.message
+    assert result.plan.strategy == "port_m" and "cpu0 alone: port" in result.message
+    assert [d.name for d in result.plan.devices] == ["cpu0"]
+    assert any(s.op in PAGE_OPS for s in result.plan.steps)
+    verdict = simulate(result.plan, problem.graph, problem.costs)
+    assert verdict.valid and verdict.peak_bytes["cpu0"] <= problem.budgets["cpu0"]
+    assert verdict.total_ms < apart.simulation.total_ms
 
 
 def test_port_m_says_it_needs_devices_that_share_a_pool():

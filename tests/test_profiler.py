@@ -4,6 +4,7 @@ links to host memory and to storage, and progress while it runs."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import execute
-from agents.profiler import median_and_spread, profile
+from agents.profiler import median_and_spread, profile, slowdown
+from agents.torch_devices import Runtime, runtime_of
 from remat import samples
 from remat.budgets import fixed_bytes, reference
 from remat.costs import CostSource, analytical_costs, profiled_costs
@@ -75,6 +77,9 @@ def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -
     assert stored.write_bytes_per_s > 0 and stored.read_bytes_per_s > 0
     assert stored.latency_us > 0
     assert list(tmp_path.iterdir()) == []  # the probe files and their directory are gone
+    # measured beside each link's transfer, on a CPU device
+    assert "compute_slowdown" in link.model_fields_set and link.compute_slowdown >= 1
+    assert "compute_slowdown" in stored.model_fields_set and stored.compute_slowdown >= 1
     costs = profiled_costs(graph, table)
     assert costs.link(0, Tier.STORAGE) == stored.link()
     assert costs.link(0, Tier.STORAGE).out_bytes_per_s == stored.write_bytes_per_s
@@ -85,6 +90,21 @@ def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -
     assert (
         profiled_costs(graph, again).compute_ms == profiled_costs(graph, table).compute_ms
     ).all()
+
+
+def test_a_load_that_takes_the_computes_time_is_measured_as_a_slowdown() -> None:
+    """A thread that holds the interpreter (pure Python, never blocking) takes turns with
+    the probe's every operation: the probe runs far slower beside it than alone."""
+
+    def hog(ready: threading.Event, stop: threading.Event) -> None:
+        ready.set()
+        while not stop.is_set():
+            sum(range(10_000))
+
+    measured = slowdown(runtime_of(CPU0), hog)["compute_slowdown"]
+    assert measured > 1.5
+    gpu = Runtime("cuda0", DeviceKind.CUDA, torch.device("cuda", 0), None, None)
+    assert slowdown(gpu, hog) == {}  # copy engines beside the kernels: not measured
 
 
 def test_median_and_interquartile_range() -> None:

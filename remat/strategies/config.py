@@ -168,6 +168,10 @@ class SearchConfig:
     port_m_xengine_share: float = 0.5
     """``port_m``: the share of the time limit for XEngine's search (whose plans are
     compiled concurrent where they fit) before PORT-M's MILP starts from its plan."""
+    port_m_alone_share: float = 0.25
+    """``port_m``: the share of the time limit for ``port`` on the pool's fastest device
+    alone (rematerializing and paging, POET's setting), after XEngine's search and before
+    PORT-M's MILP."""
     port_time_tolerance: float = 0.01
     """``port``: how far above the best time (relative) a plan may be and still be chosen
     for fewer computations and page transfers (PORT's beta objectives)."""

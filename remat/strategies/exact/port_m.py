@@ -13,10 +13,13 @@ nothing is recomputed it plans as XEngine does.
 The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
 plans on a pool are compiled concurrent wherever they fit (``evaluate``); its schedule
 improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``);
-then PORT-M's MILP for the rest, started from the better of the two where it satisfies the
-model. The plan returned is the fastest. No bound is reported: the ideal bounds PORT-M's
-model but not every concurrent plan, whose sections may overlap independent nodes across
-stages too.
+``port`` on the pool's fastest device alone (the least total compute time) for
+``port_m_alone_share``, which pages to the node's storage where that beats recomputing
+(POET's setting), so that the pool's plan is not slower than that device's own, paging
+included; then PORT-M's MILP for the rest, started from the better of XEngine's plan and
+the stage-ahead one where it satisfies the model. The plan returned is the fastest. No
+bound is reported: the ideal bounds PORT-M's model but not every concurrent plan, whose
+sections may overlap independent nodes across stages too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from remat.strategies.common.problem import (
     select_best,
     with_prediction,
 )
+from remat.strategies.exact.port import port
 from remat.strategies.exact.search import solve_alone
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.recompute_ahead import recompute_ahead
@@ -62,6 +66,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             plan = with_prediction(ahead.plan, ahead.simulation)
             note = "recomputed a stage ahead on another device"
             first = StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
+    alone = _alone(problem.within(limit * config.port_m_alone_share))
     budgets = {name: problem.budgets.get(name) for name in names}
     formulation = build_xengine(problem.graph, problem.costs, budgets, concurrent=True)
     model = formulation.model
@@ -71,7 +76,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             model = replace(model, start=formulation.encode(first.schedule, repair=False))
     left = limit - (time.monotonic() - started)
     if problem.cancelled or left < config.min_solve_s:
-        return _named(first, "no time left for PORT-M's MILP")
+        return _faster(first, alone, "no time left for PORT-M's MILP")
     solved = solve_alone(problem, model, left)
     candidates = []
     if solved.x is not None:
@@ -79,17 +84,35 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     found = select_best(NAME, candidates)
     note = f"PORT-M MILP: {solved.status.value}"
     if found.plan is None or found.simulation is None:
-        return _named(first, note)
+        return _faster(first, alone, note)
     fastest = found.simulation.total_ms
-    if first.feasible and first.simulation and first.simulation.total_ms <= fastest:
-        return _named(first, note)
+    if _ms(first) <= fastest or _ms(alone) <= fastest:
+        return _faster(first, alone, note)
     info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
     plan = replace(with_prediction(found.plan, found.simulation), solver=info)
     return replace(found, plan=plan, message=note)
 
 
+def _alone(problem: Problem) -> StrategyResult:
+    """``port`` on the device of the pool with the least total compute time."""
+    device = problem.costs.devices[int(problem.costs.compute_ms.sum(axis=0).argmin())].name
+    result = port(problem, device)
+    return replace(result, message=f"{device} alone: {result.message}")
+
+
+def _ms(result: StrategyResult) -> float:
+    feasible = result.feasible and result.simulation is not None
+    return result.simulation.total_ms if feasible and result.simulation else float("inf")
+
+
+def _faster(first: StrategyResult, alone: StrategyResult, note: str) -> StrategyResult:
+    """The faster of XEngine's (or the stage-ahead) plan and ``port``'s on one device, as
+    port_m's, ``note`` added to its message."""
+    return _named(alone if _ms(alone) < _ms(first) else first, note)
+
+
 def _named(result: StrategyResult, note: str) -> StrategyResult:
-    """XEngine's ``result`` as port_m's, ``note`` added to its message."""
+    """``result`` as port_m's, ``note`` added to its message."""
     plan = None if result.plan is None else replace(result.plan, strategy=NAME)
     message = "; ".join(part for part in (result.message, note) if part)
     return replace(result, strategy=NAME, plan=plan, message=message)

@@ -48,8 +48,8 @@ On a CPU device a transfer runs on a thread beside the compute's (the executor's
 takes cores, memory bandwidth and the kernel's time from it; how much is measured for each
 link (``compute_slowdown``, ``remat.costs.Link``): a compute probe (a matrix product and an
 elementwise pass, about ``SLOWDOWN_PROBE_MS`` per run, with the device's threads) timed
-alone and while a thread repeats the link's transfer (host: a 16 MiB memcpy, as the lane's;
-storage: a 16 MiB file written, fsync'd and read back), in ``SLOWDOWN_REPEATS`` pairs of
+alone and while a thread repeats the link's transfer (host: a 4 MiB memcpy, as the lane's;
+storage: a 4 MiB file written, fsync'd and read back), in ``SLOWDOWN_REPEATS`` pairs of
 runs (alone, then beside), the median of the pairs' ratios, at least 1. A CUDA device's
 transfers run on its copy engines and DMA, beside its kernels (Beaumont et al.'s assumption
 (D)): 1, not measured.
@@ -287,9 +287,9 @@ def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
     }
 
 
-SLOWDOWN_PROBE_MS = 20.0
+SLOWDOWN_PROBE_MS = 10.0
 SLOWDOWN_REPEATS = 5
-SLOWDOWN_LOAD_BYTES = 16 << 20
+SLOWDOWN_LOAD_BYTES = 4 << 20
 
 
 Load = Callable[[threading.Event, threading.Event], None]

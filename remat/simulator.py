@@ -175,6 +175,7 @@ class _State:
     # per device: its transfers (start, end, compute slowdown) on links that slow its compute
     busy: list[list[tuple[float, float, float]]] = field(default_factory=list)
     slowdown_ms: float = 0.0  # compute time lost to them
+    slowdowns: dict[tuple[Tier, int], float] = field(default_factory=dict)  # per lane
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -232,7 +233,9 @@ class _State:
         duration = self.transfer_ms_of(tier, direction, d, node)
         lane.free_at = start + duration
         self.transfer_ms += duration
-        slowdown = self.costs.link(d, tier).compute_slowdown
+        slowdown = self.slowdowns.get((tier, d))
+        if slowdown is None:
+            slowdown = self.slowdowns[tier, d] = self.costs.link(d, tier).compute_slowdown
         if slowdown > 1.0:
             self.busy[d].append((start, lane.free_at, slowdown))
         return start, lane.free_at

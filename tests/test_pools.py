@@ -256,18 +256,25 @@ def test_port_ms_model_bounds_a_stage_by_its_longest_device_and_its_memory_by_th
     assert not any(block.label.startswith("PORT-M") for block in sequential.builder.row_blocks)
 
 
+def _xengine_and_port_m(devices, seconds):
+    """The chain sample at 70% on ``devices`` (one pool), and XEngine's and port_m's
+    plans for it with ``seconds`` each, both feasible."""
+    solver = SolverSettings(options=SolveOptions(time_limit_s=seconds))
+    problem = build_problem(
+        samples.chain(), batch=2, devices=devices, budgets={"ram": "70%"}, solver=solver
+    )
+    apart = run_strategy("xengine", problem)
+    result = run_strategy("port_m", problem)
+    assert apart.feasible and result.feasible, result.message
+    return problem, apart, result
+
+
 def test_port_m_hides_recomputation_on_the_pools_other_device():
     """The chain sample at 70% on two equal CPUs sharing their memory: XEngine's optimum
     recomputes on the way back, one device at a time; PORT-M recomputes on one CPU while
     the other computes (a stage ahead, then as its MILP finds), and its concurrent plan is
     faster, within the pool's budget."""
-    solver = SolverSettings(options=SolveOptions(time_limit_s=6))
-    problem = build_problem(
-        samples.chain(), batch=2, devices=POOLED_CPUS, budgets={"ram": "70%"}, solver=solver
-    )
-    apart = run_strategy("xengine", problem)
-    result = run_strategy("port_m", problem)
-    assert apart.feasible and result.feasible, result.message
+    problem, apart, result = _xengine_and_port_m(POOLED_CPUS, 6)
     assert result.plan.concurrent and result.plan.version == 4
     assert result.plan.strategy == "port_m"
     verdict = simulate(result.plan, problem.graph, problem.costs)
@@ -285,13 +292,7 @@ def test_port_m_pages_on_the_pools_fastest_device_where_that_beats_recomputing()
         parse_device(f"cpu0:cpu:pool=ram,threads=8,{ssd}"),
         parse_device(f"cpu1:cpu:pool=ram,threads=1,{ssd}"),
     ]
-    solver = SolverSettings(options=SolveOptions(time_limit_s=4))
-    problem = build_problem(
-        samples.chain(), batch=2, devices=devices, budgets={"ram": "70%"}, solver=solver
-    )
-    apart = run_strategy("xengine", problem)
-    result = run_strategy("port_m", problem)
-    assert apart.feasible and result.feasible, result.message
+    problem, apart, result = _xengine_and_port_m(devices, 4)
     assert result.plan.strategy == "port_m" and "cpu0 alone: port" in result.message
     assert [d.name for d in result.plan.devices] == ["cpu0"]
     assert any(s.op in PAGE_OPS for s in result.plan.steps)

@@ -61,10 +61,7 @@ def solve(column: str, pooled: Problem, apart: Problem, alone: list[Problem]) ->
     if column == "checkmate_milp":
         return run_strategy(column, pooled, "gpu0")
     if column == "poet":
-        return min(
-            (run_strategy("port", problem) for problem in alone),
-            key=lambda r: r.simulation.total_ms if r.feasible and r.simulation else float("inf"),
-        )
+        return min((run_strategy("port", problem) for problem in alone), key=lambda r: r.time_ms)
     if column == "xengine apart":
         return run_strategy("xengine", apart)
     return run_strategy(column, pooled)

@@ -3,6 +3,7 @@ and the result it returns."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -147,6 +148,13 @@ class StrategyResult:
     @property
     def feasible(self) -> bool:
         return self.plan is not None
+
+    @property
+    def time_ms(self) -> float:
+        """Its plan's predicted time; infinity without a plan (results compare by it)."""
+        if self.plan is None or self.simulation is None:
+            return math.inf
+        return self.simulation.total_ms
 
 
 def with_prediction(plan: Plan, simulation: Simulation) -> Plan:

@@ -86,7 +86,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     if found.plan is None or found.simulation is None:
         return _faster(first, alone, note)
     fastest = found.simulation.total_ms
-    if _ms(first) <= fastest or _ms(alone) <= fastest:
+    if first.time_ms <= fastest or alone.time_ms <= fastest:
         return _faster(first, alone, note)
     info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
     plan = replace(with_prediction(found.plan, found.simulation), solver=info)
@@ -100,15 +100,10 @@ def _alone(problem: Problem) -> StrategyResult:
     return replace(result, message=f"{device} alone: {result.message}")
 
 
-def _ms(result: StrategyResult) -> float:
-    feasible = result.feasible and result.simulation is not None
-    return result.simulation.total_ms if feasible and result.simulation else float("inf")
-
-
 def _faster(first: StrategyResult, alone: StrategyResult, note: str) -> StrategyResult:
     """The faster of XEngine's (or the stage-ahead) plan and ``port``'s on one device, as
     port_m's, ``note`` added to its message."""
-    return _named(alone if _ms(alone) < _ms(first) else first, note)
+    return _named(alone if alone.time_ms < first.time_ms else first, note)
 
 
 def _named(result: StrategyResult, note: str) -> StrategyResult:

@@ -70,6 +70,17 @@ read (a full disk: ENOSPC; EFBIG, EIO) fails the run at the ``wait`` for it (at 
 end for a page-out never waited for) with ``StorageError``: one line naming the node, the
 storage directory and the OS's reason.
 
+Paged fixed tensors (plan version 5). A run that pages fixed tensors first writes each
+of them (its value, made contiguous) to a file of its own in the run's directory, before
+the run is timed, as the node's storage would hold a model's parameters; they are not
+placed on any device. A ``fixed_in`` reads the file into fresh device memory on the
+paging lane (as a ``page_in``: counted from its step), readable once its ``fixed_wait``
+has returned; a ``fixed_free`` drops the device copy. A paged tensor's gradient buffer is
+made, zeroed and counted, by the first computation of the first backward node that writes
+it; a ``grad_out`` writes it to a file of its own on the paging lane (as a ``page_out``),
+and its ``grad_wait`` releases it. The gradients written out are read back from their
+files for the comparison with the reference, before the run's directory is removed.
+
 Memory pools. Devices that share a pool (``pool`` in the plan's device options) hold one
 set of resident values, one set of fixed tensors and gradient buffers (for every node any
 of them computes) and one account, as the simulator does, and each reports the pool's
@@ -176,7 +187,13 @@ from remat.graph import Graph, Mode, NodeKind
 from remat.plan import (
     Compute,
     Copy,
+    FixedFree,
+    FixedIn,
+    FixedStep,
+    FixedWait,
     Free,
+    GradOut,
+    GradWait,
     Offload,
     PageIn,
     PageOut,
@@ -185,7 +202,7 @@ from remat.plan import (
     Step,
     Wait,
 )
-from remat.simulator import Simulation, memory_spaces, simulate
+from remat.simulator import Key, Simulation, memory_spaces, simulate
 
 TOLERANCE = 1e-4
 # Against the float64 reference: how many times the host's own fp32 error is allowed.
@@ -579,6 +596,7 @@ class _Transfer:
     event: Any = None  # CUDA: a torch.cuda.Event recorded on the side stream after the copy
     copy: Value = ()  # CUDA: the copy; a page-in: the device bytes it reads into
     reserved: int = 0  # a prefetch or a page-in: the bytes accounted when it was issued
+    layouts: tuple[_Layout, ...] = ()  # a page-in: how its value lies in the bytes read
 
 
 class _Lane:
@@ -701,13 +719,14 @@ class _PagingLane:
     that writes and reads the files, one transfer at a time in plan order, and on CUDA a
     side stream for the copies between the device and pinned host buffers; the transfers
     in flight (by node) and the layouts of the values paged out, whose bytes are in a file
-    per value in the run's directory."""
+    per value in the run's directory. Paged fixed tensors and gradient buffers travel on it
+    too, by key (``remat.simulator.Key``), to and from the files the run names."""
 
     def __init__(self, runtime: Runtime, directory: Path) -> None:
         self.runtime = runtime
         self.directory = directory
         self.paged: dict[int, tuple[_Layout, ...]] = {}
-        self.in_flight: dict[int, _Transfer] = {}
+        self.in_flight: dict[Key, _Transfer] = {}
         self.pool = _started(
             ThreadPoolExecutor(1, thread_name_prefix=f"remat-{runtime.name}-paging-lane")
         )
@@ -721,18 +740,21 @@ class _PagingLane:
     def page_out(self, node: int, value: Value) -> None:
         """Start writing ``value`` (resident on the device) to its file, fsync'd."""
         self.paged[node] = tuple(_Layout.of(t) for t in value)
+        self.send(node, self._file(node), value)
+
+    def send(self, key: Key, path: Path, value: Value) -> None:
+        """Start writing ``value`` (resident on the device) to ``path``, fsync'd."""
         raws = tuple(_raw(t) for t in value)
-        path = self._file(node)
         if self.stream is None:
             future = self.pool.submit(write_through, path, _views(raws))
-            self.in_flight[node] = _Transfer(True, future=future)
+            self.in_flight[key] = _Transfer(True, future=future)
             return
         side = self.stream
         side.wait_stream(torch.cuda.current_stream(self.runtime.torch_device))  # its producer
         for t in value:
             t.record_stream(side)  # its memory is not reused before the copy has read it
         future = self.pool.submit(_copy_then_write, side, path, raws)
-        self.in_flight[node] = _Transfer(True, future=future)
+        self.in_flight[key] = _Transfer(True, future=future)
 
     def reserved(self, node: int) -> int:
         """The bytes ``node``'s value holds on the device once paged back in."""
@@ -740,12 +762,15 @@ class _PagingLane:
 
     def page_in(self, node: int, reserved: int) -> None:
         """Start reading ``node``'s file back into fresh device memory, allocated here."""
+        self.bring(node, self._file(node), self.paged[node], reserved)
+
+    def bring(self, key: Key, path: Path, layouts: tuple[_Layout, ...], reserved: int) -> None:
+        """Start reading ``path`` (a value that lies as ``layouts`` say) into fresh device
+        memory, allocated here."""
         device = self.runtime.torch_device
         raws = tuple(
-            torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-            for layout in self.paged[node]
+            torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts
         )
-        path = self._file(node)
         future: Future[Any]
         if self.stream is None:
             future = self.pool.submit(read_back, path, _views(raws))
@@ -757,9 +782,11 @@ class _PagingLane:
             for r in raws:
                 r.record_stream(side)
             future = self.pool.submit(_read_then_copy, side, path, raws)
-        self.in_flight[node] = _Transfer(False, future=future, copy=raws, reserved=reserved)
+        self.in_flight[key] = _Transfer(
+            False, future=future, copy=raws, reserved=reserved, layouts=layouts
+        )
 
-    def wait(self, node: int) -> tuple[_Transfer, Value]:
+    def wait(self, node: Key) -> tuple[_Transfer, Value]:
         """Block the compute lane until ``node``'s transfer is complete (a page-out's file
         written and fsync'd; a page-in's value on the device): the transfer and, for a
         page-in, the value. The ``OSError`` of a file that failed propagates."""
@@ -772,12 +799,11 @@ class _PagingLane:
             compute = torch.cuda.current_stream(self.runtime.torch_device)
             compute.wait_event(done[0])
             compute.synchronize()  # the wait's time is its own, as on the host lane
-        layouts = self.paged[node]
         return transfer, tuple(
-            layout.around(raw) for layout, raw in zip(layouts, transfer.copy, strict=True)
+            layout.around(raw) for layout, raw in zip(transfer.layouts, transfer.copy, strict=True)
         )
 
-    def drain(self) -> tuple[int, bool, OSError] | None:
+    def drain(self) -> tuple[Key, bool, OSError] | None:
         """Wait for the transfers still in flight (a page-out never waited for): the first
         that failed (node, whether out, its error), or None."""
         for node, transfer in self.in_flight.items():
@@ -903,7 +929,7 @@ class _Run:
                 computed[step.device].append(step.node)
             elif isinstance(step, Offload | Prefetch):
                 transferring.add(step.device)
-            elif isinstance(step, PageOut | PageIn):
+            elif isinstance(step, PageOut | PageIn | FixedStep):
                 paging.add(step.device)
         self.computed = computed
         self.transferring = sorted(transferring)  # the devices whose host lanes it uses
@@ -927,6 +953,11 @@ class _Run:
         self.lanes: dict[str, _Lane] = {}  # of the devices that transfer, made per run
         self.pagers: dict[str, _PagingLane] = {}  # of the devices that page, made per run
         self.directory: Path | None = None  # the run's own, in the storage directory
+        self.paged_fixed = plan.paged_fixed  # fixed tensors in storage (version 5)
+        # their files (written before the run is timed), and each pool's gradients
+        # written out: (file, layout)
+        self.fixed_files: dict[str, tuple[Path, tuple[_Layout, ...]]] = {}
+        self.grad_files: dict[tuple[str, str], tuple[Path, tuple[_Layout, ...]]] = {}
 
     def run(self) -> _Result:
         """The run, in a directory of its own in the storage directory where it pages
@@ -945,6 +976,7 @@ class _Run:
                 self._lane(name)
             for name in self.paging:
                 self._pager(name)
+            self._store_fixed()
             start = time.perf_counter()
             step_ms = self._steps()
             for lane in self.lanes.values():
@@ -1014,10 +1046,10 @@ class _Run:
         computed = [
             node for other, s in self.space.items() if s == space for node in self.computed[other]
         ]
-        held = self.program.held_fixed(computed)
+        held = [t for t in self.program.held_fixed(computed) if t not in self.paged_fixed]
         # Emulated CPU devices share the host's tensors; each is accounted per device.
         self.fixed[name] = {t: self.program.fixed[t].to(device) for t in held}
-        buffers = self.program.gradient_buffers(computed)
+        buffers = [t for t in self.program.gradient_buffers(computed) if t not in self.paged_fixed]
         self.buffers[name] = {
             t: torch.zeros_like(self.program.fixed[t], device=device) for t in buffers
         }
@@ -1027,6 +1059,15 @@ class _Run:
         )
         self.peaks[space] = self.fixed_bytes[space]
         check_memory(runtime, self.fixed_bytes[space])
+
+    def _store_fixed(self) -> None:
+        """Write each paged fixed tensor to its file in the run's directory."""
+        for index, name in enumerate(sorted(self.paged_fixed)):
+            assert self.directory is not None
+            value = self.program.fixed[name].contiguous().clone()
+            path = self.directory / f"fixed-{index}"
+            write_through(path, _views((_raw(value),)))
+            self.fixed_files[name] = (path, (_Layout.of(value),))
 
     def _release(self) -> None:
         lanes, self.lanes = self.lanes, {}
@@ -1115,6 +1156,8 @@ class _Run:
                 ms = self._page_in(step)
             elif isinstance(step, Wait):
                 ms = self._wait(step)
+            elif isinstance(step, FixedStep):
+                ms = self._fixed_step(step)
             else:  # the simulator accepted it, so a newer step kind this agent lacks
                 raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
         except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -1136,12 +1179,14 @@ class _Run:
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device
-        node = self.program.graph.nodes[step.node].name
+        if isinstance(step, FixedStep):
+            what = f"fixed tensor {step.tensor!r}"
+        else:
+            what = f"node {self.program.graph.nodes[step.node].name!r}"
         first = _first_line(error)
         self._release()
         return DeviceOutOfMemory(
-            f"out of memory on device {device!r} at step {index} ({step.op} of node "
-            f"{node!r}): {first}"
+            f"out of memory on device {device!r} at step {index} ({step.op} of {what}): {first}"
         )
 
     def _compute(self, step: Compute) -> float:
@@ -1153,6 +1198,8 @@ class _Run:
                 # A recomputed backward node must not add its parameter gradients twice.
                 self.accumulated.add(step.node)
                 grads = self.buffers[step.device]
+        if grads is not None and self.paged_fixed:
+            self._new_buffers(step, grads)
         resident = self.resident[step.device]
         value, ms = self._timed(
             runtime,
@@ -1168,6 +1215,15 @@ class _Run:
         resident[step.node] = value
         self._allocated(step.device, value_bytes(value))
         return ms
+
+    def _new_buffers(self, step: Compute, grads: dict[str, torch.Tensor]) -> None:
+        """The gradient buffers of paged fixed tensors that ``step`` writes first: made,
+        zeroed and counted on its device."""
+        for name in self.program.gradient_buffers([step.node]):
+            if name in self.paged_fixed and name not in grads:
+                device = self.runtimes[step.device].torch_device
+                grads[name] = torch.zeros_like(self.program.fixed[name], device=device)
+                self._allocated(step.device, value_bytes((grads[name],)))
 
     def _copy(self, step: Copy) -> float:
         src, dst = self.runtimes[step.src], self.runtimes[step.dst]
@@ -1239,11 +1295,47 @@ class _Run:
         pager.page_in(step.node, reserved)
         return (time.perf_counter() - start) * 1e3
 
-    def _storage_failed(self, node: int, out: bool, error: OSError) -> StorageError:
+    def _fixed_step(self, step: FixedStep) -> float:
+        """A step that pages a fixed tensor or its gradient buffer (version 5)."""
+        start = time.perf_counter()
+        pager = self._pager(step.device)
+        name, fixed, buffers = step.tensor, self.fixed[step.device], self.buffers[step.device]
+        if isinstance(step, FixedIn):
+            path, layouts = self.fixed_files[name]
+            reserved = sum(layout.nbytes for layout in layouts)
+            self._allocated(step.device, reserved)  # from the issue on, as a page-in
+            pager.bring(("param", name), path, layouts, reserved)
+        elif isinstance(step, FixedWait | GradWait):
+            key = ("param" if isinstance(step, FixedWait) else "grad", name)
+            try:
+                transfer, value = pager.wait(key)
+            except OSError as error:
+                raise self._storage_failed(key, transfer_out(key), error) from error
+            if isinstance(step, FixedWait):
+                fixed[name] = value[0]
+                self._allocated(step.device, value_bytes(value) - transfer.reserved)
+            else:
+                self.live[self.space[step.device]] -= value_bytes((buffers.pop(name),))
+        elif isinstance(step, FixedFree):
+            self.live[self.space[step.device]] -= value_bytes((fixed.pop(name),))
+        else:
+            assert isinstance(step, GradOut)
+            space = self.space[step.device]
+            assert self.directory is not None
+            path = self.directory / f"grad-{len(self.grad_files)}"
+            self.grad_files[space, name] = (path, (_Layout.of(buffers[name]),))
+            pager.send(("grad", name), path, (buffers[name],))
+        return (time.perf_counter() - start) * 1e3
+
+    def _storage_failed(self, key: Key, out: bool, error: OSError) -> StorageError:
         """The one-line error of a file that could not be written or read back."""
-        name = self.program.graph.nodes[node].name
+        if isinstance(key, tuple):
+            kind, name = key
+            what = f"fixed tensor {name!r}" if kind == "param" else f"the gradient of {name!r}"
+        else:
+            what = f"node {key} ({self.program.graph.nodes[key].name})"
         where = f"out to {self.storage}" if out else f"in from {self.storage}"
-        return StorageError(f"paging node {node} ({name}) {where} failed: {describe(error)}")
+        return StorageError(f"paging {what} {where} failed: {describe(error)}")
 
     def _wait(self, step: Wait) -> float:
         start = time.perf_counter()
@@ -1267,12 +1359,20 @@ class _Run:
     # --- results -------------------------------------------------------------------------
 
     def _gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients summed over the devices' buffers and the files written out."""
         total: dict[str, torch.Tensor] = {}
-        for buffers in {id(b): b for b in self.buffers.values()}.values():  # a pool's once
-            for name, buffer in buffers.items():
-                if name in self.program.trainable:
-                    host = buffer.to("cpu")
-                    total[name] = total[name] + host if name in total else host
+        hosts = [
+            (name, buffer.to("cpu"))
+            for buffers in {id(b): b for b in self.buffers.values()}.values()  # a pool's once
+            for name, buffer in buffers.items()
+        ]
+        for (_, name), (path, (layout,)) in self.grad_files.items():
+            raw = torch.empty(layout.nbytes, dtype=torch.uint8)
+            read_back(path, _views((raw,)))
+            hosts.append((name, layout.around(raw)))
+        for name, host in hosts:
+            if name in self.program.trainable:
+                total[name] = total[name] + host if name in total else host
         return total
 
     def _outputs(self) -> dict[str, torch.Tensor]:
@@ -1281,6 +1381,11 @@ class _Run:
             for node, value in resident.items():
                 values.setdefault(node, tuple(t.to("cpu") for t in value))
         return self.program.model_output_values(values)
+
+
+def transfer_out(key: Key) -> bool:
+    """Whether a paged fixed tensor's transfer leaves the device: a gradient's does."""
+    return isinstance(key, tuple) and key[0] == "grad"
 
 
 def _first_line(error: BaseException) -> str:

@@ -8,7 +8,14 @@ transfer lane, concurrently with compute (Beaumont et al., assumptions (B)-(E)):
 the node's storage (PORT), on a second lane per device with the same rules: ``page_out``
 and ``page_in``, ended by a ``wait`` too. Version 4 marks a plan ``concurrent`` (PORT-M,
 devices sharing one memory): its consecutive ``compute`` steps run at once, each device
-its own in plan order, and every other step waits until they have ended (``Plan``). Each
+its own in plan order, and every other step waits until they have ended (``Plan``).
+Version 5 pages fixed tensors too (parameters and model inputs, and the parameters'
+gradient buffers), on the paging lane, so that a plan needs less than their whole size: a
+fixed tensor named by a step of version 5 starts the plan in the node's storage, is read in
+by ``fixed_in`` (readable after ``fixed_wait``) and dropped by ``fixed_free`` (storage keeps
+it: fixed tensors do not change during a step); its gradient buffer is allocated by the
+first backward node that writes it, and ``grad_out`` writes it to storage, released by a
+``grad_wait``. Each
 version's plans are plans of the next and mean what they meant; a plan is written as the
 lowest version that holds it.
 
@@ -28,9 +35,12 @@ from typing import Any, ClassVar
 from remat.devices import Device, DeviceKind, Tier
 from remat.errors import InvalidInputError
 
-PLAN_VERSION = 4  # the latest; a plan is written as the lowest version that holds it
-VERSIONS = (1, 2, 3, 4)
-TRANSFER_OPS = frozenset({"offload", "prefetch", "page_out", "page_in", "wait"})
+PLAN_VERSION = 5  # the latest; a plan is written as the lowest version that holds it
+VERSIONS = (1, 2, 3, 4, 5)
+FIXED_OPS = frozenset({"fixed_in", "fixed_free", "fixed_wait", "grad_out", "grad_wait"})
+"""The step kinds of version 5, which page fixed tensors and gradient buffers: each names a
+fixed tensor (``tensor``), not a node."""
+TRANSFER_OPS = frozenset({"offload", "prefetch", "page_out", "page_in", "wait"}) | FIXED_OPS
 """The step kinds on transfer lanes: refused in a version-1 document."""
 PAGE_OPS = frozenset({"page_out", "page_in"})
 """The step kinds of version 3: refused in a version-1 or -2 document."""
@@ -124,7 +134,64 @@ class Wait:
     op: str = field(default="wait", init=False)
 
 
-Step = Compute | Copy | Free | Offload | Prefetch | PageOut | PageIn | Wait
+@dataclass(frozen=True, slots=True)
+class FixedIn:
+    """Start reading fixed tensor ``tensor`` from the node's storage to ``device`` on its
+    paging lane; its memory is reserved when the read starts, and it is readable after a
+    ``fixed_wait``."""
+
+    stage: int
+    tensor: str
+    device: str
+    op: str = field(default="fixed_in", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class FixedWait:
+    """Hold the compute lane until ``tensor``'s ``fixed_in`` on ``device`` has completed."""
+
+    stage: int
+    tensor: str
+    device: str
+    op: str = field(default="fixed_wait", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class FixedFree:
+    """Release ``tensor``'s copy on ``device`` (its value stays in storage)."""
+
+    stage: int
+    tensor: str
+    device: str
+    op: str = field(default="fixed_free", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GradOut:
+    """Start writing ``tensor``'s gradient buffer on ``device`` to the node's storage on the
+    paging lane, once every backward node that writes it has run; the buffer stays counted
+    until a ``grad_wait``, and the gradient ends the plan in storage."""
+
+    stage: int
+    tensor: str
+    device: str
+    op: str = field(default="grad_out", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GradWait:
+    """Hold the compute lane until ``tensor``'s ``grad_out`` on ``device`` has completed,
+    then release the buffer."""
+
+    stage: int
+    tensor: str
+    device: str
+    op: str = field(default="grad_wait", init=False)
+
+
+FixedStep = FixedIn | FixedWait | FixedFree | GradOut | GradWait
+NodeStep = Compute | Copy | Free | Offload | Prefetch | PageOut | PageIn | Wait
+Step = NodeStep | FixedStep
 SENDS: dict[Tier, type[Offload] | type[PageOut]] = {Tier.HOST: Offload, Tier.STORAGE: PageOut}
 """The step that sends a tensor from a device to each tier."""
 BRINGS: dict[Tier, type[Prefetch] | type[PageIn]] = {Tier.HOST: Prefetch, Tier.STORAGE: PageIn}
@@ -176,8 +243,9 @@ class Plan:
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
     version: int = 0
-    """1 to 4, at least the lowest that holds the plan (4 where it is concurrent, 3 where
-    any step pages, 2 where any other is a transfer, else 1), which 0 (the default) and
+    """1 to 5, at least the lowest that holds the plan (5 where a step pages a fixed
+    tensor, 4 where it is concurrent, 3 where any step pages, 2 where any other is a
+    transfer, else 1), which 0 (the default) and
     any lower value become, so that agents that read an earlier version execute every
     plan it holds."""
     concurrent: bool = False
@@ -192,6 +260,7 @@ class Plan:
         ops = {step.op for step in self.steps}
         need = 3 if ops & PAGE_OPS else 2 if ops & TRANSFER_OPS else 1
         need = 4 if self.concurrent else need
+        need = 5 if ops & FIXED_OPS else need
         if self.version < need:  # also a plan replaced into a later version's
             object.__setattr__(self, "version", need)
 
@@ -206,8 +275,13 @@ class Plan:
 
     @property
     def pages(self) -> bool:
-        """Whether any step pages to storage."""
-        return any(step.op in PAGE_OPS for step in self.steps)
+        """Whether any step pages to storage (activations or fixed tensors)."""
+        return any(step.op in PAGE_OPS or step.op in FIXED_OPS for step in self.steps)
+
+    @property
+    def paged_fixed(self) -> frozenset[str]:
+        """The fixed tensors the plan pages (version 5): they start it in storage."""
+        return frozenset(step.tensor for step in self.steps if isinstance(step, FixedStep))
 
 
 # --- JSON -------------------------------------------------------------------------------
@@ -222,6 +296,8 @@ def _step_to_json(step: Step) -> dict[str, Any]:
             "from": step.src,
             "to": step.dst,
         }
+    if isinstance(step, FixedStep):
+        return {"stage": step.stage, "op": step.op, "tensor": step.tensor, "device": step.device}
     return {"stage": step.stage, "op": step.op, "node": step.node, "device": step.device}
 
 
@@ -266,7 +342,7 @@ def plan_from_json(document: Any) -> Plan:
         raise InvalidInputError("plan: expected a JSON object")
     version = document.get("version")
     if isinstance(version, bool) or version not in VERSIONS:
-        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1 to 4)")
+        raise InvalidInputError(f"plan: unsupported version {version!r} (expected 1 to 5)")
     concurrent = document.get("concurrent", False)
     if not isinstance(concurrent, bool):
         raise InvalidInputError("plan: 'concurrent' must be true or false")
@@ -325,7 +401,7 @@ def _step(raw: Any, index: int, version: int) -> Step:
     op = raw.get("op")
     if not isinstance(op, str) or op not in _STEP_FIELDS:
         raise InvalidInputError(f"{where}: unknown op {op!r}")
-    need = 3 if op in PAGE_OPS else 2 if op in TRANSFER_OPS else 1
+    need = 5 if op in FIXED_OPS else 3 if op in PAGE_OPS else 2 if op in TRANSFER_OPS else 1
     if version < need:
         raise InvalidInputError(
             f"{where}: op {op!r} needs plan version {need} (this plan is {version})"
@@ -349,7 +425,7 @@ _STEP_FIELDS: dict[str, list[tuple[str, type]]] = {
     "page_out": [("stage", int), ("node", int), ("device", str)],
     "page_in": [("stage", int), ("node", int), ("device", str)],
     "wait": [("stage", int), ("node", int), ("device", str)],
-}
+} | {op: [("stage", int), ("tensor", str), ("device", str)] for op in FIXED_OPS}
 _STEP_TYPES: dict[str, type] = {
     "compute": Compute,
     "copy": Copy,
@@ -359,6 +435,11 @@ _STEP_TYPES: dict[str, type] = {
     "page_out": PageOut,
     "page_in": PageIn,
     "wait": Wait,
+    "fixed_in": FixedIn,
+    "fixed_wait": FixedWait,
+    "fixed_free": FixedFree,
+    "grad_out": GradOut,
+    "grad_wait": GradWait,
 }
 
 

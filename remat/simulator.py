@@ -53,6 +53,17 @@ step starts after it. A section only allocates, so memory after each of its step
 memory in plan order, an upper bound of every instant; while a step runs, the largest
 workspace of each other device of its pool in the section so far counts beside its own.
 
+Paged fixed tensors (plan version 5): a fixed tensor named by a ``fixed_in``,
+``fixed_wait``, ``fixed_free``, ``grad_out`` or ``grad_wait`` step is left out of the fixed
+memory above. It starts the plan in storage; ``fixed_in`` reads it on the device's paging
+lane as a ``page_in`` does (reserved when the read starts, readable after its
+``fixed_wait``), and ``fixed_free`` releases it at once (storage keeps its value). A node
+that reads it needs it readable on its device. Its gradient buffer (where it has a
+gradient) is allocated, zeroed, by the first computation of the first backward node that
+writes it, and released by a ``grad_wait`` after a ``grad_out`` has written it to storage
+(as a ``page_out``); a backward node that would write it after its ``grad_out`` is refused.
+On a pool, the pool holds one copy of each and one buffer.
+
 Memory is checked at every instant: after each step and when a transfer starts later
 than the step that issued it. While a node computes, its device also holds the kernel's
 workspace (``CostModel.workspace_bytes``: scratch memory beyond inputs and output, Beaumont
@@ -73,7 +84,28 @@ from remat.costs import CostModel
 from remat.devices import Tier, format_bytes
 from remat.energy import LINK_W
 from remat.graph import Graph, Mode, NodeKind
-from remat.plan import Compute, Copy, Free, Offload, PageIn, PageOut, Plan, Prefetch, Step, Wait
+from remat.plan import (
+    Compute,
+    Copy,
+    FixedFree,
+    FixedIn,
+    FixedStep,
+    FixedWait,
+    Free,
+    GradOut,
+    GradWait,
+    Offload,
+    PageIn,
+    PageOut,
+    Plan,
+    Prefetch,
+    Step,
+    Wait,
+)
+
+Key = int | tuple[str, str]
+"""What a lane moves: a node's value, or a paged fixed tensor (``("param", name)``) or its
+gradient buffer (``("grad", name)``)."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +149,8 @@ class _Lane:
     (node -> the time their transfer completes) and the tensors held on the tier."""
 
     free_at: float = 0.0
-    leaving: dict[int, float] = field(default_factory=dict)  # sent, not yet released
-    arriving: dict[int, float] = field(default_factory=dict)  # brought back, not yet waited
+    leaving: dict[Key, float] = field(default_factory=dict)  # sent, not yet released
+    arriving: dict[Key, float] = field(default_factory=dict)  # brought back, not yet waited
     held: set[int] = field(default_factory=set)
 
 
@@ -166,8 +198,8 @@ class _State:
     q_mj: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     space: list[int] = field(default_factory=list)  # device -> the first device of its pool
     # device -> the lanes' tensors in flight (arriving; leaving or arriving) of its pool
-    incoming: list[list[dict[int, float]]] = field(default_factory=list)
-    moving: list[list[dict[int, float]]] = field(default_factory=list)
+    incoming: list[list[dict[Key, float]]] = field(default_factory=list)
+    moving: list[list[dict[Key, float]]] = field(default_factory=list)
     in_transit: int = 0  # transfers in flight on every lane
     concurrent: bool = False  # the plan's sections of compute steps run at once
     section: _Section | None = None  # the section under way, in a concurrent plan
@@ -176,6 +208,14 @@ class _State:
     busy: list[list[tuple[float, float, float]]] = field(default_factory=list)
     slowdown_ms: float = 0.0  # compute time lost to them
     slowdowns: dict[tuple[Tier, int], float] = field(default_factory=dict)  # per lane
+    # Paged fixed tensors (version 5): their names; per device, those resident and the
+    # gradient buffers allocated on its pool (one set shared by a pool's devices); the
+    # (pool, tensor) gradients written out; the backward nodes whose gradients are in.
+    paged: frozenset[str] = frozenset()
+    params: list[set[str]] = field(default_factory=list)
+    grads: list[set[str]] = field(default_factory=list)
+    stored: set[tuple[int, str]] = field(default_factory=set)
+    accumulated: set[int] = field(default_factory=set)
 
     def device(self, name: str) -> int:
         index = self.device_index.get(name)
@@ -210,13 +250,28 @@ class _State:
                     "(no wait for it)"
                 )
 
-    def arriving(self, node: int, d: int) -> bool:
-        """``node`` is coming back on a lane of ``d``'s pool."""
-        return self.in_transit > 0 and any(node in arriving for arriving in self.incoming[d])
+    def arriving(self, key: Key, d: int) -> bool:
+        """``key`` is coming back on a lane of ``d``'s pool."""
+        return self.in_transit > 0 and any(key in arriving for arriving in self.incoming[d])
 
-    def in_flight(self, node: int, d: int) -> bool:
-        """A transfer of ``node`` is in flight on a lane of ``d``'s pool."""
-        return self.in_transit > 0 and any(node in moving for moving in self.moving[d])
+    def in_flight(self, key: Key, d: int) -> bool:
+        """A transfer of ``key`` is in flight on a lane of ``d``'s pool."""
+        return self.in_transit > 0 and any(key in moving for moving in self.moving[d])
+
+    def tensor(self, step: FixedStep) -> int:
+        """The bytes of the paged fixed tensor ``step`` names."""
+        fixed = self.graph.fixed.get(step.tensor)
+        if fixed is None:
+            raise _PlanInvalid(f"{step.op} of {step.tensor!r}: not a fixed tensor of the graph")
+        return fixed.nbytes
+
+    def reserve(self, d: int, nbytes: int, start: float) -> None:
+        """Count ``nbytes`` on ``d``'s pool from ``start`` (now, or when a transfer starts
+        later than the step that issued it: assumption (E))."""
+        if start <= self.clock:
+            self.memory[self.space[d]] += nbytes
+        else:
+            heapq.heappush(self.pending, (start, len(self.pending), d, nbytes, self.step))
 
     def transfer_ms_of(self, tier: Tier, direction: str, d: int, node: int) -> float:
         key = (tier, direction, d)
@@ -226,11 +281,11 @@ class _State:
             )
         return float(self.link_ms[key][node])
 
-    def start_transfer(self, tier: Tier, direction: str, d: int, node: int) -> tuple[float, float]:
-        """Queue a transfer on ``d``'s lane to ``tier``: its start and its end."""
+    def start_transfer(self, tier: Tier, d: int, duration: float) -> tuple[float, float]:
+        """Queue a transfer of ``duration`` ms on ``d``'s lane to ``tier``: its start and its
+        end."""
         lane = self.lanes[tier][d]
         start = max(self.clock, lane.free_at)
-        duration = self.transfer_ms_of(tier, direction, d, node)
         lane.free_at = start + duration
         self.transfer_ms += duration
         slowdown = self.slowdowns.get((tier, d))
@@ -267,9 +322,12 @@ def _compute(state: _State, step: Compute) -> None:
         raise _PlanInvalid(f"node {name} is already resident on {step.device}")
     resident = state.resident[d]
     incoming = [a for a in state.incoming[d] if a] if state.in_transit else []
-    for dep in state.graph.nodes[step.node].deps:
+    node = state.graph.nodes[step.node]
+    for dep in node.deps:
         if dep not in resident or (incoming and any(dep in a for a in incoming)):
             state.readable(dep, d, f"compute {name} on {step.device}: dependency")
+    if state.paged and not state.paged.isdisjoint(node.fixed):
+        _paged_fixed(state, step, name, d)
     state.allocate(step.node, d)
     state.computed.add(step.node)
     workspace = state.costs.workspace(step.node, d)
@@ -340,7 +398,8 @@ def _send(state: _State, step: Offload | PageOut) -> None:
     if state.in_flight(step.node, d):
         raise _PlanInvalid(f"{step.op} of {name} from {step.device}: a transfer of it is in flight")
     lane = state.lanes[step.tier][d]
-    _, end = state.start_transfer(step.tier, "out", d, step.node)
+    duration = state.transfer_ms_of(step.tier, "out", d, step.node)
+    _, end = state.start_transfer(step.tier, d, duration)
     lane.leaving[step.node] = end
     state.in_transit += 1
     lane.held.add(step.node)
@@ -362,16 +421,12 @@ def _bring(state: _State, step: Prefetch | PageIn) -> None:
             f"{step.op} of {name} to {step.device}: still resident there (a wait for its "
             f"{sent} releases it)"
         )
-    start, end = state.start_transfer(step.tier, "in", d, step.node)
+    duration = state.transfer_ms_of(step.tier, "in", d, step.node)
+    start, end = state.start_transfer(step.tier, d, duration)
     lane.arriving[step.node] = end
     state.in_transit += 1
     state.resident[d].add(step.node)
-    nbytes = int(state.costs.output_bytes[step.node])
-    if start <= state.clock:
-        state.memory[state.space[d]] += nbytes
-    else:  # reserved when the transfer starts (assumption (E))
-        order = len(state.pending)
-        heapq.heappush(state.pending, (start, order, d, nbytes, state.step))
+    state.reserve(d, int(state.costs.output_bytes[step.node]), start)
 
 
 def _wait(state: _State, step: Wait) -> None:
@@ -391,6 +446,106 @@ def _wait(state: _State, step: Wait) -> None:
     raise _PlanInvalid(f"wait for {name} on {step.device}: no transfer of it is in flight")
 
 
+def _paged_fixed(state: _State, step: Compute, name: str, d: int) -> None:
+    """A compute step's paged fixed tensors: each readable on ``d``'s pool; the first
+    computation of a backward node allocates the gradient buffers it writes first."""
+    node = state.graph.nodes[step.node]
+    space = state.space[d]
+    for t in node.fixed:
+        if t not in state.paged:
+            continue
+        if t not in state.params[d] or state.arriving(("param", t), d):
+            raise _PlanInvalid(
+                f"compute {name} on {step.device}: fixed tensor {t!r} is not readable there "
+                "(no fixed_in, or no fixed_wait for it)"
+            )
+    if node.kind is not NodeKind.BACKWARD or step.node in state.accumulated:
+        return
+    state.accumulated.add(step.node)
+    for t in node.fixed:
+        fixed = state.graph.fixed[t]
+        if t not in state.paged or not fixed.has_gradient or t in state.grads[d]:
+            continue
+        if (space, t) in state.stored:
+            raise _PlanInvalid(
+                f"compute {name} on {step.device}: writes the gradient of {t!r} after its grad_out"
+            )
+        state.grads[d].add(t)
+        state.memory[space] += fixed.nbytes
+
+
+def _fixed_in(state: _State, step: FixedIn) -> None:
+    nbytes = state.tensor(step)
+    d = state.device(step.device)
+    key = ("param", step.tensor)
+    if step.tensor in state.params[d]:
+        raise _PlanInvalid(f"fixed_in of {step.tensor!r} to {step.device}: already resident there")
+    link = state.costs.link(d, Tier.STORAGE)
+    start, end = state.start_transfer(Tier.STORAGE, d, float(link.in_ms(nbytes)))
+    state.lanes[Tier.STORAGE][d].arriving[key] = end
+    state.in_transit += 1
+    state.params[d].add(step.tensor)
+    state.reserve(d, nbytes, start)
+
+
+def _fixed_wait(state: _State, step: FixedWait) -> None:
+    state.tensor(step)
+    d = state.device(step.device)
+    arriving = state.lanes[Tier.STORAGE][d].arriving
+    end = arriving.pop(("param", step.tensor), None)
+    if end is None:
+        raise _PlanInvalid(
+            f"fixed_wait for {step.tensor!r} on {step.device}: no fixed_in of it is in flight"
+        )
+    state.wait_until(end)
+    state.in_transit -= 1
+
+
+def _fixed_free(state: _State, step: FixedFree) -> None:
+    nbytes = state.tensor(step)
+    d = state.device(step.device)
+    if step.tensor not in state.params[d]:
+        raise _PlanInvalid(f"fixed_free of {step.tensor!r} on {step.device}: not resident there")
+    if state.arriving(("param", step.tensor), d):
+        raise _PlanInvalid(
+            f"fixed_free of {step.tensor!r} on {step.device}: its fixed_in is in flight "
+            "(a fixed_wait ends it)"
+        )
+    state.params[d].discard(step.tensor)
+    state.memory[state.space[d]] -= nbytes
+
+
+def _grad_out(state: _State, step: GradOut) -> None:
+    nbytes = state.tensor(step)
+    d = state.device(step.device)
+    if step.tensor not in state.grads[d]:
+        raise _PlanInvalid(
+            f"grad_out of {step.tensor!r} from {step.device}: no gradient buffer of it there "
+            "(not paged, not yet written, or already written out)"
+        )
+    if state.in_flight(("grad", step.tensor), d):
+        raise _PlanInvalid(f"grad_out of {step.tensor!r} from {step.device}: already in flight")
+    link = state.costs.link(d, Tier.STORAGE)
+    _, end = state.start_transfer(Tier.STORAGE, d, float(link.out_ms(nbytes)))
+    state.lanes[Tier.STORAGE][d].leaving[("grad", step.tensor)] = end
+    state.in_transit += 1
+    state.stored.add((state.space[d], step.tensor))
+
+
+def _grad_wait(state: _State, step: GradWait) -> None:
+    nbytes = state.tensor(step)
+    d = state.device(step.device)
+    end = state.lanes[Tier.STORAGE][d].leaving.pop(("grad", step.tensor), None)
+    if end is None:
+        raise _PlanInvalid(
+            f"grad_wait for {step.tensor!r} on {step.device}: no grad_out of it is in flight"
+        )
+    state.wait_until(end)
+    state.in_transit -= 1
+    state.grads[d].discard(step.tensor)
+    state.memory[state.space[d]] -= nbytes
+
+
 _HANDLERS: dict[str, Callable[[_State, Step], None]] = {
     "compute": _compute,  # type: ignore[dict-item]
     "copy": _copy,  # type: ignore[dict-item]
@@ -400,11 +555,19 @@ _HANDLERS: dict[str, Callable[[_State, Step], None]] = {
     "page_out": _send,  # type: ignore[dict-item]
     "page_in": _bring,  # type: ignore[dict-item]
     "wait": _wait,  # type: ignore[dict-item]
+    "fixed_in": _fixed_in,  # type: ignore[dict-item]
+    "fixed_wait": _fixed_wait,  # type: ignore[dict-item]
+    "fixed_free": _fixed_free,  # type: ignore[dict-item]
+    "grad_out": _grad_out,  # type: ignore[dict-item]
+    "grad_wait": _grad_wait,  # type: ignore[dict-item]
 }
 
 
-def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
-    """Fixed memory of a device that computes ``nodes``: the rule in the module docstring."""
+def held_fixed_bytes(
+    graph: Graph, nodes: Iterable[int], paged: frozenset[str] = frozenset()
+) -> int:
+    """Fixed memory of a device that computes ``nodes``: the rule in the module docstring,
+    without the ``paged`` tensors."""
     held: set[str] = set()
     gradients: set[str] = set()
     training = graph.mode is Mode.TRAINING
@@ -413,6 +576,8 @@ def held_fixed_bytes(graph: Graph, nodes: Iterable[int]) -> int:
         held.update(node.fixed)
         if training and node.kind is NodeKind.BACKWARD:
             gradients.update(t for t in node.fixed if graph.fixed[t].has_gradient)
+    held -= paged
+    gradients -= paged
     return sum(graph.fixed[t].nbytes for t in held) + sum(graph.fixed[t].nbytes for t in gradients)
 
 
@@ -429,7 +594,8 @@ def fixed_bytes(graph: Graph, plan: Plan) -> dict[str, int]:
     for step in plan.steps:
         if isinstance(step, Compute) and step.device in spaces and 0 <= step.node < len(graph):
             computed[spaces[step.device]].add(step.node)
-    held = {space: held_fixed_bytes(graph, nodes) for space, nodes in computed.items()}
+    paged = plan.paged_fixed
+    held = {space: held_fixed_bytes(graph, nodes, paged) for space, nodes in computed.items()}
     return {name: held[space] for name, space in spaces.items()}
 
 
@@ -462,7 +628,12 @@ def simulate(
         space=space,
         concurrent=plan.concurrent,
         busy=[[] for _ in costs.devices],
+        paged=plan.paged_fixed,
     )
+    params: dict[int, set[str]] = {}
+    grads: dict[int, set[str]] = {}
+    state.params = [params.setdefault(space[d], set()) for d in range(len(space))]
+    state.grads = [grads.setdefault(space[d], set()) for d in range(len(space))]
     for d in range(len(space)):
         lanes = [state.lanes[tier][e] for tier in Tier for e in members[d]]
         state.incoming.append([lane.arriving for lane in lanes])

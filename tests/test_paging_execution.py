@@ -32,7 +32,8 @@ from remat.devices import Device, DeviceKind, Size, Tier
 from remat.graph import Graph, Mode, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.plan import BRINGS, SENDS, Compute, Plan, Step, Wait
-from remat.strategies import Problem, run_strategy
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, run_strategy
 from remat.strategies.heuristics.offload_greedy import offload_greedy
 from remat.training import for_mode
 
@@ -98,6 +99,26 @@ def test_a_greedy_paging_plan_trains_in_less_memory_than_checkpoint_all(tmp_path
     assert report.peak_bytes["cpu0"] <= budget < checkpoint_all_peak
     # GREEDY reserves a page-in's memory from the step that issues it, as the executor
     # accounts it: the simulator's peak exactly.
+    assert report.peak_bytes == report.predicted_peak_bytes
+
+
+def test_a_plan_that_pages_fixed_tensors_trains_below_their_size(tmp_path: Path) -> None:
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = _graph(model)
+    costs = analytical_costs(graph, [CPU0])
+    ref = reference(graph, costs)
+    budget = round(0.8 * ref.fixed_bytes)
+    solver = SolverSettings(options=SolveOptions(time_limit_s=10))
+    result = run_strategy("port", Problem(graph, costs, {"cpu0": budget}, solver), "cpu0")
+    assert result.plan is not None, result.message
+    plan = result.plan
+    ops = _ops(plan)
+    assert plan.version == 5 and ops["fixed_in"] >= 1 and ops["grad_out"] >= 1
+    assert ops["fixed_wait"] == ops["fixed_in"] and ops["grad_wait"] == ops["grad_out"]
+
+    report = execute(model, graph, plan, [CPU0], storage=tmp_path)
+    _assert_correct(report, plan, tmp_path)  # the gradients written out, read back
+    assert report.peak_bytes["cpu0"] <= budget < ref.fixed_bytes
     assert report.peak_bytes == report.predicted_peak_bytes
 
 

@@ -50,7 +50,7 @@ def test_plan_json_round_trip_uses_design_field_names(tmp_path):
     ("document", "match"),
     [
         ([], "object"),
-        ({"version": 5}, "version"),
+        ({"version": 6}, "version"),
         ({"version": True}, "version"),
         (
             {"version": 1, "strategy": "x", "devices": [], "steps": [{"op": "wait", "stage": 0}]},

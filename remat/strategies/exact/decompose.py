@@ -40,7 +40,7 @@ import numpy as np
 
 from remat.costs import CostModel
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
-from remat.plan import Compute, Free, Plan, Step
+from remat.plan import Compute, Free, NodeStep, Plan, Step
 from remat.simulator import held_fixed_bytes
 from remat.strategies.common.problem import Problem, StrategyResult, evaluate_plan, select_best
 from remat.strategies.config import DEFAULT_SEARCH, SearchConfig
@@ -424,6 +424,7 @@ class _Stitcher:
         freed. Its held values are resident: earlier parts left every value a later
         part reads."""
         for step in plan.steps:
+            assert isinstance(step, NodeStep), "a part's plan pages no fixed tensor"
             self.stage = max(self.stage, part.nodes[step.stage])
             self._emit(replace(step, stage=self.stage, node=part.nodes[step.node]))
         for value in sorted(self.resident - part.needed_after):

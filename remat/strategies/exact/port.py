@@ -62,11 +62,33 @@ from remat.strategies.exact.offload_remat import (
     joint_search,
 )
 from remat.strategies.exact.search import solve_alone
+from remat.strategies.heuristics.fixed_paging import page_fixed
 
 NAME = "port"
 
 
 def port(problem: Problem, device: str) -> StrategyResult:
+    """The module docstring's search; where it finds no plan (the budget is below the
+    fixed memory's floor), a plan that pages fixed tensors too, its activations planned by
+    the same search (``remat.strategies.heuristics.fixed_paging``)."""
+    started = time.monotonic()
+    result = _port(problem, device)
+    if result.feasible or problem.cancelled:
+        return result
+    left = problem.solver.options.time_limit_s - (time.monotonic() - started)
+    paging = page_fixed(problem.within(left), device, lambda p: _port(p, device), NAME)
+    if paging.feasible:
+        return paging
+    return replace(
+        result,
+        message=f"infeasible at this budget: {paging.message}; keeping every fixed tensor "
+        f"resident: {result.message.removeprefix('infeasible at this budget: ')}",
+        min_budget_bytes=paging.min_budget_bytes or result.min_budget_bytes,
+        proven_infeasible=paging.proven_infeasible,
+    )
+
+
+def _port(problem: Problem, device: str) -> StrategyResult:
     started = time.monotonic()
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     first = problem.within(limit * (1 - config.port_secondary_share))

@@ -1,0 +1,299 @@
+"""Paging fixed tensors (plan version 5): a budget below the fixed memory's floor.
+
+Every other strategy keeps the parameters, model inputs and gradient buffers on the device
+for the whole plan (the simulator's fixed memory), so no budget below their size plus the
+largest node's values has a plan: on a ResNet-18 in training they are 90 of its 103 MiB.
+Paging them to the node's storage lifts that floor, as ZeRO-Infinity does with NVMe: a
+parameter is read in shortly before the nodes that read it and dropped after them, and a
+gradient buffer, allocated by its first writer, is written out after its last.
+
+``page_fixed`` pages the largest fixed tensors, as few as the budget needs
+(``paged_set``), and gives the rest of the budget to an activation plan from any strategy
+(``inner``: ``port``'s search, on the budget the paged tensors free less the window they
+still occupy), then inserts the paging steps into that plan (``with_fixed_paging``). The
+simulator judges the result; where the window was underestimated, the activation plan is
+paging set grows by the excess; where it cannot, reads are held to one ahead of the
+compute; then the activation plan is made again for a budget smaller by the excess; up to
+``ATTEMPTS`` times.
+
+Where the steps go, per paged tensor t and run of its uses (compute steps reading it, two
+uses in one run where the compute time between them is shorter than reading t back): its
+``fixed_in`` as late as leaves the compute before the run's first use time to read it,
+after the reads of the runs before it on the lane (as late as possible, the last read
+first; never before the previous run's end), its ``fixed_wait`` just before that use, its
+``fixed_free`` after the run's last use; its ``grad_out`` after the first computation of
+the last backward node that writes its gradient, and its ``grad_wait`` where the compute
+after it has had time for the lane to write it, after the transfers before it (else at
+the end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from remat.devices import Tier, format_bytes
+from remat.graph import Graph, Mode, NodeKind
+from remat.plan import (
+    Compute,
+    FixedFree,
+    FixedIn,
+    FixedWait,
+    GradOut,
+    GradWait,
+    Plan,
+    Step,
+)
+from remat.simulator import held_fixed_bytes
+from remat.strategies.common.problem import (
+    Problem,
+    StrategyResult,
+    evaluate_plan,
+    with_prediction,
+)
+
+ATTEMPTS = 24
+"""Plans judged per call: each grows the paging set, or makes the activation plan again."""
+MARGIN = 0.01
+"""Beyond an excess the simulator found, the share of the budget the next attempt frees."""
+
+
+def written(graph: Graph, t: str) -> bool:
+    """Whether fixed tensor ``t`` has a gradient buffer in training."""
+    return graph.mode is Mode.TRAINING and graph.fixed[t].has_gradient
+
+
+def window_bytes(graph: Graph, paged: frozenset[str]) -> int:
+    """An estimate of the paged tensors resident at once: the most any node reads (and, for
+    a backward node, the gradients it writes), plus the largest tensor being read in for
+    the next node and the largest gradient being written out; at most all of them."""
+    if not paged:
+        return 0
+    largest = max(graph.fixed[t].nbytes for t in paged)
+    largest_grad = max((graph.fixed[t].nbytes for t in paged if written(graph, t)), default=0)
+    most = 0
+    for node in graph.nodes:
+        own = [t for t in node.fixed if t in paged]
+        held = sum(graph.fixed[t].nbytes for t in own)
+        if node.kind is NodeKind.BACKWARD:
+            held += sum(graph.fixed[t].nbytes for t in own if written(graph, t))
+        most = max(most, held)
+    total = sum(graph.fixed[t].nbytes * (2 if written(graph, t) else 1) for t in paged)
+    return min(total, most + largest + largest_grad)
+
+
+def paging_floor(problem: Problem, device: str) -> int:
+    """What computing some node needs on ``device`` under any plan that pages fixed
+    tensors: its output, inputs and workspace, its own fixed tensors, and for a backward
+    node the gradient buffers it writes (``remat.strategies.common.floor`` with every
+    fixed tensor paged)."""
+    graph, costs = problem.graph, problem.costs
+    d = costs.device_index(device)
+    size = costs.output_bytes
+    most = 0
+    for node in graph.nodes:
+        values = int(size[node.id]) + sum(int(size[u]) for u in set(node.deps))
+        own = sum(graph.fixed[t].nbytes for t in set(node.fixed))
+        if node.kind is NodeKind.BACKWARD:
+            own += sum(graph.fixed[t].nbytes for t in set(node.fixed) if written(graph, t))
+        most = max(most, values + costs.workspace(node.id, d) + own)
+    return most
+
+
+def paged_set(problem: Problem, device: str, budget: int) -> tuple[frozenset[str], int, int]:
+    """The fewest largest fixed tensors whose paging leaves every node room for its values
+    within ``budget`` (else all of them), the fixed memory left with them paged (the static
+    rest plus their window) and the most any node's values need."""
+    graph, costs = problem.graph, problem.costs
+    d = costs.device_index(device)
+    size = costs.output_bytes
+    values = max(
+        int(size[node.id]) + sum(int(size[u]) for u in set(node.deps)) + costs.workspace(node.id, d)
+        for node in graph.nodes
+    )
+    everything = range(len(graph))
+    order = sorted(graph.fixed, key=lambda t: (-graph.fixed[t].nbytes, t))
+    for k in range(1, len(order) + 1):
+        paged = frozenset(order[:k])
+        fixed = held_fixed_bytes(graph, everything, paged) + window_bytes(graph, paged)
+        if fixed + values <= budget:
+            break
+    return paged, fixed, values
+
+
+def with_fixed_paging(
+    plan: Plan,
+    graph: Graph,
+    problem: Problem,
+    device: str,
+    paged: frozenset[str],
+    one_ahead: bool = False,
+) -> Plan:
+    """``plan`` (on ``device``, fixed tensors resident throughout) with ``paged`` paged, the
+    steps placed as the module docstring says; ``one_ahead``: no read starts before the
+    first use of the read before it, so that at most one is ahead of the compute (the
+    window ``window_bytes`` estimates, where reading them earlier would hold more)."""
+    costs = problem.costs
+    link = costs.link(costs.device_index(device), Tier.STORAGE)
+    d = costs.device_index(device)
+    steps = plan.steps
+    elapsed = np.zeros(len(steps) + 1)  # compute time before each step
+    uses: dict[str, list[int]] = {t: [] for t in paged}
+    last_writer: dict[str, int] = {}
+    seen: set[int] = set()
+    for i, step in enumerate(steps):
+        ms = 0.0
+        if isinstance(step, Compute) and step.device == device:
+            ms = float(costs.compute_ms[step.node, d])
+            node = graph.nodes[step.node]
+            first = step.node not in seen
+            seen.add(step.node)
+            for t in node.fixed:
+                if t in paged:
+                    uses[t].append(i)
+                    if first and node.kind is NodeKind.BACKWARD and written(graph, t):
+                        last_writer[t] = i
+        elapsed[i + 1] = elapsed[i] + ms
+    before: dict[int, list[tuple[int, Step]]] = {}  # step index -> (order, step) to insert
+
+    def insert(at: int, order: int, step: Step) -> None:
+        before.setdefault(at, []).append((order, step))
+
+    stage = _stages(steps)
+    reads: list[tuple[int, str, float, int]] = []  # (first use, tensor, read ms, earliest)
+    for t in sorted(paged):
+        read_ms = float(link.in_ms(graph.fixed[t].nbytes))
+        previous_end = -1
+        for a, b in _runs(uses[t], elapsed, read_ms):
+            reads.append((a, t, read_ms, previous_end + 1))
+            insert(a, 4 * len(steps) + a, FixedWait(stage[a], t, device))
+            insert(b + 1, 0, FixedFree(stage[b], t, device))
+            previous_end = b
+    if one_ahead:
+        reads.sort()
+        reads = [
+            (a, t, ms, max(earliest, reads[j - 1][0] if j else 0))
+            for j, (a, t, ms, earliest) in enumerate(reads)
+        ]
+    lane_free = float("inf")  # as late as possible on the lane, the last read first
+    queued: list[tuple[int, int, float, str]] = []  # the lane in plan order: (at, order, ms, t)
+    for a, t, read_ms, earliest in sorted(reads, reverse=True):
+        start = min(float(elapsed[a]), lane_free) - read_ms
+        lane_free = start
+        issue = max(earliest, min(a, int(np.searchsorted(elapsed, start, side="right")) - 1))
+        insert(issue, 3 * len(steps) + a, FixedIn(stage[issue], t, device))
+        queued.append((issue, 3 * len(steps) + a, read_ms, ""))
+    for t, w in last_writer.items():
+        insert(w + 1, 1, GradOut(stage[w], t, device))
+        queued.append((w + 1, 1, float(link.out_ms(graph.fixed[t].nbytes)), t))
+    busy_until = 0.0  # each grad_wait where the lane, in plan order, has written it
+    for at, _, ms, t in sorted(queued):
+        busy_until = max(busy_until, float(elapsed[at])) + ms
+        if t:
+            wait = min(int(np.searchsorted(elapsed, busy_until, side="left")), len(steps))
+            insert(wait, 2, GradWait(stage[wait], t, device))
+    out: list[Step] = []
+    for i in range(len(steps) + 1):
+        out += [step for _, step in sorted(before.get(i, []), key=lambda pair: pair[0])]
+        if i < len(steps):
+            out.append(steps[i])
+    return replace(plan, steps=tuple(out), predicted=None, version=0)
+
+
+def _stages(steps: tuple[Step, ...]) -> list[int]:
+    """The stage of each step, and of the end (the last step's)."""
+    stages = [step.stage for step in steps]
+    return [*stages, stages[-1] if stages else 0]
+
+
+def _runs(uses: list[int], elapsed: np.ndarray, read_ms: float) -> list[tuple[int, int]]:
+    """``uses`` (step indices) grouped into runs: a use joins the run before it where the
+    compute time between them is shorter than reading the tensor back."""
+    runs: list[tuple[int, int]] = []
+    for i in uses:
+        if runs and elapsed[i] - elapsed[runs[-1][1] + 1] < read_ms:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def page_fixed(
+    problem: Problem,
+    device: str,
+    inner: Callable[[Problem], StrategyResult],
+    strategy: str,
+) -> StrategyResult:
+    """A plan for ``device`` that pages fixed tensors, its activations planned by ``inner``
+    (the module docstring); without a plan, the reason, proven where the budget is under
+    ``paging_floor``."""
+    budget = problem.budgets.get(device)
+    if budget is None or not problem.graph.fixed:
+        return StrategyResult(strategy, None, None, "no fixed tensors to page")
+    floor = paging_floor(problem, device)
+    if floor > budget:
+        return StrategyResult(
+            strategy,
+            None,
+            None,
+            f"paging fixed tensors too, some node needs at least {format_bytes(floor)} "
+            f"({floor} B): its inputs, output, workspace, fixed tensors and gradients",
+            {device: floor},
+            proven_infeasible=True,
+        )
+    paged, fixed, values = paged_set(problem, device, budget)
+    graph = problem.graph
+    everything = held_fixed_bytes(graph, range(len(graph)))
+    room = max(budget - fixed, values)  # for the activations
+    started, limit = time.monotonic(), problem.solver.options.time_limit_s
+    found: StrategyResult | None = None
+    excess = 0
+    one_ahead = False
+    for attempt in range(ATTEMPTS):
+        left = limit - (time.monotonic() - started)
+        if left <= 0 or problem.cancelled:
+            break
+        if found is None:
+            seconds = left / 2 if attempt < ATTEMPTS - 1 else left
+            looser = replace(problem, budgets={**problem.budgets, device: room + everything})
+            found = inner(looser.within(seconds))
+        if found.plan is None:
+            return StrategyResult(
+                strategy, None, None, f"paging fixed tensors too: {found.message}"
+            )
+        plan = with_fixed_paging(found.plan, graph, problem, device, paged, one_ahead)
+        names = [d.name for d in plan.devices]
+        plan = replace(plan, strategy=strategy, devices=problem.plan_devices(names))
+        evaluation = evaluate_plan(problem, plan)
+        simulation = evaluation.simulation
+        if evaluation.fits:
+            size = format_bytes(sum(graph.fixed[t].nbytes for t in paged))
+            note = (
+                f"{len(paged)} fixed tensors paged ({size}); activations planned by "
+                f"{found.strategy} for {format_bytes(room + everything)} with them resident"
+            )
+            return StrategyResult(strategy, with_prediction(plan, simulation), simulation, note)
+        peak = simulation.peak_bytes.get(device)
+        if not simulation.violation or not simulation.violation.over_budget or peak is None:
+            break
+        # Over by the window's underestimate: page more tensors for the same activations;
+        # with every one paged, read one ahead at most; then plan the activations again in
+        # less room.
+        over = peak - budget + round(MARGIN * budget)
+        excess += over
+        more, _, _ = paged_set(problem, device, budget - excess)
+        if more != paged:
+            paged = more
+        elif not one_ahead:
+            one_ahead = True
+        elif room - over < values:
+            break
+        else:
+            room -= over
+            found = None
+    return StrategyResult(
+        strategy, None, None, "paging fixed tensors too, no plan within the budget in time"
+    )

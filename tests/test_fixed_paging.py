@@ -1,0 +1,199 @@
+"""Paging fixed tensors (plan version 5): the simulator's rules for parameters read in from
+storage and gradient buffers written out, the plan document, and ``port`` below the fixed
+memory's floor, where no plan keeps every fixed tensor resident."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from remat import samples
+from remat.budgets import reference
+from remat.costs import CostModel, CostSource, Link, analytical_costs
+from remat.devices import Device, DeviceKind, parse_device
+from remat.errors import InvalidInputError
+from remat.graph import Mode
+from remat.onnx_ingest import forward_graph
+from remat.plan import (
+    Compute,
+    FixedFree,
+    FixedIn,
+    FixedWait,
+    Free,
+    GradOut,
+    GradWait,
+    Plan,
+    PlanDevice,
+    plan_from_json,
+    plan_to_json,
+)
+from remat.simulator import simulate
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, run_strategy
+from remat.training import for_mode, training_graph
+
+from graphs import chain
+
+CPU = Device("cpu0", DeviceKind.CPU)
+FIXED = 1400  # chain(3) in training: input x 400, weights w0-w2 100 each, and their gradients
+
+
+def _setup():
+    """chain(3) in training on one CPU: every node 1 ms and 1000 bytes; a storage link of
+    1000 bytes per ms each way (a weight: 0.1 ms)."""
+    g = training_graph(chain(3))
+    n = len(g)
+    out = np.array([node.output_bytes for node in g.nodes], dtype=np.int64)
+    costs = CostModel(
+        CostSource.PROFILED,
+        (CPU,),
+        np.ones((n, 1)),
+        np.zeros((n, 1, 1)),
+        out,
+        storage=(Link(1e6, 1e6, 0.0),),
+    )
+    return g, costs
+
+
+def _plan(steps, budget=None):
+    return Plan("hand", (PlanDevice.of(CPU, budget),), tuple(steps))
+
+
+def _c(node):
+    return Compute(node, node, "cpu0")
+
+
+def _f(node):
+    return Free(node, node, "cpu0")
+
+
+# chain(3): 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3) and w2, 5 reads (1, 4) and w1,
+# 6 reads (0, 5), x and w0. w2 is paged: read in before node 2 and again before node 4,
+# its gradient written by node 4 and written out after it.
+PAGED = [
+    _c(0),
+    FixedIn(0, "w2", "cpu0"),  # 1 -> 1.1 ms, while node 1 computes
+    _c(1),
+    FixedWait(1, "w2", "cpu0"),  # no stall
+    _c(2),
+    FixedFree(2, "w2", "cpu0"),
+    _c(3),
+    FixedIn(3, "w2", "cpu0"),  # 4 -> 4.1 ms
+    FixedWait(3, "w2", "cpu0"),  # stalls 0.1 ms
+    _c(4),  # allocates w2's gradient buffer
+    FixedFree(4, "w2", "cpu0"),
+    GradOut(4, "w2", "cpu0"),
+    _f(2),
+    _f(3),
+    _c(5),
+    GradWait(5, "w2", "cpu0"),  # written long before: no stall, the buffer released
+    _f(1),
+    _f(4),
+    _c(6),
+    _f(0),
+    _f(5),
+    _f(6),
+]
+
+
+def test_a_paged_weight_is_counted_only_while_read_in_and_its_gradient_until_written_out():
+    g, costs = _setup()
+    result = simulate(_plan(PAGED), g, costs)
+    assert result.valid, result.violation
+    assert result.fixed_bytes == {"cpu0": FIXED - 200}  # w2 and its gradient left out
+    assert result.stall_ms == pytest.approx(0.1)
+    assert result.total_ms == pytest.approx(7.1)
+    timeline = result.timeline["cpu0"]
+    assert timeline[1] == FIXED - 200 + 1000 + 100  # node 0's value and w2, reserved
+    assert timeline[5] == timeline[4] - 100  # fixed_free
+    assert timeline[9] == timeline[8] + 1000 + 100  # node 4's value and the gradient
+    assert timeline[15] == timeline[14] - 100  # grad_wait releases the buffer
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([_c(0), _c(1), FixedFree(1, "w2", "cpu0")], "not resident there"),
+        ([_c(0), _c(1), FixedIn(1, "w2", "cpu0"), _c(2)], "no fixed_wait"),
+        ([_c(0), FixedIn(0, "w2", "cpu0"), FixedIn(0, "w2", "cpu0")], "already resident"),
+        ([FixedWait(0, "w2", "cpu0")], "no fixed_in of it is in flight"),
+        ([FixedIn(0, "w9", "cpu0")], "not a fixed tensor of the graph"),
+        ([FixedIn(0, "w2", "cpu0"), FixedFree(0, "w2", "cpu0")], "its fixed_in is in flight"),
+        ([FixedIn(0, "w2", "cpu0"), GradOut(0, "w2", "cpu0")], "no gradient buffer"),
+        ([GradWait(0, "w2", "cpu0")], "no grad_out of it is in flight"),
+    ],
+)
+def test_bad_fixed_paging_is_named(steps, message):
+    g, costs = _setup()
+    result = simulate(_plan(steps), g, costs)
+    assert not result.valid
+    assert message in result.violation.message
+
+
+def test_a_paged_weight_not_read_in_is_refused_at_the_node_that_reads_it():
+    g, costs = _setup()
+    steps = [s for s in PAGED if not (isinstance(s, FixedIn | FixedWait) and s.stage == 3)]
+    result = simulate(_plan(steps), g, costs)
+    assert not result.valid
+    assert "fixed tensor 'w2' is not readable there" in result.violation.message
+
+
+def test_version_five_documents_round_trip_and_earlier_versions_refuse_fixed_paging():
+    plan = _plan(PAGED)
+    assert plan.version == 5 and plan.pages and plan.paged_fixed == {"w2"}
+    document = json.loads(json.dumps(plan_to_json(plan)))
+    assert document["version"] == 5
+    assert {"stage": 4, "op": "grad_out", "tensor": "w2", "device": "cpu0"} in document["steps"]
+    assert plan_from_json(document) == plan
+    document["version"] = 4
+    with pytest.raises(InvalidInputError, match=r"'fixed_in' needs plan version 5"):
+        plan_from_json(document)
+    document["version"] = 5
+    document["steps"][1]["tensor"] = 3
+    with pytest.raises(InvalidInputError, match=r"steps\[1\]: 'tensor' must be str"):
+        plan_from_json(document)
+
+
+# --- port below the fixed memory's floor --------------------------------------------------
+
+
+def _small_resnet():
+    """A small ResNet-18 in training on an edge board's CPU with an SSD, and checkpoint-all's
+    reference: its fixed memory is most of its peak, as a real ResNet-18's."""
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    device = parse_device(
+        "cpu0:cpu:threads=4,storage_read_bandwidth=1.5e9,storage_write_bandwidth=1e9"
+    )
+    costs = analytical_costs(graph, [device])
+    return model, graph, costs, reference(graph, costs, "cpu0")
+
+
+def _solver(seconds: float) -> SolverSettings:
+    return SolverSettings(options=SolveOptions(time_limit_s=seconds))
+
+
+def test_port_pages_fixed_tensors_where_keeping_them_resident_cannot_fit():
+    _, graph, costs, ref = _small_resnet()
+    budget = round(0.8 * ref.fixed_bytes)  # below the parameters, inputs and gradients
+    remat_alone = run_strategy(
+        "checkmate_milp", Problem(graph, costs, {"cpu0": budget}, _solver(5))
+    )
+    assert not remat_alone.feasible
+    result = run_strategy("port", Problem(graph, costs, {"cpu0": budget}, _solver(10)), "cpu0")
+    assert result.plan is not None, result.message
+    assert result.plan.version == 5 and result.plan.paged_fixed
+    assert "fixed tensors paged" in result.message
+    simulation = simulate(result.plan, graph, costs)
+    assert simulation.valid, simulation.violation
+    assert simulation.peak_bytes["cpu0"] <= budget < ref.fixed_bytes
+
+
+def test_port_proves_a_budget_below_what_one_node_needs_with_everything_paged():
+    _, graph, costs, _ = _small_resnet()
+    result = run_strategy("port", Problem(graph, costs, {"cpu0": 1000}, _solver(5)), "cpu0")
+    assert not result.feasible and result.proven_infeasible
+    assert "paging fixed tensors too, some node needs at least" in result.message
+    assert result.min_budget_bytes is not None and result.min_budget_bytes["cpu0"] > 1000

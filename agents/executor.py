@@ -108,7 +108,8 @@ releases memory in between (a wait for an earlier offload or page-out, a free), 
 most the bytes of such transfers. The offloading strategies, over either tier, reserve
 that memory from the step that issues it (``remat.strategies.common.offload``), so their
 plans stay within their budgets here too; on their plans the account equals the
-simulator's peak.
+simulator's peak. Plans that page fixed tensors are judged with their reads counted from
+their steps (``simulate(..., reserve_at_issue=True)``), whose peak the account equals.
 
 Numerics. In training, the parameter and input gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is

@@ -9,11 +9,15 @@ Columns: ``page_greedy`` and ``page_dynprog`` (GREEDY and DYNPROG paging to stor
 ``checkmate_milp`` (rematerialization alone) and ``port`` (both, decided together), each
 with ``--time-limit`` seconds, and ``port``'s recomputations and page transfers. After a
 model's rows, the smallest budget each strategy found a plan for, among those tried.
+Budgets are percentages of checkpoint-all's activations (``--budgets``: 100% is its peak,
+0% its fixed memory), then of its whole peak (``--of-peak``): below the fixed memory,
+``port`` pages parameters and gradients too (plan version 5), and nothing else fits.
 Prints a markdown table and appends one row per model, budget and strategy to
 ``bench/results/port.csv``; ``bench/report.py`` renders them.
 
     cd bench && ../.venv/bin/python -W ignore port.py [--models torch:resnet18,vgg16,...]
-        [--budgets 100,75,50,40,30] [--storage-read 2e9 --storage-write 1e9] [--run LABEL]
+        [--budgets 100,75,50,40,30] [--of-peak 75,50,40]
+        [--storage-read 2e9 --storage-write 1e9] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--budgets", default="100,75,50,40,30")
+    parser.add_argument(
+        "--of-peak",
+        default="75,50,40",
+        help="more budgets, as percentages of the whole checkpoint-all peak (fixed memory "
+        "included): below the fixed memory, only paging fixed tensors fits",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--device", default="cpu0:cpu:threads=4")
@@ -89,9 +99,16 @@ def main() -> None:
         ref = reference(graph, costs, device.name)
         ideal = costs.ideal_ms(device.name)
         label = f"{name} ({len(graph)})"
-        smallest: dict[str, float] = {}
-        for percent in (float(p) for p in args.budgets.split(",")):
-            budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+        smallest: dict[str, tuple[int, str]] = {}
+        budgets = [
+            (f"{p:.0f}%", Size(percent=p).resolve(ref.fixed_bytes, ref.peak_bytes))
+            for p in (float(p) for p in args.budgets.split(","))
+        ]
+        budgets += [
+            (f"{p:.0f}% of peak", round(ref.peak_bytes * p / 100))
+            for p in (float(p) for p in args.of_peak.split(",") if p)
+        ]
+        for where, budget in budgets:
             problem = Problem(graph, costs, {device.name: budget}, solver)
             cells: list[float | None] = []
             port_counts: tuple[int | None, int | None] = (None, None)
@@ -105,12 +122,13 @@ def main() -> None:
                 if strategy == "port":
                     port_counts = (recomputed, paged)
                 if ms is not None:
-                    smallest[strategy] = min(smallest.get(strategy, percent), percent)
+                    here = (budget, where)
+                    smallest[strategy] = min(smallest.get(strategy, here), here)
                 cells.append(ms)
                 out.add(
                     {
                         "model": name,
-                        "budget": f"{percent:.0f}%",
+                        "budget": where,
                         "devices": device.name,
                         "objective": ms,
                         "seconds": seconds,
@@ -131,10 +149,10 @@ def main() -> None:
             ratios = [f"{ms / ideal:.3f}" if ms is not None else "-" for ms in cells]
             extra = " | ".join("-" if c is None else str(c) for c in port_counts)
             print(
-                f"| {label} | {percent:.0f}% | {ideal:.4g} | {' | '.join(ratios)} | {extra} |",
+                f"| {label} | {where} | {ideal:.4g} | {' | '.join(ratios)} | {extra} |",
                 flush=True,
             )
-        least = [f"{smallest[s]:.0f}%" if s in smallest else "none" for s in STRATEGIES]
+        least = [smallest[s][1] if s in smallest else "none" for s in STRATEGIES]
         print(
             f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | | |",
             flush=True,

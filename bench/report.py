@@ -350,17 +350,17 @@ def _by_budget(rows: Rows, extra: Callable[[dict[str, dict[str, str]]], dict[str
     pivoted = []
     extras: list[str] = []
     for model, by_budget in lines.items():
-        smallest: dict[str, float] = {}
+        smallest: dict[str, tuple[float, str]] = {}
         for budget, by in by_budget.items():
             first = next(iter(by.values()))
             line = {"model": model, "budget": budget, "ideal": _f(first, "ideal_ms", ".4g")}
+            size = _budget_size(first)
             for strategy in _ratio_cells(line, by, strategies):
-                percent = float(budget.rstrip("%"))
-                smallest[strategy] = min(smallest.get(strategy, percent), percent)
+                smallest[strategy] = min(smallest.get(strategy, (size, budget)), (size, budget))
             more = extra(by)
             extras = extras or list(more)
             pivoted.append(line | more)
-        least = {s: f"{smallest[s]:.0f}%" if s in smallest else "none" for s in strategies}
+        least = {s: smallest[s][1] if s in smallest else "none" for s in strategies}
         pivoted.append({"model": model, "budget": "smallest feasible, among those tried"} | least)
     columns: list[Column] = [
         ("model (nodes)", lambda r: r["model"]),
@@ -370,6 +370,14 @@ def _by_budget(rows: Rows, extra: Callable[[dict[str, dict[str, str]]], dict[str
         *[(e, lambda r, e=e: r.get(e, "")) for e in extras],
     ]
     return _table(pivoted, columns, ("ideal ms", *strategies, *extras))
+
+
+def _budget_size(row: dict[str, str]) -> float:
+    """A row's budget in bytes where it has them (budgets of two kinds, such as percentages
+    of the activations and of the whole peak, then compare), else its percentage."""
+    if row.get("budget_bytes"):
+        return float(row["budget_bytes"])
+    return float(row["budget"].rstrip("%"))
 
 
 def _port(rows: Rows) -> str:

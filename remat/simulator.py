@@ -212,6 +212,7 @@ class _State:
     # gradient buffers allocated on its pool (one set shared by a pool's devices); the
     # (pool, tensor) gradients written out; the backward nodes whose gradients are in.
     paged: frozenset[str] = frozenset()
+    at_issue: bool = False  # reserve a transfer's memory at its step (``simulate``)
     params: list[set[str]] = field(default_factory=list)
     grads: list[set[str]] = field(default_factory=list)
     stored: set[tuple[int, str]] = field(default_factory=set)
@@ -268,7 +269,7 @@ class _State:
     def reserve(self, d: int, nbytes: int, start: float) -> None:
         """Count ``nbytes`` on ``d``'s pool from ``start`` (now, or when a transfer starts
         later than the step that issued it: assumption (E))."""
-        if start <= self.clock:
+        if start <= self.clock or self.at_issue:
             self.memory[self.space[d]] += nbytes
         else:
             heapq.heappush(self.pending, (start, len(self.pending), d, nbytes, self.step))
@@ -604,10 +605,14 @@ def simulate(
     graph: Graph,
     costs: CostModel,
     budgets: Mapping[str, int | None] | None = None,
+    reserve_at_issue: bool = False,
 ) -> Simulation:
     """Replay ``plan``; return its predicted cost and memory, or its first violation.
 
-    ``budgets`` default to the plan's own ``budget_bytes``; None means unlimited."""
+    ``budgets`` default to the plan's own ``budget_bytes``; None means unlimited.
+    ``reserve_at_issue``: a prefetch's, page-in's or fixed_in's memory counts from its step
+    rather than from when its transfer starts, as the agent's executor accounts it (an
+    upper bound of the memory of every instant)."""
     budgets = dict(plan.budgets if budgets is None else budgets)
     names = [d.name for d in plan.devices]
     fixed = fixed_bytes(graph, plan)
@@ -629,6 +634,7 @@ def simulate(
         concurrent=plan.concurrent,
         busy=[[] for _ in costs.devices],
         paged=plan.paged_fixed,
+        at_issue=reserve_at_issue,
     )
     params: dict[int, set[str]] = {}
     grads: dict[int, set[str]] = {}

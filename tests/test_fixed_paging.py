@@ -6,68 +6,29 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
+from test_paging import FIXED, _c, _f, _plan, _setup
 
 from remat import samples
 from remat.budgets import reference
-from remat.costs import CostModel, CostSource, Link, analytical_costs
-from remat.devices import Device, DeviceKind, parse_device
+from remat.costs import analytical_costs
+from remat.devices import parse_device
 from remat.errors import InvalidInputError
 from remat.graph import Mode
 from remat.onnx_ingest import forward_graph
 from remat.plan import (
-    Compute,
     FixedFree,
     FixedIn,
     FixedWait,
-    Free,
     GradOut,
     GradWait,
-    Plan,
-    PlanDevice,
     plan_from_json,
     plan_to_json,
 )
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
-from remat.training import for_mode, training_graph
-
-from graphs import chain
-
-CPU = Device("cpu0", DeviceKind.CPU)
-FIXED = 1400  # chain(3) in training: input x 400, weights w0-w2 100 each, and their gradients
-
-
-def _setup():
-    """chain(3) in training on one CPU: every node 1 ms and 1000 bytes; a storage link of
-    1000 bytes per ms each way (a weight: 0.1 ms)."""
-    g = training_graph(chain(3))
-    n = len(g)
-    out = np.array([node.output_bytes for node in g.nodes], dtype=np.int64)
-    costs = CostModel(
-        CostSource.PROFILED,
-        (CPU,),
-        np.ones((n, 1)),
-        np.zeros((n, 1, 1)),
-        out,
-        storage=(Link(1e6, 1e6, 0.0),),
-    )
-    return g, costs
-
-
-def _plan(steps, budget=None):
-    return Plan("hand", (PlanDevice.of(CPU, budget),), tuple(steps))
-
-
-def _c(node):
-    return Compute(node, node, "cpu0")
-
-
-def _f(node):
-    return Free(node, node, "cpu0")
-
+from remat.training import for_mode
 
 # chain(3): 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3) and w2, 5 reads (1, 4) and w1,
 # 6 reads (0, 5), x and w0. w2 is paged: read in before node 2 and again before node 4,

@@ -62,6 +62,7 @@ from remat.strategies.exact.offload_remat import (
     joint_search,
 )
 from remat.strategies.exact.search import solve_alone
+from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.fixed_paging import page_fixed
 
 NAME = "port"
@@ -76,7 +77,13 @@ def port(problem: Problem, device: str) -> StrategyResult:
     if result.feasible or problem.cancelled:
         return result
     left = problem.solver.options.time_limit_s - (time.monotonic() - started)
-    paging = page_fixed(problem.within(left), device, lambda p: _port(p, device), NAME)
+    paging = page_fixed(
+        problem.within(left),
+        device,
+        lambda p: _port(p, device),
+        NAME,
+        quick=lambda p: greedy_evict(p, device, p.solver.options.time_limit_s / 2),
+    )
     if paging.feasible:
         return paging
     return replace(

@@ -7,14 +7,18 @@ Paging them to the node's storage lifts that floor, as ZeRO-Infinity does with N
 parameter is read in shortly before the nodes that read it and dropped after them, and a
 gradient buffer, allocated by its first writer, is written out after its last.
 
-``page_fixed`` pages the largest fixed tensors, as few as the budget needs
-(``paged_set``), and gives the rest of the budget to an activation plan from any strategy
-(``inner``: ``port``'s search, on the budget the paged tensors free less the window they
-still occupy), then inserts the paging steps into that plan (``with_fixed_paging``). The
-simulator judges the result; where the window was underestimated, the activation plan is
-paging set grows by the excess; where it cannot, reads are held to one ahead of the
-compute; then the activation plan is made again for a budget smaller by the excess; up to
-``ATTEMPTS`` times.
+``page_fixed`` pages the largest fixed tensors: as few as leave every node room for its
+values by an estimate of the window they still occupy (``paged_set``), then twice, four
+and eight times as many (more paging, more room for the activations). For each set it
+gives the rest of the budget to an activation plan from a quick strategy (``quick``:
+``port`` uses greedy eviction), made as if every fixed tensor were resident in a budget
+larger by what paging frees, inserts the paging steps (``with_fixed_paging``) and lets
+the simulator judge (with each read's memory counted from its step, as the agent's
+executor counts it); while over the budget, the set grows by the excess, then the reads
+are held to one ahead of the compute and each gradient's write waited for before the
+next, then the activations are planned again in less room. The fastest set's activations
+are then planned again by ``inner`` (``port``'s own search) in the time left, and the
+faster plan kept.
 
 Where the steps go, per paged tensor t and run of its uses (compute steps reading it, two
 uses in one run where the compute time between them is shorter than reading t back): its
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,7 +51,7 @@ from remat.plan import (
     Plan,
     Step,
 )
-from remat.simulator import held_fixed_bytes
+from remat.simulator import held_fixed_bytes, simulate
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
@@ -59,6 +63,11 @@ ATTEMPTS = 24
 """Plans judged per call: each grows the paging set, or makes the activation plan again."""
 MARGIN = 0.01
 """Beyond an excess the simulator found, the share of the budget the next attempt frees."""
+SETS = 4
+"""Paging sets tried: the fewest largest tensors the estimate admits, then twice, four and
+eight times as many (at most all)."""
+QUICK_SHARE = 0.5
+"""The share of the time limit for the paging sets tried with the quick activation plans."""
 
 
 def written(graph: Graph, t: str) -> bool:
@@ -114,11 +123,10 @@ def paged_set(problem: Problem, device: str, budget: int) -> tuple[frozenset[str
         int(size[node.id]) + sum(int(size[u]) for u in set(node.deps)) + costs.workspace(node.id, d)
         for node in graph.nodes
     )
-    everything = range(len(graph))
-    order = sorted(graph.fixed, key=lambda t: (-graph.fixed[t].nbytes, t))
+    order = _largest_first(graph)
     for k in range(1, len(order) + 1):
         paged = frozenset(order[:k])
-        fixed = held_fixed_bytes(graph, everything, paged) + window_bytes(graph, paged)
+        fixed = _fixed_with(graph, paged)
         if fixed + values <= budget:
             break
     return paged, fixed, values
@@ -134,8 +142,10 @@ def with_fixed_paging(
 ) -> Plan:
     """``plan`` (on ``device``, fixed tensors resident throughout) with ``paged`` paged, the
     steps placed as the module docstring says; ``one_ahead``: no read starts before the
-    first use of the read before it, so that at most one is ahead of the compute (the
-    window ``window_bytes`` estimates, where reading them earlier would hold more)."""
+    first use of the read before it, and each gradient's write is waited for before the
+    next one starts, so that at most one read is ahead of the compute and one gradient
+    leaving (the window ``window_bytes`` estimates, where reading them earlier and writing
+    them later would hold more)."""
     costs = problem.costs
     link = costs.link(costs.device_index(device), Tier.STORAGE)
     d = costs.device_index(device)
@@ -190,10 +200,13 @@ def with_fixed_paging(
         insert(w + 1, 1, GradOut(stage[w], t, device))
         queued.append((w + 1, 1, float(link.out_ms(graph.fixed[t].nbytes)), t))
     busy_until = 0.0  # each grad_wait where the lane, in plan order, has written it
+    writes = sorted(w + 1 for w in last_writer.values())
     for at, _, ms, t in sorted(queued):
         busy_until = max(busy_until, float(elapsed[at])) + ms
         if t:
             wait = min(int(np.searchsorted(elapsed, busy_until, side="left")), len(steps))
+            if one_ahead:  # before the next gradient's grad_out: one written at a time
+                wait = min([wait, *(w for w in writes if w > at)])
             insert(wait, 2, GradWait(stage[wait], t, device))
     out: list[Step] = []
     for i in range(len(steps) + 1):
@@ -221,15 +234,26 @@ def _runs(uses: list[int], elapsed: np.ndarray, read_ms: float) -> list[tuple[in
     return runs
 
 
+@dataclass(frozen=True)
+class _Fit:
+    """A plan that pages ``paged`` within the budget, its activations planned in ``room``."""
+
+    result: StrategyResult
+    paged: frozenset[str]
+    room: int
+
+
 def page_fixed(
     problem: Problem,
     device: str,
     inner: Callable[[Problem], StrategyResult],
     strategy: str,
+    quick: Callable[[Problem], StrategyResult] | None = None,
 ) -> StrategyResult:
     """A plan for ``device`` that pages fixed tensors, its activations planned by ``inner``
     (the module docstring); without a plan, the reason, proven where the budget is under
-    ``paging_floor``."""
+    ``paging_floor``. ``quick`` (default ``inner``) plans the activations of each paging set
+    tried, in ``QUICK_SHARE`` of the time; ``inner`` then plans the fastest one's again."""
     budget = problem.budgets.get(device)
     if budget is None or not problem.graph.fixed:
         return StrategyResult(strategy, None, None, "no fixed tensors to page")
@@ -244,10 +268,59 @@ def page_fixed(
             {device: floor},
             proven_infeasible=True,
         )
-    paged, fixed, values = paged_set(problem, device, budget)
+    started, limit = time.monotonic(), problem.solver.options.time_limit_s
+    fewest, _, values = paged_set(problem, device, budget)
+    largest = _largest_first(problem.graph)
+    sizes = sorted({min(len(largest), len(fewest) * 2**i) for i in range(SETS)})
+    fits: list[_Fit] = []
+    for k in sizes:
+        left = started + limit * QUICK_SHARE - time.monotonic()
+        if left <= 0 or problem.cancelled:
+            break
+        paged = frozenset(largest[:k])
+        room = max(budget - _fixed_with(problem.graph, paged), values + round(MARGIN * budget))
+        fit = _fit(problem.within(left), device, paged, room, quick or inner, strategy)
+        if isinstance(fit, _Fit):
+            fits.append(fit)
+    if not fits:
+        return StrategyResult(
+            strategy, None, None, "paging fixed tensors too, no plan within the budget in time"
+        )
+    best = min(fits, key=lambda fit: fit.result.time_ms)
+    left = limit - (time.monotonic() - started)
+    if quick is not None and left > 0 and not problem.cancelled:
+        again = _fit(problem.within(left), device, best.paged, best.room, inner, strategy)
+        if isinstance(again, _Fit) and again.result.time_ms < best.result.time_ms:
+            best = again
+    return best.result
+
+
+def _largest_first(graph: Graph) -> list[str]:
+    return sorted(graph.fixed, key=lambda t: (-graph.fixed[t].nbytes, t))
+
+
+def _fixed_with(graph: Graph, paged: frozenset[str]) -> int:
+    """The fixed memory estimated with ``paged`` paged: the static rest and their window."""
+    return held_fixed_bytes(graph, range(len(graph)), paged) + window_bytes(graph, paged)
+
+
+def _fit(
+    problem: Problem,
+    device: str,
+    paged: frozenset[str],
+    room: int,
+    inner: Callable[[Problem], StrategyResult],
+    strategy: str,
+) -> _Fit | str:
+    """Activations planned by ``inner`` in ``room`` with ``paged`` paged, judged, and the
+    paging set grown, the reads held back or the room made smaller while over the budget
+    (the module docstring): the plan within the budget, or why there is none."""
+    budget = problem.budgets[device]
+    assert budget is not None
     graph = problem.graph
     everything = held_fixed_bytes(graph, range(len(graph)))
-    room = max(budget - fixed, values)  # for the activations
+    largest = _largest_first(graph)
+    values = paged_set(problem, device, budget)[2]
     started, limit = time.monotonic(), problem.solver.options.time_limit_s
     found: StrategyResult | None = None
     excess = 0
@@ -255,45 +328,45 @@ def page_fixed(
     for attempt in range(ATTEMPTS):
         left = limit - (time.monotonic() - started)
         if left <= 0 or problem.cancelled:
-            break
+            return "no plan within the budget in time"
         if found is None:
             seconds = left / 2 if attempt < ATTEMPTS - 1 else left
             looser = replace(problem, budgets={**problem.budgets, device: room + everything})
             found = inner(looser.within(seconds))
         if found.plan is None:
-            return StrategyResult(
-                strategy, None, None, f"paging fixed tensors too: {found.message}"
-            )
+            return found.message
         plan = with_fixed_paging(found.plan, graph, problem, device, paged, one_ahead)
         names = [d.name for d in plan.devices]
         plan = replace(plan, strategy=strategy, devices=problem.plan_devices(names))
         evaluation = evaluate_plan(problem, plan)
         simulation = evaluation.simulation
-        if evaluation.fits:
+        if evaluation.fits:  # its reads counted from their steps, as the executor does
+            simulation = simulate(plan, graph, problem.costs, problem.budgets, True)
+        if simulation.valid:
+            simulation = evaluation.simulation
             size = format_bytes(sum(graph.fixed[t].nbytes for t in paged))
             note = (
                 f"{len(paged)} fixed tensors paged ({size}); activations planned by "
                 f"{found.strategy} for {format_bytes(room + everything)} with them resident"
             )
-            return StrategyResult(strategy, with_prediction(plan, simulation), simulation, note)
-        peak = simulation.peak_bytes.get(device)
+            result = StrategyResult(strategy, with_prediction(plan, simulation), simulation, note)
+            return _Fit(result, paged, room)
+        peak = simulate(plan, graph, problem.costs, {}, True).peak_bytes.get(device)
         if not simulation.violation or not simulation.violation.over_budget or peak is None:
-            break
+            return str(simulation.violation)
         # Over by the window's underestimate: page more tensors for the same activations;
         # with every one paged, read one ahead at most; then plan the activations again in
         # less room.
         over = peak - budget + round(MARGIN * budget)
         excess += over
-        more, _, _ = paged_set(problem, device, budget - excess)
-        if more != paged:
-            paged = more
+        more = len(paged_set(problem, device, budget - excess)[0])
+        if len(paged) < len(largest):
+            paged = frozenset(largest[: max(more, len(paged) + 1)])
         elif not one_ahead:
             one_ahead = True
         elif room - over < values:
-            break
+            return "too little room left for the activations"
         else:
             room -= over
             found = None
-    return StrategyResult(
-        strategy, None, None, "paging fixed tensors too, no plan within the budget in time"
-    )
+    return "no plan within the budget in the attempts made"

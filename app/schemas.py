@@ -268,12 +268,15 @@ Pair = Annotated[list[int], Field(min_length=2, max_length=2)]
 
 class TransferOut(BaseModel):
     """A transfer to (offload) or from (prefetch) host memory, or to (page_out) or from
-    (page_in) storage: the steps that issue it and that wait for it."""
+    (page_in) storage, or a paged fixed tensor's read (fixed_in) or its gradient's write
+    (grad_out): the steps that issue it and that wait for it. ``node`` is null for the
+    last two, which name the ``tensor``."""
 
-    node: int
-    kind: Literal["offload", "prefetch", "page_out", "page_in"]
+    node: int | None
+    kind: Literal["offload", "prefetch", "page_out", "page_in", "fixed_in", "grad_out"]
     issued: int
     done: int
+    tensor: str | None = None
 
 
 class ScheduleOut(BaseModel):

@@ -9,6 +9,7 @@ import json
 import pytest
 from test_paging import FIXED, _c, _f, _plan, _setup
 
+from app.schemas import TransferOut
 from remat import samples
 from remat.budgets import reference
 from remat.costs import analytical_costs
@@ -25,6 +26,7 @@ from remat.plan import (
     plan_from_json,
     plan_to_json,
 )
+from remat.plan_view import transfer_spans
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
@@ -115,6 +117,17 @@ def test_version_five_documents_round_trip_and_earlier_versions_refuse_fixed_pag
     document["steps"][1]["tensor"] = 3
     with pytest.raises(InvalidInputError, match=r"steps\[1\]: 'tensor' must be str"):
         plan_from_json(document)
+
+
+def test_the_schedule_view_shows_a_paged_weights_reads_and_its_gradients_write():
+    spans = transfer_spans(_plan(PAGED))["cpu0"]
+    assert [(s.kind, s.tensor, s.node, s.issued, s.done) for s in spans] == [
+        ("fixed_in", "w2", None, 1, 3),
+        ("fixed_in", "w2", None, 7, 8),
+        ("grad_out", "w2", None, 11, 15),
+    ]
+    out = TransferOut.model_validate(spans[2], from_attributes=True)
+    assert out.kind == "grad_out" and out.tensor == "w2" and out.node is None
 
 
 # --- port below the fixed memory's floor --------------------------------------------------

@@ -252,14 +252,15 @@ export function lineChart({
  * A device's transfer lane to host memory under its memory chart, on the same step axis
  * (the line chart's margins): one row of offloads and one of prefetches, each transfer a
  * bar from the step that issues it to the step of the wait that ends it.
- * ``spans``: [{node, kind, issued, done}]; ``steps``: the plan's step count.
+ * ``spans``: [{node, kind, issued, done, tensor}] (``tensor``: a paged fixed tensor's, with
+ * ``node`` null); ``steps``: the plan's step count.
  */
 export function transferLane({ spans, steps, names, color, device, width }) {
   const margin = { left: 72, right: 16, top: 4, bottom: 4 };
   const plotW = Math.max(120, width - margin.left - margin.right);
   const row = 14;
   const present = new Set(spans.map((one) => one.kind));
-  const kinds = ["offload", "prefetch", "page_out", "page_in"].filter(
+  const kinds = ["offload", "prefetch", "page_out", "page_in", "fixed_in", "grad_out"].filter(
     (kind, index) => index < 2 || present.has(kind));
   const height = margin.top + margin.bottom + row * kinds.length;
   const x = (v) => (v / Math.max(steps - 1, 1)) * plotW;
@@ -275,12 +276,18 @@ export function transferLane({ spans, steps, names, color, device, width }) {
     svg.append(text(margin.left - 8, top + row - 3, kind, { "text-anchor": "end" }));
     for (const span of spans.filter((one) => one.kind === kind)) {
       const x0 = margin.left + x(span.issued);
-      const name = names[span.node] ?? String(span.node);
+      const what = span.tensor != null
+        ? `fixed tensor ${span.tensor}`
+        : `node ${span.node} ${names[span.node] ?? ""}`;
+      const leaving = kind === "offload" || kind === "page_out" || kind === "grad_out";
       svg.append(s("rect", {
         x: x0, y: top + 2, width: Math.max(x(span.done) - x(span.issued), 2), height: row - 4,
-        fill: color, "fill-opacity": kind === "offload" || kind === "page_out" ? 0.85 : 0.45,
-        dataset: { node: String(span.node), kind, issued: String(span.issued), done: String(span.done) },
-      }, s("title", {}, `${kind} of node ${span.node} ${name}: steps ${span.issued}–${span.done}`)));
+        fill: color, "fill-opacity": leaving ? 0.85 : 0.45,
+        dataset: {
+          node: String(span.node ?? ""), tensor: span.tensor ?? "", kind,
+          issued: String(span.issued), done: String(span.done),
+        },
+      }, s("title", {}, `${kind} of ${what}: steps ${span.issued}–${span.done}`)));
     }
   });
   return svg;

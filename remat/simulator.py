@@ -133,6 +133,10 @@ class Simulation:
     stall_ms: float = 0.0  # the compute lane's waits for transfers, in ``total_ms``
     energy_mj: float = 0.0
     slowdown_ms: float = 0.0  # compute time lost to transfers beside it, in ``total_ms``
+    # the compute lane's time when each step is issued, and when each transfer step's
+    # transfer starts on its lane (step index -> ms)
+    clock_ms: list[float] = field(default_factory=list)
+    transfer_start_ms: dict[int, float] = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -213,6 +217,7 @@ class _State:
     # (pool, tensor) gradients written out; the backward nodes whose gradients are in.
     paged: frozenset[str] = frozenset()
     at_issue: bool = False  # reserve a transfer's memory at its step (``simulate``)
+    starts: dict[int, float] = field(default_factory=dict)  # step -> its transfer's start
     params: list[set[str]] = field(default_factory=list)
     grads: list[set[str]] = field(default_factory=list)
     stored: set[tuple[int, str]] = field(default_factory=set)
@@ -286,7 +291,7 @@ class _State:
         """Queue a transfer of ``duration`` ms on ``d``'s lane to ``tier``: its start and its
         end."""
         lane = self.lanes[tier][d]
-        start = max(self.clock, lane.free_at)
+        start = self.starts[self.step] = max(self.clock, lane.free_at)
         lane.free_at = start + duration
         self.transfer_ms += duration
         slowdown = self.slowdowns.get((tier, d))
@@ -649,6 +654,7 @@ def simulate(
     for name in names:
         state.memory[space[where[name]]] = fixed[name]
     timeline: dict[str, list[int]] = {name: [] for name in names}
+    clocks: list[float] = []
     peaks = dict(fixed)
 
     placed = [(name, space[where[name]]) for name in names]
@@ -678,6 +684,7 @@ def simulate(
     violation = _over_budget(fixed, budgets, -1, "fixed memory (parameters, inputs)")
     for index, step in enumerate(plan.steps if violation is None else ()):
         state.step = index
+        clocks.append(state.clock)
         if step.op != "compute":
             state.section = None  # the section's computes have ended
         try:
@@ -719,6 +726,8 @@ def simulate(
         state.stall_ms,
         energy_mj,
         state.slowdown_ms,
+        clocks,
+        state.starts,
     )
 
 

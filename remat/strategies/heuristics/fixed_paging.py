@@ -13,8 +13,9 @@ and eight times as many (more paging, more room for the activations). For each s
 gives the rest of the budget to an activation plan from a quick strategy (``quick``:
 ``port`` uses greedy eviction), made as if every fixed tensor were resident in a budget
 larger by what paging frees, inserts the paging steps (``with_fixed_paging``) and lets
-the simulator judge (with each read's memory counted from its step, as the agent's
-executor counts it); while over the budget, the set grows by the excess, then the reads
+the simulator judge (each read's step moved as late as leaves its start unchanged,
+``issued_late``, and its memory counted from its step, as the agent's executor counts
+it); while over the budget, the set grows by the excess, then the reads
 are held to one ahead of the compute and each gradient's write waited for before the
 next, then the activations are planned again in less room. The fastest set's activations
 are then planned again by ``inner`` (``port``'s own search) in the time left, and the
@@ -51,7 +52,7 @@ from remat.plan import (
     Plan,
     Step,
 )
-from remat.simulator import held_fixed_bytes, simulate
+from remat.simulator import Simulation, held_fixed_bytes, simulate
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
@@ -59,6 +60,8 @@ from remat.strategies.common.problem import (
     with_prediction,
 )
 
+TRANSFER_STARTS = frozenset({"offload", "prefetch", "page_out", "page_in", "fixed_in", "grad_out"})
+"""The steps that start a transfer on a lane."""
 ATTEMPTS = 24
 """Plans judged per call: each grows the paging set, or makes the activation plan again."""
 MARGIN = 0.01
@@ -216,6 +219,38 @@ def with_fixed_paging(
     return replace(plan, steps=tuple(out), predicted=None, version=0)
 
 
+def issued_late(plan: Plan, simulation: Simulation) -> Plan:
+    """``plan`` with each ``fixed_in`` moved later to the last step the compute lane reaches
+    before its read starts (``simulation``: the plan's replay), never past the next
+    transfer on a lane nor its ``fixed_wait``: its read starts when it did, and its memory,
+    which the agent's executor counts from the step, is held no earlier than needed."""
+    steps = plan.steps
+    clocks, starts = simulation.clock_ms, simulation.transfer_start_ms
+    if len(clocks) != len(steps):
+        return plan
+    keys = [float(i) for i in range(len(steps))]
+    next_transfer = float(len(steps))  # where the next transfer is issued, once moved
+    for i in range(len(steps) - 1, -1, -1):
+        step = steps[i]
+        if isinstance(step, FixedIn) and i in starts:
+            j = i  # the last step issued no later than the read starts, short of the limits
+            while (
+                j + 1 < min(len(steps), next_transfer + 1)
+                and clocks[j + 1] <= starts[i]
+                and not _waits(steps[j + 1], step)
+            ):
+                j += 1
+            keys[i] = j - 0.5 if j > i else float(i)
+        if step.op in TRANSFER_STARTS:
+            next_transfer = keys[i]
+    order = sorted(range(len(steps)), key=lambda i: keys[i])
+    return replace(plan, steps=tuple(steps[i] for i in order), predicted=None)
+
+
+def _waits(step: Step, read: FixedIn) -> bool:
+    return isinstance(step, FixedWait) and step.tensor == read.tensor
+
+
 def _stages(steps: tuple[Step, ...]) -> list[int]:
     """The stage of each step, and of the end (the last step's)."""
     stages = [step.stage for step in steps]
@@ -241,6 +276,7 @@ class _Fit:
     result: StrategyResult
     paged: frozenset[str]
     room: int
+    hold_first: bool
 
 
 def page_fixed(
@@ -279,9 +315,13 @@ def page_fixed(
             break
         paged = frozenset(largest[:k])
         room = max(budget - _fixed_with(problem.graph, paged), values + round(MARGIN * budget))
-        fit = _fit(problem.within(left), device, paged, room, quick or inner, strategy)
-        if isinstance(fit, _Fit):
-            fits.append(fit)
+        for hold_first in (False, True):
+            left = started + limit * QUICK_SHARE - time.monotonic()
+            fit = _fit(
+                problem.within(left), device, paged, room, quick or inner, strategy, hold_first
+            )
+            if isinstance(fit, _Fit):
+                fits.append(fit)
     if not fits:
         return StrategyResult(
             strategy, None, None, "paging fixed tensors too, no plan within the budget in time"
@@ -289,7 +329,9 @@ def page_fixed(
     best = min(fits, key=lambda fit: fit.result.time_ms)
     left = limit - (time.monotonic() - started)
     if quick is not None and left > 0 and not problem.cancelled:
-        again = _fit(problem.within(left), device, best.paged, best.room, inner, strategy)
+        again = _fit(
+            problem.within(left), device, best.paged, best.room, inner, strategy, best.hold_first
+        )
         if isinstance(again, _Fit) and again.result.time_ms < best.result.time_ms:
             best = again
     return best.result
@@ -311,10 +353,12 @@ def _fit(
     room: int,
     inner: Callable[[Problem], StrategyResult],
     strategy: str,
+    hold_first: bool = False,
 ) -> _Fit | str:
     """Activations planned by ``inner`` in ``room`` with ``paged`` paged, judged, and the
-    paging set grown, the reads held back or the room made smaller while over the budget
-    (the module docstring): the plan within the budget, or why there is none."""
+    paging set grown, the reads held back (first, where ``hold_first``) or the room made
+    smaller while over the budget (the module docstring): the plan within the budget, or
+    why there is none."""
     budget = problem.budgets[device]
     assert budget is not None
     graph = problem.graph
@@ -338,6 +382,7 @@ def _fit(
         plan = with_fixed_paging(found.plan, graph, problem, device, paged, one_ahead)
         names = [d.name for d in plan.devices]
         plan = replace(plan, strategy=strategy, devices=problem.plan_devices(names))
+        plan = issued_late(plan, simulate(plan, graph, problem.costs, {}))
         evaluation = evaluate_plan(problem, plan)
         simulation = evaluation.simulation
         if evaluation.fits:  # its reads counted from their steps, as the executor does
@@ -350,7 +395,7 @@ def _fit(
                 f"{found.strategy} for {format_bytes(room + everything)} with them resident"
             )
             result = StrategyResult(strategy, with_prediction(plan, simulation), simulation, note)
-            return _Fit(result, paged, room)
+            return _Fit(result, paged, room, hold_first)
         peak = simulate(plan, graph, problem.costs, {}, True).peak_bytes.get(device)
         if not simulation.violation or not simulation.violation.over_budget or peak is None:
             return str(simulation.violation)
@@ -360,7 +405,9 @@ def _fit(
         over = peak - budget + round(MARGIN * budget)
         excess += over
         more = len(paged_set(problem, device, budget - excess)[0])
-        if len(paged) < len(largest):
+        if hold_first and not one_ahead:
+            one_ahead = True
+        elif len(paged) < len(largest):
             paged = frozenset(largest[: max(more, len(paged) + 1)])
         elif not one_ahead:
             one_ahead = True

@@ -102,18 +102,24 @@ def resolve_budgets(
 def check_fixed_memory(
     graph: Graph, budgets: Mapping[str, int | None], devices: Sequence[Device]
 ) -> None:
-    """Parameters, inputs and gradient buffers live somewhere for the whole step: budgets
-    that together hold less admit no plan at all (``InvalidInputError``). Any unlimited
-    device holds them; a pool's budget counts once."""
+    """A node's parameters, inputs and gradient buffers are on its device while it runs,
+    even where a plan pages the others to storage (plan version 5): budgets that together
+    hold less than the most any node needs of them admit no plan at all
+    (``InvalidInputError``). Any unlimited device holds them; a pool's budget counts once."""
     if any(b is None for b in budgets.values()):
         return
-    fixed = fixed_bytes(graph)
+    need, node = (
+        max((held_fixed_bytes(graph, [node.id]), node.name) for node in graph.nodes)
+        if len(graph)
+        else (0, "")
+    )
     spaces = {d.memory_space: budgets[d.name] for d in devices if d.name in budgets}
     total = sum(b for b in spaces.values() if b is not None)
-    if total < fixed:
+    if total < need:
         raise InvalidInputError(
-            f"the budgets ({format_bytes(total)} in all) are below the fixed memory of "
-            f"{format_bytes(fixed)} (parameters, inputs and gradients): no plan can fit"
+            f"the budgets ({format_bytes(total)} in all) are below the {format_bytes(need)} "
+            f"that node {node!r} needs of parameters, inputs and gradients while it runs: "
+            "no plan can fit, even paging the others to storage"
         )
 
 

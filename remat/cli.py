@@ -49,7 +49,7 @@ from remat.max_batch import (
 from remat.objective import Objective, ObjectiveKind
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
 from remat.onnx_ingest import declared_inputs, load_model, parse_input_shape
-from remat.plan import load_plan, plan_to_json
+from remat.plan import FIXED_OPS, PAGE_OPS, load_plan, plan_to_json
 from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
 from remat.shape_range import (
     check_ranged_dims_symbolic,
@@ -724,9 +724,12 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
     nodes = len(problem.graph)
     print(f"steps:      {len(result.plan.steps)} ({sim.computes} computes of {nodes} nodes)")
     if sim.transfer_ms:
+        ops = {step.op for step in result.plan.steps}
+        lanes = (("host memory", {"offload", "prefetch"}), ("storage", PAGE_OPS | FIXED_OPS))
+        tiers = [tier for tier, kinds in lanes if ops & kinds]
         print(
-            f"transfers:  {sim.transfer_ms:.3f} ms to and from host memory, beside compute; "
-            f"compute waited {sim.stall_ms:.3f} ms for them"
+            f"transfers:  {sim.transfer_ms:.3f} ms to and from {' and '.join(tiers)}, beside "
+            f"compute; compute waited {sim.stall_ms:.3f} ms for them"
         )
     solver = result.plan.solver
     if solver is not None:

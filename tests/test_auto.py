@@ -70,13 +70,23 @@ def test_auto_is_at_least_as_cheap_as_the_best_baseline():
     assert result.simulation.total_ms <= baseline
 
 
-def test_a_budget_below_the_floor_is_proven_infeasible_with_what_plans_need():
+def test_a_budget_below_the_floor_pages_fixed_tensors():
     problem = transformer(30, settings(search=NO_EXACT))
-    assert shortfall(problem, ("cpu0",)) is not None
+    assert shortfall(problem, ("cpu0",)) is not None  # no plan keeps them all resident
+    result = run_strategy(AUTO, problem)
+    assert result.plan is not None and result.simulation is not None, result.message
+    assert result.plan.version == 5 and result.plan.paged_fixed
+    assert result.simulation.valid
+    assert result.simulation.peak_bytes["cpu0"] <= problem.budgets["cpu0"]
+
+
+def test_a_budget_below_the_paging_floor_is_proven_infeasible_with_what_plans_need():
+    problem = replace(transformer(30, settings(search=NO_EXACT)), budgets={"cpu0": 4096})
     result = run_strategy(AUTO, problem)
     assert not result.feasible and result.proven_infeasible
     assert result.message.startswith("infeasible at this budget: auto proved that no schedule")
     assert "computing node" in result.message and "the least any plan found needs" in result.message
+    assert "paging fixed tensors too, some node needs at least" in result.message
     assert result.min_budget_bytes and result.min_budget_bytes["cpu0"] > problem.budgets["cpu0"]
 
 

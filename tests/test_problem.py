@@ -6,10 +6,11 @@ from remat import budgets as budgets_module
 from remat import samples
 from remat.budgets import fixed_bytes, reference
 from remat.costs import CostSource, CostTable, analytical_costs, cost_table_of
-from remat.devices import MAX_BYTES, Device, DeviceKind, Size
+from remat.devices import MAX_BYTES, Device, DeviceKind, Size, format_bytes
 from remat.errors import InvalidInputError, RematError
 from remat.graph import Mode
 from remat.problem import build_problem, cost_model, model_graph, problem_from_graph
+from remat.simulator import held_fixed_bytes
 from remat.strategies import SolverSettings
 from remat.training import training_graph
 
@@ -122,14 +123,17 @@ def test_no_devices_is_an_error(graph):
         problem_from_graph(graph, devices=[])
 
 
-def test_budgets_below_the_fixed_memory_are_rejected(graph):
+def test_budgets_below_what_one_node_needs_of_fixed_tensors_are_rejected(graph):
     fixed = fixed_bytes(graph)
-    with pytest.raises(InvalidInputError, match="below the fixed memory"):
-        problem_from_graph(graph, budgets={"cpu0": fixed - 1})
-    # two devices: together they must hold it (each holds its share)
-    with pytest.raises(InvalidInputError, match="below the fixed memory"):
-        problem_from_graph(graph, devices=[CPU, GPU], budgets={"cpu0": 100, "cuda0": 100})
-    assert problem_from_graph(graph, budgets={"cpu0": fixed}).budgets["cpu0"] == fixed
+    need = max(held_fixed_bytes(graph, [node.id]) for node in graph.nodes)
+    assert need < fixed
+    with pytest.raises(InvalidInputError, match="no plan can fit, even paging the others"):
+        problem_from_graph(graph, budgets={"cpu0": need - 1})
+    # two devices: together they must hold it
+    with pytest.raises(InvalidInputError, match=f"below the {format_bytes(need)} that node"):
+        problem_from_graph(graph, devices=[CPU, GPU], budgets={"cpu0": 1, "cuda0": 1})
+    # below the whole fixed memory, above one node's: plans may page the rest (version 5)
+    assert problem_from_graph(graph, budgets={"cpu0": need}).budgets["cpu0"] == need
     split = {"cpu0": fixed // 2, "cuda0": fixed - fixed // 2}
     assert problem_from_graph(graph, devices=[CPU, GPU], budgets=split).budgets == split
     # an unlimited device can hold it all

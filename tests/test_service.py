@@ -325,7 +325,7 @@ def test_an_upload_that_is_not_multipart_is_refused(client):
     ("change", "words"),
     [
         ({"budgets": {"gpu9": "50%"}}, "unknown device 'gpu9'"),
-        ({"budgets": {"cpu0": "1KiB"}}, "below the fixed memory"),
+        ({"budgets": {"cpu0": "1KiB"}}, "no plan can fit, even paging"),
         ({"model_id": "0" * 32}, "does not exist"),
         ({"strategy": "magic"}, "unknown strategy"),
         ({"devices": [{"name": "cpu0", "kind": "tpu"}]}, "devices.0.kind"),

@@ -16,8 +16,12 @@ call:
    (the best baseline and greedy eviction, ``exact.search.warm_start``) gives the solver
    the incumbent found so far.
 
-Only a proof says "infeasible": the memory floor (``common.floor``: a node that fits on no
-device) or an exact solve over the whole problem that its solver proved infeasible, where
+Where the memory floor (``common.floor``: a node that fits on no device with every fixed
+tensor resident) is above the budget, auto pages fixed tensors instead
+(``heuristics.fixed_paging``, greedy eviction planning the activations; plan version 5) on
+each device and returns the cheapest such plan. Only a proof says "infeasible": the
+paging floor on every device (some node's inputs, output, workspace, fixed tensors and
+gradients) or an exact solve over the whole problem that its solver proved infeasible, where
 no device could offload (the exact solve does not); the result then has
 ``proven_infeasible``. Otherwise the message is "no plan found by auto at
 this budget (tried: ...)" with the least memory any phase needed (``min_budget_bytes``).
@@ -38,6 +42,7 @@ from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.fixed_paging import page_fixed
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 
 logger = logging.getLogger(__name__)
@@ -83,8 +88,8 @@ def auto(
 
     floor = shortfall(problem, names)
     _baselines(problem, names, tried)
-    if floor is not None:  # no plan exists: the baselines only say what a plan would need
-        return _no_plan(tried, floor.message(AUTO), proven=True)
+    if floor is not None:  # no plan keeps every fixed tensor resident: page them
+        return _paging_fixed(problem, names, tried, floor.message(AUTO))
 
     if not problem.cancelled:
         fit_s = options.time_limit_s * config.fit_share / len(names)
@@ -135,6 +140,29 @@ def auto(
     if problem.cancelled:
         text += "; cancelled"
     return _no_plan(tried, text, proven=False)
+
+
+def _paging_fixed(
+    problem: Problem, names: Sequence[str], tried: _Tried, floor: str
+) -> StrategyResult:
+    """Below the fixed memory's floor: the cheapest plan that pages fixed tensors on one of
+    ``names`` (``heuristics.fixed_paging``, greedy eviction planning the activations), each
+    device an equal share of the time limit; without one, ``floor`` (what keeping them
+    resident needs), a proof where every device is below the paging floor too."""
+    seconds = problem.solver.options.time_limit_s / len(names)
+    found: list[StrategyResult] = []
+    for name in names:
+
+        def evict(p: Problem, name: str = name) -> StrategyResult:
+            return greedy_evict(p, name, p.solver.options.time_limit_s)
+
+        found.append(page_fixed(problem.within(seconds), name, evict, AUTO))
+    best = _cheapest(found)
+    if best is not None:
+        return best
+    tried.phases.append(f"paging fixed tensors on {', '.join(names)}")
+    notes = "; ".join(f"on {n}: {r.message}" for n, r in zip(names, found, strict=True))
+    return _no_plan(tried, f"{floor}; {notes}", proven=all(r.proven_infeasible for r in found))
 
 
 def _baselines(problem: Problem, names: Sequence[str], tried: _Tried) -> None:

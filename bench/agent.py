@@ -3,8 +3,10 @@
 Two emulated CPU devices on one machine (cpu0 with 1 thread, cpu1 with 2; ``--devices``
 names others, e.g. ``cuda0:cuda`` or ``cpu0:cpu:threads=8 cuda0:cuda``), VGG-, ResNet-
 and U-Net-style models (``remat.samples``) in training mode, the same budget on each device
-(100% and 50% of the checkpoint-all peak; devices sharing a pool, ``pool=NAME``, share
-one budget). Per model: the agent's profiler measures the training graph on both devices;
+(100% and 50% of the checkpoint-all peak; a size such as ``6MiB`` is taken as it is, e.g.
+below the fixed memory, where ``--strategy port`` pages fixed tensors; devices sharing a
+pool, ``pool=NAME``, share one budget). Per model: the agent's profiler measures the
+training graph on both devices;
 ``profiled_costs`` makes the cost model; ``xengine`` plans with a short time limit (a plan
 from ``placed_greedy`` or the single-device baselines if it finds none); the executor runs
 the plan. Targets:
@@ -55,7 +57,7 @@ from remat.costs import CostTable
 from remat.devices import Device, DeviceKind, format_bytes, parse_device
 from remat.errors import RematError
 from remat.graph import Graph
-from remat.plan import PAGE_OPS, Compute, Copy, Offload, Plan, Prefetch
+from remat.plan import PAGE_OPS, Compute, Copy, FixedIn, GradOut, Offload, Plan, Prefetch
 from remat.problem import model_graph, problem_from_graph
 from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, StrategyResult, run_strategy
@@ -133,26 +135,25 @@ def main() -> None:
             f"profiling {name}",
         )
         print(f"... {name}: measured {_links(table)}", file=sys.stderr, flush=True)
-        for budget in args.budgets.split(","):
+        for given in args.budgets.split(","):
+            budget = f"{given}%" if given.replace(".", "").isdigit() else given
             start = time.monotonic()
             try:
-                plan = _plan(graph, table, devices, f"{budget}%", args.time_limit, args.strategy)
+                plan = _plan(graph, table, devices, budget, args.time_limit, args.strategy)
             except NoPlan as error:
-                unplanned.append(f"{name} at {budget}%: {error}")
-                print(f"... {name} {budget}%: {error}", file=sys.stderr, flush=True)
+                unplanned.append(f"{name} at {budget}: {error}")
+                print(f"... {name} {budget}: {error}", file=sys.stderr, flush=True)
                 continue
             plan_s = time.monotonic() - start
             report, _ = quietly(
                 partial(execute, model, graph, plan, devices, warmup=1, repeats=args.repeats),
-                f"executing {name} at {budget}%",
+                f"executing {name} at {budget}",
             )
-            row = Row(
-                name, len(graph), f"{budget}%", plan, report, profile_s, plan_s, _links(table)
-            )
+            row = Row(name, len(graph), budget, plan, report, profile_s, plan_s, _links(table))
             row.misses = _misses(row)
             rows.append(row)
             out.add(_result(row, devices, args))
-            print(f"... {name} {budget}%: {_summary(row)}", file=sys.stderr, flush=True)
+            print(f"... {name} {budget}: {_summary(row)}", file=sys.stderr, flush=True)
     _print_table(rows, args, unplanned)
     print(f"Load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}.")
 
@@ -300,6 +301,9 @@ def _placement(plan: Plan) -> str:
         text += f", {offloads} host transfers"
     if pages:
         text += f", {pages} page transfers"
+    if plan.paged_fixed:
+        reads = sum(isinstance(s, FixedIn | GradOut) for s in plan.steps)
+        text += f", {len(plan.paged_fixed)} fixed tensors paged ({reads} transfers)"
     if plan.concurrent:
         text += ", concurrent"
     return text

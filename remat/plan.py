@@ -44,6 +44,8 @@ TRANSFER_OPS = frozenset({"offload", "prefetch", "page_out", "page_in", "wait"})
 """The step kinds on transfer lanes: refused in a version-1 document."""
 PAGE_OPS = frozenset({"page_out", "page_in"})
 """The step kinds of version 3: refused in a version-1 or -2 document."""
+TRANSFER_STARTS = TRANSFER_OPS - {"wait", "fixed_wait", "grad_wait", "fixed_free"}
+"""The step kinds that start a transfer on a lane."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,14 @@ class Shortfall:
         )
 
 
+def value_bytes(problem: Problem, node: int, d: int) -> int:
+    """What computing ``node`` on device ``d`` holds of values at least: its output, its
+    distinct inputs and its workspace."""
+    sizes = problem.costs.output_bytes
+    deps = set(problem.graph.nodes[node].deps)
+    return int(sizes[node]) + sum(int(sizes[u]) for u in deps) + problem.costs.workspace(node, d)
+
+
 def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
     """Among the nodes that fit on none of ``devices`` (each with a budget), the one that
     needs the most on the first of them; None when every node fits somewhere."""
@@ -72,15 +80,14 @@ def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
         if budget is None:
             return None  # an unlimited device: every node fits there
         budgets[name] = budget
-    graph, sizes = problem.graph, problem.costs.output_bytes
+    graph = problem.graph
     everything = device_fixed_bytes(problem, devices[0]) if len(devices) == 1 else None
     worst: Shortfall | None = None
     index = {name: problem.costs.device_index(name) for name in budgets}
     for node in graph.nodes:
-        values = int(sizes[node.id]) + sum(int(sizes[u]) for u in set(node.deps))
         fixed = held_fixed_bytes(graph, [node.id]) if everything is None else everything
         needs = tuple(
-            Need(node.id, d, fixed, values + problem.costs.workspace(node.id, index[d]), b)
+            Need(node.id, d, fixed, value_bytes(problem, node.id, index[d]), b)
             for d, b in budgets.items()
         )
         if any(need.total <= need.budget for need in needs):

@@ -43,6 +43,7 @@ import numpy as np
 from remat.devices import Tier, format_bytes
 from remat.graph import Graph, Mode, NodeKind
 from remat.plan import (
+    TRANSFER_STARTS,
     Compute,
     FixedFree,
     FixedIn,
@@ -53,6 +54,7 @@ from remat.plan import (
     Step,
 )
 from remat.simulator import Simulation, held_fixed_bytes, simulate
+from remat.strategies.common.floor import value_bytes
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
@@ -60,8 +62,6 @@ from remat.strategies.common.problem import (
     with_prediction,
 )
 
-TRANSFER_STARTS = frozenset({"offload", "prefetch", "page_out", "page_in", "fixed_in", "grad_out"})
-"""The steps that start a transfer on a lane."""
 ATTEMPTS = 24
 """Plans judged per call: each grows the paging set, or makes the activation plan again."""
 MARGIN = 0.01
@@ -102,16 +102,14 @@ def paging_floor(problem: Problem, device: str) -> int:
     tensors: its output, inputs and workspace, its own fixed tensors, and for a backward
     node the gradient buffers it writes (``remat.strategies.common.floor`` with every
     fixed tensor paged)."""
-    graph, costs = problem.graph, problem.costs
-    d = costs.device_index(device)
-    size = costs.output_bytes
+    graph = problem.graph
+    d = problem.costs.device_index(device)
     most = 0
     for node in graph.nodes:
-        values = int(size[node.id]) + sum(int(size[u]) for u in set(node.deps))
         own = sum(graph.fixed[t].nbytes for t in set(node.fixed))
         if node.kind is NodeKind.BACKWARD:
             own += sum(graph.fixed[t].nbytes for t in set(node.fixed) if written(graph, t))
-        most = max(most, values + costs.workspace(node.id, d) + own)
+        most = max(most, value_bytes(problem, node.id, d) + own)
     return most
 
 
@@ -119,13 +117,9 @@ def paged_set(problem: Problem, device: str, budget: int) -> tuple[frozenset[str
     """The fewest largest fixed tensors whose paging leaves every node room for its values
     within ``budget`` (else all of them), the fixed memory left with them paged (the static
     rest plus their window) and the most any node's values need."""
-    graph, costs = problem.graph, problem.costs
-    d = costs.device_index(device)
-    size = costs.output_bytes
-    values = max(
-        int(size[node.id]) + sum(int(size[u]) for u in set(node.deps)) + costs.workspace(node.id, d)
-        for node in graph.nodes
-    )
+    graph = problem.graph
+    d = problem.costs.device_index(device)
+    values = max(value_bytes(problem, node.id, d) for node in graph.nodes)
     order = _largest_first(graph)
     for k in range(1, len(order) + 1):
         paged = frozenset(order[:k])

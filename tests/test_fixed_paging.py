@@ -75,6 +75,19 @@ def test_a_paged_weight_is_counted_only_while_read_in_and_its_gradient_until_wri
     assert timeline[15] == timeline[14] - 100  # grad_wait releases the buffer
 
 
+def test_a_read_queued_behind_another_counts_from_its_start_or_from_its_step():
+    g, costs = _setup()
+    steps = [_c(0), FixedIn(0, "w1", "cpu0"), FixedIn(0, "w2", "cpu0")]
+    by_start = simulate(_plan(steps), g, costs)
+    by_step = simulate(_plan(steps), g, costs, reserve_at_issue=True)
+    assert by_start.clock_ms == [0.0, 1.0, 1.0]
+    assert by_start.transfer_start_ms == pytest.approx({1: 1.0, 2: 1.1})  # w2 waits for w1
+    base = 400 + 100 + 1000  # node 0's fixed tensors x and w0, and its value
+    assert by_start.timeline["cpu0"] == [base, base + 100, base + 100]  # w2 not yet started
+    assert by_step.timeline["cpu0"] == [base, base + 100, base + 200]
+    assert by_start.peak_bytes["cpu0"] == by_step.peak_bytes["cpu0"] == base + 200
+
+
 @pytest.mark.parametrize(
     ("steps", "message"),
     [

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,6 +16,23 @@ def remat(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def start(*args: str) -> subprocess.Popen[str]:
+    """``remat`` started, not awaited: processes that do not depend on each other run side
+    by side (each spends a second importing before it does anything)."""
+    command = [sys.executable, "-m", "remat.cli", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def remat_all(*runs: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """``remat`` with each argument list, the processes side by side."""
+    return [finished(process) for process in [start(*args) for args in runs]]
+
+
 def test_graph_summary(vgg):
     result = remat("graph", str(vgg), "--batch", "2")
     assert result.returncode == 0, result.stderr
@@ -23,15 +41,14 @@ def test_graph_summary(vgg):
 
 
 def test_graph_json_lists_forward_loss_and_backward_nodes(vgg):
-    result = remat("graph", str(vgg), "--batch", "2", "--json")
+    common = ["graph", str(vgg), "--batch", "2", "--json"]
+    result, inference_run = remat_all(common, [*common, "--mode", "inference"])
     graph = json.loads(result.stdout)
     kinds = {n["kind"] for n in graph["nodes"]}
     assert kinds == {"forward", "loss", "backward"}
     assert set(graph["nodes"][0]) == {"id", "name", "op", "kind", "deps", "output_bytes"}
     assert graph["param_bytes"] > 0 and graph["mode"] == "training"
-    inference = json.loads(
-        remat("graph", str(vgg), "--batch", "2", "--json", "--mode", "inference").stdout
-    )
+    inference = json.loads(inference_run.stdout)
     assert {n["kind"] for n in inference["nodes"]} == {"forward"}
 
 
@@ -56,14 +73,18 @@ def test_plan_then_check_round_trip(vgg, tmp_path):
     plan = json.loads(out.read_text())
     assert plan["version"] == 1 and plan["devices"][0]["name"] == "cpu0"
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
-    check = remat("check", str(vgg), str(out), "--batch", "8")
-    assert check.returncode == 0 and check.stdout.startswith("valid")
-    # drop the first compute: the simulator names the step that breaks
+    # and without the first compute: the simulator names the step that breaks
     plan["steps"] = plan["steps"][1:]
-    out.write_text(json.dumps(plan))
-    check = remat("check", str(vgg), str(out), "--batch", "8")
-    assert check.returncode == 1
-    assert check.stdout.startswith("invalid: step 0:") and "not resident" in check.stdout
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(plan))
+    check, check_broken = remat_all(
+        ["check", str(vgg), str(out), "--batch", "8"],
+        ["check", str(vgg), str(broken), "--batch", "8"],
+    )
+    assert check.returncode == 0 and check.stdout.startswith("valid")
+    assert check_broken.returncode == 1
+    assert check_broken.stdout.startswith("invalid: step 0:")
+    assert "not resident" in check_broken.stdout
 
 
 def test_plan_json_default_strategy_picks_a_feasible_baseline(vgg):
@@ -105,76 +126,92 @@ def test_budget_below_one_nodes_fixed_tensors_is_rejected_before_planning(vgg):
     assert "no plan can fit, even paging the others to storage" in result.stderr
 
 
-@pytest.mark.parametrize(
-    ("make", "args", "message"),
-    [
-        (None, ["graph", "/nonexistent/model.onnx"], "model.onnx"),
-        (lambda p: p.write_bytes(b"definitely not onnx"), ["graph", "{p}"], ""),
-        (lambda p: p.write_bytes(samples.truncated_bytes()), ["graph", "{p}", "--batch", "2"], ""),
-        (lambda p: p.write_bytes(samples.vgg16().SerializeToString()), ["graph", "{p}"], "--batch"),
-        (
-            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--device", "gpu0:tpu"],
-            "tpu",
-        ),
-        (
-            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--budget", "cpu0=lots"],
-            "lots",
-        ),
-        (
-            lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--budget", "gpu7=1GiB"],
-            "gpu7",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["graph", "{p}", "--input", "nonsense"],
-            "nonsense",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--objective", "weighted"],
-            "needs alpha",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=3"],
-            "below its idle power",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"],
-            "'many' is not watts",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            ["plan", "{p}", "--batch", "2", "--storage-bandwidth", "fast"],
-            "'fast'",
-        ),
-        (
-            lambda p: p.write_bytes(samples.chain().SerializeToString()),
-            [
-                "plan",
-                "{p}",
-                "--batch",
-                "2",
-                "--device",
-                "cpu0:cpu:pool=ram",
-                "--device",
-                "gpu0:cuda:pool=ram",
-                "--budget",
-                "cpu0=1MiB",
-            ],
-            "shares pool 'ram'",
-        ),
-    ],
-)
-def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, make, args, message):
-    path = tmp_path / "m.onnx"
-    if make is not None:
-        make(path)
-    result = remat(*(a.format(p=path) for a in args))
+BAD_INPUTS = [
+    (None, ["graph", "/nonexistent/model.onnx"], "model.onnx"),
+    (lambda p: p.write_bytes(b"definitely not onnx"), ["graph", "{p}"], ""),
+    (lambda p: p.write_bytes(samples.truncated_bytes()), ["graph", "{p}", "--batch", "2"], ""),
+    (lambda p: p.write_bytes(samples.vgg16().SerializeToString()), ["graph", "{p}"], "--batch"),
+    (
+        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--device", "gpu0:tpu"],
+        "tpu",
+    ),
+    (
+        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--budget", "cpu0=lots"],
+        "lots",
+    ),
+    (
+        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--budget", "gpu7=1GiB"],
+        "gpu7",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        ["graph", "{p}", "--input", "nonsense"],
+        "nonsense",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--objective", "weighted"],
+        "needs alpha",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=3"],
+        "below its idle power",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"],
+        "'many' is not watts",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        ["plan", "{p}", "--batch", "2", "--storage-bandwidth", "fast"],
+        "'fast'",
+    ),
+    (
+        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        [
+            "plan",
+            "{p}",
+            "--batch",
+            "2",
+            "--device",
+            "cpu0:cpu:pool=ram",
+            "--device",
+            "gpu0:cuda:pool=ram",
+            "--budget",
+            "cpu0=1MiB",
+        ],
+        "shares pool 'ram'",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """The process of each of ``BAD_INPUTS``, all started by the first test that reads one,
+    side by side; those no test read (deselected) are stopped at the end."""
+    processes = []
+    for make, args, _ in BAD_INPUTS:
+        path = tmp_path_factory.mktemp("bad") / "m.onnx"
+        if make is not None:
+            make(path)
+        processes.append(start(*(a.format(p=path) for a in args)))
+    yield processes
+    for process in processes:
+        if process.returncode is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.parametrize(("make", "args", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_no_traceback(bad_input_runs, make, args, message):
+    result = finished(bad_input_runs[BAD_INPUTS.index((make, args, message))])
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -254,13 +291,14 @@ def test_plan_with_a_profiled_cost_table(vgg, tmp_path):
         entry["compute_ms"]["cuda0"] = entry["compute_ms"]["cpu0"] * 100  # a slow "GPU"
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(table))
-    result = remat("plan", str(vgg), "--batch", "8", "--costs", str(path), "--json")
+    common = ["plan", str(vgg), "--batch", "8", "--costs", str(path)]
+    result, summary, unknown = remat_all(
+        [*common, "--json"], common, [*common, "--device", "x:cpu"]
+    )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert {s["device"] for s in plan["steps"] if s["op"] == "compute"} == {"cpu0"}
-    summary = remat("plan", str(vgg), "--batch", "8", "--costs", str(path))
     assert "costs:      profiled" in summary.stdout
-    unknown = remat("plan", str(vgg), "--batch", "8", "--costs", str(path), "--device", "x:cpu")
     assert unknown.returncode == 2 and "'x' is not in the cost table" in unknown.stderr
 
 
@@ -281,23 +319,26 @@ def test_only_the_named_devices_of_a_cost_table_are_used(vgg, tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(table))
     common = ["plan", str(vgg), "--batch", "8", "--costs", str(path), "--json"]
-    both = json.loads(remat(*common, "--strategy", "checkpoint_all").stdout)
+    both_run, result, other = remat_all(
+        [*common, "--strategy", "checkpoint_all"],
+        [*common, "--device", "cpu0:cpu", "--budget", "cpu0=80%"],
+        [*common, "--device", "cpu0:cpu", "--budget", "cuda0=1GiB"],
+    )
+    both = json.loads(both_run.stdout)
     assert {s["device"] for s in both["steps"] if s["op"] == "compute"} == {"cuda0"}
-    result = remat(*common, "--device", "cpu0:cpu", "--budget", "cpu0=80%")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert [d["name"] for d in plan["devices"]] == ["cpu0"]
     assert {s["device"] for s in plan["steps"] if s["op"] == "compute"} == {"cpu0"}
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
-    other = remat(*common, "--device", "cpu0:cpu", "--budget", "cuda0=1GiB")
     assert other.returncode == 2 and "budget for unknown device 'cuda0'" in other.stderr
 
 
 def test_verbose_logs_each_phase_of_the_search(vgg):
-    """``-v`` shows what an exact search did: its warm start and its full solve."""
+    """``-v`` shows what an exact search did: its warm start and its full solve (logged as
+    it starts, also at a 1 s limit)."""
     args = ["plan", str(vgg), "--batch", "8", "--budget", "cpu0=80%", "--strategy", "xengine"]
-    quiet = remat(*args, "--time-limit", "3")
-    verbose = remat(*args, "--time-limit", "3", "-v")
+    quiet, verbose = remat_all([*args, "--time-limit", "1"], [*args, "--time-limit", "1", "-v"])
     assert quiet.returncode == verbose.returncode == 0, verbose.stderr
     assert "warm start" not in quiet.stderr
     assert "warm start: " in verbose.stderr and "full solve" in verbose.stderr
@@ -307,17 +348,17 @@ def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
     model = tmp_path / "transformer.onnx"
     model.write_bytes(samples.transformer_block(layers=2, seq="S").SerializeToString())
     common = ["family", str(model), "--device", "cuda0:cuda", "--budget", "cuda0=75%"]
-    result = remat(
-        *common, "--input", "input=2x16..128x32", "--strategy", "greedy_evict", "--size", "50"
+    result, bad, fixed, shares = remat_all(
+        [*common, "--input", "input=2x16..128x32", "--strategy", "greedy_evict", "--size", "50"],
+        [*common, "--input", "input=2x16..8x32"],
+        [*common, "--input", "input=2x16x16..64"],
+        [*common, "--input", "input=2x16..128x32", "--observed", "16:0.6,128:0.3"],
     )
     assert result.returncode == 0, result.stderr
     assert "sizes 16..128 on cuda0" in result.stdout
     assert "size 50:" in result.stdout and "greedy_evict at 128" in result.stdout
-    bad = remat(*common, "--input", "input=2x16..8x32")
     assert bad.returncode == 2 and "range 16..8 is empty" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    fixed = remat(*common, "--input", "input=2x16x16..64")
     assert fixed.returncode == 2 and "is 32 in the model, not symbolic" in fixed.stderr
-    shares = remat(*common, "--input", "input=2x16..128x32", "--observed", "16:0.6,128:0.3")
     assert shares.returncode == 2 and "the observed shares sum to 0.9, not 1" in shares.stderr
     assert len(shares.stderr.strip().splitlines()) == 1

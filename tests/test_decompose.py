@@ -121,9 +121,12 @@ def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
 
 
 def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_baseline(large):
+    """6 s: the parts' share of them gets each part its quick plan (as 12 s did, each
+    share under ``min_part_s``), the whole graph's interval model the rest."""
     assert is_large(large.graph)
     found: list[StrategyResult] = []  # the parts' plans are not the whole problem's
-    listening = replace(large, solver=replace(large.solver, on_plan=found.append))
+    options = replace(large.solver.options, time_limit_s=6)
+    listening = replace(large, solver=replace(large.solver, options=options, on_plan=found.append))
     result = checkmate_milp(listening, "cuda0")
     assert found and found[-1].simulation.total_ms == result.simulation.total_ms
     for plan in found:
@@ -145,8 +148,9 @@ def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_ba
 
 def test_xengine_on_a_large_graph_says_when_no_device_holds_its_fixed_tensors_alone():
     """A part's plan holds every fixed tensor on each device: where no device holds them
-    alone, no part fits, and the message says why instead of a part's shortfall."""
-    quick = SolverSettings(options=SolveOptions(time_limit_s=4, gap=0.01, threads=2))
+    alone, no part fits, and the message says why instead of a part's shortfall (at once:
+    the rest of the 2 s limit goes to the bound's solve beside it)."""
+    quick = SolverSettings(options=SolveOptions(time_limit_s=2, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     budget = device_fixed_bytes(problem, "cuda0") - 1
     problem = replace(problem, budgets={"cpu0": budget, "cuda0": budget})
@@ -167,7 +171,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     the best. It is stopped with the solves beside it, so on a loaded machine it may end
     before its root relaxation lifts it above the ideal: that it does lift it is
     ``test_cover``'s to show."""
-    quick = SolverSettings(options=SolveOptions(time_limit_s=12, gap=0.01, threads=2))
+    quick = SolverSettings(options=SolveOptions(time_limit_s=6, gap=0.01, threads=2))
     problem = _problem(5, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
     solve_alone = xengine_module.checkmate_milp

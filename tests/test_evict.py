@@ -3,6 +3,7 @@ nowhere, and the exact strategies' warm start from them."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -15,7 +16,7 @@ from remat.onnx_ingest import forward_graph
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies import Problem, SearchConfig, SolverSettings, run_strategy
+from remat.strategies import Problem, SearchConfig, SolverSettings, StrategyResult, run_strategy
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.profile import Profiler, profile
 from remat.strategies.common.rsolve import (
@@ -50,13 +51,20 @@ def _zoo_problem(
     return budgeted(graph, percent, devices, settings)
 
 
+@functools.cache
+def _evicted_at_25(name: str) -> tuple[Problem, StrategyResult]:
+    """Greedy eviction on cuda0 at 25%, with time enough not to be cut short (it takes
+    seconds): three tests read it."""
+    problem = _zoo_problem(name, 25, ("cuda0",))
+    return problem, greedy_evict(problem, "cuda0", time_budget_s=60.0)
+
+
 @pytest.mark.parametrize("name", ["unet", "mobilenet_v1"])
 def test_eviction_fits_where_no_baseline_does(name: str) -> None:
     """At 25% on cuda0. MobileNet fits only with releases (values recomputed in a stage
     not all kept to its end): without them eviction stopped over the budget."""
-    problem = _zoo_problem(name, 25, ("cuda0",))
+    problem, result = _evicted_at_25(name)
     assert best_baseline(problem, ("cuda0",)) is None
-    result = greedy_evict(problem, "cuda0")
     assert result.feasible, result.message
     verdict = simulate(result.plan, problem.graph, problem.costs)
     assert verdict.valid
@@ -124,7 +132,7 @@ def test_a_refill_keeps_a_value_through_one_gap() -> None:
 def test_a_swap_beats_where_eviction_and_refill_stop(name: str) -> None:
     """At 25% on cuda0 eviction and refill stop at a plan that refilling one gap and
     evicting again beats; eviction's plan is the swapped one, as the simulator judges it."""
-    problem = _zoo_problem(name, 25, ("cuda0",))
+    problem, result = _evicted_at_25(name)  # not cut short
     home = np.zeros(len(problem.graph), dtype=np.int64)
     context = evict_module._EvictionSetup.of(problem, ("cuda0",), home, 60.0)
     start = context.state(HoldBuilder(problem.graph).keep_everything().build())
@@ -132,7 +140,6 @@ def test_a_swap_beats_where_eviction_and_refill_stop(name: str) -> None:
     swapped = evict_module._swap(context, refilled)
     assert refilled.fits and swapped.fits
     assert swapped.cost_ms < refilled.cost_ms * 0.995
-    result = greedy_evict(problem, "cuda0", time_budget_s=60.0)  # not cut short
     assert result.simulation.valid
     assert result.simulation.total_ms == pytest.approx(swapped.cost_ms)
 
@@ -141,12 +148,11 @@ def test_the_descent_to_a_fitting_plan_may_outrun_the_time_budget() -> None:
     """U-Net at 25% on cuda0 with no time at all: the incumbent is checkpoint-all
     (it does not fit); with time to fit, the descent runs on to a plan that fits, and the
     refills and swaps, out of time, are skipped (the plan costs more than with time)."""
-    problem = _zoo_problem("unet", 25, ("cuda0",))
+    problem, refined = _evicted_at_25("unet")  # with time
     assert not greedy_evict(problem, "cuda0", time_budget_s=0.0).feasible
     fitted = greedy_evict(problem, "cuda0", time_budget_s=0.0, fit_budget_s=60.0)
     assert fitted.feasible, fitted.message
     assert fitted.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
-    refined = greedy_evict(problem, "cuda0", time_budget_s=60.0)
     assert refined.simulation.total_ms < fitted.simulation.total_ms
 
 

@@ -147,15 +147,25 @@ def test_placed_greedy_offers_its_first_plan_before_the_local_search(monkeypatch
 
 def test_xengine_reports_a_plan_before_the_heuristics_local_search(monkeypatch):
     """U-Net at 25% on cpu+cuda: the first plan is reported from the first placement that
-    fits, before the heuristic's local search starts, not at the end of its warm start."""
+    fits, before the heuristic's local search starts, not at the end of its warm start.
+    Cancelled once the local search starts: the rest of the search tells nothing here."""
     started = _record_the_local_search_start(monkeypatch)
+    cancel = threading.Event()
+    local_search = placed._local_search
+
+    def cancelling(*args, **kwargs):
+        cancel.set()
+        return local_search(*args, **kwargs)
+
+    monkeypatch.setattr(placed, "_local_search", cancelling)
     reported: list[float] = []
 
     def on_progress(progress):
         if progress.objective is not None:
             reported.append(time.monotonic())
 
-    settings = SolverSettings(options=SolveOptions(time_limit_s=8.0), on_progress=on_progress)
+    options = SolveOptions(time_limit_s=8.0)
+    settings = SolverSettings(options=options, on_progress=on_progress, cancel=cancel)
     result = xengine(_split_problem("unet", 25, settings))
     assert result.feasible
     assert started and reported and reported[0] < started[0]
@@ -212,10 +222,11 @@ def _is_band(place, problem):
 def test_placed_greedy_splits_a_u_net_that_fits_no_single_device():
     """U-Net at 25% on cpu+cuda: no single device fits, so the heuristic's plan uses both
     devices, and the simulator accepts it under both budgets. (Its cost is measured by
-    ``bench/solvers.py``, not asserted here.)"""
+    ``bench/solvers.py``, not asserted here: 2 s for the candidates, and as long for the
+    local search, are enough.)"""
     problem = _split_problem("unet", 25)
     _no_single_device_fits(problem)
-    result = placed_greedy(problem)
+    result = placed_greedy(problem, time_budget_s=2.0)
     assert result.feasible, result.message
     assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
     n = len(problem.graph)

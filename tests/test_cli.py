@@ -2,35 +2,12 @@
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
+from cli_runs import finished, remat, remat_all, start
 
 from remat import samples
-
-
-def remat(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
-    )
-
-
-def start(*args: str) -> subprocess.Popen[str]:
-    """``remat`` started, not awaited: processes that do not depend on each other run side
-    by side (each spends a second importing before it does anything)."""
-    command = [sys.executable, "-m", "remat.cli", *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finished(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def remat_all(*runs: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    """``remat`` with each argument list, the processes side by side."""
-    return [finished(process) for process in [start(*args) for args in runs]]
 
 
 def test_graph_summary(vgg):

@@ -2,11 +2,11 @@
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
+from cli_runs import finished, remat, start
 
 from remat import samples
 from remat.devices import Device, DeviceKind
@@ -29,24 +29,6 @@ GPU = Device("cuda0", DeviceKind.CUDA)
 MiB = 2**20
 VGG = samples.vgg16()
 VGG_BUDGET = 64 * MiB
-
-
-def remat(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
-    )
-
-
-def start(*args: str) -> subprocess.Popen[str]:
-    """``remat`` started, not awaited: processes that do not depend on each other run side
-    by side (each spends a second importing before it does anything)."""
-    command = [sys.executable, "-m", "remat.cli", *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finished(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def builder(model, devices=(CPU,), budget=VGG_BUDGET, solver=None):

@@ -1311,7 +1311,7 @@ class _Run:
             try:
                 transfer, value = pager.wait(key)
             except OSError as error:
-                raise self._storage_failed(key, transfer_out(key), error) from error
+                raise self._storage_failed(key, isinstance(step, GradWait), error) from error
             if isinstance(step, FixedWait):
                 fixed[name] = value[0]
                 self._allocated(step.device, value_bytes(value) - transfer.reserved)
@@ -1382,11 +1382,6 @@ class _Run:
             for node, value in resident.items():
                 values.setdefault(node, tuple(t.to("cpu") for t in value))
         return self.program.model_output_values(values)
-
-
-def transfer_out(key: Key) -> bool:
-    """Whether a paged fixed tensor's transfer leaves the device: a gradient's does."""
-    return isinstance(key, tuple) and key[0] == "grad"
 
 
 def _first_line(error: BaseException) -> str:

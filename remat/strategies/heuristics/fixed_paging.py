@@ -58,7 +58,6 @@ from remat.strategies.common.floor import value_bytes
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
-    evaluate_plan,
     with_prediction,
 )
 
@@ -144,8 +143,8 @@ def with_fixed_paging(
     leaving (the window ``window_bytes`` estimates, where reading them earlier and writing
     them later would hold more)."""
     costs = problem.costs
-    link = costs.link(costs.device_index(device), Tier.STORAGE)
     d = costs.device_index(device)
+    link = costs.link(d, Tier.STORAGE)
     steps = plan.steps
     elapsed = np.zeros(len(steps) + 1)  # compute time before each step
     uses: dict[str, list[int]] = {t: [] for t in paged}
@@ -377,12 +376,14 @@ def _fit(
         names = [d.name for d in plan.devices]
         plan = replace(plan, strategy=strategy, devices=problem.plan_devices(names))
         plan = issued_late(plan, simulate(plan, graph, problem.costs, {}))
-        evaluation = evaluate_plan(problem, plan)
-        simulation = evaluation.simulation
-        if evaluation.fits:  # its reads counted from their steps, as the executor does
-            simulation = simulate(plan, graph, problem.costs, problem.budgets, True)
-        if simulation.valid:
-            simulation = evaluation.simulation
+        # Judged with its reads counted from their steps, as the executor counts them: at
+        # every instant at least the memory counted from their starts.
+        counted = simulate(plan, graph, problem.costs, {}, reserve_at_issue=True)
+        if not counted.valid:
+            return str(counted.violation)
+        peak = counted.peak_bytes[device]
+        if peak <= budget:
+            simulation = simulate(plan, graph, problem.costs, problem.budgets)
             size = format_bytes(sum(graph.fixed[t].nbytes for t in paged))
             note = (
                 f"{len(paged)} fixed tensors paged ({size}); activations planned by "
@@ -390,18 +391,15 @@ def _fit(
             )
             result = StrategyResult(strategy, with_prediction(plan, simulation), simulation, note)
             return _Fit(result, paged, room, hold_first)
-        peak = simulate(plan, graph, problem.costs, {}, True).peak_bytes.get(device)
-        if not simulation.violation or not simulation.violation.over_budget or peak is None:
-            return str(simulation.violation)
         # Over by the window's underestimate: page more tensors for the same activations;
         # with every one paged, read one ahead at most; then plan the activations again in
         # less room.
         over = peak - budget + round(MARGIN * budget)
         excess += over
-        more = len(paged_set(problem, device, budget - excess)[0])
         if hold_first and not one_ahead:
             one_ahead = True
         elif len(paged) < len(largest):
+            more = len(paged_set(problem, device, budget - excess)[0])
             paged = frozenset(largest[: max(more, len(paged) + 1)])
         elif not one_ahead:
             one_ahead = True

@@ -34,13 +34,18 @@ emulated device's transfer thread makes), the median of ``warmup + repeats`` cop
 over its time less the latency (``host_links``).
 
 So is each device's link to the node's storage (paging, plan version 3), in a directory of
-its own in the storage directory (``storage``), removed afterwards: a 16 MiB buffer
-written to a file, fsync'd and dropped from the page cache, then read back (CUDA: copied
-from the device into pinned host memory before the write and back after the read, as the
-executor's paging lane does), and a 4 KiB one the same way; each ``STORAGE_REPEATS``
-times, the median. The latency is the mean of the small write's and the small read's
-times; each bandwidth is the big buffer's bytes over its time less that latency (at least
-half its time), so that the link's model gives the big transfers their measured time
+its own in the storage directory (``storage``), removed afterwards: buffers of
+``STORAGE_SIZES`` (4 KiB to 16 MiB) each written to a file, fsync'd and dropped from the
+page cache, then read back (CUDA: copied from the device into pinned host memory before the
+write and back after the read, as the executor's paging lane does); each
+``STORAGE_REPEATS`` times, the mean (not the median: a plan's paging time is a sum of
+transfers, and fsync's slow tail is part of it). On a CPU device they run beside the
+slowdown's compute probe repeating on a thread (below), since a plan overlaps its paging
+with compute, which takes the cores the transfers' system calls and copies need. Each
+direction's latency and bandwidth are the line through those times with the least relative
+errors (``affine_fit``): a file's fixed costs (open, fsync, the page cache) grow with its
+size up to a few hundred KiB, so a latency from the smallest file alone and a bandwidth from
+the largest alone under-predict the mid-sized transfers that most plans page
 (``storage_links``). A storage directory that cannot be written fails the profile
 (``StorageError``).
 
@@ -85,7 +90,7 @@ import dataclasses
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -233,9 +238,8 @@ def host_link(runtime: Runtime, warmup: int, repeats: int) -> dict[str, float]:
     return link
 
 
-STORAGE_LINK_BYTES = 16 << 20
-STORAGE_LATENCY_BYTES = 4 << 10
-STORAGE_REPEATS = 3
+STORAGE_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 16 << 20)
+STORAGE_REPEATS = 5
 
 
 def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
@@ -244,8 +248,8 @@ def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
     ``storage_links`` entry; ``StorageError`` where the files cannot be written or read."""
     device = runtime.torch_device
 
-    def median_ms(nbytes: int, path: Path) -> tuple[float, float]:
-        """The median times of writing ``nbytes`` from the device and reading them back."""
+    def mean_ms(nbytes: int, path: Path) -> tuple[float, float]:
+        """The mean times of writing ``nbytes`` from the device and reading them back."""
         on_device = torch.ones(nbytes, dtype=torch.uint8, device=device)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=runtime.is_cuda)
         view = [host.numpy().data]
@@ -264,27 +268,45 @@ def storage_link(runtime: Runtime, storage: Path) -> dict[str, float]:
         for _ in range(STORAGE_REPEATS):
             writes.append(_wall_ms(runtime, write))
             reads.append(_wall_ms(runtime, read))
-        return float(statistics.median(writes)), float(statistics.median(reads))
+        return float(statistics.mean(writes)), float(statistics.mean(reads))
 
+    # A CPU device's transfers run beside its compute, which takes the cores their system
+    # calls and copies need: measured so, as the plans overlap them.
+    beside = (
+        contextlib.nullcontext()
+        if runtime.is_cuda
+        else _running(partial(_computing, _compute_probe(runtime)))
+    )
     try:
-        with scratch_directory(storage, "profile-") as directory:
-            small = median_ms(STORAGE_LATENCY_BYTES, directory / "small")
-            big = median_ms(STORAGE_LINK_BYTES, directory / "big")
+        with scratch_directory(storage, "profile-") as directory, beside:
+            times = [mean_ms(n, directory / f"probe-{n}") for n in STORAGE_SIZES]
     except OSError as error:
         raise StorageError(
             f"measuring the storage {storage} for {runtime.name} failed: {describe(error)}"
         ) from None
-    latency_ms = statistics.mean(small)
-
-    def rate(ms: float) -> float:
-        seconds = max(ms - latency_ms, ms / 2, 1e-6) / 1e3
-        return min(STORAGE_LINK_BYTES / seconds, MAX_LINK_BYTES_PER_S)
-
+    write_ms, write_rate = affine_fit(STORAGE_SIZES, [w for w, _ in times])
+    read_ms, read_rate = affine_fit(STORAGE_SIZES, [r for _, r in times])
     return {
-        "write_bytes_per_s": rate(big[0]),
-        "read_bytes_per_s": rate(big[1]),
-        "latency_us": latency_ms * 1e3,
+        "write_bytes_per_s": write_rate,
+        "read_bytes_per_s": read_rate,
+        "write_latency_us": write_ms * 1e3,
+        "read_latency_us": read_ms * 1e3,
     }
+
+
+def affine_fit(sizes: Sequence[int], ms: Sequence[float]) -> tuple[float, float]:
+    """The latency (ms, at least 0) and bandwidth (B/s, at most ``MAX_LINK_BYTES_PER_S``)
+    of the line ``latency + bytes / bandwidth`` nearest to transfers of ``sizes`` bytes
+    taking ``ms``, by least squares of the relative errors, so that small and large
+    transfers are predicted equally well rather than the largest alone."""
+    n = np.asarray(sizes, dtype=float)
+    t = np.maximum(np.asarray(ms, dtype=float), 1e-6)
+    rows = np.stack([1 / t, n / t], axis=1)
+    (latency, per_byte), *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
+    if latency < 0:  # a line through the origin instead
+        latency, per_byte = 0.0, float(np.sum(n / t) / np.sum((n / t) ** 2))
+    rate = 1e3 / per_byte if per_byte > 0 else MAX_LINK_BYTES_PER_S
+    return float(latency), float(min(rate, MAX_LINK_BYTES_PER_S))
 
 
 SLOWDOWN_PROBE_MS = 10.0
@@ -302,6 +324,21 @@ def slowdown(runtime: Runtime, load: Load) -> dict[str, float]:
     docstring), as a link entry's ``compute_slowdown``. Nothing on CUDA (1 by default)."""
     if runtime.is_cuda:
         return {}
+    probe = _compute_probe(runtime)
+
+    def beside() -> float:
+        with _running(load):
+            return _wall_ms(runtime, probe)
+
+    # In pairs, alone then beside, so that the machine's other work drifting between the
+    # runs weighs on both sides of each ratio alike.
+    ratios = [beside() / max(_wall_ms(runtime, probe), 1e-6) for _ in range(SLOWDOWN_REPEATS)]
+    return {"compute_slowdown": min(max(statistics.median(ratios), 1.0), MAX_COMPUTE_SLOWDOWN)}
+
+
+def _compute_probe(runtime: Runtime) -> Callable[[], None]:
+    """A compute probe on ``runtime``'s device: a matrix product and an elementwise pass,
+    repeated to about ``SLOWDOWN_PROBE_MS``."""
     device = runtime.torch_device
     matrix = torch.rand(256, 256, device=device)
     vector = torch.rand(1 << 20, device=device)
@@ -316,21 +353,29 @@ def slowdown(runtime: Runtime, load: Load) -> dict[str, float]:
         for _ in range(runs):
             once()
 
-    def beside() -> float:
-        ready, stop = threading.Event(), threading.Event()
-        thread = threading.Thread(target=load, args=(ready, stop), name="remat-profile-lane")
-        thread.start()
-        try:
-            ready.wait()
-            return _wall_ms(runtime, probe)
-        finally:
-            stop.set()
-            thread.join()
+    return probe
 
-    # In pairs, alone then beside, so that the machine's other work drifting between the
-    # runs weighs on both sides of each ratio alike.
-    ratios = [beside() / max(_wall_ms(runtime, probe), 1e-6) for _ in range(SLOWDOWN_REPEATS)]
-    return {"compute_slowdown": min(max(statistics.median(ratios), 1.0), MAX_COMPUTE_SLOWDOWN)}
+
+@contextlib.contextmanager
+def _running(load: Load) -> Iterator[None]:
+    """``load`` repeating on a thread of its own for the block, which starts once it is set
+    up."""
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=load, args=(ready, stop), name="remat-profile-lane")
+    thread.start()
+    try:
+        ready.wait()
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _computing(probe: Callable[[], None], ready: threading.Event, stop: threading.Event) -> None:
+    """The compute lane's work, repeated: ``probe`` until ``stop`` is set."""
+    ready.set()
+    while not stop.is_set():
+        probe()
 
 
 def _host_copy(ready: threading.Event, stop: threading.Event) -> None:

@@ -319,9 +319,11 @@ def _links(table: CostTable) -> str:
             f"{host.compute_slowdown:.2f}"
         )
     for name, disk in table.storage_links.items():
+        link = disk.link()
         parts.append(
             f"{name} storage {disk.write_bytes_per_s / 1e9:.2f} GB/s written (fsync'd), "
-            f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.latency_us:.0f} us latency, "
+            f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {link.out_latency_ms * 1e3:.0f} / "
+            f"{link.in_latency_ms * 1e3:.0f} us latency, "
             f"compute slowdown {disk.compute_slowdown:.2f}"
         )
     return "; ".join(parts)

@@ -61,17 +61,18 @@ class Link:
 
     out_bytes_per_s: float  # device -> tier (offload, page out)
     in_bytes_per_s: float  # tier -> device (prefetch, page in)
-    latency_ms: float
+    out_latency_ms: float
+    in_latency_ms: float
     # How much longer the device computes while a transfer runs on this link: 1 where they
     # do not interfere (Beaumont et al.'s assumption (D): a GPU's copy engines), more where
     # the transfer takes the compute's cores or memory bandwidth (measured by the profiler).
     compute_slowdown: float = 1.0
 
     def out_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
-        return np.asarray(nbytes, dtype=float) / self.out_bytes_per_s * 1e3 + self.latency_ms
+        return np.asarray(nbytes, dtype=float) / self.out_bytes_per_s * 1e3 + self.out_latency_ms
 
     def in_ms(self, nbytes: int | np.ndarray) -> np.ndarray:
-        return np.asarray(nbytes, dtype=float) / self.in_bytes_per_s * 1e3 + self.latency_ms
+        return np.asarray(nbytes, dtype=float) / self.in_bytes_per_s * 1e3 + self.in_latency_ms
 
 
 @dataclass(frozen=True)
@@ -224,11 +225,14 @@ def default_link(device: Device, tier: Tier) -> Link:
     if tier is Tier.HOST:
         base = HOST_LINKS[device.kind]
         rate = _option(options, "host_bandwidth", base.bytes_per_s)
-        return Link(rate, rate, _latency_ms(options, "host_latency_us", base.latency_s))
+        latency = _latency_ms(options, "host_latency_us", base.latency_s)
+        return Link(rate, rate, latency, latency)
+    latency = _latency_ms(options, "storage_latency_us", STORAGE_WRITE.latency_s)
     return Link(
         _option(options, "storage_write_bandwidth", STORAGE_WRITE.bytes_per_s),
         _option(options, "storage_read_bandwidth", STORAGE_READ.bytes_per_s),
-        _latency_ms(options, "storage_latency_us", STORAGE_WRITE.latency_s),
+        latency,
+        latency,
     )
 
 
@@ -335,24 +339,37 @@ class _TableHostLink(BaseModel):
             self.to_host_bytes_per_s,
             self.from_host_bytes_per_s,
             self.latency_us * 1e-3,
+            self.latency_us * 1e-3,
             self.compute_slowdown,
         )
 
 
+LatencyUs = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+
+
 class _TableStorageLink(BaseModel):
     """A node's measured storage as a device pages to it: files written and fsync'd, and
-    read back."""
+    read back. A transfer's time is its latency plus its bytes over the bandwidth, each
+    direction its own; ``latency_us`` is both directions' where the directional one is
+    not given (tables written before the profiler measured them apart)."""
 
     write_bytes_per_s: LinkRate
     read_bytes_per_s: LinkRate
-    latency_us: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    latency_us: LatencyUs = 0.0
+    write_latency_us: LatencyUs | None = None
+    read_latency_us: LatencyUs | None = None
     compute_slowdown: ComputeSlowdown = 1.0  # ``Link.compute_slowdown``
 
     def link(self) -> Link:
+        write_us, read_us = (
+            self.latency_us if given is None else given
+            for given in (self.write_latency_us, self.read_latency_us)
+        )
         return Link(
             self.write_bytes_per_s,
             self.read_bytes_per_s,
-            self.latency_us * 1e-3,
+            write_us * 1e-3,
+            read_us * 1e-3,
             self.compute_slowdown,
         )
 
@@ -559,7 +576,7 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
             d.name: _TableHostLink(
                 to_host_bytes_per_s=link.out_bytes_per_s,
                 from_host_bytes_per_s=link.in_bytes_per_s,
-                latency_us=link.latency_ms * 1e3,
+                latency_us=link.out_latency_ms * 1e3,
                 compute_slowdown=link.compute_slowdown,
             )
             for j, d in enumerate(model.devices)
@@ -569,7 +586,8 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
             d.name: _TableStorageLink(
                 write_bytes_per_s=link.out_bytes_per_s,
                 read_bytes_per_s=link.in_bytes_per_s,
-                latency_us=link.latency_ms * 1e3,
+                write_latency_us=link.out_latency_ms * 1e3,
+                read_latency_us=link.in_latency_ms * 1e3,
                 compute_slowdown=link.compute_slowdown,
             )
             for j, d in enumerate(model.devices)

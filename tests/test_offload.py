@@ -66,7 +66,7 @@ def _setup(link_bytes_per_ms: float = 1000.0):
         np.ones((n, 1)),
         np.zeros((n, 1, 1)),
         out,
-        (Link(rate, rate, 0.0),),
+        (Link(rate, rate, 0.0, 0.0),),
     )
     return g, costs
 
@@ -224,7 +224,7 @@ def test_proposition_3_bounds_the_offloading_plans():
     assert offload_bound_ms(problem, base) == pytest.approx(7.0)
     tight = Problem(
         g,
-        CostModel(**{**costs.__dict__, "host": (Link(1e5, 1e5, 0.0),)}),
+        CostModel(**{**costs.__dict__, "host": (Link(1e5, 1e5, 0.0, 0.0),)}),
         {"cuda0": FIXED + 3000},
     )
     assert offload_bound_ms(tight, offload_base(tight, "cuda0")) == pytest.approx(40.0)

@@ -63,8 +63,8 @@ def _setup(storage_bytes_per_ms: float = 1000.0, host_bytes_per_ms: float = 1000
         np.ones((n, 1)),
         np.zeros((n, 1, 1)),
         out,
-        (Link(host, host, 0.0),),
-        storage=(Link(rate, rate, 0.0),),
+        (Link(host, host, 0.0, 0.0),),
+        storage=(Link(rate, rate, 0.0, 0.0),),
     )
     return g, costs
 
@@ -214,7 +214,8 @@ def test_the_storage_link_comes_from_options_tables_and_defaults():
     )
     costs = analytical_costs(g, [ssd, parse_device("cpu1:cpu")])
     link = costs.link(0, Tier.STORAGE)
-    assert (link.out_bytes_per_s, link.in_bytes_per_s, link.latency_ms) == (5e8, 2e9, 0.05)
+    assert (link.out_bytes_per_s, link.in_bytes_per_s) == (5e8, 2e9)
+    assert (link.out_latency_ms, link.in_latency_ms) == (0.05, 0.05)
     default = costs.link(1, Tier.STORAGE)
     assert (default.out_bytes_per_s, default.in_bytes_per_s) == (1e9, 1.5e9)
     assert costs.out_ms(0, Tier.STORAGE)[0] == pytest.approx(1000 / 5e8 * 1e3 + 0.05)
@@ -222,8 +223,20 @@ def test_the_storage_link_comes_from_options_tables_and_defaults():
     assert table.storage_links["cpu0"].write_bytes_per_s == 5e8
     assert profiled_costs(g, table).link(0, Tier.STORAGE) == link
     document = table.model_dump(mode="json")
+    # Measured apart (the profiler's fit), each direction has its own latency; a table
+    # written before then has one for both.
+    measured = document["storage_links"]["cpu0"] | {"write_latency_us": 300, "read_latency_us": 80}
+    apart = type(table).model_validate(document | {"storage_links": {"cpu0": measured}})
+    assert apart.storage_links["cpu0"].link().out_ms(0) == pytest.approx(0.3)
+    assert apart.storage_links["cpu0"].link().in_ms(2_000_000) == pytest.approx(0.08 + 1.0)
+    older = {"write_bytes_per_s": 5e8, "read_bytes_per_s": 2e9, "latency_us": 120}
+    shared = type(table).model_validate(document | {"storage_links": {"cpu0": older}})
+    assert shared.storage_links["cpu0"].link().in_latency_ms == pytest.approx(0.12)
     document["storage_links"]["cpu0"]["read_bytes_per_s"] = 0
     with pytest.raises(ValueError, match="read_bytes_per_s"):
+        type(table).model_validate(document)
+    document["storage_links"]["cpu0"] = older | {"read_latency_us": -1}
+    with pytest.raises(ValueError, match="read_latency_us"):
         type(table).model_validate(document)
 
 

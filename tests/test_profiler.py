@@ -14,7 +14,7 @@ import torch
 
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import execute
-from agents.profiler import median_and_spread, profile, slowdown
+from agents.profiler import affine_fit, median_and_spread, profile, slowdown
 from agents.torch_devices import Runtime, runtime_of
 from remat import samples
 from remat.budgets import fixed_bytes, reference
@@ -75,7 +75,8 @@ def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -
     # measured: files written through to the storage directory and read back
     stored = table.storage_links["cpu0"]
     assert stored.write_bytes_per_s > 0 and stored.read_bytes_per_s > 0
-    assert stored.latency_us > 0
+    assert stored.write_latency_us is not None and stored.read_latency_us is not None
+    assert stored.write_latency_us + stored.read_latency_us > 0
     assert list(tmp_path.iterdir()) == []  # the probe files and their directory are gone
     # measured beside each link's transfer, on a CPU device
     assert "compute_slowdown" in link.model_fields_set and link.compute_slowdown >= 1
@@ -204,3 +205,20 @@ def test_a_device_too_small_for_any_plan_says_what_profiling_needs() -> None:
     graph = for_mode(forward_graph(model), Mode.TRAINING)
     with pytest.raises(TaskError, match=r"cannot profile on cpu0: .*needs at least"):
         profile(model, graph, [CPU0], memory_bytes={"cpu0": fixed_bytes(graph) + 1})
+
+
+def test_the_storage_fit_weighs_every_size_alike() -> None:
+    sizes = [4 << 10, 512 << 10, 16 << 20]
+    exact = [0.2 + n / 1e9 * 1e3 for n in sizes]
+    latency, rate = affine_fit(sizes, exact)
+    assert latency == pytest.approx(0.2) and rate == pytest.approx(1e9)
+    # Mid-sized files slower than the line through the smallest and the largest: the fit
+    # gives up a little on the largest rather than 40% on the middle one.
+    measured = [0.2, 0.2 + 512 / 1024 * 1.4, 0.2 + 16.78]
+    latency, rate = affine_fit(sizes, measured)
+    predicted = [latency + n / rate * 1e3 for n in sizes]
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured, strict=True)]
+    assert max(errors) < 0.25
+    # Times that do not grow from a latency: a line through the origin, never negative.
+    latency, rate = affine_fit([1 << 20, 2 << 20], [0.5, 2.0])
+    assert latency == 0.0 and rate > 0

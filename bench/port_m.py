@@ -21,12 +21,15 @@ Columns, each with ``--time-limit`` seconds:
 
 Beside them, ``poet`` over ``port_m`` (PORT's speedup over POET, section 5) and the
 device ``poet`` chose. After a model's rows, the smallest budget each found a plan for,
-among those tried.
+among those tried. Budgets are percentages of the GPU's checkpoint-all activations
+(``--budgets``: 100% is its peak, 0% its fixed memory), then of its whole peak
+(``--of-peak``): below the pool's fixed memory, ``poet`` and ``port_m`` page parameters
+and gradients too (plan version 5), and nothing else fits.
 Prints a markdown table and appends one row per model, budget and column to
 ``bench/results/port_m.csv``; ``bench/report.py`` renders them.
 
     cd bench && ../.venv/bin/python -W ignore port_m.py [--models torch:resnet18,vgg16,...]
-        [--budgets 100,75,50] [--time-limit 20] [--run LABEL]
+        [--budgets 100,75,50] [--of-peak 75,50,40] [--time-limit 20] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--budgets", default="100,75,50")
+    parser.add_argument(
+        "--of-peak",
+        default="",
+        help="more budgets, as percentages of the GPU's whole checkpoint-all peak (fixed "
+        "memory included), e.g. 75,50,40",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=20.0)
     add_run_argument(parser)
@@ -91,9 +100,16 @@ def main() -> None:
         ref = reference(graph, costs, "gpu0")
         ideal = costs.ideal_ms()
         label = f"{name} ({len(graph)})"
-        smallest: dict[str, float] = {}
-        for percent in (float(p) for p in args.budgets.split(",")):
-            budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+        smallest: dict[str, tuple[int, str]] = {}
+        budgets = [
+            (f"{p:.0f}%", Size(percent=p).resolve(ref.fixed_bytes, ref.peak_bytes))
+            for p in (float(p) for p in args.budgets.split(","))
+        ]
+        budgets += [
+            (f"{p:.0f}% of peak", round(ref.peak_bytes * p / 100))
+            for p in (float(p) for p in args.of_peak.split(",") if p)
+        ]
+        for where, budget in budgets:
             pooled = Problem(graph, costs, {"cpu0": budget, "gpu0": budget}, solver)
             half = budget // 2
             apart = Problem(graph, apart_costs, {"cpu0": half, "gpu0": half}, solver)
@@ -109,7 +125,7 @@ def main() -> None:
                 seconds = time.monotonic() - started
                 ms = result.simulation.total_ms if result.feasible and result.simulation else None
                 if ms is not None:
-                    smallest[column] = min(smallest.get(column, percent), percent)
+                    smallest[column] = min(smallest.get(column, (budget, where)), (budget, where))
                 if column == "port_m" and result.plan is not None:
                     concurrent = "yes" if result.plan.concurrent else "no"
                 if column == "poet" and result.plan is not None:
@@ -118,7 +134,7 @@ def main() -> None:
                 out.add(
                     {
                         "model": name,
-                        "budget": f"{percent:.0f}%",
+                        "budget": where,
                         "devices": "cpu0+gpu0",
                         "objective": ms,
                         "seconds": seconds,
@@ -143,11 +159,11 @@ def main() -> None:
             poet, port_m = cells[COLUMNS.index("poet")], cells[COLUMNS.index("port_m")]
             speedup = f"{poet / port_m:.3f}x" if poet is not None and port_m is not None else "-"
             print(
-                f"| {label} | {percent:.0f}% | {ideal:.4g} | {' | '.join(ratios)} | {concurrent} "
+                f"| {label} | {where} | {ideal:.4g} | {' | '.join(ratios)} | {concurrent} "
                 f"| {speedup} | {poet_device} |",
                 flush=True,
             )
-        least = [f"{smallest[c]:.0f}%" if c in smallest else "none" for c in COLUMNS]
+        least = [smallest[c][1] if c in smallest else "none" for c in COLUMNS]
         print(
             f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | | | |",
             flush=True,

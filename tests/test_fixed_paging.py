@@ -5,6 +5,7 @@ memory's floor, where no plan keeps every fixed tensor resident."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_paging import FIXED, _c, _f, _plan, _setup
@@ -30,6 +31,8 @@ from remat.plan_view import transfer_spans
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
+from remat.strategies.common.floor import shortfall
+from remat.strategies.heuristics.fixed_paging import paging_floor
 from remat.training import for_mode
 
 # chain(3): 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3) and w2, 5 reads (1, 4) and w1,
@@ -184,3 +187,38 @@ def test_port_proves_a_budget_below_what_one_node_needs_with_everything_paged():
     assert not result.feasible and result.proven_infeasible
     assert "paging fixed tensors too, some node needs at least" in result.message
     assert result.min_budget_bytes is not None and result.min_budget_bytes["cpu0"] > 1000
+
+
+def test_a_pool_below_its_fixed_memory_pages_them_with_auto_and_port_m():
+    """Devices sharing one pool hold every node's fixed tensors there: below that, the
+    floor says so at once (not one node's own tensors, as for separate memories), and auto
+    and port_m page fixed tensors on one device of the pool instead of finding nothing."""
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    ssd = "storage_read_bandwidth=1.5e9,storage_write_bandwidth=1e9,pool=ram"
+    pool = [parse_device(f"cpu0:cpu:threads=4,{ssd}"), parse_device(f"gpu0:cuda:{ssd}")]
+    costs = analytical_costs(graph, pool).pooled()
+    ref = reference(graph, costs, "gpu0")
+    budget = round(0.8 * ref.fixed_bytes)
+    problem = Problem(graph, costs, {"cpu0": budget, "gpu0": budget}, _solver(6))
+    short = shortfall(problem, ("cpu0", "gpu0"))
+    assert short is not None and short.needs[0].fixed_bytes == ref.fixed_bytes
+    apart = analytical_costs(graph, [parse_device("cpu0:cpu"), parse_device("gpu0:cuda")])
+    assert shortfall(replace(problem, costs=apart), ("cpu0", "gpu0")) is None
+    for strategy in ("auto", "port_m"):
+        result = run_strategy(strategy, problem)
+        assert result.plan is not None, (strategy, result.message)
+        assert result.plan.version == 5 and result.plan.paged_fixed
+        simulation = simulate(result.plan, graph, costs)
+        assert simulation.valid, simulation.violation
+        assert max(simulation.peak_bytes.values()) <= budget
+
+
+def test_paging_that_finds_no_plan_above_the_paging_floor_says_so_without_a_proof():
+    _, graph, costs, _ = _small_resnet()
+    problem = Problem(graph, costs, {"cpu0": 0}, _solver(5))
+    floor = paging_floor(problem, "cpu0")
+    result = run_strategy("port", replace(problem, budgets={"cpu0": floor}), "cpu0")
+    assert not result.feasible and not result.proven_infeasible
+    assert result.message.startswith("no plan found: paging fixed tensors too, no plan: ")
+    assert "keeping every fixed tensor resident: port proved" in result.message

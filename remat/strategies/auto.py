@@ -161,8 +161,17 @@ def _paging_fixed(
     if best is not None:
         return best
     tried.phases.append(f"paging fixed tensors on {', '.join(names)}")
+    proven = all(r.proven_infeasible for r in found)
     notes = "; ".join(f"on {n}: {r.message}" for n, r in zip(names, found, strict=True))
-    return _no_plan(tried, f"{floor}; {notes}", proven=all(r.proven_infeasible for r in found))
+    resident = floor.removeprefix("infeasible at this budget: ")
+    lead = (
+        "infeasible at this budget: auto proved that no schedule fits, even paging fixed tensors"
+        if proven
+        else "no plan found by auto at this budget"
+    )
+    return _no_plan(
+        tried, f"{lead}: {notes}; keeping every fixed tensor resident: {resident}", proven
+    )
 
 
 def _baselines(problem: Problem, names: Sequence[str], tried: _Tried) -> None:

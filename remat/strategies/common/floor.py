@@ -8,11 +8,12 @@ plan. So on d, at v's step,
 
     memory >= fixed(d) + M_v + sum of M_u over v's distinct inputs u + workspace(v, d),
 
-with fixed(d) the fixed memory of every node when d is the only device, and at least v's
-own when there are several. A node whose floor exceeds the budget of every device it may
-run on has no plan; since the exact models are conservative w.r.t. the simulator, they
-would prove the same, only later (VGG16 at 50% on one device: HiGHS proves it in 35 s;
-a 10 s solve ends with neither a plan nor a proof).
+with fixed(d) the fixed memory of every node when d is the only device or the devices share
+one memory pool (every node runs on one of them, so the pool holds every fixed tensor), and
+at least v's own when there are several memories. A node whose floor exceeds the budget of
+every device it may run on has no plan; since the exact models are conservative w.r.t.
+the simulator, they would prove the same, only later (VGG16 at 50% on one device: HiGHS
+proves it in 35 s; a 10 s solve ends with neither a plan nor a proof).
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
             return None  # an unlimited device: every node fits there
         budgets[name] = budget
     graph = problem.graph
-    everything = device_fixed_bytes(problem, devices[0]) if len(devices) == 1 else None
-    worst: Shortfall | None = None
     index = {name: problem.costs.device_index(name) for name in budgets}
+    spaces = {problem.costs.devices[d].memory_space for d in index.values()}
+    everything = device_fixed_bytes(problem, devices[0]) if len(spaces) == 1 else None
+    worst: Shortfall | None = None
     for node in graph.nodes:
         fixed = held_fixed_bytes(graph, [node.id]) if everything is None else everything
         needs = tuple(

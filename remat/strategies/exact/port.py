@@ -86,9 +86,10 @@ def port(problem: Problem, device: str) -> StrategyResult:
     )
     if paging.feasible:
         return paging
+    lead = "infeasible at this budget" if paging.proven_infeasible else "no plan found"
     return replace(
         result,
-        message=f"infeasible at this budget: {paging.message}; keeping every fixed tensor "
+        message=f"{lead}: {paging.message}; keeping every fixed tensor "
         f"resident: {result.message.removeprefix('infeasible at this budget: ')}",
         min_budget_bytes=paging.min_budget_bytes or result.min_budget_bytes,
         proven_infeasible=paging.proven_infeasible,

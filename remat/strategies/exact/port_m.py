@@ -17,7 +17,9 @@ improved by recomputing a stage ahead on another device of the pool (``recompute
 ``port_m_alone_share``, which pages to the node's storage where that beats recomputing
 (POET's setting), so that the pool's plan is not slower than that device's own, paging
 included; then PORT-M's MILP for the rest, started from the better of XEngine's plan and
-the stage-ahead one where it satisfies the model. The plan returned is the fastest. No
+the stage-ahead one where it satisfies the model. The plan returned is the fastest. Where
+the pool cannot hold every fixed tensor with some node's values (``common.floor``), the
+whole time goes to ``port`` on the fastest device, which pages fixed tensors. No
 bound is reported: the ideal bounds PORT-M's model but not every concurrent plan, whose
 sections may overlap independent nodes across stages too.
 """
@@ -31,6 +33,7 @@ from dataclasses import replace
 from remat.errors import ScheduleError
 from remat.formulations.xengine import build_xengine
 from remat.plan import SolverInfo
+from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
@@ -59,6 +62,8 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
         )
         return StrategyResult(NAME, None, None, message)
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
+    if shortfall(problem, names) is not None:  # the pool cannot hold every fixed tensor
+        return _paging_fixed(problem, names)
     first = xengine(problem.within(limit * config.port_m_xengine_share))
     if first.schedule is not None:
         ahead = recompute_ahead(problem, first.schedule, NAME)
@@ -91,6 +96,20 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
     plan = replace(with_prediction(found.plan, found.simulation), solver=info)
     return replace(found, plan=plan, message=note)
+
+
+def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:
+    """Below the pool's fixed memory: ``port`` on each device of the pool alone, an equal
+    share of the time limit each (paging fixed tensors, ``port``'s fallback); the fastest
+    plan."""
+    share = problem.solver.options.time_limit_s / len(names)
+    found = {name: port(problem.within(share), name) for name in names}
+    name, best = min(found.items(), key=lambda item: item[1].time_ms)
+    if best.feasible:
+        return _named(best, f"{name} alone, below the pool's fixed memory")
+    notes = "; ".join(f"on {n}: {r.message}" for n, r in found.items())
+    proven = all(r.proven_infeasible for r in found.values())
+    return replace(_named(best, ""), message=notes, proven_infeasible=proven)
 
 
 def _alone(problem: Problem) -> StrategyResult:

@@ -302,6 +302,7 @@ def page_fixed(
     largest = _largest_first(problem.graph)
     sizes = sorted({min(len(largest), len(fewest) * 2**i) for i in range(SETS)})
     fits: list[_Fit] = []
+    reasons: dict[str, None] = {}  # why the sets tried found no plan, in order, once each
     for k in sizes:
         left = started + limit * QUICK_SHARE - time.monotonic()
         if left <= 0 or problem.cancelled:
@@ -315,10 +316,11 @@ def page_fixed(
             )
             if isinstance(fit, _Fit):
                 fits.append(fit)
+            else:
+                reasons[fit] = None
     if not fits:
-        return StrategyResult(
-            strategy, None, None, "paging fixed tensors too, no plan within the budget in time"
-        )
+        why = "; ".join(reasons) or "no time to try a paging set"
+        return StrategyResult(strategy, None, None, f"paging fixed tensors too, no plan: {why}")
     best = min(fits, key=lambda fit: fit.result.time_ms)
     left = limit - (time.monotonic() - started)
     if quick is not None and left > 0 and not problem.cancelled:
@@ -337,6 +339,15 @@ def _largest_first(graph: Graph) -> list[str]:
 def _fixed_with(graph: Graph, paged: frozenset[str]) -> int:
     """The fixed memory estimated with ``paged`` paged: the static rest and their window."""
     return held_fixed_bytes(graph, range(len(graph)), paged) + window_bytes(graph, paged)
+
+
+def _with_budget(problem: Problem, device: str, budget: int) -> Problem:
+    """``problem`` with ``budget`` for ``device``'s memory: its own, or its pool's (every
+    device of the pool carries the pool's budget)."""
+    devices = problem.costs.devices
+    space = devices[problem.costs.device_index(device)].memory_space
+    same = {d.name: budget for d in devices if d.memory_space == space}
+    return replace(problem, budgets={**problem.budgets, **same})
 
 
 def _fit(
@@ -368,8 +379,7 @@ def _fit(
             return "no plan within the budget in time"
         if found is None:
             seconds = left / 2 if attempt < ATTEMPTS - 1 else left
-            looser = replace(problem, budgets={**problem.budgets, device: room + everything})
-            found = inner(looser.within(seconds))
+            found = inner(_with_budget(problem, device, room + everything).within(seconds))
         if found.plan is None:
             return found.message
         plan = with_fixed_paging(found.plan, graph, problem, device, paged, one_ahead)

@@ -19,6 +19,7 @@ from remat.errors import InvalidInputError
 from remat.graph import Mode
 from remat.onnx_ingest import forward_graph
 from remat.plan import (
+    Compute,
     FixedFree,
     FixedIn,
     FixedWait,
@@ -32,7 +33,7 @@ from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
 from remat.strategies.common.floor import shortfall
-from remat.strategies.heuristics.fixed_paging import paging_floor
+from remat.strategies.heuristics.fixed_paging import Hold, paging_floor, with_fixed_paging
 from remat.training import for_mode
 
 # chain(3): 0 -> 1 -> 2 -> loss 3; backward 4 reads (2, 3) and w2, 5 reads (1, 4) and w1,
@@ -222,3 +223,29 @@ def test_paging_that_finds_no_plan_above_the_paging_floor_says_so_without_a_proo
     assert not result.feasible and not result.proven_infeasible
     assert result.message.startswith("no plan found: paging fixed tensors too, no plan: ")
     assert "keeping every fixed tensor resident: port proved" in result.message
+
+
+def test_each_hold_level_holds_fewer_paged_tensors_at_once_and_serial_waits_at_each_use():
+    _, graph, costs, ref = _small_resnet()
+    plan = run_strategy("checkpoint_all", Problem(graph, costs, {"cpu0": None}), "cpu0").plan
+    assert plan is not None
+    problem = Problem(graph, costs, {"cpu0": None})
+    everything = frozenset(graph.fixed)
+    peaks = []
+    for hold in Hold:
+        paged = with_fixed_paging(plan, graph, problem, "cpu0", everything, hold)
+        counted = simulate(paged, graph, costs, {}, reserve_at_issue=True)
+        assert counted.valid, (hold, counted.violation)
+        peaks.append(counted.peak_bytes["cpu0"])
+    assert peaks[0] >= peaks[1] >= peaks[2] and peaks[2] < ref.fixed_bytes
+    serial = with_fixed_paging(plan, graph, problem, "cpu0", everything, Hold.SERIAL)
+    steps = serial.steps
+    for i, step in enumerate(steps):  # no compute between a transfer and its wait
+        if step.op in ("fixed_in", "grad_out"):
+            wait = "fixed_wait" if step.op == "fixed_in" else "grad_wait"
+            j = next(
+                j
+                for j in range(i + 1, len(steps))
+                if steps[j].op == wait and steps[j].tensor == step.tensor
+            )
+            assert not any(isinstance(s, Compute) for s in steps[i + 1 : j])

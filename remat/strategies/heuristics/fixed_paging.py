@@ -17,7 +17,9 @@ the simulator judge (each read's step moved as late as leaves its start unchange
 ``issued_late``, and its memory counted from its step, as the agent's executor counts
 it); while over the budget, the set grows by the excess, then the reads
 are held to one ahead of the compute and each gradient's write waited for before the
-next, then the activations are planned again in less room. The fastest set's activations
+next, then the activations are planned again in less room, and where too little is left
+for them, the paging is made serial (``Hold``: each use read on its own, at its step,
+each write waited for at once). The fastest set's activations
 are then planned again by ``inner`` (``port``'s own search) in the time left, and the
 faster plan kept.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import IntEnum
 
 import numpy as np
 
@@ -60,6 +63,16 @@ from remat.strategies.common.problem import (
     StrategyResult,
     with_prediction,
 )
+
+
+class Hold(IntEnum):
+    """How far the paging steps may run ahead of the compute: each level holds fewer paged
+    tensors at once, and stalls the compute more."""
+
+    FREE = 0  # reads as early as the lane allows, writes waited for when done
+    ONE_AHEAD = 1  # one read ahead of the compute, one gradient written at a time
+    SERIAL = 2  # each use read on its own, at its step; each write waited for at once
+
 
 ATTEMPTS = 24
 """Plans judged per call: each grows the paging set, or makes the activation plan again."""
@@ -134,14 +147,16 @@ def with_fixed_paging(
     problem: Problem,
     device: str,
     paged: frozenset[str],
-    one_ahead: bool = False,
+    hold: Hold = Hold.FREE,
 ) -> Plan:
     """``plan`` (on ``device``, fixed tensors resident throughout) with ``paged`` paged, the
-    steps placed as the module docstring says; ``one_ahead``: no read starts before the
-    first use of the read before it, and each gradient's write is waited for before the
-    next one starts, so that at most one read is ahead of the compute and one gradient
-    leaving (the window ``window_bytes`` estimates, where reading them earlier and writing
-    them later would hold more)."""
+    steps placed as the module docstring says; ``hold`` (``Hold``): ``ONE_AHEAD``, no read
+    starts before the first use of the read before it, and each gradient's write is waited
+    for before the next one starts, so that at most one read is ahead of the compute and one
+    gradient leaving (the window ``window_bytes`` estimates, where reading them earlier and
+    writing them later would hold more); ``SERIAL``, each use of a tensor read on its own,
+    issued at that use, and each gradient's write waited for right after it starts: the
+    paging floor's window, at the cost of every transfer's time on the compute lane."""
     costs = problem.costs
     d = costs.device_index(device)
     link = costs.link(d, Tier.STORAGE)
@@ -173,12 +188,13 @@ def with_fixed_paging(
     for t in sorted(paged):
         read_ms = float(link.in_ms(graph.fixed[t].nbytes))
         previous_end = -1
-        for a, b in _runs(uses[t], elapsed, read_ms):
+        # Serial: each use read on its own, never kept resident from one use to the next.
+        for a, b in _runs(uses[t], elapsed, 0.0 if hold is Hold.SERIAL else read_ms):
             reads.append((a, t, read_ms, previous_end + 1))
             insert(a, 4 * len(steps) + a, FixedWait(stage[a], t, device))
             insert(b + 1, 0, FixedFree(stage[b], t, device))
             previous_end = b
-    if one_ahead:
+    if hold >= Hold.ONE_AHEAD:
         reads.sort()
         reads = [
             (a, t, ms, max(earliest, reads[j - 1][0] if j else 0))
@@ -190,6 +206,8 @@ def with_fixed_paging(
         start = min(float(elapsed[a]), lane_free) - read_ms
         lane_free = start
         issue = max(earliest, min(a, int(np.searchsorted(elapsed, start, side="right")) - 1))
+        if hold is Hold.SERIAL:
+            issue = a
         insert(issue, 3 * len(steps) + a, FixedIn(stage[issue], t, device))
         queued.append((issue, 3 * len(steps) + a, read_ms, ""))
     for t, w in last_writer.items():
@@ -201,8 +219,10 @@ def with_fixed_paging(
         busy_until = max(busy_until, float(elapsed[at])) + ms
         if t:
             wait = min(int(np.searchsorted(elapsed, busy_until, side="left")), len(steps))
-            if one_ahead:  # before the next gradient's grad_out: one written at a time
+            if hold >= Hold.ONE_AHEAD:  # before the next gradient's grad_out
                 wait = min([wait, *(w for w in writes if w > at)])
+            if hold is Hold.SERIAL:
+                wait = at
             insert(wait, 2, GradWait(stage[wait], t, device))
     out: list[Step] = []
     for i in range(len(steps) + 1):
@@ -372,7 +392,7 @@ def _fit(
     started, limit = time.monotonic(), problem.solver.options.time_limit_s
     found: StrategyResult | None = None
     excess = 0
-    one_ahead = False
+    hold = Hold.FREE
     for attempt in range(ATTEMPTS):
         left = limit - (time.monotonic() - started)
         if left <= 0 or problem.cancelled:
@@ -382,7 +402,7 @@ def _fit(
             found = inner(_with_budget(problem, device, room + everything).within(seconds))
         if found.plan is None:
             return found.message
-        plan = with_fixed_paging(found.plan, graph, problem, device, paged, one_ahead)
+        plan = with_fixed_paging(found.plan, graph, problem, device, paged, hold)
         names = [d.name for d in plan.devices]
         plan = replace(plan, strategy=strategy, devices=problem.plan_devices(names))
         plan = issued_late(plan, simulate(plan, graph, problem.costs, {}))
@@ -403,19 +423,24 @@ def _fit(
             return _Fit(result, paged, room, hold_first)
         # Over by the window's underestimate: page more tensors for the same activations;
         # with every one paged, read one ahead at most; then plan the activations again in
-        # less room.
+        # less room; where too little is left for them, page serially.
         over = peak - budget + round(MARGIN * budget)
         excess += over
-        if hold_first and not one_ahead:
-            one_ahead = True
+        if hold_first and hold is Hold.FREE:
+            hold = Hold.ONE_AHEAD
         elif len(paged) < len(largest):
             more = len(paged_set(problem, device, budget - excess)[0])
             paged = frozenset(largest[: max(more, len(paged) + 1)])
-        elif not one_ahead:
-            one_ahead = True
-        elif room - over < values:
-            return "too little room left for the activations"
-        else:
+        elif hold is Hold.FREE:
+            hold = Hold.ONE_AHEAD
+        elif room - over >= values:
             room -= over
             found = None
+        elif hold is Hold.ONE_AHEAD:
+            hold = Hold.SERIAL
+        else:
+            return (
+                f"with all {len(paged)} fixed tensors paged serially, the plan needs "
+                f"{format_bytes(peak)} and too little room is left for the activations"
+            )
     return "no plan within the budget in the attempts made"

@@ -26,11 +26,11 @@ import argparse
 import time
 
 from results import Writer, add_run_argument
-from solvers import bench_graph
+from solvers import bench_budgets, bench_graph
 
 from remat.budgets import reference
 from remat.costs import analytical_costs
-from remat.devices import Size, Tier, parse_device, with_option
+from remat.devices import Tier, parse_device, with_option
 from remat.plan import PAGE_OPS
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
@@ -100,14 +100,7 @@ def main() -> None:
         ideal = costs.ideal_ms(device.name)
         label = f"{name} ({len(graph)})"
         smallest: dict[str, tuple[int, str]] = {}
-        budgets = [
-            (f"{p:.0f}%", Size(percent=p).resolve(ref.fixed_bytes, ref.peak_bytes))
-            for p in (float(p) for p in args.budgets.split(","))
-        ]
-        budgets += [
-            (f"{p:.0f}% of peak", round(ref.peak_bytes * p / 100))
-            for p in (float(p) for p in args.of_peak.split(",") if p)
-        ]
+        budgets = bench_budgets(args.budgets, args.of_peak, ref.fixed_bytes, ref.peak_bytes)
         for where, budget in budgets:
             problem = Problem(graph, costs, {device.name: budget}, solver)
             cells: list[float | None] = []

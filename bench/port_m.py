@@ -38,11 +38,11 @@ import argparse
 import time
 
 from results import Writer, add_run_argument
-from solvers import bench_graph
+from solvers import bench_budgets, bench_graph
 
 from remat.budgets import reference
 from remat.costs import analytical_costs
-from remat.devices import Device, Size, parse_device, with_option
+from remat.devices import Device, parse_device, with_option
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
 
@@ -101,14 +101,7 @@ def main() -> None:
         ideal = costs.ideal_ms()
         label = f"{name} ({len(graph)})"
         smallest: dict[str, tuple[int, str]] = {}
-        budgets = [
-            (f"{p:.0f}%", Size(percent=p).resolve(ref.fixed_bytes, ref.peak_bytes))
-            for p in (float(p) for p in args.budgets.split(","))
-        ]
-        budgets += [
-            (f"{p:.0f}% of peak", round(ref.peak_bytes * p / 100))
-            for p in (float(p) for p in args.of_peak.split(",") if p)
-        ]
+        budgets = bench_budgets(args.budgets, args.of_peak, ref.fixed_bytes, ref.peak_bytes)
         for where, budget in budgets:
             pooled = Problem(graph, costs, {"cpu0": budget, "gpu0": budget}, solver)
             half = budget // 2

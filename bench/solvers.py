@@ -184,6 +184,22 @@ def _solvers(strategies: list[str], backends: list[str]) -> list[tuple[str, str]
     ]
 
 
+def bench_budgets(
+    percents: str, of_peak: str, fixed_bytes: int, peak_bytes: int
+) -> list[tuple[str, int]]:
+    """Budgets by label and bytes: comma-separated percentages of checkpoint-all's
+    activations (``percents``: 100% is its peak, 0% its fixed memory), then of its whole
+    peak, fixed memory included (``of_peak``, labelled ``N% of peak``)."""
+    budgets = [
+        (f"{p:.0f}%", Size(percent=p).resolve(fixed_bytes, peak_bytes))
+        for p in (float(p) for p in percents.split(",") if p)
+    ]
+    return budgets + [
+        (f"{p:.0f}% of peak", round(peak_bytes * p / 100))
+        for p in (float(p) for p in of_peak.split(",") if p)
+    ]
+
+
 def bench_graph(name: str, batch: int) -> Graph:
     """The training graph of a zoo model, of ``large<blocks>`` (the deep transformer stack
     that is decomposed), or of ``torch:NAME``: the PyTorch corpus's model (its ``bench``

@@ -11,7 +11,8 @@ is a solution with no transfers), and beside it DYNPROG's plan
 (``offload_dynprog``, whose transfers are finer than stages, so it competes as a plan
 rather than as a start) and greedy eviction to relaxed budgets with offloading over its
 plans down to the budget (``recompute_then_offload``, a ladder of budgets), in a process of
-its own (``common.beside``); then the joint MILP for the rest. The remat search gets the
+its own (``common.beside``); then the joint MILP for the rest, where at least
+``min_solve_s`` is left (a solve is not started after the time limit). The remat search gets the
 whole of its share of the time, as ``checkmate_milp`` alone would, sharing the cores while
 the offloading heuristics run, rather than what they leave (its plans improve through the
 whole limit on large graphs). The best plan the simulator accepts wins, so the result
@@ -126,8 +127,9 @@ def joint_search(
         note = f"the joint model is not built over {config.decompose_min_nodes} nodes"
     elif _reaches(plans, ideal, config.proven_gap):
         note = "a plan costs the ideal: no joint solve"
+    elif (left := limit - (time.monotonic() - started)) < config.min_solve_s:
+        note = "no time left for the joint MILP"
     else:
-        left = limit - (time.monotonic() - started)
         solved, note, joint = _solve(problem, device, [remat], left, tier, name)
         if solved is not None:
             plans.append(solved)
@@ -231,7 +233,7 @@ def _solve(
             break
         except ScheduleError:
             continue
-    solved = solve_alone(problem, replace(model.model, start=start), max(seconds, 1.0))
+    solved = solve_alone(problem, replace(model.model, start=start), seconds)
     note = f"joint MILP: {solved.status.value}"
     if solved.bound is not None:
         note += f", bound {solved.bound:.4g} ms over stage-aligned transfers"

@@ -1594,10 +1594,13 @@ def _matmul_grad(call: VjpCall) -> Grads:
     a, b, g = call.arg(0), call.arg(1), call.g
     if a.dim() < 2 or b.dim() < 2:
         return autograd_vjp(call)
-    return call.only(
-        lambda: (g @ b.transpose(-1, -2)).sum_to_size(a.shape),
-        lambda: (a.transpose(-1, -2) @ g).sum_to_size(b.shape),
-    )
+
+    def grad_b() -> Tensor:
+        if b.dim() == 2 and a.dim() > 2:  # a weight: one product over the flattened batch
+            return a.reshape(-1, a.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+        return (a.transpose(-1, -2) @ g).sum_to_size(b.shape)
+
+    return call.only(lambda: (g @ b.transpose(-1, -2)).sum_to_size(a.shape), grad_b)
 
 
 def _gemm_grad(call: VjpCall) -> Grads:

@@ -356,6 +356,7 @@ GRAD_CASES: dict[str, GradCase] = {
         "Gemm", [(4, 3), (5, 4), (3, 5)], {"transA": 1, "transB": 1, "alpha": 0.5, "beta": 3.0}
     ),
     "matmul_batched_broadcast": GradCase("MatMul", [(2, 1, 3, 4), (3, 4, 5)]),
+    "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
     "add_broadcast": GradCase("Add", [(2, 3, 4), (3, 1)]),
     "sub_broadcast": GradCase("Sub", [(4,), (2, 4)]),
     "mul_broadcast": GradCase("Mul", [(2, 3), (3,)]),

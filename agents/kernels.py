@@ -1642,6 +1642,31 @@ def _batch_norm_grad(call: VjpCall) -> Grads:
     return (found + [None] * len(call.args))[: len(call.args)]
 
 
+def _layer_norm_grad(call: VjpCall) -> Grads:
+    """PyTorch's fused backward (``native_layer_norm_backward``) from the statistics its
+    forward kernel takes again, rather than the whole forward re-run under autograd, where
+    only the output ``Y`` carries a gradient and the scale and bias have the normalised
+    shape; otherwise through autograd."""
+    spec, x, g = call.spec, call.arg(0), call.grads[0]
+    scale, bias = call.optional(1), call.optional(2)
+    shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
+    if (
+        g is None
+        or any(other is not None for other in call.grads[1:])
+        or scale is None
+        or list(scale.shape) != shape
+        or (bias is not None and list(bias.shape) != shape)
+    ):
+        return autograd_vjp(call)
+    eps = spec.attr("epsilon", 1e-5)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
+    wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
+    mask = [wanted[0], wanted[1], bias is not None and wanted[2]]
+    grads = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, scale, bias, mask)
+    found = [grad if m else None for grad, m in zip(grads, mask, strict=True)]
+    return (found + [None] * len(call.args))[: len(call.args)]
+
+
 def _conv_grad(transposed: bool) -> Rule:
     def rule(call: VjpCall) -> Grads:
         spec, x, w, g = call.spec, call.arg(0), call.arg(1), call.g
@@ -1760,6 +1785,7 @@ VJP_RULES: dict[str, Rule] = {
     "Conv": _conv_grad(False),
     "ConvTranspose": _conv_grad(True),
     "BatchNormalization": _batch_norm_grad,
+    "LayerNormalization": _layer_norm_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

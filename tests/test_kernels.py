@@ -357,6 +357,11 @@ GRAD_CASES: dict[str, GradCase] = {
     ),
     "matmul_batched_broadcast": GradCase("MatMul", [(2, 1, 3, 4), (3, 4, 5)]),
     "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
+    "layer_norm": GradCase("LayerNormalization", [(2, 3, 8), (8,), (8,)]),
+    "layer_norm_two_axes": GradCase(
+        "LayerNormalization", [(2, 3, 4), (3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3}
+    ),
+    "layer_norm_no_bias": GradCase("LayerNormalization", [(4, 6), (6,)]),
     "add_broadcast": GradCase("Add", [(2, 3, 4), (3, 1)]),
     "sub_broadcast": GradCase("Sub", [(4,), (2, 4)]),
     "mul_broadcast": GradCase("Mul", [(2, 3), (3,)]),

@@ -18,8 +18,9 @@ improved by recomputing a stage ahead on another device of the pool (``recompute
 (POET's setting), so that the pool's plan is not slower than that device's own, paging
 included; then PORT-M's MILP for the rest, started from the better of XEngine's plan and
 the stage-ahead one where it satisfies the model. The plan returned is the fastest. Where
-the pool cannot hold every fixed tensor with some node's values (``common.floor``), the
-whole time goes to ``port`` on the fastest device, which pages fixed tensors. No
+the pool cannot hold every fixed tensor with some node's values (``common.floor``),
+``port`` runs on each device of the pool alone instead, an equal share of the time each,
+paging fixed tensors, and the fastest of those plans is returned. No
 bound is reported: the ideal bounds PORT-M's model but not every concurrent plan, whose
 sections may overlap independent nodes across stages too.
 """

@@ -3,6 +3,7 @@
 import json
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from cli_runs import finished, remat, remat_all, start
@@ -103,53 +104,29 @@ def test_budget_below_one_nodes_fixed_tensors_is_rejected_before_planning(vgg):
     assert "no plan can fit, even paging the others to storage" in result.stderr
 
 
+def _vgg16(path: Path) -> None:
+    path.write_bytes(samples.vgg16().SerializeToString())
+
+
+def _chain(path: Path) -> None:
+    path.write_bytes(samples.chain().SerializeToString())
+
+
 BAD_INPUTS = [
     (None, ["graph", "/nonexistent/model.onnx"], "model.onnx"),
     (lambda p: p.write_bytes(b"definitely not onnx"), ["graph", "{p}"], ""),
     (lambda p: p.write_bytes(samples.truncated_bytes()), ["graph", "{p}", "--batch", "2"], ""),
-    (lambda p: p.write_bytes(samples.vgg16().SerializeToString()), ["graph", "{p}"], "--batch"),
+    (_vgg16, ["graph", "{p}"], "--batch"),
+    (_vgg16, ["plan", "{p}", "--batch", "2", "--device", "gpu0:tpu"], "tpu"),
+    (_vgg16, ["plan", "{p}", "--batch", "2", "--budget", "cpu0=lots"], "lots"),
+    (_vgg16, ["plan", "{p}", "--batch", "2", "--budget", "gpu7=1GiB"], "gpu7"),
+    (_chain, ["graph", "{p}", "--input", "nonsense"], "nonsense"),
+    (_chain, ["plan", "{p}", "--batch", "2", "--objective", "weighted"], "needs alpha"),
+    (_chain, ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=3"], "below its idle power"),
+    (_chain, ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"], "'many' is not watts"),
+    (_chain, ["plan", "{p}", "--batch", "2", "--storage-bandwidth", "fast"], "'fast'"),
     (
-        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--device", "gpu0:tpu"],
-        "tpu",
-    ),
-    (
-        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--budget", "cpu0=lots"],
-        "lots",
-    ),
-    (
-        lambda p: p.write_bytes(samples.vgg16().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--budget", "gpu7=1GiB"],
-        "gpu7",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
-        ["graph", "{p}", "--input", "nonsense"],
-        "nonsense",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--objective", "weighted"],
-        "needs alpha",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=3"],
-        "below its idle power",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--power-cap", "cpu0=many"],
-        "'many' is not watts",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
-        ["plan", "{p}", "--batch", "2", "--storage-bandwidth", "fast"],
-        "'fast'",
-    ),
-    (
-        lambda p: p.write_bytes(samples.chain().SerializeToString()),
+        _chain,
         [
             "plan",
             "{p}",

@@ -20,11 +20,14 @@ inside a stage, only before its computes and after them, so that each stage's co
 are one section that its devices run at once (``remat.plan.Plan.concurrent``): its memory
 is the stage's checkpoints plus every value it computes, PORT-M's stage memory.
 
-With ``transfers`` (one device: the offloads OFF[t,i], prefetches PRE[t,i] and late
-prefetches LATE[t,i] of ``remat.formulations.checkmate`` with transfers), a stage starts by
-offloading, then prefetching, its values and ends with a wait for each, then prefetches
-and waits for its late ones: an offloaded value is not freed inside the stage (its wait
-releases it), a prefetched one is resident from its wait.
+With ``transfers`` (one device, or the devices of one pool: the offloads OFF[t,i],
+prefetches PRE[t,i] and late prefetches LATE[t,i] of ``remat.formulations.checkmate`` with
+transfers, or the page-outs and page-ins of ``remat.formulations.xengine`` with paging), a
+stage starts by offloading, then prefetching, its values and ends with a wait for each,
+then prefetches and waits for its late ones: an offloaded value is not freed inside the
+stage (its wait releases it), a prefetched one is resident from its wait. A pool's
+transfers run on its first device's lane; in a concurrent plan they run beside the stage's
+section.
 """
 
 from __future__ import annotations
@@ -61,9 +64,9 @@ def compile_plan(
     if transfers is None:
         emitter = _Emitter(graph, schedule, costs, pools, concurrent)
     else:
-        if len(schedule.devices) != 1 or concurrent:
-            raise ScheduleError("transfers to another tier are compiled on one device")
-        emitter = _TransferEmitter(graph, schedule, costs, pools, *transfers, tier)
+        if len({pools.get(name, name) for name in schedule.devices}) != 1:
+            raise ScheduleError("transfers to another tier are compiled on one device or pool")
+        emitter = _TransferEmitter(graph, schedule, costs, pools, *transfers, tier, concurrent)
     for t in range(schedule.stages):
         emitter.stage(t)
     return Plan(strategy, tuple(devices), tuple(emitter.steps), concurrent=concurrent)
@@ -174,9 +177,9 @@ class _Emitter:
 
 
 class _TransferEmitter(_Emitter):
-    """One device's stages with transfers to and from ``tier`` around them: ``off[t, i]``
-    sends value i during stage t, ``pre[t, i]`` brings it back, ``late[t, i]`` at its
-    end (the module docstring)."""
+    """One device's (or one pool's) stages with transfers to and from ``tier`` around
+    them: ``off[t, i]`` sends value i during stage t, ``pre[t, i]`` brings it back,
+    ``late[t, i]`` at its end (the module docstring)."""
 
     def __init__(
         self,
@@ -188,16 +191,21 @@ class _TransferEmitter(_Emitter):
         pre: np.ndarray,
         late: np.ndarray,
         tier: Tier,
+        concurrent: bool = False,
     ) -> None:
-        super().__init__(graph, schedule, costs, pools)
+        super().__init__(graph, schedule, costs, pools, concurrent)
         self.off, self.pre, self.late = off, pre, late
         self.send, self.bring = SENDS[tier], BRINGS[tier]
         self.leaving: set[int] = set()
         self.device = self.devices[0]
 
     def stage(self, t: int) -> None:
+        # A value brought back that no device keeps into the next stage would be read by
+        # nobody, and one brought during the stage need not come again at its end: such
+        # transfers are not emitted (a model may choose them where they cost nothing).
+        kept = self._saved_next(t)[0]
         sent = [int(i) for i in np.flatnonzero(self.off[t])]
-        fetched = [int(i) for i in np.flatnonzero(self.pre[t])]
+        fetched = [int(i) for i in np.flatnonzero(self.pre[t] & kept)]
         for i in sent:
             if not self.resident[0, i]:
                 raise ScheduleError(f"stage {t}: sends node {i}, which is not resident")
@@ -208,15 +216,15 @@ class _TransferEmitter(_Emitter):
         for i in sent:
             self.steps.append(Wait(t, i, self.device))
             self.leaving.discard(i)
-            self.resident[0, i] = False
+            self.resident[:, i] = False
         for i in fetched:
             self.steps.append(Wait(t, i, self.device))
-            self.resident[0, i] = True
-        last = [int(i) for i in np.flatnonzero(self.late[t])]
+            self.resident[:, i] = True
+        last = [int(i) for i in np.flatnonzero(self.late[t] & kept & ~self.pre[t])]
         self.steps.extend(self.bring(t, i, self.device) for i in last)
         for i in last:
             self.steps.append(Wait(t, i, self.device))
-            self.resident[0, i] = True
+            self.resident[:, i] = True
 
     def _emit_free(self, t: int, i: int, d: int) -> None:
         if i in self.leaving:

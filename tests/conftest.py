@@ -58,6 +58,7 @@ LAYERS: dict[str, set[str]] = {
         "test_optimal",
         "test_paging",
         "test_paging_execution",
+        "test_pool_paging",
         "test_pools",
         "test_placed",
         "test_pytorch_gradients",

@@ -49,6 +49,30 @@ both read twice: conservative, as the simulator counts each once. Copies between
 cost nothing (the cost model's copy times within a pool are 0) and the compiler emits
 none: the tensor is already there.
 
+With ``paging`` (PORT-M with PORT's paging, section 4.3 with 4.2's M^out, M^in, S^AUX;
+``concurrent`` over one pool only), the pool also pages values to the node's storage at
+stage granularity, on one paging lane, as Checkmate's model with transfers
+(``remat.formulations.checkmate``) does on one device. Per stage t and value i, over the
+pool rather than a device (its devices hold one set of tensors):
+
+* OFF[t,i]   paged out during stage t: resident entering t (OFF <= sum_d S[d,t,i]), held
+             through the stage and released at its end (OFF + S[d,t+1,i] <= 1, OFF +
+             R[d,t,i] <= 1 for every d)
+* HOST[t,i]  in storage entering stage t (PORT's S^AUX): HOST[t+1,i] <= HOST[t,i] + OFF[t,i]
+* PRE[t,i]   paged in during stage t (PRE <= HOST[t,i]), its memory reserved from the
+             stage's start (PORT-M's stage memory row counts it), readable from stage t+1
+             ((11) gains + PRE[t-1,i] on every device); PRE + S[d,t,i] + R[d,t,i] <= 1
+* LATE[t,i]  paged in at the end of stage t, after its frees (LATE <= HOST[t,i], (11)
+             gains + LATE[t-1,i], LATE + S[d,t,i] + R[d,t,i] <= 1): no memory in stage t,
+             and its whole transfer time in the objective
+* W[t]       the time stage t waits for its paging: W[t] >= sum_i (out_i OFF[t,i] + in_i
+             PRE[t,i]) - A[t], W >= 0: PORT's bandwidth constraint (5) as a cost, not a
+             bound; the objective is sum_t (A[t] + W[t]) + sum in_i LATE[t,i]
+
+The plan pages a stage's values out, then in, at its start, runs the stage's section, and
+waits for each at its end (``remat.compiler`` with ``transfers`` and ``concurrent``): a
+stage costs the longer of its section and its paging, the objective.
+
 ``keep_all`` restricts the model to placement (no recomputation, every value kept on its
 device until its last use), ``placed`` to a given placement: models whose optima are plans,
 never bounds.
@@ -70,6 +94,7 @@ import scipy.sparse as sp
 
 from remat.costs import CostModel
 from remat.errors import InvalidInputError, ScheduleError
+from remat.formulations.checkmate import Transfers
 from remat.formulations.common import (
     Builder,
     Structure,
@@ -137,6 +162,15 @@ class XEngineModel:
     builder: Builder
     A: np.ndarray  # [T]: PORT-M's stage times (``concurrent``), else empty
     stage_costs: np.ndarray | None  # [D, n]: c[d,i] of A's rows, where concurrent
+    paging: _Paging | None = None  # OFF, HOST, PRE, LATE [T, n] and W [T], with paging
+
+    def transfers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """OFF, PRE and LATE of a solution, rounded at 0.5 (all False without paging)."""
+        if self.paging is None:
+            empty = np.zeros(self.R.shape[1:], dtype=bool)
+            return empty, empty.copy(), empty.copy()
+        pg = self.paging
+        return read_binary(pg.OFF, x), read_binary(pg.PRE, x), read_binary(pg.LATE, x)
 
     def lp_relaxation(self) -> MILPModel:
         return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
@@ -200,15 +234,22 @@ class XEngineModel:
     def check(self, x: np.ndarray) -> list[str]:
         return violations(self.model, self.builder, x)
 
-    def encode(self, schedule: Schedule, repair: bool = True) -> np.ndarray:
+    def encode(
+        self,
+        schedule: Schedule,
+        repair: bool = True,
+        transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
         """A full assignment (R, S, Z, F, C, H, G, L, U) for ``schedule``, e.g. as a warm
-        start. The schedule may name a subset of the devices (the others stay idle). If it
-        does not fit as given, runs on one device only and ``repair`` is set, it is cleaned
-        with ``solve_and_prune`` first; raises ScheduleError if it violates the model."""
+        start; with paging, its page-outs, page-ins and late page-ins (``transfers``: OFF,
+        PRE, LATE as [T, n] booleans; none where None). The schedule may name a subset of
+        the devices (the others stay idle). If it does not fit as given, runs on one device
+        only and ``repair`` is set, it is cleaned with ``solve_and_prune`` first; raises
+        ScheduleError if it violates the model."""
         R, S = self._embed(schedule)
         for t in range(1, S.shape[1]):  # outputs stay where they are (the compiler's rule)
             S[:, t] |= (R[:, t - 1] | S[:, t - 1]) & self.structure.is_output[None, :]
-        x = self._assign(R, S)
+        x = self._assign(R, S, transfers)
         problems = self.check(x) if x is not None else ["entries outside the model"]
         used = np.flatnonzero(R.any(axis=(1, 2)))
         if problems and repair and used.size == 1:
@@ -239,8 +280,14 @@ class XEngineModel:
             S[d] |= schedule.S[index].astype(bool)
         return R, S
 
-    def _assign(self, R: np.ndarray, S: np.ndarray) -> np.ndarray | None:
-        """The assignment that R and S determine, or None if they use absent variables."""
+    def _assign(
+        self,
+        R: np.ndarray,
+        S: np.ndarray,
+        transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray | None:
+        """The assignment that R and S (and ``transfers``, with paging) determine, or None
+        if they use absent variables."""
         if (R & (self.R < 0)).any() or (S & (self.S[:, :-1] < 0)).any():
             return None
         x = np.zeros(self.model.n_vars)
@@ -257,6 +304,10 @@ class XEngineModel:
         x[self.U[self.U >= 0]] = self._memory(R, S, H, G, L, free, copy)[self.U >= 0]
         if self.stage_costs is not None:  # PORT-M: each stage's longest device
             x[self.A] = np.einsum("dti,di->dt", R, self.stage_costs).max(axis=0)
+        if transfers is not None and any(t.any() for t in transfers):
+            paged = self.paging is not None and self.paging.assign(x, x[self.A], *transfers)
+            if not paged:
+                return None
         return x
 
     def _frees(self, R: np.ndarray, S: np.ndarray) -> np.ndarray:
@@ -340,9 +391,12 @@ def build_xengine(
     costs: CostModel,
     budgets: Mapping[str, int | None],
     concurrent: bool = False,
+    paging: Transfers | None = None,
 ) -> XEngineModel:
     """XEngine's MIQP over the devices named in ``budgets`` (in cost-model order);
-    ``concurrent``, PORT-M's over devices that share memory pools (``_stages``)."""
+    ``concurrent``, PORT-M's over devices that share memory pools (``_stages``); with
+    ``paging`` (concurrent, one pool), PORT's paging to storage too (the module
+    docstring)."""
     names = tuple(d.name for d in costs.devices if d.name in budgets)
     unknown = set(budgets) - set(names)
     if unknown:
@@ -359,7 +413,7 @@ def build_xengine(
     budget = np.array([_budget(budgets[name], unit, integral) for name in names])
     b = Builder()
     v = _Variables.create(b, st, fx, names, budget)
-    _assignment(b, st, v)
+    keep_rows = _assignment(b, st, v)
     _dependencies(b, st, v, concurrent)
     _memory(b, st, fx, M // unit, unit, v)
     workspace = np.zeros((len(names), st.n), dtype=np.int64)
@@ -371,10 +425,20 @@ def build_xengine(
     _free(b, st, v)
     _copies(b, st, fx, v)
     compute = costs.compute_ms[:, dev].T  # [D, n]
+    pg = None
+    if paging is not None and not (concurrent and len(set(spaces)) == 1):
+        raise InvalidInputError("paging in the XEngine model needs concurrent devices of one pool")
     if concurrent:
-        A = _stages(b, v, compute, spaces, M // unit, workspace.max(axis=1), budget)
+        A, stage_rows = _stages(b, v, compute, spaces, M // unit, workspace.max(axis=1), budget)
+        if paging is not None:
+            pg = _Paging.create(b, st, v, paging)
+            pg.rows(b, v, A, keep_rows, stage_rows, M // unit)
         cost = np.zeros(b.n_vars)
         cost[A] = 1.0
+        if pg is not None:
+            cost[pg.W] = 1.0
+            tt, ii = np.nonzero(pg.LATE >= 0)
+            cost[pg.LATE[tt, ii]] = pg.link.in_ms[ii]
     else:
         A = np.full(0, -1)
         cost = np.zeros(b.n_vars)
@@ -405,6 +469,7 @@ def build_xengine(
         b,
         A,
         compute if concurrent else None,
+        pg,
     )
 
 
@@ -477,7 +542,9 @@ def _edge_labels(label: str, names: tuple[str, ...], mask: np.ndarray, st: Struc
     return [f"{label}[{names[d]},{t},{u[e]},{v[e]}]" for d, t, e in np.argwhere(mask).tolist()]
 
 
-def _assignment(b: Builder, st: Structure, v: _Variables) -> None:
+def _assignment(b: Builder, st: Structure, v: _Variables) -> np.ndarray:
+    """(5), (8)-(9), (11) and the outputs' keep rows; returns (11)'s row per S[d,t,i]
+    (-1 where S has no variable)."""
     D, T, _ = v.R.shape
     # (5) Z = R OR S: Z <= R + S, Z >= R, Z >= S.
     dd, tt, ii = np.nonzero(v.Z >= 0)
@@ -497,13 +564,15 @@ def _assignment(b: Builder, st: Structure, v: _Variables) -> None:
     dd, tt, ii = np.nonzero(v.S >= 0)
     keys = np.stack([dd, tt, ii], axis=1)
     cols = [v.S[dd, tt, ii], v.S[dd, tt - 1, ii], v.R[dd, tt - 1, ii]]
-    b.rows("11", keys, cols, [1, -1, -1], -np.inf, 0)
+    keep_rows = np.full(v.S.shape, -1)
+    keep_rows[dd, tt, ii] = b.rows("11", keys, cols, [1, -1, -1], -np.inf, 0)
     # Outputs are never freed: once on d they stay (S[d,t,o] >= R[d,t-1,o], S[d,t-1,o]).
     out = st.is_output[ii]
     for label, prev in (("keep R", v.R), ("keep S", v.S)):
         has = out & (prev[dd, tt - 1, ii] >= 0)
         cols = [prev[dd[has], tt[has] - 1, ii[has]], v.S[dd[has], tt[has], ii[has]]]
         b.rows(label, keys[has], cols, [1, -1], -np.inf, 0)
+    return keep_rows
 
 
 def _dependencies(b: Builder, st: Structure, v: _Variables, concurrent: bool = False) -> None:
@@ -668,13 +737,14 @@ def _stages(
     m: np.ndarray,
     workspace: np.ndarray,
     budget: np.ndarray,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """PORT-M (section 4.3): the devices of a stage compute at once, so its time is
     A[t] >= sum_i c[d,i] R[d,t,i] for every device d, and the objective sum_t A[t]. A
     concurrent plan frees nothing inside a stage (``remat.compiler``): a pool's memory
     during stage t is sum over its devices d of U[d,t,0] + sum_i m_i R[d,t,i], within its
     budget less each device's largest workspace, and a pool computes a node at most once
-    per stage (its devices hold one copy). Returns A's indices."""
+    per stage (its devices hold one copy). Returns A's indices and the first pool's stage
+    memory rows ([T]; -1 where its budget is unlimited)."""
     D, T, _ = v.R.shape
     A = b.variables("A", np.ones(T, dtype=bool), False, 0.0, np.inf, [f"A[{t}]" for t in range(T)])
     dd, tt = np.nonzero(np.ones((D, T), dtype=bool))
@@ -682,6 +752,7 @@ def _stages(
     longest = longest.reshape(D, T)
     rd, rt, ri = np.nonzero(v.R >= 0)
     b.entries(longest[rd, rt], v.R[rd, rt, ri], -compute[rd, ri])
+    memory_rows = np.full(T, -1)
     for pool in sorted(set(spaces)):
         members = [d for d, space in enumerate(spaces) if space == pool]
         if len(members) > 1:
@@ -697,7 +768,104 @@ def _stages(
         for d in members:
             rt, ri = np.nonzero(v.R[d] >= 0)
             b.entries(rows[rt], v.R[d, rt, ri], m[ri])
-    return A
+        if pool == spaces[0]:
+            memory_rows = rows
+    return A, memory_rows
+
+
+@dataclass(frozen=True)
+class _Paging:
+    """The pool's paging variables (the module docstring): OFF, HOST, PRE, LATE [T, n]
+    and W [T], with the link's times."""
+
+    OFF: np.ndarray
+    HOST: np.ndarray
+    PRE: np.ndarray
+    LATE: np.ndarray
+    W: np.ndarray
+    link: Transfers
+
+    @classmethod
+    def create(cls, b: Builder, st: Structure, v: _Variables, link: Transfers) -> _Paging:
+        """OFF where the value can be resident entering the stage, PRE and LATE where it
+        can be kept into the next one, HOST in between (as Checkmate's with transfers)."""
+        T, n = v.R.shape[1:]
+        S = v.S[0]
+        S_next = v.S_next[0]
+        t = np.arange(T)[:, None]
+        value = ~st.is_output[None, :] & st.has_users[None, :]
+        OFF = b.variables("OFF", (S >= 0) & value, True)
+        can_return = (S_next >= 0) & value & (np.arange(n)[None, :] < t)
+        HOST = b.variables("HOST", can_return, True)
+        PRE = b.variables("PRE", can_return, True)
+        LATE = b.variables("LATE", can_return, True)
+        W = b.variables("W", np.ones(T, dtype=bool), False, 0.0, np.inf)
+        return cls(OFF, HOST, PRE, LATE, W, link)
+
+    def rows(
+        self,
+        b: Builder,
+        v: _Variables,
+        A: np.ndarray,
+        keep_rows: np.ndarray,
+        stage_rows: np.ndarray,
+        m: np.ndarray,
+    ) -> None:
+        D = v.R.shape[0]
+        OFF, HOST, PRE, LATE, W = self.OFF, self.HOST, self.PRE, self.LATE, self.W
+        # HOST[t+1,i] <= HOST[t,i] + OFF[t,i]: a copy in storage comes from a page-out.
+        tt, ii = np.nonzero(HOST[1:] >= 0)
+        keys = np.stack([tt + 1, ii], axis=1)
+        b.rows("host", keys, [HOST[tt + 1, ii], HOST[tt, ii], OFF[tt, ii]], [1, -1, -1], -np.inf, 0)
+        tt, ii = np.nonzero(PRE >= 0)
+        keys = np.stack([tt, ii], axis=1)
+        b.rows("page in", keys, [PRE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+        b.rows("late", keys, [LATE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+        for d in range(D):  # not resident or computed meanwhile, on any device
+            for label, var in (("arriving", PRE), ("late arriving", LATE)):
+                cols = [var[tt, ii], v.S[d, tt, ii], v.R[d, tt, ii]]
+                b.rows(label, keys, cols, [1, 1, 1], -np.inf, 1)
+        # (11) gains PRE[t-1,i] + LATE[t-1,i]: a value paged in may be kept on any device.
+        for d in range(D):
+            kt, ki = np.nonzero(keep_rows[d, 1:] >= 0)
+            rows, prev = keep_rows[d, kt + 1, ki], kt
+            for var in (PRE, LATE):
+                b.entries(rows, var[prev, ki], -np.ones(rows.shape[0]))
+        tt, ii = np.nonzero(OFF >= 0)
+        keys = np.stack([tt, ii], axis=1)
+        # OFF[t,i] <= sum_d S[d,t,i]; OFF + S[d,t+1,i] <= 1; OFF + R[d,t,i] <= 1
+        held = b.rows("page out", keys, [OFF[tt, ii]], [1], -np.inf, 0)
+        S_next = v.S_next
+        for d in range(D):
+            b.entries(held, v.S[d, tt, ii], -np.ones(held.shape[0]))
+            b.rows("leaving", keys, [OFF[tt, ii], S_next[d, tt, ii]], [1, 1], -np.inf, 1)
+            b.rows("busy", keys, [OFF[tt, ii], v.R[d, tt, ii]], [1, 1], -np.inf, 1)
+        # PORT-M's stage memory counts the pages in from the stage's start.
+        tt, ii = np.nonzero((PRE >= 0) & (stage_rows >= 0)[:, None])
+        b.entries(stage_rows[tt], PRE[tt, ii], m[ii])
+        # W[t] + A[t] - sum out OFF - sum in PRE >= 0
+        T = A.shape[0]
+        rows = b.rows("wait", np.arange(T)[:, None], [W, A], [1, 1], 0, np.inf)
+        tt, ii = np.nonzero(OFF >= 0)
+        b.entries(rows[tt], OFF[tt, ii], -self.link.out_ms[ii])
+        tt, ii = np.nonzero(PRE >= 0)
+        b.entries(rows[tt], PRE[tt, ii], -self.link.in_ms[ii])
+
+    def assign(
+        self, x: np.ndarray, A: np.ndarray, off: np.ndarray, pre: np.ndarray, late: np.ndarray
+    ) -> bool:
+        """Write OFF, PRE, LATE, HOST (in storage from the stage after a page-out on) and W
+        (given the stages' times ``A``) into ``x``; False where one has no variable."""
+        for index, values in ((self.OFF, off), (self.PRE, pre), (self.LATE, late)):
+            if (values & (index < 0)).any():
+                return False
+            _write(x, index, values)
+        stored = np.zeros_like(off)
+        stored[1:] = np.logical_or.accumulate(off, axis=0)[:-1]
+        _write(x, self.HOST, stored & (self.HOST >= 0))
+        sent = off @ self.link.out_ms + pre @ self.link.in_ms
+        x[self.W] = np.maximum(sent - A, 0.0)
+        return True
 
 
 def _copy_cost(

@@ -23,6 +23,12 @@ the pool cannot hold every fixed tensor with some node's values (``common.floor`
 paging fixed tensors, and the fastest of those plans is returned. No
 bound is reported: the ideal bounds PORT-M's model but not every concurrent plan, whose
 sections may overlap independent nodes across stages too.
+
+PORT-M's MILP pages too (``build_xengine`` with ``paging``: PORT's M^out, M^in and S^AUX
+over the pool, at stage granularity, on the lane of the pool's first device to the node's
+storage): its plans are concurrent plans with ``page_out`` and ``page_in`` steps, each
+stage's paging beside its section, and it reaches budgets where no concurrent plan fits
+without paging.
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ import contextlib
 import time
 from dataclasses import replace
 
+import numpy as np
+
+from remat.compiler import compile_plan
+from remat.devices import Tier
 from remat.errors import ScheduleError
-from remat.formulations.xengine import build_xengine
+from remat.formulations.checkmate import Transfers
+from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
+    Evaluation,
     Problem,
     StrategyResult,
     evaluate,
+    evaluate_plan,
     select_best,
     with_prediction,
 )
@@ -74,7 +87,10 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             first = StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
     alone = _alone(problem.within(limit * config.port_m_alone_share))
     budgets = {name: problem.budgets.get(name) for name in names}
-    formulation = build_xengine(problem.graph, problem.costs, budgets, concurrent=True)
+    costs = problem.costs
+    lane = costs.device_index(names[0])
+    paging = Transfers(costs.out_ms(lane, Tier.STORAGE), costs.in_ms(lane, Tier.STORAGE))
+    formulation = build_xengine(problem.graph, costs, budgets, concurrent=True, paging=paging)
     model = formulation.model
     if first.schedule is not None:
         # not where it reads across devices inside a stage, or frees inside one
@@ -86,7 +102,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     solved = solve_alone(problem, model, left)
     candidates = []
     if solved.x is not None:
-        candidates.append(evaluate(problem, formulation.decode(solved.x), NAME))
+        candidates.append(_compiled(problem, formulation, solved.x))
     found = select_best(NAME, candidates)
     note = f"PORT-M MILP: {solved.status.value}"
     if found.plan is None or found.simulation is None:
@@ -97,6 +113,27 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
     plan = replace(with_prediction(found.plan, found.simulation), solver=info)
     return replace(found, plan=plan, message=note)
+
+
+def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Evaluation:
+    """A solution of PORT-M's MILP as a plan, judged by the simulator: concurrent, its
+    page transfers beside each stage's section where it pages."""
+    schedule = formulation.decode(x)
+    transfers = formulation.transfers(x)
+    if not any(t.any() for t in transfers):
+        return evaluate(problem, schedule, NAME)
+    devices = problem.plan_devices(schedule.devices)
+    plan = compile_plan(
+        problem.graph,
+        schedule,
+        devices,
+        NAME,
+        problem.costs,
+        transfers=transfers,
+        tier=Tier.STORAGE,
+        concurrent=True,
+    )
+    return evaluate_plan(problem, plan, schedule)
 
 
 def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:

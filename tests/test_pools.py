@@ -162,6 +162,38 @@ def test_xengine_bounds_a_pools_memory_together():
     ]
 
 
+def test_a_pools_model_holds_each_fixed_tensor_once_and_copies_nothing_within_it():
+    """XEngine's model on a pool: H and G (fixed tensors, gradient buffers) on its first
+    device only, no copy variables; a schedule whose devices keep each other's values is
+    encoded, each kept value on one device, and the model's memory of the pool is at
+    least the simulator's at every point (conservative), its fixed part counted once."""
+    g = training_graph(chain(3))
+    devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("cpu1:cpu:pool=ram")]
+    costs = analytical_costs(g, devices).pooled()
+    model = build_xengine(g, costs, {"cpu0": None, "cpu1": None})
+    assert (model.H[0] >= 0).all() and (model.H[1] < 0).all()
+    assert (model.G[0] >= 0).all() and (model.G[1] < 0).all()
+    assert (model.C < 0).all() and (model.L < 0).all()
+    n = len(g)
+    R = np.zeros((2, n, n), dtype=bool)
+    S = np.zeros((2, n, n), dtype=bool)
+    for t in range(n):
+        R[t % 2, t, t] = True  # every other node on cpu1
+        S[(t + 1) % 2, t, :t] = True  # every value kept, on the device that did not compute t
+    x = model.encode(Schedule(("cpu0", "cpu1"), R.astype(np.int8), S.astype(np.int8)))
+    assert model.check(x) == []
+    kept = np.stack([x[model.S[d, :-1]] * (model.S[d, :-1] >= 0) for d in range(2)])
+    assert (kept.sum(axis=0) <= 1).all()  # one device keeps each value
+    schedule = model.decode(x)
+    plan = compile_plan(g, schedule, [PlanDevice.of(d, None) for d in devices], "hand", costs)
+    verdict = simulate(plan, g, costs)
+    assert verdict.valid
+    pool_memory = x[model.U[0]] + x[model.U[1]]
+    fixed = sum(f.nbytes for f in g.fixed.values()) / model.unit
+    assert pool_memory[:, 0].min() >= fixed  # every fixed tensor, once
+    assert pool_memory.max() * model.unit >= verdict.peak_bytes["cpu0"]
+
+
 def test_xengine_plans_two_devices_of_a_pool_within_its_budget():
     devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("gpu0:cuda:pool=ram")]
     solver = SolverSettings(options=SolveOptions(time_limit_s=4))

@@ -44,10 +44,13 @@ sum_{d != d'} y >= R[d',t,v] - Z[d',t,u], from (12).
 
 Devices that share a memory pool (option ``pool``): their memory is bounded together, sum_d
 U[d,t,c] <= the pool's budget over the pool's devices d at every point (t, c), beside each
-U's own bound (6). It counts a tensor held by two of them twice, and a fixed tensor that
-both read twice: conservative, as the simulator counts each once. Copies between them
-cost nothing (the cost model's copy times within a pool are 0) and the compiler emits
-none: the tensor is already there.
+U's own bound (6). A pool holds one copy of each fixed tensor: H and G exist for its
+first device only, set where any device of the pool reads the tensor. A value kept on two
+of its devices is counted twice (conservative: the simulator counts it once); a device
+reads a value another device of its pool holds without a copy, so there are no C or L
+variables between them (the cost model's copy times within a pool are 0, and the compiler
+emits no copy: the tensor is already there). ``encode`` puts a pool schedule's kept values
+on one device each (``_rehomed``).
 
 With ``paging`` (PORT-M with PORT's paging, section 4.3 with 4.2's M^out, M^in, S^AUX;
 ``concurrent`` over one pool only), the pool also pages values to the node's storage at
@@ -163,6 +166,7 @@ class XEngineModel:
     A: np.ndarray  # [T]: PORT-M's stage times (``concurrent``), else empty
     stage_costs: np.ndarray | None  # [D, n]: c[d,i] of A's rows, where concurrent
     paging: _Paging | None = None  # OFF, HOST, PRE, LATE [T, n] and W [T], with paging
+    spaces: tuple[str, ...] = ()  # each device's memory space (its pool, or its name)
 
     def transfers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """OFF, PRE and LATE of a solution, rounded at 0.5 (all False without paging)."""
@@ -249,6 +253,7 @@ class XEngineModel:
         R, S = self._embed(schedule)
         for t in range(1, S.shape[1]):  # outputs stay where they are (the compiler's rule)
             S[:, t] |= (R[:, t - 1] | S[:, t - 1]) & self.structure.is_output[None, :]
+        S = self._rehomed(R, S)
         x = self._assign(R, S, transfers)
         problems = self.check(x) if x is not None else ["entries outside the model"]
         used = np.flatnonzero(R.any(axis=(1, 2)))
@@ -267,6 +272,34 @@ class XEngineModel:
             raise ScheduleError(f"schedule does not fit the XEngine model: {problems[0]}")
         assert x is not None
         return x
+
+    def _rehomed(self, R: np.ndarray, S: np.ndarray) -> np.ndarray:
+        """Where every device shares one pool, S as the model counts it: without values
+        that no node reads in their stage and nobody keeps into the next (the compiler
+        frees them at the stage's start, the model would count them through it), and each
+        kept value on one device: the one that kept it into the stage before, else the one
+        that computed it there (else the first: paged in). Which device of a pool keeps a
+        value means nothing to the plan (they hold one set of tensors), but (11) keeps a
+        value only on the device that had it: a schedule whose devices read each other's
+        values is so made a solution. Elsewhere S as given."""
+        if len(self.spaces) < 2 or len(set(self.spaces)) != 1:
+            return S
+        st = self.structure
+        S = S.copy()
+        T = S.shape[1]
+        read = np.zeros(S.shape[1:], dtype=bool)  # [T, n]: some node of stage t reads i
+        computed = np.asarray(R.any(axis=0), dtype=bool)  # [T, n]
+        tt, ee = np.nonzero(computed[:, st.edge_v])
+        read[tt, st.edge_u[ee]] = True
+        for t in range(T - 1, 0, -1):
+            later = S[:, t + 1].any(axis=0) if t + 1 < T else np.zeros(S.shape[2], dtype=bool)
+            S[:, t] &= (read[t] | later | st.is_output)[None, :]
+        for t in range(1, T):
+            kept = np.flatnonzero(S[:, t].any(axis=0))
+            holder = np.argmax(2 * S[:, t - 1, kept] + R[:, t - 1, kept], axis=0)
+            S[:, t] = False
+            S[holder, t, kept] = True
+        return S
 
     def _embed(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
         D, T, n = self.R.shape
@@ -351,7 +384,16 @@ class XEngineModel:
         np.logical_or.at(H.T, fx.pairs[:, 0], on[:, fx.pairs[:, 1]].T)
         G = np.zeros(self.G.shape, dtype=bool)
         np.logical_or.at(G.T, fx.grad_pairs[:, 0], on[:, fx.grad_pairs[:, 1]].T)
-        return H, G
+        return self._on_leads(H), self._on_leads(G)
+
+    def _on_leads(self, held: np.ndarray) -> np.ndarray:
+        """``held`` [D, tensors] gathered onto the first device of each pool (a pool holds
+        one copy of each fixed tensor), zero on the others."""
+        spaces = self.spaces or self.devices
+        lead = np.array([spaces.index(space) for space in spaces])
+        pooled = np.zeros_like(held)
+        np.logical_or.at(pooled, lead, held)
+        return pooled
 
     def _memory(
         self,
@@ -411,8 +453,9 @@ def build_xengine(
     # U is integral in units when the fixed tensors are too: then budgets round down.
     integral = not (np.concatenate([fx.sizes, fx.grad_sizes]) % unit).any()
     budget = np.array([_budget(budgets[name], unit, integral) for name in names])
+    spaces = [costs.devices[j].memory_space for j in dev]
     b = Builder()
-    v = _Variables.create(b, st, fx, names, budget)
+    v = _Variables.create(b, st, fx, names, budget, spaces)
     keep_rows = _assignment(b, st, v)
     _dependencies(b, st, v, concurrent)
     _memory(b, st, fx, M // unit, unit, v)
@@ -420,7 +463,6 @@ def build_xengine(
     if costs.workspace_bytes is not None:
         workspace = -(-costs.workspace_bytes[:, dev].T // unit)
         _workspace(b, v, workspace, budget)
-    spaces = [costs.devices[j].memory_space for j in dev]
     _pools(b, v, spaces, budget)
     _free(b, st, v)
     _copies(b, st, fx, v)
@@ -470,6 +512,7 @@ def build_xengine(
         A,
         compute if concurrent else None,
         pg,
+        tuple(spaces),
     )
 
 
@@ -488,6 +531,7 @@ class _Variables:
     H: np.ndarray
     G: np.ndarray
     L: np.ndarray
+    lead: np.ndarray  # [D]: the first device of each device's pool, which holds H and G
 
     @property
     def S_next(self) -> np.ndarray:
@@ -502,8 +546,12 @@ class _Variables:
         fx: _Fixed,
         names: tuple[str, ...],
         budget: np.ndarray,
+        spaces: list[str],
     ) -> _Variables:
         D, T, n = len(names), st.n, st.n
+        lead = np.array([spaces.index(space) for space in spaces])
+        # d receives copies only from devices outside its pool (within one, none are made)
+        apart = np.array([any(other != space for other in spaces) for space in spaces])
         t, i = np.arange(T)[:, None], np.arange(n)[None, :]
         diag, below, useful = t == i, i < t, st.useful(T)
         out = st.is_output[None, :]
@@ -522,15 +570,20 @@ class _Variables:
         computable = r_mask[0][:, st.edge_v] & z_mask[0][:, st.edge_u]  # [T, E]
         f_mask = np.broadcast_to((e_v < tt) & computable & ~st.is_output[e_u], (D, T, st.n_edges))
         F = b.variables("F", f_mask, True, names=_edge_labels("F", names, f_mask, st))  # (3)
-        c_mask = np.broadcast_to(computable & (D > 1), (D, T, st.n_edges))
+        c_mask = computable[None, :, :] & apart[:, None, None]
         C = b.variables("C", c_mask, True, names=_edge_labels("C", names, c_mask, st))
-        fixed = [f"H[{d},{f}]" for d in names for f in fx.names]
-        H = b.variables("H", np.ones((D, len(fx.names)), dtype=bool), True, names=fixed)
-        grads = [f"G[{d},{f}]" for d in names for f in fx.grad_names]
-        G = b.variables("G", np.ones((D, len(fx.grad_names)), dtype=bool), True, names=grads)
-        l_mask = np.broadcast_to(below & (st.is_output & st.has_users & (D > 1)), (D, T, n))
+        # a pool holds one copy of each fixed tensor: H and G on its first device only
+        leads = [d for d in range(D) if lead[d] == d]
+        fixed = [f"H[{names[d]},{f}]" for d in leads for f in fx.names]
+        h_mask = np.broadcast_to((lead == np.arange(D))[:, None], (D, len(fx.names)))
+        H = b.variables("H", h_mask, True, names=fixed)
+        grads = [f"G[{names[d]},{f}]" for d in leads for f in fx.grad_names]
+        g_mask = np.broadcast_to((lead == np.arange(D))[:, None], (D, len(fx.grad_names)))
+        G = b.variables("G", g_mask, True, names=grads)
+        output = below & st.is_output & st.has_users
+        l_mask = output[None, :, :] & apart[:, None, None]
         L = b.variables("L", l_mask, True, names=_labels("L", names, l_mask))
-        return cls(R, S, Z, U, F, C, H, G, L)
+        return cls(R, S, Z, U, F, C, H, G, L, lead)
 
 
 def _labels(label: str, names: tuple[str, ...], mask: np.ndarray) -> list[str]:
@@ -693,14 +746,13 @@ def _copies(b: Builder, st: Structure, fx: _Fixed, v: _Variables) -> None:
         f, node = pairs[:, 0], pairs[:, 1]
         for d in range(D):
             keys = np.stack([np.full(len(f), d), f, node], axis=1)
-            b.rows(f"{label} first", keys, [v.R[d, node, node], var[d, f]], [1, -1], -np.inf, 0)
+            held = var[v.lead[d]]  # the pool's
+            b.rows(f"{label} first", keys, [v.R[d, node, node], held[f]], [1, -1], -np.inf, 0)
             recompute = v.R[d][:, node]  # [T, P]
             recompute = np.where(np.arange(v.R.shape[1])[:, None] > node[None, :], recompute, -1)
             count = (recompute >= 0).sum(axis=0)
             some = count > 0
-            rows = b.rows(
-                f"{label} again", keys[some], [var[d, f[some]]], [-count[some]], -np.inf, 0
-            )
+            rows = b.rows(f"{label} again", keys[some], [held[f[some]]], [-count[some]], -np.inf, 0)
             row_of = np.full(len(f), -1)
             row_of[some] = rows
             tt, pp = np.nonzero(recompute >= 0)

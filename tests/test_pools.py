@@ -29,7 +29,7 @@ from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies import SolverSettings, run_strategy
+from remat.strategies import SearchConfig, SolverSettings, run_strategy
 from remat.strategies.heuristics.recompute_ahead import recompute_ahead
 from remat.training import training_graph
 
@@ -331,6 +331,23 @@ def test_port_m_pages_on_the_pools_fastest_device_where_that_beats_recomputing()
     verdict = simulate(result.plan, problem.graph, problem.costs)
     assert verdict.valid and verdict.peak_bytes["cpu0"] <= problem.budgets["cpu0"]
     assert verdict.total_ms < apart.simulation.total_ms
+
+
+def test_port_m_leaves_its_milp_to_small_graphs_and_gives_xengine_the_time():
+    """Over ``port_m_milp_max_nodes`` nodes PORT-M's MILP is not built (it found nothing
+    in its time on the bench's 79-179-node graphs): XEngine's search and ``port`` alone
+    plan, and the message says why no MILP ran."""
+    solver = SolverSettings(
+        options=SolveOptions(time_limit_s=4), search=SearchConfig(port_m_milp_max_nodes=10)
+    )
+    problem = build_problem(
+        samples.chain(), batch=2, devices=POOLED_CPUS, budgets={"ram": "70%"}, solver=solver
+    )
+    result = run_strategy("port_m", problem)
+    assert result.feasible, result.message
+    assert "PORT-M's MILP is not built over 19 nodes" in result.message
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid
 
 
 def test_port_m_says_it_needs_devices_that_share_a_pool():

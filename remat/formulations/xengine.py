@@ -89,7 +89,7 @@ is Checkmate's (no copies; H, G are forced to 1): the optima coincide.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -389,10 +389,8 @@ class XEngineModel:
     def _on_leads(self, held: np.ndarray) -> np.ndarray:
         """``held`` [D, tensors] gathered onto the first device of each pool (a pool holds
         one copy of each fixed tensor), zero on the others."""
-        spaces = self.spaces or self.devices
-        lead = np.array([spaces.index(space) for space in spaces])
         pooled = np.zeros_like(held)
-        np.logical_or.at(pooled, lead, held)
+        np.logical_or.at(pooled, _leads(self.spaces or self.devices), held)
         return pooled
 
     def _memory(
@@ -421,6 +419,11 @@ class XEngineModel:
         U[:, :, 1:] = start[:, :, None] + np.cumsum(alloc, axis=2)
         U[:, :, 2:] -= np.cumsum(freed, axis=2)[:, :, :-1]
         return U
+
+
+def _leads(spaces: Sequence[str]) -> np.ndarray:
+    """Per device, the first device of its memory space (its pool's, or itself)."""
+    return np.array([list(spaces).index(space) for space in spaces])
 
 
 def _write(x: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
@@ -549,7 +552,7 @@ class _Variables:
         spaces: list[str],
     ) -> _Variables:
         D, T, n = len(names), st.n, st.n
-        lead = np.array([spaces.index(space) for space in spaces])
+        lead = _leads(spaces)
         # d receives copies only from devices outside its pool (within one, none are made)
         apart = np.array([any(other != space for other in spaces) for space in spaces])
         t, i = np.arange(T)[:, None], np.arange(n)[None, :]

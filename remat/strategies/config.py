@@ -167,7 +167,12 @@ class SearchConfig:
     paging heuristics) before the joint MILP (``offload_remat_share`` for offloading)."""
     port_m_xengine_share: float = 0.5
     """``port_m``: the share of the time limit for XEngine's search (whose plans are
-    compiled concurrent where they fit) before PORT-M's MILP starts from its plan."""
+    compiled concurrent where they fit) before PORT-M's MILP starts from its plan (all but
+    ``port_m_alone_share`` where the MILP is not built)."""
+    port_m_milp_max_nodes: int = 60
+    """``port_m``: PORT-M's MILP (about twice XEngine's model, with paging) is built only
+    on graphs of at most this many nodes; on larger ones its time goes to XEngine's search
+    (docs/strategies.md, PORT-M)."""
     port_m_alone_share: float = 0.25
     """``port_m``: the share of the time limit for ``port`` on the pool's fastest device
     alone (rematerializing and paging, POET's setting), after XEngine's search and before

@@ -10,8 +10,10 @@ hides recomputation: a stage recomputes on one device what it needs while anothe
 computes, so PORT-M pays off where the budget forces recomputation, and at a budget where
 nothing is recomputed it plans as XEngine does.
 
-The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
-plans on a pool are compiled concurrent wherever they fit (``evaluate``); its schedule
+The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit (on
+graphs of more than ``port_m_milp_max_nodes`` nodes, where PORT-M's MILP is not built,
+all but ``port``'s share), whose plans on a pool are compiled concurrent wherever they
+fit (``evaluate``); its schedule
 improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``);
 ``port`` on the pool's fastest device alone (the least total compute time) for
 ``port_m_alone_share``, which pages to the node's storage where that beats recomputing
@@ -78,7 +80,9 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     if shortfall(problem, names) is not None:  # the pool cannot hold every fixed tensor
         return _paging_fixed(problem, names)
-    first = xengine(problem.within(limit * config.port_m_xengine_share))
+    small = len(problem.graph) <= config.port_m_milp_max_nodes
+    share = config.port_m_xengine_share if small else 1 - config.port_m_alone_share
+    first = xengine(problem.within(limit * share))
     if first.schedule is not None:
         ahead = recompute_ahead(problem, first.schedule, NAME)
         if ahead.fits and first.simulation and ahead.cost_ms < first.simulation.total_ms:
@@ -86,6 +90,8 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             note = "recomputed a stage ahead on another device"
             first = StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
     alone = _alone(problem.within(limit * config.port_m_alone_share))
+    if not small:
+        return _faster(first, alone, f"PORT-M's MILP is not built over {len(problem.graph)} nodes")
     budgets = {name: problem.budgets.get(name) for name in names}
     costs = problem.costs
     lane = costs.device_index(names[0])

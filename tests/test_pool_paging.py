@@ -7,6 +7,7 @@ the storage directory, autograd's gradients."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from remat.errors import InvalidInputError
 from remat.formulations.checkmate import Transfers
 from remat.formulations.xengine import build_xengine
 from remat.graph import NodeKind
-from remat.plan import PAGE_OPS, PageIn, PlanDevice
+from remat.plan import PAGE_OPS, PageIn, PlanDevice, plan_from_json, plan_to_json
 from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
@@ -72,6 +73,7 @@ def test_port_m_pages_inside_its_concurrent_plan(
     plan = result.plan
     assert plan is not None and result.simulation is not None
     assert plan.concurrent and plan.version == 4
+    assert plan_from_json(json.loads(json.dumps(plan_to_json(plan)))) == plan  # as sent
     assert {d.name for d in plan.devices} == {"cpu0", "cpu1"}
     assert {s.device for s in plan.steps if s.op == "compute"} == {"cpu0", "cpu1"}
     pages = [s for s in plan.steps if s.op in PAGE_OPS]

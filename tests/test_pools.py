@@ -333,21 +333,32 @@ def test_port_m_pages_on_the_pools_fastest_device_where_that_beats_recomputing()
     assert verdict.total_ms < apart.simulation.total_ms
 
 
-def test_port_m_leaves_its_milp_to_small_graphs_and_gives_xengine_the_time():
+def test_port_m_leaves_its_milp_to_small_graphs_and_pages_beside_xengine():
     """Over ``port_m_milp_max_nodes`` nodes PORT-M's MILP is not built (it found nothing
-    in its time on the bench's 79-179-node graphs): XEngine's search and ``port`` alone
-    plan, and the message says why no MILP ran."""
+    in its time on the bench's 79-179-node graphs): XEngine's search keeps the limit, and
+    ``port``'s paging heuristics run on the fastest device in a process beside it. The
+    pool of the test above: their paging plan on the fast CPU is returned, and the
+    message says why no MILP ran."""
+    ssd = "storage_write_bandwidth=1e11,storage_read_bandwidth=1e11,storage_latency_us=0"
+    devices = [
+        parse_device(f"cpu0:cpu:pool=ram,threads=8,{ssd}"),
+        parse_device(f"cpu1:cpu:pool=ram,threads=1,{ssd}"),
+    ]
     solver = SolverSettings(
         options=SolveOptions(time_limit_s=4), search=SearchConfig(port_m_milp_max_nodes=10)
     )
     problem = build_problem(
-        samples.chain(), batch=2, devices=POOLED_CPUS, budgets={"ram": "70%"}, solver=solver
+        samples.chain(), batch=2, devices=devices, budgets={"ram": "70%"}, solver=solver
     )
+    apart = run_strategy("xengine", problem)
     result = run_strategy("port_m", problem)
     assert result.feasible, result.message
     assert "PORT-M's MILP is not built over 19 nodes" in result.message
+    assert "cpu0 alone: page_greedy" in result.message
+    assert [d.name for d in result.plan.devices] == ["cpu0"]
+    assert any(s.op in PAGE_OPS for s in result.plan.steps)
     verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
-    assert verdict.valid
+    assert verdict.valid and verdict.total_ms < apart.simulation.total_ms
 
 
 def test_port_m_says_it_needs_devices_that_share_a_pool():

@@ -168,7 +168,10 @@ class SearchConfig:
     port_m_xengine_share: float = 0.5
     """``port_m``: the share of the time limit for XEngine's search (whose plans are
     compiled concurrent where they fit) before PORT-M's MILP starts from its plan (all but
-    ``port_m_alone_share`` where the MILP is not built)."""
+    ``port_m_ahead_share`` where the MILP is not built)."""
+    port_m_ahead_share: float = 0.1
+    """``port_m``: the share of the time limit kept, after XEngine's search, for moving its
+    recomputation a stage ahead onto another device (``recompute_ahead``)."""
     port_m_milp_max_nodes: int = 60
     """``port_m``: PORT-M's MILP (about twice XEngine's model, with paging) is built only
     on graphs of at most this many nodes; on larger ones its time goes to XEngine's search
@@ -176,7 +179,8 @@ class SearchConfig:
     port_m_alone_share: float = 0.25
     """``port_m``: the share of the time limit for ``port`` on the pool's fastest device
     alone (rematerializing and paging, POET's setting), after XEngine's search and before
-    PORT-M's MILP."""
+    PORT-M's MILP; where the MILP is not built, for ``port``'s paging heuristics on that
+    device in a process beside XEngine's search."""
     port_time_tolerance: float = 0.01
     """``port``: how far above the best time (relative) a plan may be and still be chosen
     for fewer computations and page transfers (PORT's beta objectives)."""

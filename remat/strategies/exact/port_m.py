@@ -10,21 +10,24 @@ hides recomputation: a stage recomputes on one device what it needs while anothe
 computes, so PORT-M pays off where the budget forces recomputation, and at a budget where
 nothing is recomputed it plans as XEngine does.
 
-The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit (on
-graphs of more than ``port_m_milp_max_nodes`` nodes, where PORT-M's MILP is not built,
-all but ``port``'s share), whose plans on a pool are compiled concurrent wherever they
-fit (``evaluate``); its schedule
-improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``);
-``port`` on the pool's fastest device alone (the least total compute time) for
-``port_m_alone_share``, which pages to the node's storage where that beats recomputing
-(POET's setting), so that the pool's plan is not slower than that device's own, paging
-included; then PORT-M's MILP for the rest, started from the better of XEngine's plan and
-the stage-ahead one where it satisfies the model. The plan returned is the fastest. Where
-the pool cannot hold every fixed tensor with some node's values (``common.floor``),
-``port`` runs on each device of the pool alone instead, an equal share of the time each,
-paging fixed tensors, and the fastest of those plans is returned. No
-bound is reported: the ideal bounds PORT-M's model but not every concurrent plan, whose
-sections may overlap independent nodes across stages too.
+The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
+plans on a pool are compiled concurrent wherever they fit (``evaluate``); its schedule
+improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``,
+within ``port_m_ahead_share``); ``port`` on the pool's fastest device alone (the least
+total compute time) for ``port_m_alone_share``, which pages to the node's storage where
+that beats recomputing (POET's setting), so that the pool's plan is not slower than that
+device's own, paging included; then PORT-M's MILP for the rest, started from the better
+of XEngine's plan and the stage-ahead one. The plan returned is the fastest. On graphs of
+more than ``port_m_milp_max_nodes`` nodes the MILP is not built: XEngine's search gets the
+whole limit (less the stage-ahead share), and beside it, in a process of its own for
+``port_m_alone_share``, ``port``'s paging heuristics on the fastest device (its MILPs
+need processes of their own, which a process beside may not start): XEngine's search,
+whose plans improve late in its time on such graphs, keeps nearly all of the limit.
+Where the pool cannot hold every fixed tensor with some node's values
+(``common.floor``), ``port`` runs on each device of the pool alone instead, an equal
+share of the time each, paging fixed tensors, and the fastest of those plans is
+returned. No bound is reported: the ideal bounds PORT-M's model but not every concurrent
+plan, whose sections may overlap independent nodes across stages too.
 
 PORT-M's MILP pages too (``build_xengine`` with ``paging``: PORT's M^out, M^in and S^AUX
 over the pool, at stage granularity, on the lane of the pool's first device to the node's
@@ -47,6 +50,7 @@ from remat.errors import ScheduleError
 from remat.formulations.checkmate import Transfers
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
+from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
     Evaluation,
@@ -57,12 +61,15 @@ from remat.strategies.common.problem import (
     select_best,
     with_prediction,
 )
+from remat.strategies.exact.offload_remat import offloading_plans
 from remat.strategies.exact.port import port
 from remat.strategies.exact.search import solve_alone
 from remat.strategies.exact.xengine import xengine
+from remat.strategies.heuristics.offload_greedy import offload_greedy
 from remat.strategies.heuristics.recompute_ahead import recompute_ahead
 
 NAME = "port_m"
+BESIDE_GRACE_S = 3.0  # past XEngine's search: the process beside, its result
 
 
 def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
@@ -81,17 +88,12 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     if shortfall(problem, names) is not None:  # the pool cannot hold every fixed tensor
         return _paging_fixed(problem, names)
     small = len(problem.graph) <= config.port_m_milp_max_nodes
-    share = config.port_m_xengine_share if small else 1 - config.port_m_alone_share
-    first = xengine(problem.within(limit * share))
-    if first.schedule is not None:
-        ahead = recompute_ahead(problem, first.schedule, NAME)
-        if ahead.fits and first.simulation and ahead.cost_ms < first.simulation.total_ms:
-            plan = with_prediction(ahead.plan, ahead.simulation)
-            note = "recomputed a stage ahead on another device"
-            first = StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
-    alone = _alone(problem.within(limit * config.port_m_alone_share))
     if not small:
-        return _faster(first, alone, f"PORT-M's MILP is not built over {len(problem.graph)} nodes")
+        return _without_milp(problem, started)
+    first = xengine(problem.within(limit * config.port_m_xengine_share))
+    ahead_s = limit * config.port_m_ahead_share
+    first = _ahead(problem, first, time.monotonic() + ahead_s)
+    alone = _alone(problem.within(limit * config.port_m_alone_share))
     budgets = {name: problem.budgets.get(name) for name in names}
     costs = problem.costs
     lane = costs.device_index(names[0])
@@ -119,6 +121,36 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
     info = SolverInfo(solved.status.value, solved.objective, None, None, solved.seconds)
     plan = replace(with_prediction(found.plan, found.simulation), solver=info)
     return replace(found, plan=plan, message=note)
+
+
+def _without_milp(problem: Problem, started: float) -> StrategyResult:
+    """Over ``port_m_milp_max_nodes`` nodes: XEngine's search for the whole time limit,
+    its plan improved by the stage-ahead moves, and beside it, in a process of its own
+    (``common.beside``) for ``port_m_alone_share`` of the limit, ``port``'s paging
+    heuristics on the pool's fastest device alone (``_paging_alone``); the faster plan."""
+    config, limit = problem.solver.search, problem.solver.options.time_limit_s
+    device = _fastest(problem)
+    deadline = time.monotonic() + limit * config.port_m_alone_share
+    beside = Beside(_paging_alone, picklable(problem), device, deadline)
+    left = limit - (time.monotonic() - started)
+    first = xengine(problem.within(left - limit * config.port_m_ahead_share))
+    first = _ahead(problem, first, started + limit)
+    paging, why = beside.result(max(deadline, time.monotonic()) + BESIDE_GRACE_S)
+    note = f"PORT-M's MILP is not built over {len(problem.graph)} nodes"
+    feasible = [p for p in paging or [] if p.feasible and p.simulation is not None]
+    if not feasible:
+        return _named(first, f"{note}; paging on {device} alone: {why or 'no plan fits'}")
+    best = min(feasible, key=lambda p: p.time_ms)
+    alone = replace(best, message=f"{device} alone: {best.message}")
+    return _faster(first, alone, note)
+
+
+def _paging_alone(problem: Problem, device: str, deadline: float) -> list[StrategyResult]:
+    """``port``'s paging heuristics on ``device`` alone by ``deadline``: GREEDY's and
+    DYNPROG's paging, and greedy eviction to looser budgets with paging over its plans
+    (``offload_remat.offloading_plans``). Module-level: it runs in a process beside."""
+    plans = [offload_greedy(problem, device, Tier.STORAGE)]
+    return plans + offloading_plans(problem, device, deadline, Tier.STORAGE)
 
 
 def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Evaluation:
@@ -156,9 +188,28 @@ def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:
     return replace(_named(best, ""), message=notes, proven_infeasible=proven)
 
 
+def _ahead(problem: Problem, first: StrategyResult, deadline: float) -> StrategyResult:
+    """``first`` (XEngine's result), or its schedule with recomputation moved a stage
+    ahead onto another device where that is faster (``recompute_ahead``, by
+    ``deadline``)."""
+    if first.schedule is None:
+        return first
+    ahead = recompute_ahead(problem, first.schedule, NAME, deadline)
+    if ahead.fits and first.simulation and ahead.cost_ms < first.simulation.total_ms:
+        plan = with_prediction(ahead.plan, ahead.simulation)
+        note = "recomputed a stage ahead on another device"
+        return StrategyResult(NAME, plan, ahead.simulation, note, schedule=ahead.schedule)
+    return first
+
+
+def _fastest(problem: Problem) -> str:
+    """The device of the pool with the least total compute time."""
+    return problem.costs.devices[int(problem.costs.compute_ms.sum(axis=0).argmin())].name
+
+
 def _alone(problem: Problem) -> StrategyResult:
     """``port`` on the device of the pool with the least total compute time."""
-    device = problem.costs.devices[int(problem.costs.compute_ms.sum(axis=0).argmin())].name
+    device = _fastest(problem)
     result = port(problem, device)
     return replace(result, message=f"{device} alone: {result.message}")
 

@@ -17,15 +17,20 @@ concurrent where that fits) fits and is faster. Each try is one compile and simu
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from remat.schedule import Schedule
 from remat.strategies.common.problem import Evaluation, Problem, evaluate
 
 
-def recompute_ahead(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
+def recompute_ahead(
+    problem: Problem, schedule: Schedule, strategy: str, deadline: float | None = None
+) -> Evaluation:
     """The best plan found from ``schedule`` (itself where no move helps), over every
-    device of the problem's cost model."""
+    device of the problem's cost model; no move is tried after ``deadline`` (a
+    ``time.monotonic()``) where one is given."""
     names = tuple(d.name for d in problem.costs.devices)
     schedule = schedule.on_devices(names)
     R, S, (_, T, n) = schedule.R, schedule.S, schedule.R.shape
@@ -34,6 +39,8 @@ def recompute_ahead(problem: Problem, schedule: Schedule, strategy: str) -> Eval
         return best
     deps = [problem.graph.nodes[i].deps for i in range(n)]
     for t in range(T - 1, 0, -1):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         for a in range(len(names)):
             recomputed = [int(i) for i in np.flatnonzero(R[a, t, :t])]
             groups = [recomputed] + ([[i] for i in recomputed] if len(recomputed) > 1 else [])

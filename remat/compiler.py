@@ -98,6 +98,7 @@ class _Emitter:
         self.none_saved = np.zeros(n, dtype=bool)
         self.steps: list[Step] = []
         self.copy_ms = self._copy_matrix(costs)
+        self._saved: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=bool))
 
     def _copy_matrix(self, costs: CostModel | None) -> np.ndarray | None:
         if costs is None:
@@ -125,10 +126,13 @@ class _Emitter:
         self._free_where(t, np.ones_like(computed))
 
     def _saved_next(self, t: int) -> np.ndarray:
-        """Per device, the values kept into stage t + 1 on it or on a device of its pool."""
-        S = self.schedule.S
-        saved = S[:, t + 1] if t + 1 < self.schedule.stages else np.zeros_like(S[:, 0])
-        return (self.shared.astype(np.int64) @ saved.astype(np.int64)) > 0
+        """Per device, the values kept into stage t + 1 on it or on a device of its pool
+        (computed once per stage: the compile asks for it at every free)."""
+        if self._saved[0] != t:
+            S = self.schedule.S
+            saved = S[:, t + 1] if t + 1 < self.schedule.stages else np.zeros_like(S[:, 0])
+            self._saved = (t, (self.shared.astype(np.int64) @ saved.astype(np.int64)) > 0)
+        return self._saved[1]
 
     def _check_checkpoints(self, t: int) -> None:
         unavailable = self.schedule.S[:, t] & ~self.resident
@@ -140,8 +144,10 @@ class _Emitter:
 
     def _free_where(self, t: int, candidates: np.ndarray) -> None:
         doomed = self.resident & candidates[None, :] & ~self.keep & ~self._saved_next(t)
-        for d, i in np.argwhere(doomed & self.lead[:, None]):
-            self._emit_free(t, int(i), int(d))
+        doomed &= self.lead[:, None]
+        if doomed.any():
+            for d, i in np.argwhere(doomed):
+                self._emit_free(t, int(i), int(d))
 
     def _compute(self, t: int, k: int, d: int) -> None:
         if self.resident[d, k]:

@@ -109,11 +109,16 @@ def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
     spaces = [d.memory_space for d in devices]
     if len(spaces) == len(set(spaces)):
         return evaluation
-    concurrent = compile_plan(
-        problem.graph, schedule, devices, strategy, problem.costs, concurrent=True
-    )
-    overlapped = evaluate_plan(problem, concurrent, schedule)
+    overlapped = evaluate_concurrent(problem, schedule, strategy)
     return overlapped if overlapped.fits else evaluation
+
+
+def evaluate_concurrent(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
+    """``schedule`` compiled concurrent (PORT-M's stages) and simulated, as ``evaluate``
+    does on a pool."""
+    devices = problem.plan_devices(schedule.devices)
+    plan = compile_plan(problem.graph, schedule, devices, strategy, problem.costs, concurrent=True)
+    return evaluate_plan(problem, plan, schedule)
 
 
 def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None) -> Evaluation:

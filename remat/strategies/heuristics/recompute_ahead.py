@@ -11,8 +11,10 @@ stage longer, and a concurrent stage frees nothing until it ends.
 From the last stage to the first, for each device's recomputations in the stage, the
 move is tried for all of them at once, then for each alone, to each other device, where
 every input of a moved value is on the pool during stage t - 1 (kept into it, computed in
-it, or moved with it); a move is kept where the schedule's plan (``evaluate``: compiled
-concurrent where that fits) fits and is faster. Each try is one compile and simulation.
+it, or moved with it); a move is kept where the schedule's concurrent plan
+(``evaluate_concurrent``) fits and is faster than the best plan so far. Each try is one
+compile and simulation (a move only pays where the stages run concurrently, so the plan
+in turn is not tried).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import time
 import numpy as np
 
 from remat.schedule import Schedule
-from remat.strategies.common.problem import Evaluation, Problem, evaluate
+from remat.strategies.common.problem import (
+    Evaluation,
+    Problem,
+    evaluate,
+    evaluate_concurrent,
+)
 
 
 def recompute_ahead(
@@ -51,7 +58,7 @@ def recompute_ahead(
                     moved = _moved(R, S, deps, t, a, b, group) if b != a else None
                     if moved is None:
                         continue
-                    candidate = evaluate(problem, Schedule(names, *moved), strategy)
+                    candidate = evaluate_concurrent(problem, Schedule(names, *moved), strategy)
                     if candidate.fits and candidate.cost_ms < best.cost_ms:
                         best, (R, S) = candidate, moved
                         break

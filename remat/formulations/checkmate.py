@@ -229,7 +229,7 @@ def build_checkmate(
     budget = scaled_budget(budget_bytes, unit, fixed_bytes)
     R, S, U, FREE = _variables(b, st, T, budget)
     S_next = np.vstack([S[1:], np.full((1, n), -1)])
-    host = None if transfers is None else _host_variables(b, st, R, S, S_next)
+    host = None if transfers is None else transfer_variables(b, st, R, S, S_next)
     _dependencies(b, st, R, S, None if host is None else (host[2], host[3]))
     _memory(b, st, m, fixed, R, S, U, FREE, None if host is None else host[2])
     if costs.workspace_bytes is not None and math.isfinite(budget):
@@ -253,12 +253,13 @@ def build_checkmate(
     return CheckmateModel(model, graph, device, st, unit, m, fixed, R, Sfull, U, FREE, b, **extra)
 
 
-def _host_variables(
+def transfer_variables(
     b: Builder, st: Structure, R: np.ndarray, S: np.ndarray, S_next: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """OFF, HOST, PRE, LATE and W (the module docstring): OFF where the value can be
     resident entering the stage, PRE and LATE where it can be kept into the next one, HOST
-    in between."""
+    in between. ``S`` and ``S_next`` are the keep variables' indices [T, n] (a pool's, for
+    ``remat.formulations.xengine``'s paging)."""
     T, n = R.shape
     t = np.arange(T)[:, None]
     value = ~st.is_output[None, :] & st.has_users[None, :]
@@ -286,17 +287,9 @@ def _transfers(
     W: np.ndarray,
 ) -> None:
     T = R.shape[0]
-    # HOST[t+1,i] <= HOST[t,i] + OFF[t,i]: a host copy comes from an offload.
-    tt, ii = np.nonzero(HOST[1:] >= 0)
-    keys = np.stack([tt + 1, ii], axis=1)
-    b.rows("host", keys, [HOST[tt + 1, ii], HOST[tt, ii], OFF[tt, ii]], [1, -1, -1], -np.inf, 0)
-    tt, ii = np.nonzero(PRE >= 0)
-    keys = np.stack([tt, ii], axis=1)
-    # PRE[t,i] <= HOST[t,i]; PRE + S[t,i] + R[t,i] <= 1
-    b.rows("prefetch", keys, [PRE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+    tt, ii, keys = returns_from_copies(b, OFF, HOST, PRE, LATE, "prefetch")
+    # PRE + S[t,i] + R[t,i] <= 1; LATE + S[t,i] + R[t,i] <= 1
     b.rows("arriving", keys, [PRE[tt, ii], S[tt, ii], R[tt, ii]], [1, 1, 1], -np.inf, 1)
-    # LATE[t,i] <= HOST[t,i]; LATE + S[t,i] + R[t,i] <= 1
-    b.rows("late", keys, [LATE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
     b.rows("late arriving", keys, [LATE[tt, ii], S[tt, ii], R[tt, ii]], [1, 1, 1], -np.inf, 1)
     tt, ii = np.nonzero(OFF >= 0)
     keys = np.stack([tt, ii], axis=1)
@@ -313,6 +306,27 @@ def _transfers(
     b.entries(rows[tt], PRE[tt, ii], -transfers.in_ms[ii])
     tt, ii = np.nonzero(R >= 0)
     b.entries(rows[tt], R[tt, ii], C[ii])
+
+
+def returns_from_copies(
+    b: Builder,
+    OFF: np.ndarray,
+    HOST: np.ndarray,
+    PRE: np.ndarray,
+    LATE: np.ndarray,
+    label: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """HOST[t+1,i] <= HOST[t,i] + OFF[t,i] (a copy on the tier comes from a send), and
+    PRE <= HOST, LATE <= HOST (only a copy there comes back; PRE's rows named ``label``).
+    Returns PRE's (t, i) and their keys, for the rows a model adds on them."""
+    tt, ii = np.nonzero(HOST[1:] >= 0)
+    keys = np.stack([tt + 1, ii], axis=1)
+    b.rows("host", keys, [HOST[tt + 1, ii], HOST[tt, ii], OFF[tt, ii]], [1, -1, -1], -np.inf, 0)
+    tt, ii = np.nonzero(PRE >= 0)
+    keys = np.stack([tt, ii], axis=1)
+    b.rows(label, keys, [PRE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+    b.rows("late", keys, [LATE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+    return tt, ii, keys
 
 
 def _variables(

@@ -97,7 +97,7 @@ import scipy.sparse as sp
 
 from remat.costs import CostModel
 from remat.errors import InvalidInputError, ScheduleError
-from remat.formulations.checkmate import Transfers
+from remat.formulations.checkmate import Transfers, returns_from_copies, transfer_variables
 from remat.formulations.common import (
     Builder,
     Structure,
@@ -844,18 +844,7 @@ class _Paging:
     def create(cls, b: Builder, st: Structure, v: _Variables, link: Transfers) -> _Paging:
         """OFF where the value can be resident entering the stage, PRE and LATE where it
         can be kept into the next one, HOST in between (as Checkmate's with transfers)."""
-        T, n = v.R.shape[1:]
-        S = v.S[0]
-        S_next = v.S_next[0]
-        t = np.arange(T)[:, None]
-        value = ~st.is_output[None, :] & st.has_users[None, :]
-        OFF = b.variables("OFF", (S >= 0) & value, True)
-        can_return = (S_next >= 0) & value & (np.arange(n)[None, :] < t)
-        HOST = b.variables("HOST", can_return, True)
-        PRE = b.variables("PRE", can_return, True)
-        LATE = b.variables("LATE", can_return, True)
-        W = b.variables("W", np.ones(T, dtype=bool), False, 0.0, np.inf)
-        return cls(OFF, HOST, PRE, LATE, W, link)
+        return cls(*transfer_variables(b, st, v.R[0], v.S[0], v.S_next[0]), link)
 
     def rows(
         self,
@@ -868,14 +857,7 @@ class _Paging:
     ) -> None:
         D = v.R.shape[0]
         OFF, HOST, PRE, LATE, W = self.OFF, self.HOST, self.PRE, self.LATE, self.W
-        # HOST[t+1,i] <= HOST[t,i] + OFF[t,i]: a copy in storage comes from a page-out.
-        tt, ii = np.nonzero(HOST[1:] >= 0)
-        keys = np.stack([tt + 1, ii], axis=1)
-        b.rows("host", keys, [HOST[tt + 1, ii], HOST[tt, ii], OFF[tt, ii]], [1, -1, -1], -np.inf, 0)
-        tt, ii = np.nonzero(PRE >= 0)
-        keys = np.stack([tt, ii], axis=1)
-        b.rows("page in", keys, [PRE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
-        b.rows("late", keys, [LATE[tt, ii], HOST[tt, ii]], [1, -1], -np.inf, 0)
+        tt, ii, keys = returns_from_copies(b, OFF, HOST, PRE, LATE, "page in")
         for d in range(D):  # not resident or computed meanwhile, on any device
             for label, var in (("arriving", PRE), ("late arriving", LATE)):
                 cols = [var[tt, ii], v.S[d, tt, ii], v.R[d, tt, ii]]

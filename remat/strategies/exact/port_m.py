@@ -135,7 +135,11 @@ def _without_milp(problem: Problem, started: float) -> StrategyResult:
     left = limit - (time.monotonic() - started)
     first = xengine(problem.within(left - limit * config.port_m_ahead_share))
     first = _ahead(problem, first, started + limit)
-    paging, why = beside.result(max(deadline, time.monotonic()) + BESIDE_GRACE_S)
+    if problem.cancelled:  # no waiting for the paging plans: their process stops
+        until = time.monotonic()
+    else:
+        until = max(deadline, time.monotonic()) + BESIDE_GRACE_S
+    paging, why = beside.result(until)
     note = f"PORT-M's MILP is not built over {len(problem.graph)} nodes"
     feasible = [p for p in paging or [] if p.feasible and p.simulation is not None]
     if not feasible:

@@ -165,8 +165,8 @@ class XEngineModel:
     builder: Builder
     A: np.ndarray  # [T]: PORT-M's stage times (``concurrent``), else empty
     stage_costs: np.ndarray | None  # [D, n]: c[d,i] of A's rows, where concurrent
+    lead: np.ndarray  # [D]: the first device of each device's pool (or itself)
     paging: _Paging | None = None  # OFF, HOST, PRE, LATE [T, n] and W [T], with paging
-    spaces: tuple[str, ...] = ()  # each device's memory space (its pool, or its name)
 
     def transfers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """OFF, PRE and LATE of a solution, rounded at 0.5 (all False without paging)."""
@@ -282,7 +282,7 @@ class XEngineModel:
         value means nothing to the plan (they hold one set of tensors), but (11) keeps a
         value only on the device that had it: a schedule whose devices read each other's
         values is so made a solution. Elsewhere S as given."""
-        if len(self.spaces) < 2 or len(set(self.spaces)) != 1:
+        if len(self.lead) < 2 or self.lead.any():  # not one pool of several devices
             return S
         st = self.structure
         S = S.copy()
@@ -390,7 +390,7 @@ class XEngineModel:
         """``held`` [D, tensors] gathered onto the first device of each pool (a pool holds
         one copy of each fixed tensor), zero on the others."""
         pooled = np.zeros_like(held)
-        np.logical_or.at(pooled, _leads(self.spaces or self.devices), held)
+        np.logical_or.at(pooled, self.lead, held)
         return pooled
 
     def _memory(
@@ -514,8 +514,8 @@ def build_xengine(
         b,
         A,
         compute if concurrent else None,
+        v.lead,
         pg,
-        tuple(spaces),
     )
 
 
@@ -576,12 +576,13 @@ class _Variables:
         c_mask = computable[None, :, :] & apart[:, None, None]
         C = b.variables("C", c_mask, True, names=_edge_labels("C", names, c_mask, st))
         # a pool holds one copy of each fixed tensor: H and G on its first device only
-        leads = [d for d in range(D) if lead[d] == d]
+        is_lead = lead == np.arange(D)
+        leads = np.flatnonzero(is_lead).tolist()
         fixed = [f"H[{names[d]},{f}]" for d in leads for f in fx.names]
-        h_mask = np.broadcast_to((lead == np.arange(D))[:, None], (D, len(fx.names)))
+        h_mask = np.broadcast_to(is_lead[:, None], (D, len(fx.names)))
         H = b.variables("H", h_mask, True, names=fixed)
         grads = [f"G[{names[d]},{f}]" for d in leads for f in fx.grad_names]
-        g_mask = np.broadcast_to((lead == np.arange(D))[:, None], (D, len(fx.grad_names)))
+        g_mask = np.broadcast_to(is_lead[:, None], (D, len(fx.grad_names)))
         G = b.variables("G", g_mask, True, names=grads)
         output = below & st.is_output & st.has_users
         l_mask = output[None, :, :] & apart[:, None, None]

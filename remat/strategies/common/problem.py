@@ -7,9 +7,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from remat.compiler import compile_plan
 from remat.costs import CostModel
-from remat.devices import format_bytes
+from remat.devices import Tier, format_bytes
 from remat.graph import Graph
 from remat.objective import Objective, objective_costs
 from remat.plan import Plan, PlanDevice, Predicted
@@ -113,11 +115,27 @@ def evaluate(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
     return overlapped if overlapped.fits else evaluation
 
 
-def evaluate_concurrent(problem: Problem, schedule: Schedule, strategy: str) -> Evaluation:
+def evaluate_concurrent(
+    problem: Problem,
+    schedule: Schedule,
+    strategy: str,
+    transfers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    tier: Tier = Tier.HOST,
+) -> Evaluation:
     """``schedule`` compiled concurrent (PORT-M's stages) and simulated, as ``evaluate``
-    does on a pool."""
+    does on a pool; with ``transfers`` to ``tier`` beside each stage's section
+    (``compile_plan``)."""
     devices = problem.plan_devices(schedule.devices)
-    plan = compile_plan(problem.graph, schedule, devices, strategy, problem.costs, concurrent=True)
+    plan = compile_plan(
+        problem.graph,
+        schedule,
+        devices,
+        strategy,
+        problem.costs,
+        transfers=transfers,
+        tier=tier,
+        concurrent=True,
+    )
     return evaluate_plan(problem, plan, schedule)
 
 

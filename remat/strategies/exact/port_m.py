@@ -44,7 +44,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from remat.compiler import compile_plan
 from remat.devices import Tier
 from remat.errors import ScheduleError
 from remat.formulations.checkmate import Transfers
@@ -57,7 +56,7 @@ from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
     evaluate,
-    evaluate_plan,
+    evaluate_concurrent,
     select_best,
     with_prediction,
 )
@@ -164,18 +163,7 @@ def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Eva
     transfers = formulation.transfers(x)
     if not any(t.any() for t in transfers):
         return evaluate(problem, schedule, NAME)
-    devices = problem.plan_devices(schedule.devices)
-    plan = compile_plan(
-        problem.graph,
-        schedule,
-        devices,
-        NAME,
-        problem.costs,
-        transfers=transfers,
-        tier=Tier.STORAGE,
-        concurrent=True,
-    )
-    return evaluate_plan(problem, plan, schedule)
+    return evaluate_concurrent(problem, schedule, NAME, transfers, Tier.STORAGE)
 
 
 def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:

@@ -5,9 +5,11 @@ LPDDR4X), paging to an SSD (1 GB/s written, 1.5 GB/s read, 100 us per page), at 
 below the checkpoint-all peak. Each makespan is a ratio to the ideal (every node once, no
 transfers).
 
-Columns: ``page_greedy`` and ``page_dynprog`` (GREEDY and DYNPROG paging to storage),
-``checkmate_milp`` (rematerialization alone) and ``port`` (both, decided together), each
-with ``--time-limit`` seconds, and ``port``'s recomputations and page transfers. After a
+Columns (``--strategies``, all by default): ``page_greedy`` and ``page_dynprog`` (GREEDY
+and DYNPROG paging to storage), ``checkmate_milp`` (rematerialization alone), ``port``
+(both, decided together) and ``auto`` (the default strategy, whose phases include
+DYNPROG's paging), each with ``--time-limit`` seconds, and ``port``'s recomputations and
+page transfers. After a
 model's rows, the smallest budget each strategy found a plan for, among those tried.
 Budgets are percentages of checkpoint-all's activations (``--budgets``: 100% is its peak,
 0% its fixed memory), then of its whole peak (``--of-peak``): below the fixed memory,
@@ -16,7 +18,7 @@ Prints a markdown table and appends one row per model, budget and strategy to
 ``bench/results/port.csv``; ``bench/report.py`` renders them.
 
     cd bench && ../.venv/bin/python -W ignore port.py [--models torch:resnet18,vgg16,...]
-        [--budgets 100,75,50,40,30] [--of-peak 75,50,40]
+        [--strategies checkmate_milp,port,auto] [--budgets 100,75,50,40,30] [--of-peak 75,50,40]
         [--storage-read 2e9 --storage-write 1e9] [--run LABEL]
 """
 
@@ -38,7 +40,7 @@ from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 from remat.strategies.heuristics.offload_greedy import offload_greedy
 
 MODELS = ("torch:resnet18", "vgg16", "unet", "torch:bert")
-STRATEGIES = ("page_greedy", "page_dynprog", "checkmate_milp", "port")
+STRATEGIES = ("page_greedy", "page_dynprog", "checkmate_milp", "port", "auto")
 
 
 def solve(strategy: str, problem: Problem, device: str) -> StrategyResult:
@@ -60,6 +62,7 @@ def counts(result: StrategyResult, nodes: int) -> tuple[int | None, int | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--budgets", default="100,75,50,40,30")
     parser.add_argument(
         "--of-peak",
@@ -76,6 +79,10 @@ def main() -> None:
     parser.add_argument("--storage-latency-us", type=float, default=100.0)
     add_run_argument(parser)
     args = parser.parse_args()
+    strategies = args.strategies.split(",")
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
     write = args.storage_write or args.storage_bandwidth or 1e9
     read = args.storage_read or args.storage_bandwidth or 1.5e9
     device = parse_device(args.device)
@@ -88,10 +95,10 @@ def main() -> None:
     storage = f"w {write:g} r {read:g} B/s, {args.storage_latency_us:g} us"
     out = Writer("port", args.run)
     print(
-        f"| model (nodes) | budget | ideal ms | {' | '.join(STRATEGIES)} "
+        f"| model (nodes) | budget | ideal ms | {' | '.join(strategies)} "
         "| port recomputations | port page transfers |"
     )
-    print("|---|---|---|" + "---|" * (len(STRATEGIES) + 2))
+    print("|---|---|---|" + "---|" * (len(strategies) + 2))
     solver = SolverSettings(options=SolveOptions(time_limit_s=args.time_limit))
     for name in args.models.split(","):
         graph = bench_graph(name, args.batch)
@@ -105,7 +112,7 @@ def main() -> None:
             problem = Problem(graph, costs, {device.name: budget}, solver)
             cells: list[float | None] = []
             port_counts: tuple[int | None, int | None] = (None, None)
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 started = time.monotonic()
                 result = solve(strategy, problem, device.name)
                 seconds = time.monotonic() - started
@@ -145,7 +152,7 @@ def main() -> None:
                 f"| {label} | {where} | {ideal:.4g} | {' | '.join(ratios)} | {extra} |",
                 flush=True,
             )
-        least = [smallest[s][1] if s in smallest else "none" for s in STRATEGIES]
+        least = [smallest[s][1] if s in smallest else "none" for s in strategies]
         print(
             f"| {label} | smallest feasible, among those tried | | {' | '.join(least)} | | |",
             flush=True,

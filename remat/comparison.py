@@ -23,7 +23,10 @@ from remat.strategies import (
 PERCENTS = (100.0, 75.0, 50.0, 35.0, 25.0)
 
 
-NO_OFFLOADING = "no device has memory apart from its host (a cpu device's memory is the host's)"
+NO_OFFLOADING = (
+    "no device has memory apart from its host (a cpu device's memory is the host's, and so "
+    "is a pooled device's)"
+)
 
 
 @dataclass(frozen=True)

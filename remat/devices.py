@@ -142,8 +142,10 @@ class Device:
     @property
     def has_own_memory(self) -> bool:
         """Its memory is apart from its host's: offloading to the host frees some. A CPU
-        device's memory is the host's (offloading there only emulates a device)."""
-        return self.kind is not DeviceKind.CPU
+        device's memory is the host's (offloading there only emulates a device), and so is
+        a device's in a pool (option ``pool``: an integrated GPU sharing the board's
+        memory with its CPU, where a copy to the host stays in the pool)."""
+        return self.kind is not DeviceKind.CPU and "pool" not in self.options
 
 
 def with_option(device: Device, key: str, value: str) -> Device:

@@ -97,7 +97,8 @@ def test_without_a_proof_auto_says_what_it_tried_and_the_least_memory_needed():
     assert not result.feasible and not result.proven_infeasible
     assert "infeasible" not in result.message
     assert result.message.startswith(
-        "no plan found by auto at this budget (tried: baselines on cpu0, greedy_evict on cpu0)"
+        "no plan found by auto at this budget (tried: baselines on cpu0, greedy_evict on cpu0, "
+        "page_dynprog on cpu0)"
     )
     need = result.min_budget_bytes
     assert need is not None and need["cpu0"] > problem.budgets["cpu0"]

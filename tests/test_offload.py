@@ -418,7 +418,9 @@ def test_a_jobs_baselines_include_offloading_where_a_device_can_offload():
 
 def test_auto_offloads_on_an_accelerator_and_never_on_a_cpu():
     """U-Net at 75%: offloading hides behind compute and costs the ideal, which no
-    recomputation can; auto takes it on a GPU, and on a CPU (the host) never offloads."""
+    recomputation can; auto takes it on a GPU. On a CPU (the host) it never offloads: it
+    pages to storage there, which hides behind compute too; on a GPU sharing the CPU's
+    memory (a pool) offloading to the host would free nothing, and it does not."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=2.0))
     problem = build_problem(
         unet(),
@@ -433,4 +435,18 @@ def test_auto_offloads_on_an_accelerator_and_never_on_a_cpu():
     assert result.simulation.total_ms <= offloading.simulation.total_ms
     assert result.plan.transfers
     on_cpu = build_problem(unet(), batch=8, budgets={"cpu0": "75%"}, solver=settings)
-    assert not run_strategy(AUTO, on_cpu).plan.transfers
+    paged = run_strategy(AUTO, on_cpu).plan
+    assert paged.strategy == "page_dynprog" and paged.pages
+    assert not any(s.op in ("offload", "prefetch") for s in paged.steps)
+    pooled = build_problem(
+        unet(),
+        batch=8,
+        devices=[parse_device("cpu0:cpu:pool=ram"), parse_device("cuda0:cuda:pool=ram")],
+        budgets={"ram": "75%"},
+        solver=settings,
+    )
+    on_pool = run_strategy(AUTO, pooled)
+    assert on_pool.feasible and on_pool.simulation.valid
+    assert not any(s.op in ("offload", "prefetch") for s in on_pool.plan.steps)
+    row = next(b for b in baselines(pooled).items if b.strategy == "offload_greedy")
+    assert row.predicted_ms is None and "a pooled device's" in row.note

@@ -387,3 +387,15 @@ def test_recomputing_a_stage_ahead_on_the_other_device_shortens_the_plan():
     assert ahead.cost_ms < xengine.simulation.total_ms * 0.95
     verdict = simulate(ahead.plan, problem.graph, problem.costs)
     assert verdict.valid and max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
+
+
+def test_auto_plans_a_pool_with_port_m():
+    """``auto``'s exact phase on the devices of one pool is PORT-M, not XEngine: on the
+    chain sample at 70% on two pooled CPUs its plan is concurrent, within the pool's
+    budget, and faster than XEngine's."""
+    problem, apart, _ = _xengine_and_port_m(POOLED_CPUS, 6)
+    result = run_strategy("auto", problem)
+    assert result.feasible, result.message
+    assert result.plan.strategy == "port_m" and result.plan.concurrent
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid and verdict.total_ms < apart.simulation.total_ms * 0.95

@@ -1,5 +1,6 @@
-"""``auto``, the default strategy: the baselines on each device, then greedy eviction, then,
-on a graph small enough, a short exact solve; the cheapest plan the simulator accepts wins.
+"""``auto``, the default strategy: the baselines on each device, then greedy eviction, then
+offloading or paging, then, on a graph small enough, a short exact solve; the cheapest plan
+the simulator accepts wins.
 
 The phases share the problem's time limit (``SolveOptions.time_limit_s``), counted from the
 call:
@@ -8,13 +9,16 @@ call:
 2. greedy eviction (``heuristics.evict.greedy_evict``) on each device, for at most
    ``SearchConfig.evict_time_s`` (less where the limit is short); where no baseline fits it
    may run on to find a first plan (``fit_share`` of the limit);
-3. offloading to host memory (``heuristics.offload_dynprog``, never worse than GREEDY) on
-   each device whose memory is apart from its host's (not a cpu device);
+3. DYNPROG (``heuristics.offload_dynprog``, never worse than GREEDY) on each device:
+   offloading to host memory where the device's memory is apart from its host's, paging
+   to the node's storage (``page_dynprog``, PORT's setting) where it is the host's (a cpu
+   device, or a device of a pool: offloading there would free nothing), the time left
+   shared between them;
 4. where the graph has at most ``auto_exact_max_nodes`` nodes and the best plan so far is
-   more than ``auto_skip_gap`` above the ideal, ``checkmate_milp`` (one device) or
-   ``xengine`` (several) for at most ``auto_exact_s`` of the time left. Its own warm start
-   (the best baseline and greedy eviction, ``exact.search.warm_start``) gives the solver
-   the incumbent found so far.
+   more than ``auto_skip_gap`` above the ideal, ``checkmate_milp`` (one device), ``port_m``
+   (the devices of one pool, which compute at once) or ``xengine`` (other several) for at
+   most ``auto_exact_s`` of the time left. Its own warm start (the best baseline and greedy
+   eviction, ``exact.search.warm_start``) gives the solver the incumbent found so far.
 
 Where the memory floor (``common.floor``: a node that fits on no device with every fixed
 tensor resident) is above the budget, auto pages fixed tensors instead
@@ -34,15 +38,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from remat.devices import format_bytes
+from remat.devices import Device, Tier, format_bytes
 from remat.errors import RematError
 from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.floor import shortfall
+from remat.strategies.common.offload import named
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_milp
+from remat.strategies.exact.port_m import NAME as PORT_M
+from remat.strategies.exact.port_m import port_m
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.strategies.heuristics.fixed_paging import page_fixed
+from remat.strategies.heuristics.offload_dynprog import NAME as OFFLOAD_DYNPROG
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 
 logger = logging.getLogger(__name__)
@@ -50,8 +58,9 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 DESCRIPTION = (
     "Every applicable baseline on each device, then greedy eviction, then offloading "
-    "(offload_dynprog) on each device with memory apart from its host, then on graphs small "
-    "enough a short exact solve (checkmate_milp, or xengine on several devices); the "
+    "(offload_dynprog) on each device with memory apart from its host and paging to storage "
+    "(page_dynprog) on each other, then on graphs small enough a short exact solve "
+    "(checkmate_milp, port_m on the devices of one pool, or xengine on other several); the "
     "cheapest plan that fits wins."
 )
 
@@ -98,20 +107,20 @@ def auto(
             logger.debug("auto: greedy eviction on %s for %.3g s", name, seconds)
             tried.add(_attempt(greedy_evict, problem, name, seconds, fit_s))
         tried.phases.append(f"greedy_evict on {', '.join(names)}")
-    devices = problem.costs.devices
-    offloading = [
-        n
-        for n in names
-        if problem.offloading and devices[problem.costs.device_index(n)].has_own_memory
-    ]
-    if offloading and not problem.cancelled:
-        for name in offloading:
-            tried.add(_attempt(offload_dynprog, problem, name))
-        tried.phases.append(f"offload_dynprog on {', '.join(offloading)}")
+    devices = [problem.costs.devices[problem.costs.device_index(n)] for n in names]
+    own = [d.name for d in devices if d.has_own_memory]
+    offloading = own if problem.offloading else []
+    paging = [d.name for d in devices if not d.has_own_memory] if problem.offloading else []
+    for tier, sending in ((Tier.HOST, offloading), (Tier.STORAGE, paging)):
+        if sending and not problem.cancelled:
+            for name in sending:
+                within = problem.within(max(0.0, left()) / len(sending))
+                tried.add(_attempt(offload_dynprog, within, name, tier))
+            tried.phases.append(f"{named(OFFLOAD_DYNPROG, tier)} on {', '.join(sending)}")
 
     best = _cheapest(tried.results)
     seconds = min(config.auto_exact_s, left())
-    exact = "xengine" if len(names) > 1 else "checkmate_milp"
+    exact = _exact_name(devices)
     if (
         not problem.cancelled
         and len(problem.graph) <= config.auto_exact_max_nodes
@@ -121,7 +130,9 @@ def auto(
     ):
         within = problem.within(seconds)
         logger.debug("auto: %s for %.3g s", exact, seconds)
-        if len(names) > 1:
+        if exact == PORT_M:
+            solved = _attempt(port_m, within, None)
+        elif exact == "xengine":
             solved = _attempt(xengine, within, None)
         else:
             solved = _attempt(checkmate_milp, within, names[0])
@@ -140,6 +151,14 @@ def auto(
     if problem.cancelled:
         text += "; cancelled"
     return _no_plan(tried, text, proven=False)
+
+
+def _exact_name(devices: Sequence[Device]) -> str:
+    """Auto's exact strategy: ``checkmate_milp`` on one device, ``port_m`` on the devices
+    of one memory pool (which compute at once), ``xengine`` on any other several."""
+    if len(devices) == 1:
+        return "checkmate_milp"
+    return PORT_M if len({d.memory_space for d in devices}) == 1 else "xengine"
 
 
 def _paging_fixed(

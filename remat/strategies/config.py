@@ -169,7 +169,7 @@ class SearchConfig:
     """``port_m``: the share of the time limit for XEngine's search (whose plans are
     compiled concurrent where they fit) before PORT-M's MILP starts from its plan (all but
     ``port_m_ahead_share`` where the MILP is not built)."""
-    port_m_ahead_share: float = 0.15
+    port_m_ahead_share: float = 0.05
     """``port_m``: the share of the time limit kept, after XEngine's search, for moving its
     recomputation a stage ahead onto another device (``recompute_ahead``)."""
     port_m_milp_max_nodes: int = 60

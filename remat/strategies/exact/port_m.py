@@ -134,7 +134,9 @@ def _without_milp(problem: Problem, started: float) -> StrategyResult:
     left = limit - (time.monotonic() - started)
     first = xengine(problem.within(left - limit * config.port_m_ahead_share))
     first = _ahead(problem, first, started + limit)
-    if problem.cancelled:  # no waiting for the paging plans: their process stops
+    # no waiting for the paging plans where the user cancelled, or where XEngine's plan
+    # costs the ideal, which a plan on one device alone cannot beat: their process stops
+    if problem.cancelled or first.time_ms <= problem.costs.ideal_ms() * (1 + config.proven_gap):
         until = time.monotonic()
     else:
         until = max(deadline, time.monotonic()) + BESIDE_GRACE_S

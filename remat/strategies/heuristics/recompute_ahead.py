@@ -50,6 +50,8 @@ def recompute_ahead(
             break
         for a in range(len(names)):
             recomputed = [int(i) for i in np.flatnonzero(R[a, t, :t])]
+            if not recomputed:
+                continue
             groups = [recomputed] + ([[i] for i in recomputed] if len(recomputed) > 1 else [])
             for group in groups:
                 if not R[a, t, group].all():

@@ -98,7 +98,7 @@ def test_without_a_proof_auto_says_what_it_tried_and_the_least_memory_needed():
     assert "infeasible" not in result.message
     assert result.message.startswith(
         "no plan found by auto at this budget (tried: baselines on cpu0, greedy_evict on cpu0, "
-        "page_dynprog on cpu0)"
+        "page_dynprog on cpu0, greedy_evict, then paging, on cpu0)"
     )
     need = result.min_budget_bytes
     assert need is not None and need["cpu0"] > problem.budgets["cpu0"]
@@ -112,8 +112,9 @@ def test_the_exact_solve_is_named_among_what_was_tried():
     assert "checkmate_milp" in result.message and "infeasible" not in result.message
 
 
-def test_a_solver_proof_says_infeasible():
-    """A training diamond at its floor: only the MILP proves that no plan fits."""
+def test_a_solver_proof_says_infeasible_where_plans_send_nothing_away():
+    """A training diamond at its floor: only the MILP proves that no plan fits, and only
+    where plans may not offload or page (its model does neither)."""
     graph = training_graph(diamond())
     costs = analytical_costs(graph, [CPU])
     low, high = 0, 10**9
@@ -123,7 +124,7 @@ def test_a_solver_proof_says_infeasible():
             high = middle
         else:
             low = middle + 1
-    problem = Problem(graph, costs, {"cpu0": low}, settings())
+    problem = Problem(graph, costs, {"cpu0": low}, settings(), offloading=False)
     result = run_strategy(AUTO, problem)
     assert not result.feasible and result.proven_infeasible
     assert result.message.startswith(
@@ -131,6 +132,9 @@ def test_a_solver_proof_says_infeasible():
     )
     unproven = run_strategy(AUTO, replace(problem, solver=settings(search=NO_EXACT)))
     assert not unproven.proven_infeasible and unproven.message.startswith("no plan found by auto")
+    paging = run_strategy(AUTO, replace(problem, offloading=True))  # nor paging
+    assert not paging.feasible and not paging.proven_infeasible
+    assert "proved that no plan without paging fits" in paging.message
     gpu = Device("cuda0", DeviceKind.CUDA)
     on_gpu = Problem(graph, analytical_costs(graph, [gpu]), {"cuda0": low}, settings())
     offloading = run_strategy(AUTO, on_gpu)  # the MILP's proof does not cover offloading

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.schemas import TransferOut
+from remat import samples
 from remat.costs import (
     CostModel,
     CostSource,
@@ -35,12 +36,15 @@ from remat.plan import (
     plan_to_json,
 )
 from remat.plan_view import stage_matrices, transfer_spans
+from remat.problem import build_problem
 from remat.simulator import simulate
-from remat.strategies import Problem, run_strategy
+from remat.solvers.model import SolveOptions
+from remat.strategies import Problem, SolverSettings, run_strategy
 from remat.strategies.common.problem import StrategyResult
 from remat.strategies.exact.offload_remat import _solve
 from remat.strategies.exact.port import _secondary, lexicographic, paged
 from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 from remat.training import training_graph
 
 from graphs import chain
@@ -348,3 +352,27 @@ def test_other_strategies_keep_the_runtime_cap_by_judging():
     tight = Objective(time_cap_ms=costs.ideal_ms("cpu0") / 2)
     result = run_strategy("checkpoint_all", Problem(g, costs, {}, objective=tight), "cpu0")
     assert not result.feasible and "no plan within the runtime cap" in result.message
+
+
+def test_auto_mixes_recomputation_and_paging_where_that_beats_either():
+    """U-Net at 75% on an edge board's CPU with an SSD: remat alone recomputes, paging
+    alone stalls on the SSD; auto's greedy eviction to a looser budget with paging over
+    its plan (``recompute_then_offload``) is faster than both, within the budget."""
+    ssd = "storage_write_bandwidth=1e9,storage_read_bandwidth=1.5e9,storage_latency_us=100"
+    problem = build_problem(
+        samples.unet(),
+        batch=2,
+        devices=[parse_device(f"cpu0:cpu:threads=4,{ssd}")],
+        budgets={"cpu0": "75%"},
+        solver=SolverSettings(options=SolveOptions(time_limit_s=6)),
+    )
+    result = run_strategy("auto", problem)
+    assert result.feasible, result.message
+    assert result.plan.strategy == "auto" and "then paging" in result.message
+    assert any(s.op in PAGE_OPS for s in result.plan.steps)
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid and verdict.total_ms == pytest.approx(result.simulation.total_ms)
+    remat = run_strategy("checkmate_milp", problem, "cpu0")
+    paging = offload_dynprog(problem, "cpu0", Tier.STORAGE)
+    assert verdict.total_ms < remat.simulation.total_ms
+    assert verdict.total_ms < paging.simulation.total_ms

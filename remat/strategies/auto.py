@@ -13,7 +13,10 @@ call:
    offloading to host memory where the device's memory is apart from its host's, paging
    to the node's storage (``page_dynprog``, PORT's setting) where it is the host's (a cpu
    device, or a device of a pool: offloading there would free nothing), the time left
-   shared between them;
+   shared between them; then, unless the best plan so far is within ``auto_skip_gap`` of
+   the ideal, greedy eviction to looser budgets with those transfers over its plans
+   (``offload_remat.recompute_then_offload``, the mix of ``offload_remat`` and ``port``)
+   for at most ``evict_time_s`` per device;
 4. where the graph has at most ``auto_exact_max_nodes`` nodes and the best plan so far is
    more than ``auto_skip_gap`` above the ideal, ``checkmate_milp`` (one device), ``port_m``
    (the devices of one pool, which compute at once) or ``xengine`` (other several) for at
@@ -26,7 +29,8 @@ tensor resident) is above the budget, auto pages fixed tensors instead
 each device and returns the cheapest such plan. Only a proof says "infeasible": the
 paging floor on every device (some node's inputs, output, workspace, fixed tensors and
 gradients) or an exact solve over the whole problem that its solver proved infeasible, where
-no device could offload (the exact solve does not); the result then has
+plans send no tensor away (``Problem.offloading`` False: the exact solve neither offloads
+nor pages, and a plan that does may fit where its proof holds); the result then has
 ``proven_infeasible``. Otherwise the message is "no plan found by auto at
 this budget (tried: ...)" with the least memory any phase needed (``min_budget_bytes``).
 """
@@ -36,15 +40,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from remat.devices import Device, Tier, format_bytes
 from remat.errors import RematError
 from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.offload import named
+from remat.strategies.common.offload import sending as sending_name
 from remat.strategies.common.problem import Problem, StrategyResult
 from remat.strategies.exact.checkmate import checkmate_milp
+from remat.strategies.exact.offload_remat import recompute_then_offload
 from remat.strategies.exact.port_m import NAME as PORT_M
 from remat.strategies.exact.port_m import port_m
 from remat.strategies.exact.xengine import xengine
@@ -111,22 +117,33 @@ def auto(
     own = [d.name for d in devices if d.has_own_memory]
     offloading = own if problem.offloading else []
     paging = [d.name for d in devices if not d.has_own_memory] if problem.offloading else []
+
+    def settled() -> bool:
+        """The best plan so far leaves nothing worth a longer search."""
+        best = _cheapest(tried.results)
+        good = best is not None and good_enough_ms is not None and _ms(best) <= good_enough_ms
+        return problem.cancelled or good or _near_ideal(problem, best, names)
+
     for tier, sending in ((Tier.HOST, offloading), (Tier.STORAGE, paging)):
         if sending and not problem.cancelled:
             for name in sending:
                 within = problem.within(max(0.0, left()) / len(sending))
                 tried.add(_attempt(offload_dynprog, within, name, tier))
             tried.phases.append(f"{named(OFFLOAD_DYNPROG, tier)} on {', '.join(sending)}")
+        if sending and not settled():
+            for name in sending:
+                seconds = max(0.0, min(config.evict_time_s, left() / len(sending)))
+                for mixed in recompute_then_offload(problem, name, seconds, tier):
+                    tried.add(_as_auto(mixed))
+            tried.phases.append(f"greedy_evict, then {sending_name(tier)}, on {', '.join(sending)}")
 
-    best = _cheapest(tried.results)
     seconds = min(config.auto_exact_s, left())
     exact = _exact_name(devices)
     if (
         not problem.cancelled
         and len(problem.graph) <= config.auto_exact_max_nodes
         and seconds >= config.min_solve_s
-        and not _near_ideal(problem, best, names)
-        and not (best is not None and good_enough_ms is not None and _ms(best) <= good_enough_ms)
+        and not settled()
     ):
         within = problem.within(seconds)
         logger.debug("auto: %s for %.3g s", exact, seconds)
@@ -138,8 +155,10 @@ def auto(
             solved = _attempt(checkmate_milp, within, names[0])
         tried.add(solved)
         tried.phases.append(f"{exact} {seconds:.3g} s")
-        if solved is not None and _proved(solved) and offloading:  # not a proof for offloading
-            tried.phases[-1] += " (proved that no plan without offloading fits)"
+        if solved is not None and _proved(solved) and problem.offloading:
+            # its model has no transfers: a plan that sends tensors away may still fit
+            sends = [w for w, on in (("offloading", offloading), ("paging", paging)) if on]
+            tried.phases[-1] += f" (proved that no plan without {' or '.join(sends)} fits)"
         elif solved is not None and _proved(solved):  # over every device auto plans on
             message = solved.message.replace(f": {exact} proved", f": auto ({exact}) proved", 1)
             return _no_plan(tried, message, proven=True)
@@ -151,6 +170,13 @@ def auto(
     if problem.cancelled:
         text += "; cancelled"
     return _no_plan(tried, text, proven=False)
+
+
+def _as_auto(result: StrategyResult) -> StrategyResult:
+    """A plan of greedy eviction, then transfers (``offload_remat.recompute_then_offload``),
+    under auto's name: its strategy is the mix, which no strategy of its own runs alone."""
+    plan = None if result.plan is None else replace(result.plan, strategy=AUTO)
+    return replace(result, strategy=AUTO, plan=plan, message=f"{AUTO}: {result.message}")
 
 
 def _exact_name(devices: Sequence[Device]) -> str:

@@ -564,3 +564,27 @@ def test_a_job_on_two_devices_sharing_a_pool_takes_the_pools_budget(api: InProce
     body = quick_job(uploaded(client), devices=devices, budgets={"cpu0": "80%"})
     refused = client.post("/v1/jobs", json=body)
     assert refused.status_code == 422 and "shares pool 'ram'" in refused.json()["detail"]
+
+
+def test_auto_plans_two_cpus_sharing_a_pool_concurrently(api: InProcessApi) -> None:
+    """The default strategy on a pool plans with PORT-M: the two CPUs compute at once, and
+    the stored plan says so (version 4, concurrent), within the pool's budget."""
+    client = api.client
+    devices = [
+        {"name": "cpu0", "kind": "cpu", "options": {"pool": "ram", "threads": "2"}},
+        {"name": "cpu1", "kind": "cpu", "options": {"pool": "ram", "threads": "2"}},
+    ]
+    job = submitted(
+        client,
+        uploaded(client),
+        strategy="auto",
+        devices=devices,
+        budgets={"ram": "70%"},
+        solver={"backend": "highs", "time_limit_s": 6},
+    )
+    api.dispatcher.run()
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
+    assert plan["version"] == 4 and plan["concurrent"] is True and plan["strategy"] == "port_m"
+    assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]

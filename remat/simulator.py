@@ -43,7 +43,8 @@ memory, PORT-M): the devices of a pool hold one set of resident tensors and one 
 memory (the rule above over every node they compute), counted once against the pool's
 budget (each of its devices carries it as ``budget_bytes``); a tensor on the pool is
 readable by all of them, so a copy between two of them is refused (it is already there).
-Each of them reports the pool's memory as its own.
+Each of them reports the pool's memory as its own. The pool is the host's memory, so an
+offload from one of its devices is refused too (it would free nothing); paging is not.
 
 Concurrent plans (version 4, PORT-M's stages on devices sharing a pool): a run of
 consecutive compute steps is one section. Each device runs its steps of the section in plan
@@ -216,6 +217,7 @@ class _State:
     # gradient buffers allocated on its pool (one set shared by a pool's devices); the
     # (pool, tensor) gradients written out; the backward nodes whose gradients are in.
     paged: frozenset[str] = frozenset()
+    pools: dict[int, str] = field(default_factory=dict)  # device -> the pool it names
     at_issue: bool = False  # reserve a transfer's memory at its step (``simulate``)
     starts: dict[int, float] = field(default_factory=dict)  # step -> its transfer's start
     params: list[set[str]] = field(default_factory=list)
@@ -400,6 +402,11 @@ def _send(state: _State, step: Offload | PageOut) -> None:
     """An offload or a page-out: the tensor leaves on its tier's lane."""
     name = state.node_name(step.node)
     d = state.device(step.device)
+    if step.tier is Tier.HOST and d in state.pools:
+        raise _PlanInvalid(
+            f"offload of {name} from {step.device}: its memory is pool {state.pools[d]!r}, "
+            "the host's, so offloading frees none of it (page to storage instead)"
+        )
     state.readable(step.node, d, f"{step.op} from {step.device}:")
     if state.in_flight(step.node, d):
         raise _PlanInvalid(f"{step.op} of {name} from {step.device}: a transfer of it is in flight")
@@ -639,6 +646,7 @@ def simulate(
         concurrent=plan.concurrent,
         busy=[[] for _ in costs.devices],
         paged=plan.paged_fixed,
+        pools={where[d.name]: d.options["pool"] for d in plan.devices if "pool" in d.options},
         at_issue=reserve_at_issue,
     )
     params: dict[int, set[str]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from remat.costs import (
     profiled_costs,
 )
 from remat.devices import Device, DeviceKind, Tier, parse_device
-from remat.errors import InvalidInputError
+from remat.errors import InvalidInputError, StrategyError
 from remat.plan import (
     Compute,
     Free,
@@ -414,6 +415,25 @@ def test_a_jobs_baselines_include_offloading_where_a_device_can_offload():
     on_cpu = build_problem(unet(), batch=8, budgets={"cpu0": "75%"})
     row = next(b for b in baselines(on_cpu).items if b.strategy == "offload_greedy")
     assert row.predicted_ms is None and "apart from its host" in row.note
+
+
+def test_a_device_of_a_pool_does_not_offload_to_the_host_memory_it_is():
+    """On a board whose GPU shares the CPU's memory (a pool), offloading to the host moves
+    nothing out of the pool: the strategies refuse it, and so does the simulator."""
+    devices = [parse_device("cpu0:cpu:pool=ram"), parse_device("cuda0:cuda:pool=ram")]
+    problem = build_problem(unet(), batch=2, devices=devices, budgets={"ram": "75%"})
+    for strategy in ("offload_greedy", "offload_dynprog", "offload_remat"):
+        with pytest.raises(StrategyError, match="pool 'ram', the host's"):
+            run_strategy(strategy, problem, "cuda0")
+    apart = build_problem(
+        unet(), batch=2, devices=[parse_device("cuda0:cuda")], budgets={"cuda0": "75%"}
+    )
+    plan = run_strategy("offload_dynprog", apart, "cuda0").plan
+    assert plan is not None and any(s.op == "offload" for s in plan.steps)
+    assert simulate(plan, apart.graph, apart.costs).valid
+    pooled = replace(plan, devices=tuple(replace(d, options={"pool": "ram"}) for d in plan.devices))
+    verdict = simulate(pooled, apart.graph, apart.costs)
+    assert not verdict.valid and "offloading frees none of it" in verdict.violation.message
 
 
 def test_auto_offloads_on_an_accelerator_and_never_on_a_cpu():

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from remat.devices import Tier, format_bytes
+from remat.errors import StrategyError
 from remat.graph import NodeKind
 from remat.plan import BRINGS, SENDS, Compute, Free, Plan, SolverInfo, Step, Wait
 from remat.simulator import simulate
@@ -95,7 +96,15 @@ def offload_base(
     """``plan`` (on ``device`` alone, without transfers; where None, checkpoint-all with
     unlimited memory) analysed; None where it has no valid replay. In a plan that
     recomputes, a candidate is the instance of a value that is computed before the
-    boundary and still held there, read from the boundary on before it is freed."""
+    boundary and still held there, read from the boundary on before it is freed. Raises
+    ``StrategyError`` for offloading to the host from a device of a pool, whose memory is
+    the host's."""
+    pool = problem.costs.devices[problem.costs.device_index(device)].options.get("pool")
+    if tier is Tier.HOST and pool is not None:
+        raise StrategyError(
+            f"{device}'s memory is pool {pool!r}, the host's: offloading there frees none "
+            "of it; page to storage instead (port, or port_m over the pool)"
+        )
     if plan is None:
         unlimited = replace(problem, budgets={**problem.budgets, device: None})
         found = checkpoint_all(unlimited, device)

@@ -1586,7 +1586,8 @@ def _dropout_grad(call: VjpCall) -> Grads:
         keep = output[1]
     else:
         keep = random_mask(call.spec, g.shape, ratio, g.device)
-    return call.only(lambda: g * keep.to(g.dtype) * (1.0 / (1.0 - ratio)))
+    scale = 1.0 / (1.0 - ratio)
+    return call.only(lambda: torch.ops.aten.native_dropout_backward(g, keep.bool(), scale))
 
 
 # Direct formulas for the heavy operators (no forward re-run).
@@ -1753,6 +1754,22 @@ def _gather_elements_grad(call: VjpCall) -> Grads:
     )
 
 
+def _gather_grad(call: VjpCall) -> Grads:
+    """The gradient added back at the picked positions along the axis (data: shape only),
+    as one ``index_add_`` instead of the forward re-run under autograd."""
+    data, indices, g = call.arg(0), call.arg(1), call.g
+    axis = _axis(call.spec.attr("axis", 0), data.dim())
+    size = data.shape[axis]
+    flat = indices.reshape(-1).long()
+    flat = torch.where(flat < 0, flat + size, flat)
+    picked = g.reshape(*data.shape[:axis], flat.numel(), *data.shape[axis + 1 :])
+    return call.only(
+        lambda: torch.zeros(data.shape, dtype=g.dtype, device=g.device).index_add_(
+            axis, flat, picked
+        )
+    )
+
+
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
     "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
@@ -1766,6 +1783,7 @@ VJP_RULES: dict[str, Rule] = {
     "HardSwish": _hard_swish_grad,
     "Where": _where_grad,
     "Expand": _expand_grad,
+    "Gather": _gather_grad,
     "GatherElements": _gather_elements_grad,
     "Add": _add,
     "Sub": _sub,

@@ -447,6 +447,12 @@ CLOSED_FORMS: dict[str, Any] = {
         [_double(3, 4), torch.tensor([[0, -1, 2, 0], [1, 1, 0, 3]])],
         axis=1,
     ),
+    # a scalar index (a transformer's q, k, v picked from one projection), repeated and
+    # negative indices (added twice), and a matrix of indices on an inner axis
+    "gather_scalar": lambda: _call("Gather", [_double(3, 2, 4), torch.tensor(1)], axis=0),
+    "gather_repeated": lambda: _call(
+        "Gather", [_double(2, 5, 3), torch.tensor([[0, -1], [4, 0]])], axis=1
+    ),
 }
 
 
@@ -466,9 +472,15 @@ def test_new_closed_form_gradients_match_autograd(name: str) -> None:
 
 def test_where_expand_gather_elements_gradients_work_from_placeholders() -> None:
     """What the training graph does not give their backward nodes (the branches of a Where,
-    the data of Expand and GatherElements) is a shape to their gradients."""
+    the data of Expand, Gather and GatherElements) is a shape to their gradients."""
     cpu = torch.device("cpu")
-    for name, shaped in (("where", [1, 2]), ("expand", [0]), ("gather_elements", [0])):
+    for name, shaped in (
+        ("where", [1, 2]),
+        ("expand", [0]),
+        ("gather_elements", [0]),
+        ("gather_scalar", [0]),
+        ("gather_repeated", [0]),
+    ):
         call = CLOSED_FORMS[name]()
         args = [
             kernels.placeholder(a.shape, a.dtype, cpu) if i in shaped else a

@@ -28,7 +28,7 @@ from remat.plan import (
 from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
-from remat.solvers.model import SolveOptions
+from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import SearchConfig, SolverSettings, run_strategy
 from remat.strategies.heuristics.recompute_ahead import recompute_ahead
 from remat.training import training_graph
@@ -355,6 +355,7 @@ def test_port_m_leaves_its_milp_to_small_graphs_and_pages_beside_xengine():
     assert result.feasible, result.message
     assert "PORT-M's MILP is not built over 19 nodes" in result.message
     assert "cpu0 alone: page_greedy" in result.message
+    assert result.plan.solver is None or result.plan.solver.bound is None
     assert [d.name for d in result.plan.devices] == ["cpu0"]
     assert any(s.op in PAGE_OPS for s in result.plan.steps)
     verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
@@ -387,6 +388,26 @@ def test_recomputing_a_stage_ahead_on_the_other_device_shortens_the_plan():
     assert ahead.cost_ms < xengine.simulation.total_ms * 0.95
     verdict = simulate(ahead.plan, problem.graph, problem.costs)
     assert verdict.valid and max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
+
+
+def test_port_m_reports_no_bound_for_its_concurrent_plans():
+    """The searches inside port_m bound their own models (XEngine's stages one at a time),
+    which a concurrent plan may run below: neither its progress reports nor its plan carry
+    their bound."""
+    reports: list[Progress] = []
+    solver = SolverSettings(
+        options=SolveOptions(time_limit_s=4),
+        search=SearchConfig(port_m_milp_max_nodes=10),
+        on_progress=reports.append,
+    )
+    problem = build_problem(
+        samples.chain(), batch=2, devices=POOLED_CPUS, budgets={"ram": "70%"}, solver=solver
+    )
+    result = run_strategy("port_m", problem)
+    assert result.feasible and result.plan.concurrent, result.message
+    assert result.plan.solver is None or result.plan.solver.bound is None
+    assert reports and all(r.bound is None and r.gap is None for r in reports)
+    assert any(r.objective is not None for r in reports)
 
 
 def test_auto_plans_a_pool_with_port_m():

@@ -49,6 +49,7 @@ from remat.errors import ScheduleError
 from remat.formulations.checkmate import Transfers
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
+from remat.solvers.model import Progress
 from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
@@ -83,6 +84,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             f"more devices); these are {', '.join(d.name + ':' + d.memory_space for d in devices)}"
         )
         return StrategyResult(NAME, None, None, message)
+    problem = _without_bounds(problem)
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     if shortfall(problem, names) is not None:  # the pool cannot hold every fixed tensor
         return _paging_fixed(problem, names)
@@ -214,8 +216,25 @@ def _faster(first: StrategyResult, alone: StrategyResult, note: str) -> Strategy
     return _named(alone if alone.time_ms < first.time_ms else first, note)
 
 
+def _without_bounds(problem: Problem) -> Problem:
+    """``problem`` whose progress reports carry the incumbent but no bound: the searches
+    inside port_m bound their own models (XEngine's, one device's), not every concurrent
+    plan of the pool, which may run below them."""
+    listener = problem.solver.on_progress
+    if listener is None:
+        return problem
+
+    def report(progress: Progress) -> None:
+        listener(Progress(progress.elapsed_s, progress.objective, None, None))
+
+    return replace(problem, solver=replace(problem.solver, on_progress=report))
+
+
 def _named(result: StrategyResult, note: str) -> StrategyResult:
-    """``result`` as port_m's, ``note`` added to its message."""
+    """``result`` as port_m's, ``note`` added to its message, without the bound and gap
+    of the search it came from (``_without_bounds``)."""
     plan = None if result.plan is None else replace(result.plan, strategy=NAME)
+    if plan is not None and plan.solver is not None:
+        plan = replace(plan, solver=replace(plan.solver, bound=None, gap=None))
     message = "; ".join(part for part in (result.message, note) if part)
     return replace(result, strategy=NAME, plan=plan, message=message)

@@ -8,12 +8,15 @@ node once; rematerialization can beat it, by recomputing instead of transferring
 Columns: ``offload_greedy`` (GREEDY), ``offload_dynprog`` (DYNPROG), ``vdnn_conv`` (the
 paper's competitor: every activation a convolution reads offloaded, vDNN's policy, through
 the same no-wait plan), ``checkmate_milp`` (rematerialization alone, ``--time-limit``
-seconds), ``offload_remat`` (both, ``--time-limit`` seconds) and the best of them.
+seconds), ``offload_remat`` (both, ``--time-limit`` seconds), ``auto`` (the default
+strategy, whose phases include DYNPROG and greedy eviction with offloading over its plans)
+and the best of them; ``--strategies`` picks some.
 Prints a markdown table and appends one row per model, budget and strategy to
 ``bench/results/offload.csv``; ``bench/report.py`` renders them.
 
     .venv/bin/python bench/offload.py [--models vgg16,resnet18,unet,transformer,...]
-        [--budgets 90,75,50] [--batch 8] [--time-limit 30] [--run LABEL]
+        [--strategies checkmate_milp,offload_remat,auto] [--budgets 90,75,50] [--batch 8]
+        [--time-limit 30] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ from remat.strategies.common.offload import (
 
 GPU = Device("cuda0", DeviceKind.CUDA)
 MODELS = ("vgg16", "resnet18", "unet", "transformer", "torch:resnet50", "torch:bert_base")
-STRATEGIES = ("offload_greedy", "offload_dynprog", "vdnn_conv", "checkmate_milp", "offload_remat")
+STRATEGIES = (
+    "offload_greedy",
+    "offload_dynprog",
+    "vdnn_conv",
+    "checkmate_milp",
+    "offload_remat",
+    "auto",
+)
 CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 
 
@@ -64,14 +74,19 @@ def vdnn_conv(problem: Problem, base: OffloadBase) -> StrategyResult:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--budgets", default="90,75,50")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=30.0)
     add_run_argument(parser)
     args = parser.parse_args()
+    strategies = args.strategies.split(",")
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
     out = Writer("offload", args.run)
-    print(f"| model (nodes) | budget | bound ms | {' | '.join(STRATEGIES)} | best |")
-    print("|---|---|---|" + "---|" * (len(STRATEGIES) + 1))
+    print(f"| model (nodes) | budget | bound ms | {' | '.join(strategies)} | best |")
+    print("|---|---|---|" + "---|" * (len(strategies) + 1))
     solver = SolverSettings(options=SolveOptions(time_limit_s=args.time_limit))
     for name in args.models.split(","):
         graph = bench_graph(name, args.batch)
@@ -84,7 +99,7 @@ def main() -> None:
             assert base is not None
             bound = offload_bound_ms(problem, base)
             cells = []
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 if strategy == "vdnn_conv":
                     result = vdnn_conv(problem, base)
                 else:

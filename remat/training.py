@@ -18,8 +18,7 @@ accumulates weight gradients into fixed buffers). It depends on
 | output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt                  |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, BatchNormalization,               |
 |                  | InstanceNormalization, LayerNormalization, LeakyRelu, Gelu, Elu,     |
-|                  | Log, Abs, Pow, Gather, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU,  |
-|                  | LSTM                                                                 |
+|                  | Log, Abs, Pow, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM     |
 | inputs + output  | MaxPool (argmax), LRN; any op not listed (conservative)              |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
@@ -29,8 +28,9 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | are read when another operand is an activation or a trained fixed    |
 |                  | tensor), Div (dividend and divisor, when the divisor is an           |
 |                  | activation or trained; nothing when it is a constant)                |
-| some inputs      | Where (the condition), GatherElements (the indices), Resize (roi,    |
-|                  | scales, sizes), Dropout (ratio, training mode; and its output)       |
+| some inputs      | Where (the condition), Gather and GatherElements (the indices),      |
+|                  | Resize (roi, scales, sizes), Dropout (ratio, training mode; and its  |
+|                  | output)                                                              |
 
 Clip and HardSwish need their input (Clip: and its bounds); Expand, like Reshape, only the
 input's shape. Operators with no gradient at all (comparisons such as Equal, logical
@@ -82,6 +82,7 @@ NO_GRADIENT_OPS = frozenset(
 # Needs.SOME: (ONNX input positions among the inputs present, whether the output too).
 SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
     "Where": (frozenset({0}), False),  # the condition routes the gradient
+    "Gather": (frozenset({1}), False),  # the indices add it back
     "GatherElements": (frozenset({1}), False),  # the indices scatter it back
     "Resize": (frozenset({1, 2, 3}), False),  # roi, scales, sizes: linear in the data
     "Upsample": (frozenset({1}), False),  # scales
@@ -91,7 +92,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt", Needs.OUTPUT),
     **_ops(
         "Conv ConvTranspose Gemm MatMul BatchNormalization InstanceNormalization "
-        "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Gather Erf HardSigmoid "
+        "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf HardSigmoid "
         "Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from results import Writer, add_run_argument
+from results import Writer, add_run_argument, add_strategies_argument
 from solvers import bench_graph
 
 from remat.budgets import reference
@@ -74,16 +74,13 @@ def vdnn_conv(problem: Problem, base: OffloadBase) -> StrategyResult:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    add_strategies_argument(parser, STRATEGIES)
     parser.add_argument("--budgets", default="90,75,50")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=30.0)
     add_run_argument(parser)
     args = parser.parse_args()
-    strategies = args.strategies.split(",")
-    unknown = sorted(set(strategies) - set(STRATEGIES))
-    if unknown:
-        parser.error(f"unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    strategies: list[str] = args.strategies
     out = Writer("offload", args.run)
     print(f"| model (nodes) | budget | bound ms | {' | '.join(strategies)} | best |")
     print("|---|---|---|" + "---|" * (len(strategies) + 1))

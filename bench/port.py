@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from results import Writer, add_run_argument
+from results import Writer, add_run_argument, add_strategies_argument
 from solvers import bench_budgets, bench_graph
 
 from remat.budgets import reference
@@ -62,7 +62,7 @@ def counts(result: StrategyResult, nodes: int) -> tuple[int | None, int | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    add_strategies_argument(parser, STRATEGIES)
     parser.add_argument("--budgets", default="100,75,50,40,30")
     parser.add_argument(
         "--of-peak",
@@ -79,10 +79,7 @@ def main() -> None:
     parser.add_argument("--storage-latency-us", type=float, default=100.0)
     add_run_argument(parser)
     args = parser.parse_args()
-    strategies = args.strategies.split(",")
-    unknown = sorted(set(strategies) - set(STRATEGIES))
-    if unknown:
-        parser.error(f"unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    strategies: list[str] = args.strategies
     write = args.storage_write or args.storage_bandwidth or 1e9
     read = args.storage_read or args.storage_bandwidth or 1.5e9
     device = parse_device(args.device)

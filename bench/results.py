@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,22 @@ def add_run_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run", help="label of this run's rows in bench/results/ (default: the date)"
     )
+
+
+def add_strategies_argument(parser: argparse.ArgumentParser, known: Sequence[str]) -> None:
+    """``--strategies A,B``: the columns of ``known`` to run, in that order (all by
+    default); a name not in ``known`` is refused."""
+
+    def columns(text: str) -> list[str]:
+        chosen = text.split(",")
+        unknown = sorted(set(chosen) - set(known))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown strategies {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        return chosen
+
+    parser.add_argument("--strategies", type=columns, default=list(known))
 
 
 class Writer:

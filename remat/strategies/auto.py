@@ -114,9 +114,9 @@ def auto(
             tried.add(_attempt(greedy_evict, problem, name, seconds, fit_s))
         tried.phases.append(f"greedy_evict on {', '.join(names)}")
     devices = [problem.costs.devices[problem.costs.device_index(n)] for n in names]
-    own = [d.name for d in devices if d.has_own_memory]
-    offloading = own if problem.offloading else []
-    paging = [d.name for d in devices if not d.has_own_memory] if problem.offloading else []
+    movable = devices if problem.offloading else []  # no transfers for other objectives
+    offloading = [d.name for d in movable if d.has_own_memory]
+    paging = [d.name for d in movable if not d.has_own_memory]
 
     def settled() -> bool:
         """The best plan so far leaves nothing worth a longer search."""

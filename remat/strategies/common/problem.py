@@ -73,6 +73,26 @@ class Problem:
         options = replace(self.solver.options, time_limit_s=seconds)
         return replace(self, solver=replace(self.solver, options=options))
 
+    @property
+    def shares_memory(self) -> bool:
+        """Two or more of the cost model's devices share one memory pool: their plans may
+        run concurrent sections (PORT-M), which no single-device-per-stage model bounds."""
+        spaces = [d.memory_space for d in self.costs.devices]
+        return len(spaces) != len(set(spaces))
+
+    def without_bounds(self) -> Problem:
+        """This problem, its progress reports carrying the incumbent but no bound: on a
+        pool the searches bound their own models (XEngine's, one device's), not every
+        concurrent plan of the pool, which may run below them."""
+        listener = self.solver.on_progress
+        if listener is None:
+            return self
+
+        def report(progress: Progress) -> None:
+            listener(Progress(progress.elapsed_s, progress.objective, None, None))
+
+        return replace(self, solver=replace(self.solver, on_progress=report))
+
     def plan_devices(self, names: Iterable[str] | None = None) -> tuple[PlanDevice, ...]:
         wanted = set(names) if names is not None else None
         return tuple(
@@ -178,6 +198,17 @@ class StrategyResult:
         if self.plan is None or self.simulation is None:
             return math.inf
         return self.simulation.total_ms
+
+    def without_bound(self, strategy: str, note: str) -> StrategyResult:
+        """This result as ``strategy``'s, ``note`` added to its message, without the bound
+        and gap of the search it came from (``Problem.without_bounds``): "feasible" where
+        that bound alone made it "optimal"."""
+        plan = None if self.plan is None else replace(self.plan, strategy=strategy)
+        if plan is not None and plan.solver is not None:
+            status = "feasible" if plan.solver.status == "optimal" else plan.solver.status
+            plan = replace(plan, solver=replace(plan.solver, status=status, bound=None, gap=None))
+        message = "; ".join(part for part in (self.message, note) if part)
+        return replace(self, strategy=strategy, plan=plan, message=message)
 
 
 def with_prediction(plan: Plan, simulation: Simulation) -> Plan:

@@ -49,7 +49,6 @@ from remat.errors import ScheduleError
 from remat.formulations.checkmate import Transfers
 from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
-from remat.solvers.model import Progress
 from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.problem import (
@@ -84,7 +83,7 @@ def port_m(problem: Problem, device: str | None = None) -> StrategyResult:
             f"more devices); these are {', '.join(d.name + ':' + d.memory_space for d in devices)}"
         )
         return StrategyResult(NAME, None, None, message)
-    problem = _without_bounds(problem)
+    problem = problem.without_bounds()
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
     if shortfall(problem, names) is not None:  # the pool cannot hold every fixed tensor
         return _paging_fixed(problem, names)
@@ -146,7 +145,9 @@ def _without_milp(problem: Problem, started: float) -> StrategyResult:
     note = f"PORT-M's MILP is not built over {len(problem.graph)} nodes"
     feasible = [p for p in paging or [] if p.feasible and p.simulation is not None]
     if not feasible:
-        return _named(first, f"{note}; paging on {device} alone: {why or 'no plan fits'}")
+        return first.without_bound(
+            NAME, f"{note}; paging on {device} alone: {why or 'no plan fits'}"
+        )
     best = min(feasible, key=lambda p: p.time_ms)
     alone = replace(best, message=f"{device} alone: {best.message}")
     return _faster(first, alone, note)
@@ -178,10 +179,10 @@ def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:
     found = {name: port(problem.within(share), name) for name in names}
     name, best = min(found.items(), key=lambda item: item[1].time_ms)
     if best.feasible:
-        return _named(best, f"{name} alone, below the pool's fixed memory")
+        return best.without_bound(NAME, f"{name} alone, below the pool's fixed memory")
     notes = "; ".join(f"on {n}: {r.message}" for n, r in found.items())
     proven = all(r.proven_infeasible for r in found.values())
-    return replace(_named(best, ""), message=notes, proven_infeasible=proven)
+    return replace(best.without_bound(NAME, ""), message=notes, proven_infeasible=proven)
 
 
 def _ahead(problem: Problem, first: StrategyResult, deadline: float) -> StrategyResult:
@@ -213,28 +214,4 @@ def _alone(problem: Problem) -> StrategyResult:
 def _faster(first: StrategyResult, alone: StrategyResult, note: str) -> StrategyResult:
     """The faster of XEngine's (or the stage-ahead) plan and ``port``'s on one device, as
     port_m's, ``note`` added to its message."""
-    return _named(alone if alone.time_ms < first.time_ms else first, note)
-
-
-def _without_bounds(problem: Problem) -> Problem:
-    """``problem`` whose progress reports carry the incumbent but no bound: the searches
-    inside port_m bound their own models (XEngine's, one device's), not every concurrent
-    plan of the pool, which may run below them."""
-    listener = problem.solver.on_progress
-    if listener is None:
-        return problem
-
-    def report(progress: Progress) -> None:
-        listener(Progress(progress.elapsed_s, progress.objective, None, None))
-
-    return replace(problem, solver=replace(problem.solver, on_progress=report))
-
-
-def _named(result: StrategyResult, note: str) -> StrategyResult:
-    """``result`` as port_m's, ``note`` added to its message, without the bound and gap
-    of the search it came from (``_without_bounds``)."""
-    plan = None if result.plan is None else replace(result.plan, strategy=NAME)
-    if plan is not None and plan.solver is not None:
-        plan = replace(plan, solver=replace(plan.solver, bound=None, gap=None))
-    message = "; ".join(part for part in (result.message, note) if part)
-    return replace(result, strategy=NAME, plan=plan, message=message)
+    return (alone if alone.time_ms < first.time_ms else first).without_bound(NAME, note)

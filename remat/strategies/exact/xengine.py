@@ -15,6 +15,12 @@ from remat.strategies.exact.rins import Offer, relax_and_improve
 from remat.strategies.exact.search import StrategyVariants, optimize, start_search, unfit
 from remat.strategies.exact.state import Search
 
+NAME = "xengine"
+UNBOUNDED_ON_POOL = (
+    "no bound on a pool: XEngine's model runs one device per stage, and the plan's "
+    "concurrent sections may run below its bound"
+)
+
 
 def xengine(
     problem: Problem,
@@ -30,11 +36,13 @@ def xengine(
     on two or more devices; on one, where keeping everything is checkpoint-all, the LP
     relaxation and RINS) and, on graphs of ``coarse_min_nodes`` or more, the coarse graph's
     plan; large graphs are decomposed (their parts, like the coarse graph, without the
-    restrictions), after ``checkmate_milp`` on their best single device.
+    restrictions), after ``checkmate_milp`` on their best single device. On devices that
+    share a memory pool its plans are compiled concurrent where they fit (``evaluate``)
+    and it reports no bound (``UNBOUNDED_ON_POOL``).
     ``device`` is ignored: the strategy places operators."""
     start = time.monotonic()
     names = tuple(d.name for d in problem.costs.devices)
-    if (unfit_result := unfit(problem, "xengine", names)) is not None:
+    if (unfit_result := unfit(problem, NAME, names)) is not None:
         return unfit_result
 
     def build(p: Problem) -> Formulation:
@@ -51,5 +59,7 @@ def xengine(
 
     variant = partial(xengine, restrict=False)
     variants = StrategyVariants(variant, coarse, decompose, restricted, checkmate_milp)
-    search = start_search(problem, names, variants, start)
-    return optimize(search, "xengine", names, build, variants)
+    if not problem.shares_memory:
+        return optimize(start_search(problem, names, variants, start), NAME, names, build, variants)
+    search = start_search(problem.without_bounds(), names, variants, start)
+    return optimize(search, NAME, names, build, variants).without_bound(NAME, UNBOUNDED_ON_POOL)

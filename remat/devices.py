@@ -115,8 +115,37 @@ def check_option(key: str, value: str) -> None:
         raise InvalidInputError(f"device option {key} must be {option.rule()}")
 
 
+class MemoryOptions:
+    """What a device's options say of its memory, for a device of the cost model
+    (``Device``) and of a plan (``remat.plan.PlanDevice``) alike."""
+
+    name: str
+    options: dict[str, str]
+
+    @property
+    def pool(self) -> str | None:
+        """The memory pool it shares with other devices (option ``pool``), if any."""
+        return self.options.get("pool")
+
+    @property
+    def memory_space(self) -> str:
+        """Where its memory is counted: its pool, else itself."""
+        return self.pool or self.name
+
+    def host_offload_refusal(self) -> str | None:
+        """Why offloading to its host frees none of its memory, where that is so: a device
+        of a pool (an integrated GPU sharing the board's memory with its CPU) keeps a copy
+        sent to the host in the pool."""
+        if self.pool is None:
+            return None
+        return (
+            f"{self.name}'s memory is pool {self.pool!r}, the host's: offloading there frees "
+            "none of it; page to storage instead (port, or port_m over the pool)"
+        )
+
+
 @dataclass(frozen=True)
-class Device:
+class Device(MemoryOptions):
     """A named compute unit. ``options`` are kind-specific (e.g. ``threads`` for a CPU)."""
 
     name: str
@@ -135,17 +164,11 @@ class Device:
         return option_bytes(value) if value is not None else None
 
     @property
-    def memory_space(self) -> str:
-        """Where its memory is counted: its pool (option ``pool``), else itself."""
-        return self.options.get("pool") or self.name
-
-    @property
     def has_own_memory(self) -> bool:
         """Its memory is apart from its host's: offloading to the host frees some. A CPU
         device's memory is the host's (offloading there only emulates a device), and so is
-        a device's in a pool (option ``pool``: an integrated GPU sharing the board's
-        memory with its CPU, where a copy to the host stays in the pool)."""
-        return self.kind is not DeviceKind.CPU and "pool" not in self.options
+        a device's in a pool (``host_offload_refusal``)."""
+        return self.kind is not DeviceKind.CPU and self.host_offload_refusal() is None
 
 
 def with_option(device: Device, key: str, value: str) -> Device:

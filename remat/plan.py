@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from remat.devices import Device, DeviceKind, Tier
+from remat.devices import Device, DeviceKind, MemoryOptions, Tier
 from remat.errors import InvalidInputError
 
 PLAN_VERSION = 5  # the latest; a plan is written as the lowest version that holds it
@@ -201,7 +201,7 @@ BRINGS: dict[Tier, type[Prefetch] | type[PageIn]] = {Tier.HOST: Prefetch, Tier.S
 
 
 @dataclass(frozen=True)
-class PlanDevice:
+class PlanDevice(MemoryOptions):
     name: str
     kind: DeviceKind
     budget_bytes: int | None
@@ -210,12 +210,6 @@ class PlanDevice:
     @classmethod
     def of(cls, device: Device, budget_bytes: int | None) -> PlanDevice:
         return cls(device.name, device.kind, budget_bytes, dict(device.options))
-
-    @property
-    def memory_space(self) -> str:
-        """Where its memory is counted: its pool (option ``pool``), else itself
-        (``Device.memory_space``)."""
-        return self.options.get("pool") or self.name
 
 
 @dataclass(frozen=True)

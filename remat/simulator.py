@@ -217,7 +217,8 @@ class _State:
     # gradient buffers allocated on its pool (one set shared by a pool's devices); the
     # (pool, tensor) gradients written out; the backward nodes whose gradients are in.
     paged: frozenset[str] = frozenset()
-    pools: dict[int, str] = field(default_factory=dict)  # device -> the pool it names
+    # device -> why offloading to its host frees none of its memory (a device of a pool)
+    offload_refusals: dict[int, str] = field(default_factory=dict)
     at_issue: bool = False  # reserve a transfer's memory at its step (``simulate``)
     starts: dict[int, float] = field(default_factory=dict)  # step -> its transfer's start
     params: list[set[str]] = field(default_factory=list)
@@ -402,11 +403,8 @@ def _send(state: _State, step: Offload | PageOut) -> None:
     """An offload or a page-out: the tensor leaves on its tier's lane."""
     name = state.node_name(step.node)
     d = state.device(step.device)
-    if step.tier is Tier.HOST and d in state.pools:
-        raise _PlanInvalid(
-            f"offload of {name} from {step.device}: its memory is pool {state.pools[d]!r}, "
-            "the host's, so offloading frees none of it (page to storage instead)"
-        )
+    if step.tier is Tier.HOST and (refusal := state.offload_refusals.get(d)) is not None:
+        raise _PlanInvalid(f"offload of {name}: {refusal}")
     state.readable(step.node, d, f"{step.op} from {step.device}:")
     if state.in_flight(step.node, d):
         raise _PlanInvalid(f"{step.op} of {name} from {step.device}: a transfer of it is in flight")
@@ -646,7 +644,9 @@ def simulate(
         concurrent=plan.concurrent,
         busy=[[] for _ in costs.devices],
         paged=plan.paged_fixed,
-        pools={where[d.name]: d.options["pool"] for d in plan.devices if "pool" in d.options},
+        offload_refusals={
+            where[d.name]: why for d in plan.devices if (why := d.host_offload_refusal())
+        },
         at_issue=reserve_at_issue,
     )
     params: dict[int, set[str]] = {}

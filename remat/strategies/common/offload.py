@@ -99,12 +99,9 @@ def offload_base(
     boundary and still held there, read from the boundary on before it is freed. Raises
     ``StrategyError`` for offloading to the host from a device of a pool, whose memory is
     the host's."""
-    pool = problem.costs.devices[problem.costs.device_index(device)].options.get("pool")
-    if tier is Tier.HOST and pool is not None:
-        raise StrategyError(
-            f"{device}'s memory is pool {pool!r}, the host's: offloading there frees none "
-            "of it; page to storage instead (port, or port_m over the pool)"
-        )
+    refusal = problem.costs.devices[problem.costs.device_index(device)].host_offload_refusal()
+    if tier is Tier.HOST and refusal is not None:
+        raise StrategyError(refusal)
     if plan is None:
         unlimited = replace(problem, budgets={**problem.budgets, device: None})
         found = checkpoint_all(unlimited, device)

@@ -75,10 +75,11 @@ DEFAULT_BACKEND = "highs"  # ahead or level on every row of bench/solvers.py (do
 
 # After a stop request the child gets this long to return its own result (with the
 # incumbent) before it is terminated; terminate + kill fit in the rest of the 2 s budget.
-COOPERATIVE_WAIT_S = 1.0
+COOPERATIVE_WAIT_S = 0.3
 TERMINATE_WAIT_S = 0.4
 POLL_S = 0.05
 DEFAULT_GRACE_S = 5.0  # beyond time_limit_s: process start, imports, model building
+MIN_LIMIT_S = 0.01  # the least a child's solver is given: it still checks the warm start
 
 # ----------------------------------------------------------------------------- child side
 
@@ -112,8 +113,12 @@ def _child_main(
 
     try:
         send(("started",))  # may be suspended from now on (``die_with_parent`` has run)
-        model, options, backend_options = inbox.recv()
+        model, options, backend_options, deadline = inbox.recv()
         inbox.close()
+        # The limit counts from the parent's start of the solve (CLOCK_MONOTONIC is the
+        # same clock in every process): this process's start and the model's transfer
+        # come out of it, not on top of it.
+        options = replace(options, time_limit_s=max(MIN_LIMIT_S, deadline - time.monotonic()))
         solve_with = SOLVERS[backend]
         result = solve_with(
             model,
@@ -280,7 +285,12 @@ def _run_child(
     sender.close()  # the child holds the only writer: its exit shows as EOF here
     inbox.close()
     feeder = threading.Thread(
-        target=_feed, args=(outbox, (model, options, dict(backend_options or {}))), daemon=True
+        target=_feed,
+        args=(
+            outbox,
+            (model, options, dict(backend_options or {}), seen.start + options.time_limit_s),
+        ),
+        daemon=True,
     )
     feeder.start()  # a thread: a child that never reads must not block the caller
     try:

@@ -64,7 +64,7 @@ class SearchConfig:
     and XEngine's, measured at 60 to 235 nodes: 2 to 4 us): a time limit shorter than
     this estimate gets the warm start and a message saying how long the build takes,
     not a solve that cannot start."""
-    solve_grace_s: float = 0.5
+    solve_grace_s: float = 0.1
     """A solve of the search is stopped this long after its time limit: some backends do
     not check their limit during presolve."""
     proven_gap: float = 1e-9

@@ -171,7 +171,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, StorageError
-from agents.program import Program, Value, build_program, value_bytes
+from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
     Runtime,
@@ -945,9 +945,9 @@ class _Run:
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
         self.lock = threading.Lock()  # the account and ``accumulated``, in a section
         self.fixed: dict[str, dict[str, torch.Tensor]] = {}
-        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.buffers: dict[str, GradientBuffers] = {}
         # per memory space: its fixed tensors and gradient buffers
-        self.fixed_on: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self.fixed_on: dict[str, tuple[dict[str, torch.Tensor], GradientBuffers]] = {}
         self.fixed_bytes: dict[str, int] = {}
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
@@ -1051,9 +1051,7 @@ class _Run:
         # Emulated CPU devices share the host's tensors; each is accounted per device.
         self.fixed[name] = {t: self.program.fixed[t].to(device) for t in held}
         buffers = [t for t in self.program.gradient_buffers(computed) if t not in self.paged_fixed]
-        self.buffers[name] = {
-            t: torch.zeros_like(self.program.fixed[t], device=device) for t in buffers
-        }
+        self.buffers[name] = GradientBuffers.allocate(buffers, self.program.fixed, device)
         self.fixed_on[space] = (self.fixed[name], self.buffers[name])
         self.fixed_bytes[space] = sum(
             value_bytes((t,)) for t in (*self.fixed[name].values(), *self.buffers[name].values())
@@ -1324,6 +1322,7 @@ class _Run:
             space = self.space[step.device]
             assert self.directory is not None
             path = self.directory / f"grad-{len(self.grad_files)}"
+            buffers.settle([name])
             self.grad_files[space, name] = (path, (_Layout.of(buffers[name]),))
             pager.send(("grad", name), path, (buffers[name],))
         return (time.perf_counter() - start) * 1e3
@@ -1362,6 +1361,8 @@ class _Run:
     def _gradients(self) -> dict[str, torch.Tensor]:
         """The gradients summed over the devices' buffers and the files written out."""
         total: dict[str, torch.Tensor] = {}
+        for buffers in self.buffers.values():
+            buffers.settle()
         hosts = [
             (name, buffer.to("cpu"))
             for buffers in {id(b): b for b in self.buffers.values()}.values()  # a pool's once

@@ -187,9 +187,18 @@ def check_supported(spec: OpSpec) -> None:
 
 def run_forward(spec: OpSpec, args: Args) -> Outputs:
     """The operator's outputs (one tensor per wanted ONNX output)."""
+    return forward_and_saved(spec, args)[0]
+
+
+def forward_and_saved(spec: OpSpec, args: Args) -> tuple[Outputs, Outputs | None]:
+    """The operator's outputs, and what its kernel computed beside them that its gradient
+    reads (as autograd saves it: a training BatchNormalization's batch mean and inverse
+    standard deviation, ``SAVES``); None where nothing."""
     check_supported(spec)
     outputs = KERNELS[spec.op_type](spec, args)
-    return tuple(out for out, name in zip(outputs, spec.outputs, strict=False) if name)
+    wanted = tuple(out for out, name in zip(outputs, spec.outputs, strict=False) if name)
+    saves = SAVES.get(spec.op_type)
+    return wanted, saves(spec, outputs) if saves is not None else None
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -585,6 +594,19 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
         running_mean = mean * momentum + batch_mean.to(mean.dtype) * (1 - momentum)
         running_var = var * momentum + batch_var.to(var.dtype) * (1 - momentum)
     return y, running_mean, running_var, batch_mean, inv_std
+
+
+def _batch_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """In training, the batch's mean and inverse standard deviation (``_batch_norm``'s last
+    two outputs), which ``_batch_norm_grad`` would otherwise take again from the input."""
+    return tuple(outputs[3:5]) if batch_norm_training(spec) else None
+
+
+SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
+    "BatchNormalization": _batch_norm_saved,
+}
+"""Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
+reads (``forward_and_saved``)."""
 
 
 def _instance_norm(spec: OpSpec, args: Args) -> Outputs:
@@ -1405,13 +1427,15 @@ def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
 class VjpCall:
     """One backward evaluation: inputs by position (placeholders where the gradient does
     not read them), the output when the gradient needs it, the upstream gradient of each
-    output (None: zero) and which input positions want a gradient."""
+    output (None: zero), which input positions want a gradient, and what the forward kernel
+    saved for it from these very inputs (``forward_and_saved``; None: take it again)."""
 
     spec: OpSpec
     args: Args
     output: Outputs | None
     grads: Sequence[Tensor | None]
     wanted: Sequence[bool]
+    saved: Outputs | None = None
 
     @property
     def g(self) -> Tensor:
@@ -1621,19 +1645,22 @@ def _gemm_grad(call: VjpCall) -> Grads:
 
 
 def _batch_norm_grad(call: VjpCall) -> Grads:
-    """Training mode: PyTorch's fused backward from the batch's statistics, taken again
-    from the input by PyTorch's forward kernel (whose output is dropped; a strided
-    ``var_mean`` over the batch and spatial axes was slower), rather than the whole forward
-    re-run under autograd; only the output ``Y`` carries a gradient. Inference mode:
-    through autograd."""
+    """Training mode: PyTorch's fused backward from the batch's statistics, those the
+    forward kernel saved (``call.saved``) or else taken again from the input by PyTorch's
+    forward kernel (whose output is dropped; a strided ``var_mean`` over the batch and
+    spatial axes was slower), rather than the whole forward re-run under autograd; only the
+    output ``Y`` carries a gradient. Inference mode: through autograd."""
     spec, x, g = call.spec, call.arg(0), call.grads[0]
     if not batch_norm_training(spec) or g is None or call.optional(1) is None:
         return autograd_vjp(call)
     eps = spec.attr("epsilon", 1e-5)
     scale = call.arg(1)
-    _, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
-        x, scale, None, None, None, True, 0.0, eps
-    )
+    if call.saved is not None:
+        batch_mean, inv_std = call.saved
+    else:
+        _, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
+            x, scale, None, None, None, True, 0.0, eps
+        )
     wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
     mask = [wanted[0], wanted[1], len(call.args) > 2 and wanted[2]]
     grads = torch.ops.aten.native_batch_norm_backward(

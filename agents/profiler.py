@@ -101,7 +101,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
-from agents.program import Program, Value, build_program, value_bytes
+from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
     DEFAULT_THREADS,
@@ -490,10 +490,11 @@ class _Session:
             try:
                 fixed = {n: t.to(runtime.torch_device) for n, t in self.program.fixed.items()}
                 everything = range(len(self.program.graph))
-                grads = {
-                    t: torch.zeros_like(self.program.fixed[t], device=runtime.torch_device)
-                    for t in self.program.gradient_buffers(everything)
-                }
+                grads = GradientBuffers.allocate(
+                    self.program.gradient_buffers(everything),
+                    self.program.fixed,
+                    runtime.torch_device,
+                )
                 held = value_bytes((*fixed.values(), *grads.values()))
                 check_memory(runtime, held)
             except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -562,14 +563,16 @@ class _Session:
         steps: PassSteps,
         fixed_bytes: int,
         fixed: Mapping[str, torch.Tensor],
-        grads: dict[str, torch.Tensor],
+        grads: GradientBuffers,
         record: list[list[float]] | None,
         copies: bool,
         energy: _EnergyProbe | None = None,
     ) -> None:
         """One pass of ``steps``: each node timed into ``record`` (None: not kept); with
         ``copies``, its copies to the other devices timed too; with ``energy``, its energy
-        measured (once per node, not per recompute)."""
+        measured (once per node, not per recompute). Its gradients are written into
+        ``grads`` as a run's are (``GradientBuffers``)."""
+        grads.rewind()
         values: dict[int, Value] = {}
         held = fixed_bytes
         timed: set[int] = set()  # nodes whose copies or energy were measured

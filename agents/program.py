@@ -31,7 +31,10 @@ Every float parameter and model input read at a differentiable position is train
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -142,6 +145,55 @@ class LossOf:
         return grad / (y.numel() // classes)
 
 
+class GradientBuffers(dict[str, Tensor]):
+    """A run's gradient buffers by fixed tensor, allocated before it without a fill (the
+    simulator counts them from the plan's start). The first gradient written into a buffer
+    takes its place where it owns its storage and matches it, else is copied into it;
+    later ones are added. ``settle`` zeroes those never written, ``rewind`` starts over
+    (the profiler's next pass). Concurrent sections write from several threads: a lock."""
+
+    def __init__(self, buffers: Mapping[str, Tensor]) -> None:
+        super().__init__(buffers)
+        self.unwritten = set(buffers)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def allocate(
+        cls, names: Sequence[str], like: Mapping[str, Tensor], device: torch.device
+    ) -> GradientBuffers:
+        return cls({name: torch.empty_like(like[name], device=device) for name in names})
+
+    def add(self, name: str, grad: Tensor, shared: bool) -> None:
+        """Write or add ``grad`` into ``name``'s buffer; ``shared``: its storage is also
+        another tensor's (an input, the upstream gradient), so it is never taken."""
+        with self.lock:
+            buffer = self[name]
+            if name not in self.unwritten:
+                buffer.add_(grad)
+                return
+            self.unwritten.discard(name)
+            exact = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+            if not shared and exact and grad.is_contiguous() and _alike(grad, buffer):
+                self[name] = grad.detach()
+            else:
+                buffer.copy_(grad)
+
+    def settle(self, names: Iterable[str] | None = None) -> None:
+        """Zero the buffers (of ``names``; None: all) no gradient was written into."""
+        with self.lock:
+            for name in self.unwritten & set(self if names is None else names):
+                self[name].zero_()
+                self.unwritten.discard(name)
+
+    def rewind(self) -> None:
+        with self.lock:
+            self.unwritten = set(self)
+
+
+def _alike(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
 @dataclass
 class Program:
     graph: Graph
@@ -161,6 +213,12 @@ class Program:
         default_factory=dict, init=False, repr=False
     )
     _wanted_by: dict[int, list[bool]] = field(default_factory=dict, init=False, repr=False)
+    # Forward node -> what its kernel saved for its gradient at its latest evaluation
+    # (``kernels.forward_and_saved``), with the input tensor it was computed from: a backward
+    # node reads it only where it gets that very tensor (not a recomputed or paged-in copy).
+    _saved: dict[int, tuple[weakref.ref[Tensor], Value]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     # --- layout --------------------------------------------------------------------------
 
@@ -204,7 +262,7 @@ class Program:
         index: int,
         values: Mapping[int, Value],
         fixed: Mapping[str, Tensor],
-        grads: MutableMapping[str, Tensor] | None,
+        grads: GradientBuffers | None,
         device: torch.device,
     ) -> Value:
         """Node ``index``'s value from its dependencies' ``values`` and the ``fixed``
@@ -213,7 +271,9 @@ class Program:
         node = self.graph.nodes[index]
         if node.kind is NodeKind.FORWARD:
             args = self._args(index, values, fixed, device, available=None)
-            result = kernels.run_forward(self.specs[index], args)
+            result, saved = kernels.forward_and_saved(self.specs[index], args)
+            if saved is not None and args and args[0] is not None:
+                self._saved[index] = (weakref.ref(args[0]), saved)
             return _owned(result, args)
         if node.kind is NodeKind.LOSS:
             return self._loss(node, values, fixed)
@@ -254,7 +314,7 @@ class Program:
         node: Node,
         values: Mapping[int, Value],
         fixed: Mapping[str, Tensor],
-        grads: MutableMapping[str, Tensor] | None,
+        grads: GradientBuffers | None,
         device: torch.device,
     ) -> Value:
         f = self.forward_of(node)
@@ -269,11 +329,20 @@ class Program:
                 self._wanted(spec, position, arg, source)
                 for position, (arg, source) in enumerate(zip(args, self.sources[f.id], strict=True))
             ]
-        found = kernels.vjp(VjpCall(spec, args, output, upstream, wanted))
+        found = kernels.vjp(VjpCall(spec, args, output, upstream, wanted, self._saved_for(f, args)))
         result = self._gradient_value(f, found, device)
+        read = [*args, *(output or ()), *(g for g in upstream if g is not None)]
         if grads is not None:
-            self._accumulate(f, found, grads)
-        return _owned(result, [*args, *(output or ()), *(g for g in upstream if g is not None)])
+            self._accumulate(f, found, grads, read)
+        return _owned(result, read)
+
+    def _saved_for(self, f: Node, args: Sequence[Tensor | None]) -> Value | None:
+        """What ``f``'s kernel saved at its latest evaluation, where that was from the very
+        input tensor the backward node gets."""
+        entry = self._saved.get(f.id)
+        if entry is None or not args or args[0] is None or entry[0]() is not args[0]:
+            return None
+        return entry[1]
 
     def _wanted(self, spec: OpSpec, position: int, arg: Tensor | None, source: Source) -> bool:
         if arg is None or not arg.is_floating_point() or not kernels.differentiable(spec, position):
@@ -317,11 +386,19 @@ class Program:
         return tuple(result)
 
     def _accumulate(
-        self, f: Node, found: Sequence[Tensor | None], grads: MutableMapping[str, Tensor]
+        self,
+        f: Node,
+        found: Sequence[Tensor | None],
+        grads: GradientBuffers,
+        read: Sequence[Tensor | None],
     ) -> None:
+        """Each fixed input's gradient into its buffer; one whose storage is also another
+        tensor's (what the node read, another gradient of it) is copied, not taken."""
+        storages = Counter(_storage(t) for t in (*read, *found) if t is not None and t.numel())
         for grad, source in zip(found, self.sources[f.id], strict=True):
             if grad is not None and source.fixed is not None and source.fixed in grads:
-                grads[source.fixed].add_(grad)
+                shared = not grad.numel() or storages[_storage(grad)] > 1
+                grads.add(source.fixed, grad, shared)
 
     # --- plain execution (the references) ------------------------------------------------
 

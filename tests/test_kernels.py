@@ -23,7 +23,7 @@ from agents import kernels
 from agents.errors import UnsupportedOpError
 from agents.executor import CUDA_ALLOWANCE, max_relative_error
 from agents.kernels import OpSpec, VjpCall
-from agents.program import Program, build_program, value_bytes
+from agents.program import GradientBuffers, Program, build_program, value_bytes
 from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
@@ -439,7 +439,7 @@ def _training_values(
     """Every node's value of a training graph computed in node order on ``device``, each
     checked for the graph's bytes and for owning its storage; and the gradient buffers."""
     fixed = {name: t.to(device) for name, t in program.fixed.items()}
-    grads = {n: torch.zeros_like(program.fixed[n], device=device) for n in program.trainable}
+    grads = GradientBuffers.allocate(sorted(program.trainable), program.fixed, device)
     values: dict[int, tuple[torch.Tensor, ...]] = {}
     storages: set[int] = set()
     for node in program.graph.nodes:
@@ -451,7 +451,30 @@ def _training_values(
                 assert t.untyped_storage().data_ptr() not in storages, node.name
                 storages.add(t.untyped_storage().data_ptr())
         values[node.id] = value
+    grads.settle()
     return values, grads
+
+
+def test_a_gradient_buffer_takes_its_first_gradient_unless_shared_then_adds() -> None:
+    """The first gradient written into a buffer takes its place (no fill, no add) unless
+    its storage is another tensor's too; later ones are added; a buffer never written
+    settles to zeros."""
+    like = {"w": torch.zeros(3), "v": torch.zeros(3), "u": torch.zeros(3)}
+    buffers = GradientBuffers.allocate(["w", "v", "u"], like, torch.device("cpu"))
+    g = torch.ones(3)
+    buffers.add("w", g, shared=False)
+    assert buffers["w"].data_ptr() == g.data_ptr()
+    buffers.add("w", torch.full((3,), 2.0), shared=False)
+    upstream = torch.full((3,), 5.0)
+    buffers.add("v", upstream, shared=True)
+    assert buffers["v"].data_ptr() != upstream.data_ptr()
+    buffers.add("v", torch.ones(1), shared=False)  # broadcast, as add_ does
+    buffers.settle()
+    assert buffers["w"].tolist() == [3.0] * 3 and upstream.tolist() == [5.0] * 3
+    assert buffers["v"].tolist() == [6.0] * 3 and buffers["u"].tolist() == [0.0] * 3
+    buffers.rewind()
+    buffers.add("u", torch.ones(3), shared=False)
+    assert buffers["u"].tolist() == [1.0] * 3
 
 
 @pytest.mark.parametrize("family", ["resnet18", "unet", "transformer", "old_style"])

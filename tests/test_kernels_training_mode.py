@@ -408,6 +408,32 @@ def test_running_statistics_sharing_a_scale_are_not_differentiated(training: boo
     assert report.gradients_match is True
 
 
+def test_batch_norms_backward_reads_the_statistics_its_forward_saved_from_that_input() -> None:
+    """A training BatchNormalization's backward takes the batch statistics its forward
+    kernel saved, where it gets the very input tensor they were computed from; from any
+    other tensor (recomputed, paged in) it takes them again, and gets the same gradients."""
+    model = _shared_initializer_model(True)
+    program = build_program(model, for_mode(forward_graph(model), Mode.TRAINING))
+    bn = next(n for n in program.graph.forward_nodes() if n.op == "BatchNormalization")
+    cpu = torch.device("cpu")
+    values = {}
+    for node in program.graph.forward_nodes():
+        values[node.id] = program.compute(node.id, values, program.fixed, None, cpu)
+    args = program._args(bn.id, values, program.fixed, cpu, None)
+    saved = program._saved_for(bn, args)
+    assert saved is not None and len(saved) == 2
+    assert program._saved_for(bn, [args[0].clone(), *args[1:]]) is None
+    spec, g = program.specs[bn.id], torch.randn_like(args[0])
+    wanted = [True, True, True, False, False]
+    with_saved = kernels.vjp(VjpCall(spec, args, None, [g], wanted, saved))
+    again = kernels.vjp(VjpCall(spec, args, None, [g], wanted))
+    for a, b in zip(with_saved[:3], again[:3], strict=True):
+        torch.testing.assert_close(a, b)
+    shifted = (saved[0] + 1.0, saved[1])
+    moved = kernels.vjp(VjpCall(spec, args, None, [g], wanted, shifted))
+    assert not torch.allclose(moved[0], with_saved[0])
+
+
 # --- closed-form gradients ----------------------------------------------------------------------
 
 

@@ -111,7 +111,7 @@ plans stay within their budgets here too; on their plans the account equals the
 simulator's peak. Plans that page fixed tensors are judged with their reads counted from
 their steps (``simulate(..., reserve_at_issue=True)``), whose peak the account equals.
 
-Numerics. In training, the parameter and input gradients summed over the devices' gradient
+Numerics. In training, the parameter gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is
 ``max|a - b| / max|b|`` (see ``max_relative_error``), and they match when the worst is at
 most 1e-4 (fp32). In inference the model outputs are compared with a plain forward run in
@@ -233,7 +233,7 @@ class ExecutionReport:
     # CUDA devices: the allocator's peak, with its block rounding and slack.
     allocator_peak_bytes: dict[str, int] = field(default_factory=dict)
     tolerance: float = TOLERANCE  # what max_rel_error / outputs_rel_error were held to
-    # Training: the run's parameter and input gradients, summed over devices, on the host
+    # Training: the run's parameter gradients, summed over devices, on the host
     # (not part of to_json; e.g. for a check against the framework the model came from).
     gradients: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # Energy per measured run in mJ, total draw over the distinct counters read (module

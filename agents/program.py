@@ -15,8 +15,8 @@ lists, so that an executor can run the nodes in any order a plan gives:
   for outputs it does not read), so its size is the graph's loss ``output_bytes``;
 * a backward node's value is the gradient with respect to every output of every node its
   forward node reads (in ``deps`` order, zeros where none flows), so that it has the
-  graph's ``output_bytes``; the gradients of parameters and model inputs accumulate into
-  gradient buffers instead. Its upstream gradient is the sum of its forward node's entries
+  graph's ``output_bytes``; the gradients of parameters accumulate into gradient buffers
+  instead. Its upstream gradient is the sum of its forward node's entries
   in the values of its upstream dependencies (the backward nodes of its users and/or the
   loss). Inputs its gradient does not need (``remat.training.gradient_needs``) are not
   dependencies: the kernel gets zero-stride placeholders of the right shape for them.
@@ -25,8 +25,8 @@ Every value owns its storage (a kernel result that aliases an input, or is a vie
 larger buffer, is copied), so a value's bytes are exactly what it keeps allocated, as the
 simulator counts them.
 
-Every float parameter and model input read at a differentiable position is trained
-(``FixedTensor.has_gradient``; constants are not).
+Every float parameter read at a differentiable position is trained
+(``FixedTensor.has_gradient``; model inputs and constants are not).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class Program:
         device: torch.device,
     ) -> Value:
         """Node ``index``'s value from its dependencies' ``values`` and the ``fixed``
-        tensors on ``device``; a backward node adds its parameter and input gradients to
+        tensors on ``device``; a backward node adds its parameter gradients to
         ``grads`` (None: drop them, e.g. when a backward node is recomputed)."""
         node = self.graph.nodes[index]
         if node.kind is NodeKind.FORWARD:
@@ -635,7 +635,7 @@ def _trainable(
     sources: Mapping[int, list[Source]],
     fixed: Mapping[str, Tensor],
 ) -> frozenset[str]:
-    """Float parameters and model inputs that a backward node differentiates: read at a
+    """Float parameters that a backward node differentiates: read at a
     differentiable position of its forward node."""
     reachable: set[str] = set()
     for node in graph.nodes:

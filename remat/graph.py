@@ -39,9 +39,10 @@ class FixedTensor:
     folded from constants: some exporters make weights with constant subgraphs), a
     constant (a scalar folded from ``Constant`` nodes alone: scale factors, epsilons; and a
     cross-entropy's labels), a model input, or (in a part of a decomposed graph) a value
-    another part computed. ONNX does not say which tensors are trained: Remat trains
-    parameters and model inputs; exporters write a module's scalar hyperparameters as
-    ``Constant`` nodes."""
+    another part computed. ONNX does not say which tensors are trained: Remat trains the
+    parameters, and the model inputs are data (as in a PyTorch training step, where inputs
+    do not require a gradient, and in Checkmate's fixed memory M_input + 2 M_param, eq. 2);
+    exporters write a module's scalar hyperparameters as ``Constant`` nodes."""
 
     name: str
     kind: FixedKind
@@ -49,9 +50,9 @@ class FixedTensor:
 
     @property
     def has_gradient(self) -> bool:
-        """Training keeps a gradient buffer for it; a held value's gradient is a value,
-        and a constant has none."""
-        return self.kind in (FixedKind.PARAMETER, FixedKind.INPUT)
+        """Training keeps a gradient buffer for it (a parameter); a held value's gradient
+        is a value, and a model input and a constant have none."""
+        return self.kind is FixedKind.PARAMETER
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Graph:
 
     ``outputs`` are the nodes whose values are the result of the step: in inference the
     model's outputs (they must still be resident when the plan ends); in training none
-    need to stay resident, because weight and input gradients accumulate into fixed
+    need to stay resident, because weight gradients accumulate into fixed
     gradient buffers (see ``remat.simulator``).
     """
 

@@ -7,9 +7,9 @@ Memory accounting. A device's memory after a step is its fixed memory plus the v
 resident on it. Fixed memory is static for the whole step and follows one rule: a device
 holds every fixed tensor (parameter or model input) read by a node it computes anywhere in
 the plan, and in training also a gradient buffer of the same size for every fixed tensor
-read by a backward node it computes (weight gradients, and the input gradient). This is
-Checkmate's constant M_input + 2 M_param (eq. 2) on one device, split by placement on
-several.
+read by a backward node it computes, except the model inputs, which are data (weight
+gradients; no input gradient, as in a PyTorch training step). This is Checkmate's
+constant M_input + 2 M_param (eq. 2) on one device, split by placement on several.
 
 Time. Compute, copy, free and wait steps run one after another on one compute lane. Each
 device also has a transfer lane to its host memory (plan version 2), on which ``offload``

@@ -40,9 +40,10 @@ backward node reads the activations at those positions only, the others are shap
 
 "inputs" means activation inputs (values of other nodes); parameters are fixed memory and
 always available. The backward node's output is the gradient for each activation input
-(one value, sizes summed); gradients for parameters and model inputs go to fixed gradient
-buffers (see ``remat.simulator``). Its FLOPs are the forward FLOPs times 2 for
-Conv/ConvTranspose/Gemm/MatMul (input and weight gradients), times 1 otherwise.
+(one value, sizes summed); gradients for parameters go to fixed gradient buffers, and the
+model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
+times 2 for Conv/ConvTranspose/Gemm/MatMul (input and weight gradients; times 1 where the
+input is data: the weight's gradient alone), times 1 otherwise.
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ def _backward_node(
     reads = sum(nodes[d].output_bytes for d in deps) - sum(nodes[u].output_bytes for u in upstream)
     output_bytes = sum(nodes[d].output_bytes for d in node.deps)
     fixed_bytes = node.input_bytes - sum(nodes[d].output_bytes for d in node.deps)
-    factor = 2.0 if node.op in _DOUBLE_BACKWARD else 1.0
+    # the input's and the weight's gradients; only the weight's where the input is data
+    factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
     return Node(
         id=index,
         name=names.unique(f"{node.name}:grad"),

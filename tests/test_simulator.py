@@ -34,9 +34,10 @@ def test_keep_everything_plan_is_valid_and_costs_the_ideal():
     result = simulate(_plan(tuple(_all_computes(g))), g, costs)
     assert result.valid
     assert result.total_ms == pytest.approx(costs.ideal_ms())
-    # fixed: input x (400) + 3 weights (100 each); training adds gradient buffers for both
-    assert result.fixed_bytes == {"cpu0": 2 * (400 + 300)}
-    assert result.peak_bytes["cpu0"] == 1400 + sum(n.output_bytes for n in g.nodes)
+    # fixed: input x (400) + 3 weights (100 each); training adds the weights' gradient
+    # buffers (the input is data: no gradient)
+    assert result.fixed_bytes == {"cpu0": 400 + 2 * 300}
+    assert result.peak_bytes["cpu0"] == 1000 + sum(n.output_bytes for n in g.nodes)
     assert len(result.timeline["cpu0"]) == len(g)
 
 

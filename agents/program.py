@@ -394,11 +394,16 @@ class Program:
     ) -> None:
         """Each fixed input's gradient into its buffer; one whose storage is also another
         tensor's (what the node read, another gradient of it) is copied, not taken."""
+        written = [
+            (grad, source.fixed)
+            for grad, source in zip(found, self.sources[f.id], strict=True)
+            if grad is not None and source.fixed is not None and source.fixed in grads
+        ]
+        if not written:
+            return
         storages = Counter(_storage(t) for t in (*read, *found) if t is not None and t.numel())
-        for grad, source in zip(found, self.sources[f.id], strict=True):
-            if grad is not None and source.fixed is not None and source.fixed in grads:
-                shared = not grad.numel() or storages[_storage(grad)] > 1
-                grads.add(source.fixed, grad, shared)
+        for grad, name in written:
+            grads.add(name, grad, not grad.numel() or storages[_storage(grad)] > 1)
 
     # --- plain execution (the references) ------------------------------------------------
 

@@ -172,8 +172,8 @@ class GradientBuffers(dict[str, Tensor]):
                 buffer.add_(grad)
                 return
             self.unwritten.discard(name)
-            exact = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-            if not shared and exact and grad.is_contiguous() and _alike(grad, buffer):
+            owned = _spans_its_storage(grad) and grad.is_contiguous()
+            if not shared and owned and _alike(grad, buffer):
                 self[name] = grad.detach()
             else:
                 buffer.copy_(grad)
@@ -480,6 +480,11 @@ def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _spans_its_storage(t: Tensor) -> bool:
+    """``t``'s elements fill its storage exactly: it is no view into a larger buffer."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def _owned(result: Sequence[Tensor], inputs: Sequence[Tensor | None]) -> Value:
     """``result`` with every tensor owning exactly its own storage: a tensor that aliases an
     input or an earlier result (a view, the identity, a broadcast) or that is a view into a
@@ -487,8 +492,7 @@ def _owned(result: Sequence[Tensor], inputs: Sequence[Tensor | None]) -> Value:
     seen = {_storage(t) for t in inputs if t is not None and t.numel()}
     owned = []
     for t in result:
-        exact = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        if t.numel() and (not exact or _storage(t) in seen):
+        if t.numel() and (not _spans_its_storage(t) or _storage(t) in seen):
             t = t.clone(memory_format=torch.contiguous_format)
         if t.numel():
             seen.add(_storage(t))

@@ -160,7 +160,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -177,9 +177,8 @@ from agents.torch_devices import (
     Runtime,
     check_memory,
     copy_runtime,
-    gc_paused,
-    ieee_fp32,
     is_out_of_memory,
+    measuring,
     runtime_of,
 )
 from remat.costs import analytical_costs
@@ -280,9 +279,10 @@ def execute(
 ) -> ExecutionReport:
     """Run ``plan`` (for ``graph``, built by remat from ``model``) on ``devices`` (the
     node's; None: the plan's own). ``warmup`` unmeasured runs come first; of ``repeats``
-    measured runs the one with the median total is reported. Those runs time the whole
-    plan only (a CUDA device is not synchronised between steps); one more run times each
-    step (synchronising, as the profiler does) for ``step_ms``. ``seed`` seeds the model
+    measured runs the one with the median total is reported, and the last one's gradients
+    (outputs) are checked. Those runs time the whole plan only (a CUDA device is not
+    synchronised between steps); one more run times each step (synchronising, as the
+    profiler does) for ``step_ms``. ``seed`` seeds the model
     inputs not given and the masks of training-mode Dropouts. The measured runs' energy is
     read where counters exist (module docstring); ``energy_counters``: per device name,
     the counter to read (None: none there), a device it does not name gets
@@ -294,13 +294,11 @@ def execute(
     directory = resolve_storage(storage) if plan.pages else None
     program = build_program(model, graph, inputs, seed)
     run = partial(_Run, program, plan, runtimes, storage=directory)
-    with gc_paused(), ieee_fp32():
+    with measuring():
         for _ in range(warmup):
             run().run()
         measured, energy_mj, energy_note = _metered(
-            runtimes,
-            energy_counters,
-            lambda: [run().run() for _ in range(max(repeats, 1))],
+            runtimes, energy_counters, lambda: _measured_runs(run, max(repeats, 1))
         )
         steps = run(timed_steps=True).run()
     chosen = sorted(measured, key=lambda r: r.total_ms)[(len(measured) - 1) // 2]
@@ -321,7 +319,8 @@ def execute(
     )
     training = graph.mode is Mode.TRAINING
     uses_cuda = any(r.is_cuda for r in runtimes.values())
-    measured_values = chosen.gradients if training else chosen.outputs
+    # the last run's: the others dropped theirs (``_measured_runs``)
+    measured_values = measured[-1].gradients if training else measured[-1].outputs
     check = accuracy(measured_values, program, training, uses_cuda)
     if training:
         return _with(
@@ -338,6 +337,13 @@ def execute(
         outputs_rel_error=check.error,
         tolerance=check.tolerance,
     )
+
+
+def _measured_runs(run: Callable[[], _Run], repeats: int) -> list[_Result]:
+    """``repeats`` runs; each but the last without its gradients and outputs, so that the
+    runs do not hold every earlier run's values (a parameter's size each) while they run."""
+    results = [run().run().without_values() for _ in range(repeats - 1)]
+    return [*results, run().run()]
 
 
 def _energy_counters(
@@ -902,6 +908,9 @@ class _Result:
     outputs: dict[str, torch.Tensor]
     accounted_peak_bytes: dict[str, int]
     allocator_peak_bytes: dict[str, int]
+
+    def without_values(self) -> _Result:
+        return replace(self, gradients={}, outputs={})
 
 
 class _Run:

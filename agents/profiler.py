@@ -108,9 +108,8 @@ from agents.torch_devices import (
     Runtime,
     check_memory,
     copy_runtime,
-    gc_paused,
-    ieee_fp32,
     is_out_of_memory,
+    measuring,
     runtime_of,
 )
 from remat.costs import MAX_COMPUTE_SLOWDOWN, MAX_LINK_BYTES_PER_S, CostSource, CostTable
@@ -159,7 +158,7 @@ def profile(
     directory = resolve_storage(storage)
     program = build_program(model, graph)
     session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters)
-    with gc_paused(), ieee_fp32():
+    with measuring():
         session.run()
     return CostTable.model_validate(
         {

@@ -6,6 +6,11 @@ device runs every operation after ``torch.set_num_threads(threads)`` (e.g. cpu0 
 thread, cpu1 with two). CUDA devices are timed with events after synchronisation; CPU
 devices with ``time.perf_counter``.
 
+The host's C allocator keeps what it has taken (``keep_host_heap``): glibc's default hands
+large freed blocks back to the kernel and takes them again, page by page, at the next
+allocation, so that a run of a plan that frees and allocates its values took thousands of
+page faults a step, where eager PyTorch, whose step reuses its heap, took none.
+
 CUDA computes float32 in full IEEE precision while the agent profiles or executes
 (``ieee_fp32``): PyTorch lets cuDNN convolutions use TF32 by default, whose 10-bit mantissa
 put the gradients of a plan on an H100 1e-2 to 1e-1 (relative) away from plain fp32 autograd.
@@ -13,6 +18,8 @@ put the gradients of a plan on an H100 1e-2 to 1e-1 (relative) away from plain f
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import os
 import re
@@ -32,6 +39,10 @@ T = TypeVar("T")
 # torch's own default (physical cores), used by CPU devices that name no thread count.
 DEFAULT_THREADS = torch.get_num_threads()
 _TRAILING_INDEX = re.compile(r"(\d+)$")
+# glibc's mallopt parameters, and the values ``keep_host_heap`` sets: blocks up to 1 GiB
+# come from the heap, which is never trimmed (both are C ints).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = 1 << 30, (1 << 31) - 1
 
 
 def detect_devices() -> list[Device]:
@@ -193,6 +204,33 @@ def ieee_fp32() -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, cublas
+
+
+@functools.cache
+def keep_host_heap() -> bool:
+    """Make the host's C allocator (glibc) keep the memory it has taken for this process:
+    tensors up to 1 GiB from its heap, and the heap never trimmed, so that a value freed
+    and allocated again reuses pages already mapped (the module docstring). The process
+    keeps its peak heap, as PyTorch's CUDA allocator keeps its peak on a GPU. Once per
+    process; False where the C library has no ``mallopt`` (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mmap = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    return bool(mmap and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+
+
+@contextmanager
+def measuring() -> Iterator[None]:
+    """The conditions the profiler and the executor both time under, so that a plan's
+    measured time is comparable to its profiled costs: the host heap kept
+    (``keep_host_heap``), no cyclic garbage collection (``gc_paused``), and float32 in
+    IEEE precision on CUDA (``ieee_fp32``)."""
+    keep_host_heap()
+    with gc_paused(), ieee_fp32():
+        yield
 
 
 @contextmanager

@@ -3,7 +3,8 @@
 entry's loss, the parameters' gradients), against the executor running the checkpoint-all
 plan of the module's ONNX export (TorchScript exporter, training mode) on one CPU device
 with the same thread count. Both take the median of ``--repeats`` timed runs after two
-warm-ups, each on a quiet machine (``agent.quietly``).
+warm-ups, each on a quiet machine (``agent.quietly``), in one process whose host heap is
+kept (``agents.torch_devices.keep_host_heap``).
 
 Columns: the plan's steps; eager and executor milliseconds and their ratio; the executor's
 own time per step outside the kernels' (its total less the sum of its steps' times, over
@@ -33,6 +34,7 @@ from agents.program import build_program
 from agents.pytorch.check import export_entry, graph_of
 from agents.pytorch.corpus import CORPUS
 from agents.pytorch.reference import model_inputs, module_gradients
+from agents.torch_devices import keep_host_heap
 from remat.costs import profiled_costs
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
@@ -50,6 +52,7 @@ def main() -> None:
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("eager", args.run)
+    keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
     device = Device("cpu0", DeviceKind.CPU, {"threads": str(args.threads)})
     print(
         "| model (nodes) | steps | eager ms | executor ms | executor / eager "

@@ -4,10 +4,12 @@ errors; a device out of memory is a clear error."""
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -23,7 +25,7 @@ from agents import executor
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
 from agents.program import Program, build_program
-from agents.torch_devices import Runtime, detect_devices, ieee_fp32
+from agents.torch_devices import Runtime, detect_devices, ieee_fp32, keep_host_heap
 from remat import samples
 from remat.agent_protocol import ExecutionResult
 from remat.budgets import reference
@@ -182,6 +184,70 @@ def test_only_one_run_times_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(timed) == sum(1 for s in plan.steps if isinstance(s, Compute | Copy))
     assert len(report.step_ms) == len(plan.steps) and len(report.runs_ms) == 3
     _assert_matches(report, plan)
+
+
+def test_a_run_starts_without_the_earlier_runs_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured runs do not hold each other's values (a parameter's size each, so
+    that 20 runs of ResNet-18 held 900 MB): only the last run's gradients are kept, for
+    the check, while the run that times each step runs."""
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    plan = _strategy_plan(graph, "checkpoint_all", 100, "cpu0")
+    earlier: list[weakref.ref[torch.Tensor]] = []
+    held_at_start: list[int] = []
+    original = executor._Run.run
+
+    def run(self: executor._Run) -> executor._Result:
+        held_at_start.append(sum(ref() is not None for ref in earlier))
+        result = original(self)
+        earlier.extend(weakref.ref(g) for g in result.gradients.values())
+        return result
+
+    monkeypatch.setattr(executor._Run, "run", run)
+    report = execute(model, graph, plan, DEVICES, warmup=1, repeats=4)
+    assert report.gradients_match is True
+    gradients = len(report.gradients or {})
+    assert gradients > 0
+    assert held_at_start == [0, 0, 0, 0, 0, gradients]
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2``: ``arena``, the heap's bytes; ``hblkhd``, mmapped blocks'."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def test_after_a_run_the_host_heap_keeps_large_tensors_and_their_pages() -> None:
+    """The executor keeps the host heap (``keep_host_heap``): a 40 MiB tensor comes from
+    the heap, not from a mapping of its own (glibc's default over 32 MiB, mapped anew and
+    faulted in page by page at each allocation), and freeing it leaves the heap as large."""
+    model = MODELS["vgg16"]()
+    graph = _graph(model)
+    execute(model, graph, _strategy_plan(graph, "checkpoint_all", 100, "cpu0"), DEVICES)
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if not keep_host_heap() or mallinfo2 is None:
+        pytest.skip("the C library is not glibc 2.33 or later: its heap is its own")
+    mallinfo2.restype = _MallInfo2
+    before = mallinfo2()
+    tensor = torch.ones((40 << 20) // 4)
+    during = mallinfo2()
+    assert during.hblkhd - before.hblkhd < tensor.nbytes // 2
+    del tensor
+    assert mallinfo2().arena >= during.arena
 
 
 def test_a_multi_device_heuristic_plan_matches() -> None:

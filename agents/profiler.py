@@ -412,13 +412,13 @@ def _wall_ms(runtime: Runtime, work: Callable[[], None]) -> float:
 
 def _with_workspace(runtime: Runtime, compute: Callable[[], Value]) -> tuple[Value, float, int]:
     """``compute`` timed on a CUDA device, with the scratch memory its kernels held: the
-    allocator's peak during the call less what was allocated before it and the output."""
+    allocator's peak during the call less what is allocated after it (what was before it,
+    and the output's new storage: an output that shares an input's has none)."""
     device = runtime.torch_device
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
     value, ms = runtime.timed(compute)
     peak = torch.cuda.max_memory_allocated(device)
-    return value, ms, max(0, peak - before - value_bytes(value))
+    return value, ms, max(0, peak - torch.cuda.memory_allocated(device))
 
 
 def _first_line(error: BaseException) -> str:

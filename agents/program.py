@@ -21,9 +21,11 @@ lists, so that an executor can run the nodes in any order a plan gives:
   loss). Inputs its gradient does not need (``remat.training.gradient_needs``) are not
   dependencies: the kernel gets zero-stride placeholders of the right shape for them.
 
-Every value owns its storage (a kernel result that aliases an input, or is a view into a
-larger buffer, is copied), so a value's bytes are exactly what it keeps allocated, as the
-simulator counts them.
+A value's bytes are its tensors' whole storages, as the simulator counts them: a kernel
+result that is a view into part of a larger buffer is copied (it would keep the whole
+buffer), and one over the whole of another tensor's storage (the identity, a reshape, a
+pass-through gradient) shares it, as in eager PyTorch, so that what a run allocates is at
+most its account of values (``_owned``).
 
 Every float parameter read at a differentiable position is trained
 (``FixedTensor.has_gradient``; model inputs and constants are not).
@@ -145,6 +147,31 @@ class LossOf:
         return grad / (y.numel() // classes)
 
 
+# Where one kernel argument comes from: a fixed tensor (its name), a node's output (node,
+# output index), nothing (an omitted input), or a placeholder of (shape, dtype) for an input
+# the gradient does not read.
+_Fetch = tuple[str | None, int | None, int, tuple[tuple[int, ...], torch.dtype] | None]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What evaluating one node looks up and does not change between evaluations, prepared
+    at its first (``Program._call``). ``args``: the forward node's inputs by position.
+    For a backward node: whether it reads its forward node's output; per output of that
+    node, the (node, tensor index) entries of its upstream gradient (None: not a float
+    output, no gradient); per tensor of its value (``deps`` order: every output of every
+    node the forward node reads), the argument positions whose gradients sum into it with
+    its (shape, dtype); and the positions that read a fixed tensor, with its name."""
+
+    node: Node
+    spec: OpSpec
+    args: tuple[_Fetch, ...]
+    reads_output: bool = False
+    upstream: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+    slots: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] = ()
+    fixed: tuple[tuple[int, str], ...] = ()
+
+
 class GradientBuffers(dict[str, Tensor]):
     """A run's gradient buffers by fixed tensor, allocated before it without a fill (the
     simulator counts them from the plan's start). The first gradient written into a buffer
@@ -213,6 +240,11 @@ class Program:
         default_factory=dict, init=False, repr=False
     )
     _wanted_by: dict[int, list[bool]] = field(default_factory=dict, init=False, repr=False)
+    _calls: dict[int, _Call] = field(default_factory=dict, init=False, repr=False)
+    # zero-stride placeholders by (shape, dtype, device): read-only, so shared
+    _placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
     # Forward node -> what its kernel saved for its gradient at its latest evaluation
     # (``kernels.forward_and_saved``), with the input tensor it was computed from: a backward
     # node reads it only where it gets that very tensor (not a recomputed or paged-in copy).
@@ -268,37 +300,95 @@ class Program:
         """Node ``index``'s value from its dependencies' ``values`` and the ``fixed``
         tensors on ``device``; a backward node adds its parameter gradients to
         ``grads`` (None: drop them, e.g. when a backward node is recomputed)."""
-        node = self.graph.nodes[index]
-        if node.kind is NodeKind.FORWARD:
-            args = self._args(index, values, fixed, device, available=None)
-            result, saved = kernels.forward_and_saved(self.specs[index], args)
+        call = self._calls.get(index)
+        if call is None:
+            node = self.graph.nodes[index]
+            if node.kind is NodeKind.LOSS:
+                return self._loss(node, values, fixed)
+            call = self._call(index)
+        if call.node.kind is NodeKind.FORWARD:
+            args = self._fetch(call.args, values, fixed, device)
+            result, saved = kernels.forward_and_saved(call.spec, args)
             if saved is not None and args and args[0] is not None:
                 self._saved[index] = (weakref.ref(args[0]), saved)
-            return _owned(result, args)
-        if node.kind is NodeKind.LOSS:
-            return self._loss(node, values, fixed)
-        return self._backward(node, values, fixed, grads, device)
+            return _owned(result)
+        return self._backward(call, values, fixed, grads, device)
 
-    def _args(
+    def _call(self, index: int) -> _Call:
+        """Forward or backward node ``index``'s prepared call (``_Call``), made at its
+        first evaluation."""
+        node = self.graph.nodes[index]
+        if node.kind is NodeKind.FORWARD:
+            call = _Call(node, self.specs[index], self._fetches(index, None))
+        else:
+            f = self.forward_of(node)
+            read = frozenset(node.deps)
+            sources = self.sources[f.id]
+            upstream = tuple(
+                tuple((u.node, u.offset + k) for u in self.upstream[index])
+                if dtype.is_floating_point
+                else None
+                for k, (_, dtype) in enumerate(self.outputs_of(f.id))
+            )
+            positions: dict[tuple[int, int], list[int]] = {}
+            for position, source in enumerate(sources):
+                if source.node is not None:
+                    positions.setdefault((source.node, source.output), []).append(position)
+            slots = tuple(
+                (tuple(positions.get((dep, k), ())), shape, dtype)
+                for dep in f.deps
+                for k, (shape, dtype) in enumerate(self.outputs_of(dep))
+            )
+            fixed = tuple(
+                (position, source.fixed)
+                for position, source in enumerate(sources)
+                if source.fixed is not None
+            )
+            fetches = self._fetches(f.id, read)
+            call = _Call(node, self.specs[f.id], fetches, f.id in read, upstream, slots, fixed)
+        self._calls[index] = call
+        return call
+
+    def _fetches(self, forward: int, read: frozenset[int] | None) -> tuple[_Fetch, ...]:
+        """Where each input of forward node ``forward`` comes from; an input computed by a
+        node not in ``read`` (None: all are) becomes a placeholder of its shape."""
+        fetches: list[_Fetch] = []
+        for source in self.sources[forward]:
+            hollow = None
+            if source.node is not None and read is not None and source.node not in read:
+                hollow = self.outputs_of(source.node)[source.output]
+            fetches.append((source.fixed, source.node, source.output, hollow))
+        return tuple(fetches)
+
+    def _fetch(
         self,
-        index: int,
+        fetches: Sequence[_Fetch],
         values: Mapping[int, Value],
         fixed: Mapping[str, Tensor],
         device: torch.device,
-        available: frozenset[int] | None,
     ) -> list[Tensor | None]:
         args: list[Tensor | None] = []
-        for source in self.sources[index]:
-            if source.fixed is not None:
-                args.append(fixed[source.fixed])
-            elif source.node is None:
+        for name, node, output, hollow in fetches:
+            if name is not None:
+                args.append(fixed[name])
+            elif node is None:
                 args.append(None)
-            elif available is None or source.node in available:
-                args.append(values[source.node][source.output])
+            elif hollow is None:
+                args.append(values[node][output])
             else:
-                shape, dtype = self.outputs_of(source.node)[source.output]
-                args.append(kernels.placeholder(shape, dtype, device))
+                args.append(self._placeholder(*hollow, device))
         return args
+
+    def _placeholder(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """A placeholder (``kernels.placeholder``), one per shape, type and device: it is
+        only read."""
+        key = (shape, dtype, device)
+        found = self._placeholders.get(key)
+        if found is None:
+            found = self._placeholders[key] = kernels.placeholder(shape, dtype, device)
+        return found
 
     def _loss(self, node: Node, values: Mapping[int, Value], fixed: Mapping[str, Tensor]) -> Value:
         result = []
@@ -311,35 +401,35 @@ class Program:
 
     def _backward(
         self,
-        node: Node,
+        call: _Call,
         values: Mapping[int, Value],
         fixed: Mapping[str, Tensor],
         grads: GradientBuffers | None,
         device: torch.device,
     ) -> Value:
-        f = self.forward_of(node)
-        spec = self.specs[f.id]
-        available = frozenset(node.deps)
-        args = self._args(f.id, values, fixed, device, available)
-        output = values[f.id] if f.id in available else None
-        upstream = self._upstream_gradient(node, f, values)
-        wanted = self._wanted_by.get(node.id)
+        f = call.node.forward
+        assert f is not None
+        args = self._fetch(call.args, values, fixed, device)
+        output = values[f] if call.reads_output else None
+        upstream = [None if parts is None else _summed(values, parts) for parts in call.upstream]
+        wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
-            wanted = self._wanted_by[node.id] = [
-                self._wanted(spec, position, arg, source)
-                for position, (arg, source) in enumerate(zip(args, self.sources[f.id], strict=True))
+            wanted = self._wanted_by[call.node.id] = [
+                self._wanted(call.spec, position, arg, source)
+                for position, (arg, source) in enumerate(zip(args, self.sources[f], strict=True))
             ]
-        found = kernels.vjp(VjpCall(spec, args, output, upstream, wanted, self._saved_for(f, args)))
-        result = self._gradient_value(f, found, device)
+        saved = self._saved_for(f, args)
+        found = kernels.vjp(VjpCall(call.spec, args, output, upstream, wanted, saved))
+        result = tuple(_slot(found, *slot, device) for slot in call.slots)
         read = [*args, *(output or ()), *(g for g in upstream if g is not None)]
         if grads is not None:
-            self._accumulate(f, found, grads, read)
-        return _owned(result, read)
+            self._accumulate(call, found, grads, read)
+        return _owned(result)
 
-    def _saved_for(self, f: Node, args: Sequence[Tensor | None]) -> Value | None:
-        """What ``f``'s kernel saved at its latest evaluation, where that was from the very
-        input tensor the backward node gets."""
-        entry = self._saved.get(f.id)
+    def _saved_for(self, f: int, args: Sequence[Tensor | None]) -> Value | None:
+        """What forward node ``f``'s kernel saved at its latest evaluation, where that was
+        from the very input tensor the backward node gets."""
+        entry = self._saved.get(f)
         if entry is None or not args or args[0] is None or entry[0]() is not args[0]:
             return None
         return entry[1]
@@ -349,45 +439,9 @@ class Program:
             return False
         return source.node is not None or source.fixed in self.trainable
 
-    def _upstream_gradient(
-        self, node: Node, f: Node, values: Mapping[int, Value]
-    ) -> list[Tensor | None]:
-        """The gradient of each output of ``f``: its entries in the upstream values, summed."""
-        total: list[Tensor | None] = []
-        for k, (_, dtype) in enumerate(self.outputs_of(f.id)):
-            if not dtype.is_floating_point:
-                total.append(None)
-                continue
-            parts = [values[u.node][u.offset + k] for u in self.upstream[node.id]]
-            summed = parts[0]
-            for part in parts[1:]:
-                summed = summed + part
-            total.append(summed)
-        return total
-
-    def _gradient_value(
-        self, f: Node, found: Sequence[Tensor | None], device: torch.device
-    ) -> Value:
-        """The gradient for every output of every node ``f`` reads, in ``deps`` order."""
-        by_output: dict[tuple[int, int], Tensor] = {}
-        for grad, source in zip(found, self.sources[f.id], strict=True):
-            if grad is None or source.node is None:
-                continue
-            key = (source.node, source.output)
-            by_output[key] = by_output[key] + grad if key in by_output else grad
-        result = []
-        for dep in f.deps:
-            for k, (shape, dtype) in enumerate(self.outputs_of(dep)):
-                grad = by_output.get((dep, k))
-                if grad is None:
-                    grad = torch.zeros(shape, dtype=dtype, device=device)
-                assert tuple(grad.shape) == tuple(shape), (f.name, grad.shape, shape)
-                result.append(grad)
-        return tuple(result)
-
     def _accumulate(
         self,
-        f: Node,
+        call: _Call,
         found: Sequence[Tensor | None],
         grads: GradientBuffers,
         read: Sequence[Tensor | None],
@@ -395,9 +449,9 @@ class Program:
         """Each fixed input's gradient into its buffer; one whose storage is also another
         tensor's (what the node read, another gradient of it) is copied, not taken."""
         written = [
-            (grad, source.fixed)
-            for grad, source in zip(found, self.sources[f.id], strict=True)
-            if grad is not None and source.fixed is not None and source.fixed in grads
+            (grad, name)
+            for position, name in call.fixed
+            if (grad := found[position]) is not None and name in grads
         ]
         if not written:
             return
@@ -435,7 +489,8 @@ class Program:
             outputs: dict[int, Value] = {}
             for node in self.graph.nodes:
                 if node.kind is NodeKind.FORWARD:
-                    args = self._args(node.id, outputs, fixed, torch.device("cpu"), None)
+                    fetches = (self._calls.get(node.id) or self._call(node.id)).args
+                    args = self._fetch(fetches, outputs, fixed, torch.device("cpu"))
                     outputs[node.id] = kernels.run_forward(self.specs[node.id], args)
             loss = self._plain_loss(outputs, fixed)
             if not names or not loss.requires_grad:
@@ -472,8 +527,38 @@ class Program:
 
 
 def value_bytes(value: Value) -> int:
-    """The bytes a value keeps allocated (it owns its storage, see ``_owned``)."""
+    """The bytes a value is counted for: its tensors' whole storages (``_owned``)."""
     return sum(t.untyped_storage().nbytes() for t in value)
+
+
+def _summed(values: Mapping[int, Value], parts: Sequence[tuple[int, int]]) -> Tensor:
+    """The sum of the tensors at ``parts`` ((node, tensor index) in ``values``)."""
+    node, index = parts[0]
+    total = values[node][index]
+    for node, index in parts[1:]:
+        total = total + values[node][index]
+    return total
+
+
+def _slot(
+    found: Sequence[Tensor | None],
+    positions: Sequence[int],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """One tensor of a backward node's value: the sum of the gradients ``found`` at
+    ``positions`` (an input read at several positions gets each one's), zeros where none
+    flows."""
+    total: Tensor | None = None
+    for position in positions:
+        grad = found[position]
+        if grad is not None:
+            total = grad if total is None else total + grad
+    if total is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    assert total.shape == shape, (total.shape, shape)
+    return total
 
 
 def _storage(t: Tensor) -> int:
@@ -485,18 +570,18 @@ def _spans_its_storage(t: Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def _owned(result: Sequence[Tensor], inputs: Sequence[Tensor | None]) -> Value:
-    """``result`` with every tensor owning exactly its own storage: a tensor that aliases an
-    input or an earlier result (a view, the identity, a broadcast) or that is a view into a
-    larger buffer is copied, so that its bytes are what the simulator counts."""
-    seen = {_storage(t) for t in inputs if t is not None and t.numel()}
+def _owned(result: Sequence[Tensor]) -> Value:
+    """``result`` with no tensor a view into part of a larger buffer (a slice, a Gather of
+    one row, a Split's part): such a tensor is copied, since it would keep the whole buffer
+    allocated for its own bytes. A tensor over the whole of another's storage (the
+    identity, a reshape or transpose of a whole tensor, a pass-through gradient) shares it,
+    as eager PyTorch does: the account counts it as its own bytes, as the simulator does,
+    so that what is allocated is at most the account."""
     owned = []
     for t in result:
-        if t.numel() and (not _spans_its_storage(t) or _storage(t) in seen):
+        if t.numel() and not _spans_its_storage(t):
             t = t.clone(memory_format=torch.contiguous_format)
-        if t.numel():
-            seen.add(_storage(t))
-        owned.append(t.detach())
+        owned.append(t.detach() if t.requires_grad else t)
     return tuple(owned)
 
 

@@ -437,19 +437,17 @@ def _training_values(
     program: Program, device: torch.device
 ) -> tuple[dict[int, tuple[torch.Tensor, ...]], dict[str, torch.Tensor]]:
     """Every node's value of a training graph computed in node order on ``device``, each
-    checked for the graph's bytes and for owning its storage; and the gradient buffers."""
+    checked for the graph's bytes and for spanning its storage (no view into part of a
+    larger buffer, which would keep all of it); and the gradient buffers."""
     fixed = {name: t.to(device) for name, t in program.fixed.items()}
     grads = GradientBuffers.allocate(sorted(program.trainable), program.fixed, device)
     values: dict[int, tuple[torch.Tensor, ...]] = {}
-    storages: set[int] = set()
     for node in program.graph.nodes:
         value = program.compute(node.id, values, fixed, grads, device)
         assert value_bytes(value) == node.output_bytes, node.name
         for t in value:
             assert t.device.type == device.type, node.name
-            if t.numel():
-                assert t.untyped_storage().data_ptr() not in storages, node.name
-                storages.add(t.untyped_storage().data_ptr())
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), node.name
         values[node.id] = value
     grads.settle()
     return values, grads
@@ -480,13 +478,46 @@ def test_a_gradient_buffer_takes_its_first_gradient_unless_shared_then_adds() ->
 @pytest.mark.parametrize("family", ["resnet18", "unet", "transformer", "old_style"])
 def test_training_values_have_the_graphs_bytes(family: str) -> None:
     """Every node's value (forward, loss, backward) in node order is exactly as large as
-    the graph says, and owns its storage."""
+    the graph says, and spans its storage."""
     model = FAMILIES[family]()
     graph = training_graph(forward_graph(model))
     _, grads = _training_values(build_program(model, graph), torch.device("cpu"))
     kinds = {n.kind for n in graph.nodes}
     assert kinds == {NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD}
     assert any(float(g.abs().max()) > 0 for g in grads.values())
+
+
+def test_a_value_shares_a_whole_storage_and_copies_part_of_one() -> None:
+    """A Transpose of a whole tensor shares its storage (as eager PyTorch's view does; the
+    account counts it as its own bytes); a Slice of part of one is copied, since it would
+    keep the whole buffer allocated for its own bytes."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Transpose", ["r"], ["t"], name="transpose", perm=[1, 0]),
+        helper.make_node("Slice", ["r", "starts", "ends"], ["s"], name="slice"),
+        helper.make_node("Add", ["t", "t"], ["y"], name="add_t"),
+        helper.make_node("Add", ["s", "s"], ["z"], name="add_s"),
+    ]
+    consts = {"starts": np.array([1], np.int64), "ends": np.array([3], np.int64)}
+    graph = helper.make_graph(
+        nodes,
+        "views",
+        [helper.make_tensor_value_info("x", F32, [4, 6])],
+        [helper.make_tensor_value_info(o, F32, None) for o in ("y", "z")],
+        initializer=[numpy_helper.from_array(v, n) for n, v in consts.items()],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    model = helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets)
+    )
+    program = build_program(model, forward_graph(model))
+    values = program.forward_values()
+    by_name = {program.graph.nodes[i].name: v[0] for i, v in values.items()}
+    relu, transposed, sliced = by_name["relu"], by_name["transpose"], by_name["slice"]
+    assert transposed.untyped_storage().data_ptr() == relu.untyped_storage().data_ptr()
+    assert torch.equal(transposed, relu.t())
+    assert sliced.untyped_storage().nbytes() == sliced.numel() * 4 == relu.nbytes // 2
+    assert torch.equal(sliced, relu[1:3])
 
 
 def test_folded_constants_are_evaluated() -> None:

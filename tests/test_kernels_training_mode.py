@@ -419,10 +419,10 @@ def test_batch_norms_backward_reads_the_statistics_its_forward_saved_from_that_i
     values = {}
     for node in program.graph.forward_nodes():
         values[node.id] = program.compute(node.id, values, program.fixed, None, cpu)
-    args = program._args(bn.id, values, program.fixed, cpu, None)
-    saved = program._saved_for(bn, args)
+    args = program._fetch(program._call(bn.id).args, values, program.fixed, cpu)
+    saved = program._saved_for(bn.id, args)
     assert saved is not None and len(saved) == 2
-    assert program._saved_for(bn, [args[0].clone(), *args[1:]]) is None
+    assert program._saved_for(bn.id, [args[0].clone(), *args[1:]]) is None
     spec, g = program.specs[bn.id], torch.randn_like(args[0])
     wanted = [True, True, True, False, False]
     with_saved = kernels.vjp(VjpCall(spec, args, None, [g], wanted, saved))

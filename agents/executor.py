@@ -339,6 +339,16 @@ def execute(
     )
 
 
+def plain_runs_ms(
+    program: Program, plan: Plan, runtimes: Mapping[str, Runtime], runs: int
+) -> list[float]:
+    """The times of ``runs`` runs of ``plan`` as ``execute`` times its measured ones (the
+    whole plan, no step timed; each run's values dropped), under ``measuring``'s
+    conditions: what the profiler sets its node times against (``step_overhead_ms``)."""
+    with measuring():
+        return [_Run(program, plan, runtimes).run().total_ms for _ in range(runs)]
+
+
 def _measured_runs(run: Callable[[], _Run], repeats: int) -> list[_Result]:
     """``repeats`` runs; each but the last without its gradients and outputs, so that the
     runs do not hold every earlier run's values (a parameter's size each) while they run."""

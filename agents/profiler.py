@@ -74,10 +74,18 @@ within the device's memory limit as the timed ones do. Such a device is ``energy
 "model"`` (remat's power model stands in), with the reason in ``energy_note``.
 
 On a CUDA device the timed passes also measure each node's workspace: the allocator's
-peak while the node runs, less what was allocated before it and its output (cuDNN's and
-cuBLAS's scratch buffers, a convolution's backward above all), the most over the passes,
-into the table's ``workspace_bytes``; the planners charge it while the node runs. A CPU
-device's kernels are taken to hold none.
+peak while the node runs, less what is allocated after it (what was before it, and its
+output's new storage: cuDNN's and cuBLAS's scratch buffers, a convolution's backward above
+all), the most over the passes, into the table's ``workspace_bytes``; the planners charge
+it while the node runs. A CPU device's kernels are taken to hold none.
+
+A plan's time is more than its nodes' times: the executor dispatches each step, keeps its
+account, frees values, and a node's time is the median of its evaluations where a run
+pays each one's. So each device ends with the executor's own runs of its pass's plan
+(``agents.executor.plain_runs_ms``: one unmeasured, then ``repeats``), and the median
+run's time less the sum of its evaluations' times, over its compute steps, is the device's
+``step_overhead_ms`` (at least 0; on a GPU the host's work hides behind the kernels), which
+``remat.costs.profiled_costs`` adds to every node's time there.
 
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
@@ -101,6 +109,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
+from agents.executor import plain_runs_ms
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
@@ -116,7 +125,7 @@ from remat.costs import MAX_COMPUTE_SLOWDOWN, MAX_LINK_BYTES_PER_S, CostSource, 
 from remat.devices import Device
 from remat.errors import RematError
 from remat.graph import Graph, Node, NodeKind
-from remat.plan import Compute, Free
+from remat.plan import Compute, Free, Plan
 from remat.profiling_plan import profiling_plan
 
 Progress = Callable[[int, int], None]
@@ -153,7 +162,7 @@ def profile(
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     runtimes = [_limited(runtime_of(d), (memory_bytes or {}).get(d.name)) for d in devices]
-    passes = [_pass_steps(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
+    passes = [_pass_plan(graph, d, r.memory_bytes) for d, r in zip(devices, runtimes, strict=True)]
     counters = [counter_of(r, energy_counters) for r in runtimes]
     directory = resolve_storage(storage)
     program = build_program(model, graph)
@@ -188,13 +197,17 @@ def _limited(runtime: Runtime, limit: int | None) -> Runtime:
 PassSteps = list[tuple[int, tuple[int, ...]]]
 
 
-def _pass_steps(graph: Graph, device: Device, limit: int | None) -> PassSteps:
+def _pass_plan(graph: Graph, device: Device, limit: int | None) -> Plan:
     """A pass on ``device`` within ``limit`` bytes: checkpoint-all's, or a plan's that
     recomputes (``remat.profiling_plan``); TaskError where none fits."""
     try:
-        plan = profiling_plan(graph, device, limit)
+        return profiling_plan(graph, device, limit)
     except RematError as error:
         raise TaskError(str(error)) from None
+
+
+def _pass_steps(plan: Plan) -> PassSteps:
+    """``plan``'s computes in order, each with the values freed after it."""
     steps: PassSteps = []
     for step in plan.steps:
         if isinstance(step, Compute):
@@ -447,7 +460,7 @@ class _Session:
         self,
         program: Program,
         runtimes: Sequence[Runtime],
-        passes: Sequence[PassSteps],
+        passes: Sequence[Plan],
         repeats: int,
         warmup: int,
         on_progress: Progress | None,
@@ -456,6 +469,7 @@ class _Session:
         self.program = program
         self.runtimes = runtimes
         self.passes = passes
+        self.steps = [_pass_steps(plan) for plan in passes]
         self.repeats = repeats
         self.warmup = warmup
         self.on_progress = on_progress
@@ -468,24 +482,27 @@ class _Session:
         # per CUDA device, per node: the most scratch memory its kernel held in a timed pass
         self.workspace: dict[str, dict[int, int]] = {}
         copy_passes = 1 if len(runtimes) > 1 else 0
-        self.total = sum(len(steps) for steps in passes) * (warmup + repeats + copy_passes)
+        # the timed passes, the copies' and the executor's runs (``_step_overhead``)
+        runs = warmup + repeats + copy_passes + 1 + repeats
+        self.total = sum(len(steps) for steps in self.steps) * runs
         # Per device: its energy counter, or None and why (``_counter``).
         self.counters = dict(
             zip((r.name for r in runtimes), counters or [(None, "")] * len(runtimes), strict=True)
         )
         self.total += sum(
             len(steps)
-            for r, steps in zip(runtimes, passes, strict=True)
+            for r, steps in zip(runtimes, self.steps, strict=True)
             if self.counters[r.name][0] is not None
         )
         self.idle_w: dict[str, float] = {}
         self.energy: dict[str, list[list[float]]] = {}  # per device, per node: mJ per run
+        self.step_overhead_ms: dict[str, float] = {}  # per device (``_step_overhead``)
         self.done = 0
         self.reported_at = 0.0
 
     def run(self) -> None:
         self._report(force=True)
-        for runtime, steps in zip(self.runtimes, self.passes, strict=True):
+        for runtime, plan, steps in zip(self.runtimes, self.passes, self.steps, strict=True):
             try:
                 fixed = {n: t.to(runtime.torch_device) for n, t in self.program.fixed.items()}
                 everything = range(len(self.program.graph))
@@ -518,7 +535,21 @@ class _Session:
                 self._pass(runtime, steps, held, fixed, grads, None, copies=False, energy=probe)
                 self.energy[runtime.name] = samples
             del fixed, grads
+            self.step_overhead_ms[runtime.name] = self._step_overhead(runtime, plan, steps)
         self._report(force=True)
+
+    def _step_overhead(self, runtime: Runtime, plan: Plan, steps: PassSteps) -> float:
+        """The executor's own time per compute step of ``plan`` on ``runtime`` (the module
+        docstring): the median time of ``repeats`` runs of it after one unmeasured, less
+        its nodes' times (each evaluation's median), over its compute steps; at least 0."""
+        runs = []
+        for _ in range(1 + self.repeats):
+            runs += plain_runs_ms(self.program, plan, {runtime.name: runtime}, 1)
+            self.done += len(steps)
+            self._report()
+        times = self.times[runtime.name]
+        nodes_ms = sum(statistics.median(times[index]) for index, _ in steps)
+        return max(0.0, (statistics.median(runs[1:]) - nodes_ms) / len(steps))
 
     def entry(self, node: Node) -> dict[str, Any]:
         compute, spread = {}, {}
@@ -546,7 +577,12 @@ class _Session:
         """The device's entry in the cost table: with its idle power where energy was
         measured there; ``energy_note``: the counter, or why there was none."""
         threads = None if runtime.is_cuda else (runtime.threads or DEFAULT_THREADS)
-        entry: dict[str, Any] = {"name": runtime.name, "kind": runtime.kind, "threads": threads}
+        entry: dict[str, Any] = {
+            "name": runtime.name,
+            "kind": runtime.kind,
+            "threads": threads,
+            "step_overhead_ms": self.step_overhead_ms.get(runtime.name, 0.0),
+        }
         note = self.counters[runtime.name][1]
         if runtime.name in self.energy:
             entry.update(idle_w=self.idle_w[runtime.name], energy="measured")

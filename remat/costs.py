@@ -298,6 +298,10 @@ class _TableDevice(BaseModel):
     idle_w: Watts | None = None  # measured idle power (the baseline energy is measured over)
     # What the nodes' energy_mj on this device is: read from counters, or a power model's.
     energy: Literal["measured", "model"] = "model"
+    # The executor's own time per compute step here, beyond the node's (its dispatch and
+    # accounting, the free after it), measured by the agent's profiler; ``profiled_costs``
+    # adds it to every node's time on this device, since every evaluation pays it.
+    step_overhead_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
 
 
 MAX_TABLE_MS = 1e9  # about 11.6 days: no operator or copy takes longer
@@ -473,7 +477,10 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
                     f"cost table: node {node.name!r} has {what} on {stray[0]}, which the "
                     "table lacks"
                 )
-        compute[node.id] = [entry.compute_ms[d] for d in names]
+        compute[node.id] = [
+            entry.compute_ms[d] + t.step_overhead_ms
+            for d, t in zip(names, table.devices, strict=True)
+        ]
         workspace[node.id] = [entry.workspace_bytes.get(d, 0) for d in names]
         out[node.id] = entry.output_bytes
         pairs = table.copy_ms.get(node.name, {})

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch", reason="the agent extra (torch) is not installed")
 import torch
 
+from agents import profiler
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import execute
 from agents.profiler import affine_fit, median_and_spread, profile, slowdown
@@ -57,11 +58,39 @@ def test_profile_is_a_cost_table_for_the_graph(mode: Mode) -> None:
     for entry in table.nodes.values():
         assert set(entry.compute_spread_ms) == {"cpu0", "cpu1"}
         assert all(v >= 0 for v in entry.compute_spread_ms.values())
-    # Node evaluations: (1 warm-up + 3 measured) passes per device and one copy pass each.
-    total = len(graph) * (2 * (1 + 3) + 2)
+    # The executor's own time per step, added to every node's time on its device.
+    for d, device in enumerate(table.devices):
+        assert device.step_overhead_ms >= 0
+        measured = [table.nodes[n.name].compute_ms[device.name] for n in graph.nodes]
+        assert costs.compute_ms[:, d].tolist() == pytest.approx(
+            [ms + device.step_overhead_ms for ms in measured]
+        )
+    # Node evaluations: (1 warm-up + 3 measured) passes per device, one copy pass each, and
+    # the executor's runs of each pass (1 unmeasured + 3).
+    total = len(graph) * (2 * (1 + 3) + 2 + 2 * (1 + 3))
     assert progress[0] == (0, total) and progress[-1] == (total, total)
     done = [d for d, _ in progress]
     assert done == sorted(done) and {t for _, t in progress} == {total}
+
+
+def test_the_executors_time_beyond_its_nodes_is_each_steps_overhead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device's ``step_overhead_ms`` is the executor's median run of its pass less the
+    pass's node times, over its compute steps (here the runs take 1 s)."""
+    model = samples.resnet18(batch=1, image=32, width=4)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    runs: list[int] = []
+
+    def plain_runs_ms(program: object, plan: object, runtimes: object, count: int) -> list[float]:
+        runs.append(count)
+        return [1000.0] * count
+
+    monkeypatch.setattr(profiler, "plain_runs_ms", plain_runs_ms)
+    table = profile(model, graph, [CPU0], repeats=3, warmup=1, energy_counters={"cpu0": None})
+    nodes_ms = sum(e.compute_ms["cpu0"] for e in table.nodes.values())
+    assert runs == [1] * 4
+    assert table.devices[0].step_overhead_ms == pytest.approx((1000.0 - nodes_ms) / len(graph))
 
 
 def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -> None:

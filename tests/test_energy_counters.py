@@ -244,7 +244,8 @@ def test_without_counters_the_table_keeps_the_power_model_and_says_why() -> None
     assert device.model_extra == {"energy_note": why}
     assert why  # e.g. "no RAPL counters: /sys/class/powercap is missing"
     assert all(entry.energy_mj == {} for entry in table.nodes.values())
-    assert progress[-1] == (len(graph), len(graph))  # no energy pass
+    # one measured pass and the executor's runs of it (1 unmeasured + 1): no energy pass
+    assert progress[-1] == (3 * len(graph), 3 * len(graph))
     energy = profiled_costs(graph, table).energy_model()
     assert energy.measured == (False,)
     again = CostTable.model_validate_json(table.model_dump_json())
@@ -308,8 +309,9 @@ def test_the_energy_pass_fills_the_table_counts_progress_and_keeps_the_model_els
     energies = [table.nodes[n.name].energy_mj for n in graph.nodes]
     assert all(set(e) == {"cpu0"} and e["cpu0"] >= 0 for e in energies)
     assert sum(e["cpu0"] for e in energies) > 0
-    # (0 warm-up + 2 measured) passes per device, a copy pass each, one energy pass.
-    total = len(graph) * (2 * 2 + 2 + 1)
+    # (0 warm-up + 2 measured) passes per device, a copy pass each, the executor's runs
+    # of each pass (1 unmeasured + 2), one energy pass.
+    total = len(graph) * (2 * 2 + 2 + 2 * 3 + 1)
     assert progress[0] == (0, total) and progress[-1] == (total, total)
     energy = profiled_costs(graph, table).energy_model()
     assert energy.measured == (True, False)

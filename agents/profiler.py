@@ -16,9 +16,14 @@ CUDA is timed with events after synchronisation, in IEEE fp32 as the executor ru
 Where a device may hold less than checkpoint-all needs (``memory_bytes``, the job's budget
 there, and the device's ``memory`` option, whichever is smaller), the passes follow a plan
 that fits instead (``remat.profiling_plan``: recomputing as Mimose's collector does), and a
-node recomputed in a pass is timed at each evaluation. The profiler's account of the tensors
-it holds on the device (fixed tensors, gradient buffers and the values resident) never
-exceeds the limit: ``DeviceOutOfMemory`` if it would.
+node recomputed in a pass is timed at each evaluation. Where no pass fits (a device given
+less than the model's fixed tensors, in a job that splits the model over devices), the
+nodes are timed one at a time there (``_Session._node_by_node``: the graph evaluated on
+the host, each node's inputs and own fixed tensors copied to the device for its timed
+evaluations), which needs the most any one node needs; such a device gets no energy pass
+and no step overhead. The profiler's account of the tensors it holds on the device (fixed
+tensors, gradient buffers and the values resident) never exceeds the limit:
+``DeviceOutOfMemory`` if it would.
 
 With several devices, one more pass per source device times copies: right after a node is
 computed, its value is copied to every other device into a destination allocated
@@ -197,17 +202,21 @@ def _limited(runtime: Runtime, limit: int | None) -> Runtime:
 PassSteps = list[tuple[int, tuple[int, ...]]]
 
 
-def _pass_plan(graph: Graph, device: Device, limit: int | None) -> Plan:
+def _pass_plan(graph: Graph, device: Device, limit: int | None) -> Plan | None:
     """A pass on ``device`` within ``limit`` bytes: checkpoint-all's, or a plan's that
-    recomputes (``remat.profiling_plan``); TaskError where none fits."""
+    recomputes (``remat.profiling_plan``); None where no pass fits but every node alone
+    does (``_Session._node_by_node``); TaskError where some node does not."""
     try:
         return profiling_plan(graph, device, limit)
     except RematError as error:
         raise TaskError(str(error)) from None
 
 
-def _pass_steps(plan: Plan) -> PassSteps:
-    """``plan``'s computes in order, each with the values freed after it."""
+def _pass_steps(plan: Plan | None, graph: Graph) -> PassSteps:
+    """``plan``'s computes in order, each with the values freed after it (None: every
+    node in order, each evaluated alone)."""
+    if plan is None:
+        return [(node.id, ()) for node in graph.nodes]
     steps: PassSteps = []
     for step in plan.steps:
         if isinstance(step, Compute):
@@ -218,6 +227,7 @@ def _pass_steps(plan: Plan) -> PassSteps:
     return steps
 
 
+NODE_BY_NODE_ENERGY = "not measured: no pass fits this device's memory, its nodes were timed alone"
 HOST_LINK_BYTES = 16 << 20
 
 
@@ -434,6 +444,20 @@ def _with_workspace(runtime: Runtime, compute: Callable[[], Value]) -> tuple[Val
     return value, ms, max(0, peak - torch.cuda.memory_allocated(device))
 
 
+@contextlib.contextmanager
+def _device_memory(runtime: Runtime, doing: str) -> Iterator[None]:
+    """A device's own out-of-memory error inside as ``DeviceOutOfMemory``, saying what the
+    profiler was ``doing``."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_out_of_memory(error):
+            raise
+        raise DeviceOutOfMemory(
+            f"out of memory on device {runtime.name!r} {doing}: {_first_line(error)}"
+        ) from error
+
+
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
@@ -460,7 +484,7 @@ class _Session:
         self,
         program: Program,
         runtimes: Sequence[Runtime],
-        passes: Sequence[Plan],
+        passes: Sequence[Plan | None],
         repeats: int,
         warmup: int,
         on_progress: Progress | None,
@@ -469,7 +493,7 @@ class _Session:
         self.program = program
         self.runtimes = runtimes
         self.passes = passes
-        self.steps = [_pass_steps(plan) for plan in passes]
+        self.steps = [_pass_steps(plan, program.graph) for plan in passes]
         self.repeats = repeats
         self.warmup = warmup
         self.on_progress = on_progress
@@ -482,13 +506,20 @@ class _Session:
         # per CUDA device, per node: the most scratch memory its kernel held in a timed pass
         self.workspace: dict[str, dict[int, int]] = {}
         copy_passes = 1 if len(runtimes) > 1 else 0
-        # the timed passes, the copies' and the executor's runs (``_step_overhead``)
-        runs = warmup + repeats + copy_passes + 1 + repeats
-        self.total = sum(len(steps) for steps in self.steps) * runs
-        # Per device: its energy counter, or None and why (``_counter``).
+        # the timed passes, the copies' and the executor's runs (``_step_overhead``); node
+        # by node, each node's timed evaluations and its copies
+        runs = warmup + repeats + copy_passes
+        self.total = sum(
+            len(steps) * (runs if plan is None else runs + 1 + repeats)
+            for plan, steps in zip(passes, self.steps, strict=True)
+        )
+        # Per device: its energy counter, or None and why (``_counter``); node by node, none.
         self.counters = dict(
             zip((r.name for r in runtimes), counters or [(None, "")] * len(runtimes), strict=True)
         )
+        for runtime, plan in zip(runtimes, passes, strict=True):
+            if plan is None:
+                self.counters[runtime.name] = (None, NODE_BY_NODE_ENERGY)
         self.total += sum(
             len(steps)
             for r, steps in zip(runtimes, self.steps, strict=True)
@@ -503,7 +534,11 @@ class _Session:
     def run(self) -> None:
         self._report(force=True)
         for runtime, plan, steps in zip(self.runtimes, self.passes, self.steps, strict=True):
-            try:
+            if plan is None:
+                self._node_by_node(runtime)
+                continue
+            doing = "placing the parameters, inputs and gradient buffers to profile"
+            with _device_memory(runtime, doing):
                 fixed = {n: t.to(runtime.torch_device) for n, t in self.program.fixed.items()}
                 everything = range(len(self.program.graph))
                 grads = GradientBuffers.allocate(
@@ -513,13 +548,6 @@ class _Session:
                 )
                 held = value_bytes((*fixed.values(), *grads.values()))
                 check_memory(runtime, held)
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not is_out_of_memory(error):
-                    raise
-                raise DeviceOutOfMemory(
-                    f"out of memory on device {runtime.name!r} placing the parameters, inputs "
-                    f"and gradient buffers to profile: {_first_line(error)}"
-                ) from error
             for index in range(self.warmup + self.repeats):
                 record = self.times[runtime.name] if index >= self.warmup else None
                 self._pass(runtime, steps, held, fixed, grads, record, copies=False)
@@ -537,6 +565,59 @@ class _Session:
             del fixed, grads
             self.step_overhead_ms[runtime.name] = self._step_overhead(runtime, plan, steps)
         self._report(force=True)
+
+    def _node_by_node(self, runtime: Runtime) -> None:
+        """Every node timed alone on ``runtime``, where no pass fits what it may hold (the
+        module docstring): the graph evaluated on the host in node order, untimed, each
+        value freed after its last reader; at each node, its inputs and fixed tensors
+        copied to the device (and gradient buffers for its parameters' gradients), its
+        ``warmup + repeats`` evaluations timed there, its copies to the other devices, and
+        all of it released before the next node."""
+        graph, program = self.program.graph, self.program
+        host, device = torch.device("cpu"), runtime.torch_device
+        last_read = {dep: node.id for node in graph.nodes for dep in node.deps}
+        values: dict[int, Value] = {}
+        for node in graph.nodes:
+            index = node.id
+            with _device_memory(runtime, f"while profiling node {node.name!r} alone"):
+                fixed = {n: program.fixed[n].to(device) for n in program.held_fixed([index])}
+                grads = None
+                if node.kind is NodeKind.BACKWARD:
+                    names = program.gradient_buffers([index])
+                    grads = GradientBuffers.allocate(names, program.fixed, device)
+                inputs = {dep: tuple(t.to(device) for t in values[dep]) for dep in node.deps}
+                held = value_bytes(
+                    (
+                        *fixed.values(),
+                        *(grads or {}).values(),
+                        *(t for v in inputs.values() for t in v),
+                    )
+                )
+                check_memory(runtime, held)
+                compute = partial(program.compute, index, inputs, fixed, grads, device)
+                for run in range(self.warmup + self.repeats):
+                    if grads is not None:
+                        grads.rewind()
+                    if run >= self.warmup and runtime.is_cuda:
+                        value, ms, scratch = _with_workspace(runtime, compute)
+                        workspace = self.workspace.setdefault(runtime.name, {})
+                        workspace[index] = max(workspace.get(index, 0), scratch)
+                    else:
+                        value, ms = runtime.timed(compute)
+                    check_memory(runtime, held + value_bytes(value))
+                    if run >= self.warmup:
+                        self.times[runtime.name][index].append(ms)
+                    self.done += 1
+                    self._report()
+            self.output_bytes[index] = value_bytes(value)
+            if len(self.runtimes) > 1:
+                self._time_copies(index, runtime, value)
+                self.done += 1
+            del value, inputs, fixed, grads
+            values[index] = program.compute(index, values, program.fixed, None, host)
+            for dep in node.deps:
+                if last_read[dep] == index:
+                    del values[dep]
 
     def _step_overhead(self, runtime: Runtime, plan: Plan, steps: PassSteps) -> float:
         """The executor's own time per compute step of ``plan`` on ``runtime`` (the module
@@ -616,7 +697,7 @@ class _Session:
         for index, frees in steps:
             node = nodes[index]
             buffers = grads if node.kind is NodeKind.BACKWARD else None
-            try:
+            with _device_memory(runtime, f"while profiling node {node.name!r}"):
                 compute = partial(self.program.compute, index, values, fixed, buffers, device)
                 if energy is not None and index not in timed:
                     timed.add(index)
@@ -629,13 +710,6 @@ class _Session:
                     value, ms = runtime.timed(compute)
                 nbytes = value_bytes(value)
                 check_memory(runtime, held + nbytes)
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not is_out_of_memory(error):
-                    raise
-                raise DeviceOutOfMemory(
-                    f"out of memory on device {runtime.name!r} while profiling node "
-                    f"{node.name!r}: {_first_line(error)}"
-                ) from error
             if record is not None:
                 record[index].append(ms)
             self.output_bytes[index] = nbytes

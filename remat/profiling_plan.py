@@ -11,12 +11,17 @@ milliseconds to seconds (greedy eviction: at most its
 search's ``evict_time_s``) on analytical costs of that one device: their times only steer
 which activations are recomputed; the bytes, from shape inference, are what the limit is
 checked against, by the simulator.
+
+Where no plan of the whole graph fits (a device that holds part of a model's parameters,
+in a job that splits the model over several devices), there is none, and the profiler
+times the nodes one at a time, each with only its own fixed tensors, inputs and output on
+the device: that needs the most any one node needs (``shortfall`` with ``alone``).
 """
 
 from __future__ import annotations
 
 from remat.costs import analytical_costs
-from remat.devices import Device, format_bytes
+from remat.devices import Device
 from remat.errors import InvalidInputError
 from remat.graph import Graph
 from remat.plan import Plan
@@ -27,25 +32,21 @@ from remat.strategies.common.floor import shortfall
 PROFILING_STRATEGIES = ("checkpoint_all", "input_aware", "greedy_evict")
 
 
-def profiling_plan(graph: Graph, device: Device, memory_bytes: int | None) -> Plan:
+def profiling_plan(graph: Graph, device: Device, memory_bytes: int | None) -> Plan | None:
     """The plan to profile ``graph`` under on ``device`` holding at most ``memory_bytes``
-    (None: no limit, checkpoint-all); ``InvalidInputError`` saying how much memory is
-    needed where no plan fits."""
+    (None: no limit, checkpoint-all); None where no plan of the whole graph fits but every
+    node fits alone (profile node by node); ``InvalidInputError`` saying how much memory
+    is needed where some node does not."""
     problem = Problem(graph, analytical_costs(graph, [device]), {device.name: memory_bytes})
-    needs = shortfall(problem, [device.name])
+    if shortfall(problem, [device.name]) is None:
+        for strategy in PROFILING_STRATEGIES:
+            result = run_strategy(strategy, problem, device.name)
+            if result.plan is not None and result.simulation and result.simulation.valid:
+                return result.plan
+    needs = shortfall(problem, [device.name], alone=True)
     if needs is not None:
         raise InvalidInputError(
-            f"cannot profile on {device.name}: computing {needs.node} needs at least "
+            f"cannot profile on {device.name}: computing {needs.node} alone needs at least "
             f"{needs.needs[0].describe()}"
         )
-    messages = []
-    for strategy in PROFILING_STRATEGIES:
-        result = run_strategy(strategy, problem, device.name)
-        if result.plan is not None and result.simulation is not None and result.simulation.valid:
-            return result.plan
-        messages.append(f"{strategy}: {result.message}")
-    assert memory_bytes is not None  # checkpoint-all fits when nothing limits it
-    raise InvalidInputError(
-        f"cannot profile on {device.name}: no plan found that holds at most "
-        f"{format_bytes(memory_bytes)} ({'; '.join(messages)})"
-    )
+    return None

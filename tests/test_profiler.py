@@ -15,7 +15,7 @@ import torch
 from agents import profiler
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import execute
-from agents.profiler import affine_fit, median_and_spread, profile, slowdown
+from agents.profiler import NODE_BY_NODE_ENERGY, affine_fit, median_and_spread, profile, slowdown
 from agents.torch_devices import Runtime, runtime_of
 from remat import samples
 from remat.budgets import fixed_bytes, reference
@@ -229,11 +229,43 @@ def test_a_device_smaller_than_checkpoint_all_is_profiled_under_a_plan() -> None
     assert set(table.nodes) == {n.name for n in graph.nodes}
 
 
-def test_a_device_too_small_for_any_plan_says_what_profiling_needs() -> None:
+def test_a_device_smaller_than_any_pass_is_profiled_node_by_node() -> None:
+    """A device that holds less than the whole graph's fixed tensors (a part of a model
+    split over devices) has no pass: each node is timed alone there, with only its own
+    fixed tensors, inputs and output, never above what the device may hold; the other
+    device profiles in passes, and copies are timed both ways."""
     model = samples.resnet18(batch=2, image=32, width=8)
     graph = for_mode(forward_graph(model), Mode.TRAINING)
-    with pytest.raises(TaskError, match=r"cannot profile on cpu0: .*needs at least"):
-        profile(model, graph, [CPU0], memory_bytes={"cpu0": fixed_bytes(graph) + 1})
+    limit = fixed_bytes(graph) // 2
+    small = with_option(CPU0, "memory", str(limit))
+    progress: list[tuple[int, int]] = []
+    table = profile(
+        model,
+        graph,
+        [small, CPU1],
+        repeats=2,
+        warmup=1,
+        on_progress=lambda *p: progress.append(p),
+        energy_counters={"cpu0": None, "cpu1": None},
+    )
+    costs = profiled_costs(graph, table)
+    assert (costs.compute_ms > 0).all()
+    assert (costs.copy_ms[:, 0, 1] > 0).all() and (costs.copy_ms[:, 1, 0] > 0).all()
+    assert costs.output_bytes.tolist() == [n.output_bytes for n in graph.nodes]
+    cpu0, cpu1 = table.devices
+    assert cpu0.model_extra == {"energy_note": NODE_BY_NODE_ENERGY}
+    assert cpu0.step_overhead_ms == 0.0 and cpu1.model_extra != cpu0.model_extra
+    # cpu0: 1 + 2 evaluations and a copy per node; cpu1: (1 + 2) passes, a copy pass and
+    # the executor's runs (1 + 2)
+    total = len(graph) * ((1 + 2 + 1) + (1 + 2 + 1 + 1 + 2))
+    assert progress[-1] == (total, total)
+
+
+def test_a_device_too_small_for_any_node_says_what_profiling_needs() -> None:
+    model = samples.resnet18(batch=2, image=32, width=8)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    with pytest.raises(TaskError, match=r"cannot profile on cpu0: computing .* alone needs at"):
+        profile(model, graph, [CPU0], memory_bytes={"cpu0": 4096})
 
 
 def test_the_storage_fit_weighs_every_size_alike() -> None:

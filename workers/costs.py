@@ -104,12 +104,10 @@ def _node(session: Session, node_id: str) -> NodeRow:
 
 
 def profiling_memory(spec: JobSpec, path: Path) -> dict[str, int]:
-    """A job on one device: its budget in bytes (analytical costs resolve a percentage:
-    bytes come from shape inference), which profiling holds no more than. A job on several
-    devices splits the graph, so one device's budget does not bound a pass of the whole
-    graph there: only the devices' ``memory`` options bound profiling (none here)."""
-    if len(spec.devices) != 1:
-        return {}
+    """The job's budget on each device in bytes (analytical costs resolve a percentage:
+    bytes come from shape inference), which profiling holds no more than there: in passes
+    under a plan that fits, or node by node on a device that holds only part of the model
+    (``remat.profiling_plan``)."""
     budgets = build_problem(spec, path).budgets
     return {name: size for name, size in budgets.items() if size is not None}
 

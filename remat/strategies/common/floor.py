@@ -72,9 +72,11 @@ def value_bytes(problem: Problem, node: int, d: int) -> int:
     return int(sizes[node]) + sum(int(sizes[u]) for u in deps) + problem.costs.workspace(node, d)
 
 
-def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
+def shortfall(problem: Problem, devices: Sequence[str], alone: bool = False) -> Shortfall | None:
     """Among the nodes that fit on none of ``devices`` (each with a budget), the one that
-    needs the most on the first of them; None when every node fits somewhere."""
+    needs the most on the first of them; None when every node fits somewhere. ``alone``:
+    each node with only its own fixed tensors, as where nodes are computed one at a time
+    with nothing else held (the agent's profiler, node by node)."""
     budgets: dict[str, int] = {}
     for name in devices:
         budget = problem.budgets.get(name)
@@ -84,7 +86,8 @@ def shortfall(problem: Problem, devices: Sequence[str]) -> Shortfall | None:
     graph = problem.graph
     index = {name: problem.costs.device_index(name) for name in budgets}
     spaces = {problem.costs.devices[d].memory_space for d in index.values()}
-    everything = device_fixed_bytes(problem, devices[0]) if len(spaces) == 1 else None
+    shared = len(spaces) == 1 and not alone
+    everything = device_fixed_bytes(problem, devices[0]) if shared else None
     worst: Shortfall | None = None
     for node in graph.nodes:
         fixed = held_fixed_bytes(graph, [node.id]) if everything is None else everything

@@ -18,12 +18,12 @@ there, and the device's ``memory`` option, whichever is smaller), the passes fol
 that fits instead (``remat.profiling_plan``: recomputing as Mimose's collector does), and a
 node recomputed in a pass is timed at each evaluation. Where no pass fits (a device given
 less than the model's fixed tensors, in a job that splits the model over devices), the
-nodes are timed one at a time there (``_Session._node_by_node``: the graph evaluated on
-the host, each node's inputs and own fixed tensors copied to the device for its timed
-evaluations), which needs the most any one node needs; such a device gets no energy pass
-and no step overhead. The profiler's account of the tensors it holds on the device (fixed
-tensors, gradient buffers and the values resident) never exceeds the limit:
-``DeviceOutOfMemory`` if it would.
+nodes are timed one at a time there (``_Session._node_by_node``: passes in node order in
+which each node's inputs and own fixed tensors are copied to the device for its timed
+evaluation and its value goes to the host), which needs the most any one node needs; such
+a device gets no energy pass and no step overhead. The profiler's account of the tensors
+it holds on the device (fixed tensors, gradient buffers and the values resident) never
+exceeds the limit: ``DeviceOutOfMemory`` if it would.
 
 With several devices, one more pass per source device times copies: right after a node is
 computed, its value is copied to every other device into a destination allocated
@@ -568,36 +568,30 @@ class _Session:
 
     def _node_by_node(self, runtime: Runtime) -> None:
         """Every node timed alone on ``runtime``, where no pass fits what it may hold (the
-        module docstring): the graph evaluated on the host in node order, untimed, each
-        value freed after its last reader; at each node, its inputs and fixed tensors
-        copied to the device (and gradient buffers for its parameters' gradients), its
-        ``warmup + repeats`` evaluations timed there, its copies to the other devices, and
-        all of it released before the next node."""
+        module docstring): ``warmup + repeats`` passes in node order, in which each node's
+        inputs, own fixed tensors (and gradient buffers for its parameters' gradients) are
+        copied to the device, the node is evaluated and timed there, and its value goes to
+        the host, where each value is held until its last reader; the last pass also times
+        each value's copies to the other devices. A node thus runs once a pass, as in a
+        pass of the whole graph, rather than repeated alone with everything hot."""
         graph, program = self.program.graph, self.program
         host, device = torch.device("cpu"), runtime.torch_device
         last_read = {dep: node.id for node in graph.nodes for dep in node.deps}
-        values: dict[int, Value] = {}
-        for node in graph.nodes:
-            index = node.id
-            with _device_memory(runtime, f"while profiling node {node.name!r} alone"):
-                fixed = {n: program.fixed[n].to(device) for n in program.held_fixed([index])}
-                grads = None
-                if node.kind is NodeKind.BACKWARD:
-                    names = program.gradient_buffers([index])
-                    grads = GradientBuffers.allocate(names, program.fixed, device)
-                inputs = {dep: tuple(t.to(device) for t in values[dep]) for dep in node.deps}
-                held = value_bytes(
-                    (
-                        *fixed.values(),
-                        *(grads or {}).values(),
-                        *(t for v in inputs.values() for t in v),
-                    )
-                )
-                check_memory(runtime, held)
-                compute = partial(program.compute, index, inputs, fixed, grads, device)
-                for run in range(self.warmup + self.repeats):
-                    if grads is not None:
-                        grads.rewind()
+        for run in range(self.warmup + self.repeats):
+            values: dict[int, Value] = {}
+            for node in graph.nodes:
+                index = node.id
+                with _device_memory(runtime, f"while profiling node {node.name!r} alone"):
+                    fixed = {n: program.fixed[n].to(device) for n in program.held_fixed([index])}
+                    grads = None
+                    if node.kind is NodeKind.BACKWARD:
+                        names = program.gradient_buffers([index])
+                        grads = GradientBuffers.allocate(names, program.fixed, device)
+                    inputs = {dep: tuple(t.to(device) for t in values[dep]) for dep in node.deps}
+                    read = [t for value in inputs.values() for t in value]
+                    held = value_bytes((*fixed.values(), *(grads or {}).values(), *read))
+                    check_memory(runtime, held)
+                    compute = partial(program.compute, index, inputs, fixed, grads, device)
                     if run >= self.warmup and runtime.is_cuda:
                         value, ms, scratch = _with_workspace(runtime, compute)
                         workspace = self.workspace.setdefault(runtime.name, {})
@@ -605,19 +599,20 @@ class _Session:
                     else:
                         value, ms = runtime.timed(compute)
                     check_memory(runtime, held + value_bytes(value))
-                    if run >= self.warmup:
-                        self.times[runtime.name][index].append(ms)
-                    self.done += 1
-                    self._report()
-            self.output_bytes[index] = value_bytes(value)
-            if len(self.runtimes) > 1:
-                self._time_copies(index, runtime, value)
+                if run >= self.warmup:
+                    self.times[runtime.name][index].append(ms)
+                self.output_bytes[index] = value_bytes(value)
                 self.done += 1
-            del value, inputs, fixed, grads
-            values[index] = program.compute(index, values, program.fixed, None, host)
-            for dep in node.deps:
-                if last_read[dep] == index:
-                    del values[dep]
+                if run == self.warmup + self.repeats - 1 and len(self.runtimes) > 1:
+                    self._time_copies(index, runtime, value)
+                    self.done += 1
+                self._report()
+                del inputs, fixed, grads
+                values[index] = tuple(t.to(host) for t in value)
+                del value
+                for dep in node.deps:
+                    if last_read[dep] == index:
+                        del values[dep]
 
     def _step_overhead(self, runtime: Runtime, plan: Plan, steps: PassSteps) -> float:
         """The executor's own time per compute step of ``plan`` on ``runtime`` (the module

@@ -429,6 +429,19 @@ def _eager(rows: Rows) -> str:
     return _table(rows, columns, right)
 
 
+def _profiling(rows: Rows) -> str:
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
+        ("limit MiB", lambda r: f"{int(r['limit_bytes']) / 2**20:.1f}"),
+        ("passes ms", lambda r: _f(r, "passes_ms", ".2f")),
+        ("passes' overhead ms", lambda r: _f(r, "overhead_ms", ".2f")),
+        ("node by node ms", lambda r: _f(r, "alone_ms", ".2f")),
+        ("node by node / passes", lambda r: _f(r, "ratio", ".3f")),
+        ("/ passes with overhead", lambda r: _f(r, "ratio_with_overhead", ".3f")),
+    ]
+    return _table(rows, columns, tuple(header for header, _ in columns[1:]))
+
+
 def _energy(rows: Rows) -> str:
     columns: list[Column] = [
         ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
@@ -457,6 +470,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "port": _port,
     "port_m": _port_m,
     "eager": _eager,
+    "profiling": _profiling,
     "energy": _energy,
 }
 

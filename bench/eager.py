@@ -8,8 +8,11 @@ kept (``agents.torch_devices.keep_host_heap``).
 
 Columns: the plan's steps; eager and executor milliseconds and their ratio; the executor's
 own time per step outside the kernels' (its total less the sum of its steps' times, over
-the steps) and per compute step inside them (the steps' times less the profiler's median
-node times, a rough split: the profiler times each node with the same call).
+the steps; the step-timed run is slower than the measured ones, so this can go below 0)
+and per compute step inside them (the steps' times less the profiler's median node
+times, a rough split: the profiler times each node with the same call); and the
+profiler's ``step_overhead_ms`` (the executor's median run less its node times, per
+compute step: what the cost model adds to each node).
 
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
@@ -35,7 +38,6 @@ from agents.pytorch.check import export_entry, graph_of
 from agents.pytorch.corpus import CORPUS
 from agents.pytorch.reference import model_inputs, module_gradients
 from agents.torch_devices import keep_host_heap
-from remat.costs import profiled_costs
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
 from remat.problem import problem_from_graph
@@ -56,16 +58,17 @@ def main() -> None:
     device = Device("cpu0", DeviceKind.CPU, {"threads": str(args.threads)})
     print(
         "| model (nodes) | steps | eager ms | executor ms | executor / eager "
-        "| outside the kernels, us per step | inside, us per compute |"
+        "| outside the kernels, us per step | inside, us per compute | step overhead, us |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         row = _measure(name, device, args.threads, args.repeats)
         out.add(row)
         print(
             f"| {name} ({row['nodes']}) | {row['steps']} | {row['eager_ms']:.2f} "
             f"| {row['measured_ms']:.2f} | {row['ratio']:.3f} "
-            f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} |",
+            f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} "
+            f"| {row['step_overhead_us']:.1f} |",
             flush=True,
         )
 
@@ -106,7 +109,7 @@ def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str,
         lambda: profile(exported.model, graph, [device], repeats=5, warmup=WARMUP),
         f"profiling {name}",
     )
-    kernels_ms = float(profiled_costs(graph, table).compute_ms.sum())
+    kernels_ms = sum(entry.compute_ms[device.name] for entry in table.nodes.values())
     steps, computes = len(plan.steps), sum(1 for s in plan.steps if s.op == "compute")
     return {
         "model": name,
@@ -118,6 +121,7 @@ def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str,
         "ratio": report.total_ms / eager_ms,
         "outside_us_per_step": (report.total_ms - sum(report.step_ms)) / steps * 1e3,
         "inside_us_per_compute": (sum(report.step_ms) - kernels_ms) / computes * 1e3,
+        "step_overhead_us": table.devices[0].step_overhead_ms * 1e3,
         "gradients_match": report.gradients_match,
     }
 

@@ -423,6 +423,7 @@ def _eager(rows: Rows) -> str:
         ("executor ms", lambda r: _f(r, "measured_ms", ".2f")),
         ("executor / eager", lambda r: _f(r, "ratio", ".2f")),
         ("outside the kernels, us per step", lambda r: _f(r, "outside_us_per_step", ".1f")),
+        ("step overhead, us", lambda r: _f(r, "step_overhead_us", ".1f", "-")),
         ("gradients match", lambda r: "yes" if r.get("gradients_match") == "True" else "no"),
     ]
     right = ("steps", "eager ms", "executor ms", "executor / eager")

@@ -339,14 +339,12 @@ def execute(
     )
 
 
-def plain_runs_ms(
-    program: Program, plan: Plan, runtimes: Mapping[str, Runtime], runs: int
-) -> list[float]:
-    """The times of ``runs`` runs of ``plan`` as ``execute`` times its measured ones (the
-    whole plan, no step timed; each run's values dropped), under ``measuring``'s
-    conditions: what the profiler sets its node times against (``step_overhead_ms``)."""
+def plain_run_ms(program: Program, plan: Plan, runtimes: Mapping[str, Runtime]) -> float:
+    """The time of one run of ``plan`` as ``execute`` times its measured ones (the whole
+    plan, no step timed; its values dropped), under ``measuring``'s conditions: what the
+    profiler sets its node times against (``step_overhead_ms``)."""
     with measuring():
-        return [_Run(program, plan, runtimes).run().total_ms for _ in range(runs)]
+        return _Run(program, plan, runtimes).run().total_ms
 
 
 def _measured_runs(run: Callable[[], _Run], repeats: int) -> list[_Result]:

@@ -87,7 +87,7 @@ it while the node runs. A CPU device's kernels are taken to hold none.
 A plan's time is more than its nodes' times: the executor dispatches each step, keeps its
 account, frees values, and a node's time is the median of its evaluations where a run
 pays each one's. So each device ends with the executor's own runs of its pass's plan
-(``agents.executor.plain_runs_ms``: one unmeasured, then ``repeats``), and the median
+(``agents.executor.plain_run_ms``: one unmeasured, then ``repeats``), and the median
 run's time less the sum of its evaluations' times, over its compute steps, is the device's
 ``step_overhead_ms`` (at least 0; on a GPU the host's work hides behind the kernels), which
 ``remat.costs.profiled_costs`` adds to every node's time there.
@@ -114,7 +114,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
-from agents.executor import plain_runs_ms
+from agents.executor import plain_run_ms
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
@@ -592,12 +592,7 @@ class _Session:
                     held = value_bytes((*fixed.values(), *(grads or {}).values(), *read))
                     check_memory(runtime, held)
                     compute = partial(program.compute, index, inputs, fixed, grads, device)
-                    if run >= self.warmup and runtime.is_cuda:
-                        value, ms, scratch = _with_workspace(runtime, compute)
-                        workspace = self.workspace.setdefault(runtime.name, {})
-                        workspace[index] = max(workspace.get(index, 0), scratch)
-                    else:
-                        value, ms = runtime.timed(compute)
+                    value, ms = self._timed(runtime, index, compute, run >= self.warmup)
                     check_memory(runtime, held + value_bytes(value))
                 if run >= self.warmup:
                     self.times[runtime.name][index].append(ms)
@@ -614,13 +609,25 @@ class _Session:
                     if last_read[dep] == index:
                         del values[dep]
 
+    def _timed(
+        self, runtime: Runtime, index: int, compute: Callable[[], Value], measured: bool
+    ) -> tuple[Value, float]:
+        """Node ``index``'s evaluation ``compute`` timed on ``runtime``; where ``measured``
+        on a CUDA device, its workspace recorded too (the most over the evaluations)."""
+        if not (measured and runtime.is_cuda):
+            return runtime.timed(compute)
+        value, ms, scratch = _with_workspace(runtime, compute)
+        workspace = self.workspace.setdefault(runtime.name, {})
+        workspace[index] = max(workspace.get(index, 0), scratch)
+        return value, ms
+
     def _step_overhead(self, runtime: Runtime, plan: Plan, steps: PassSteps) -> float:
         """The executor's own time per compute step of ``plan`` on ``runtime`` (the module
         docstring): the median time of ``repeats`` runs of it after one unmeasured, less
         its nodes' times (each evaluation's median), over its compute steps; at least 0."""
         runs = []
         for _ in range(1 + self.repeats):
-            runs += plain_runs_ms(self.program, plan, {runtime.name: runtime}, 1)
+            runs.append(plain_run_ms(self.program, plan, {runtime.name: runtime}))
             self.done += len(steps)
             self._report()
         times = self.times[runtime.name]
@@ -697,12 +704,8 @@ class _Session:
                 if energy is not None and index not in timed:
                     timed.add(index)
                     value, ms = self._measure_energy(runtime, energy, index, compute), 0.0
-                elif record is not None and runtime.is_cuda:
-                    value, ms, scratch = _with_workspace(runtime, compute)
-                    workspace = self.workspace.setdefault(runtime.name, {})
-                    workspace[index] = max(workspace.get(index, 0), scratch)
                 else:
-                    value, ms = runtime.timed(compute)
+                    value, ms = self._timed(runtime, index, compute, record is not None)
                 nbytes = value_bytes(value)
                 check_memory(runtime, held + nbytes)
             if record is not None:

@@ -489,6 +489,8 @@ _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
 def _max_pool(spec: OpSpec, args: Args) -> Outputs:
+    """The pooled values, and where ``Indices`` is wanted (also a training graph's kept
+    argmax) ONNX's indices: into the whole flattened input, not counting padding."""
     x = args[0]
     assert x is not None
     pool = _MAX_POOL.get(x.dim() - 2)
@@ -505,20 +507,39 @@ def _max_pool(spec: OpSpec, args: Args) -> Outputs:
     window = (win.kernel, win.strides, padding, win.dilations, ceil)
     if not spec.wants_output(1):
         return (pool(padded, *window, return_indices=False),)
+    if spec.attr("storage_order", 0):
+        raise spec.unsupported("column-major storage_order")
     values, indices = pool(padded, *window, return_indices=True)
     if padded is not x:
-        raise spec.unsupported("MaxPool indices with asymmetric or large pads")
-    return values, _onnx_indices(spec, x, indices)
+        indices = _unpadded(spec, indices, padded.shape[2:], x.shape[2:], win)
+    return values, indices + _plane_starts(x)
 
 
-def _onnx_indices(spec: OpSpec, x: Tensor, indices: Tensor) -> Tensor:
-    """torch's per-plane indices -> ONNX's indices into the whole flattened tensor."""
-    if spec.attr("storage_order", 0):
-        raise ValueError("column-major storage_order")
-    plane = math.prod(x.shape[2:])
+def _unpadded(
+    spec: OpSpec,
+    indices: Tensor,
+    padded: Sequence[int],
+    shape: Sequence[int],
+    win: _Window,
+) -> Tensor:
+    """Indices into planes of the padded shape -> into planes of the input's ``shape``."""
+    extents = [(k - 1) * d + 1 for k, d in zip(win.kernel, win.dilations, strict=True)]
+    if any(p >= e for p, e in zip(win.begins + win.ends, extents * 2, strict=True)):
+        raise spec.unsupported("MaxPool indices with windows wholly in the padding")
+    coords = torch.unravel_index(indices, tuple(padded))
+    flat = torch.zeros_like(indices)
+    for coord, begin, size in zip(coords, win.begins, shape, strict=True):
+        flat = flat * size + (coord - begin)
+    return flat
+
+
+def _plane_starts(x: Tensor) -> Tensor:
+    """Where each (batch, channel) plane of ``x`` starts in the flattened tensor, shaped to
+    add to per-plane indices: PyTorch's pooling indices count within a plane, ONNX's over
+    the whole tensor."""
     n, c = x.shape[0], x.shape[1]
-    offset = torch.arange(n * c, device=x.device, dtype=torch.int64).reshape(n, c)
-    return indices + (offset * plane).reshape(n, c, *([1] * (x.dim() - 2)))
+    starts = torch.arange(n * c, device=x.device, dtype=torch.int64) * math.prod(x.shape[2:])
+    return starts.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
 def _average_pool(spec: OpSpec, args: Args) -> Outputs:
@@ -1732,6 +1753,23 @@ def _conv_grad(transposed: bool) -> Rule:
     return rule
 
 
+def _max_pool_grad(call: VjpCall) -> Grads:
+    """Each output element's gradient to the input element it took: the argmax, ONNX's
+    indices, which the forward kernel gave beside its values (the model's ``Indices``
+    output, or the argmax a training graph keeps: ``remat.training.argmax_bytes``); the
+    input is a shape only."""
+    assert call.output is not None and len(call.output) > 1, "MaxPool without its argmax"
+    x, g, indices = call.arg(0), call.g, call.output[1]
+
+    def grad() -> Tensor:
+        planes = (indices - _plane_starts(x)).flatten(2)
+        dx = torch.zeros(x.shape, dtype=g.dtype, device=g.device)
+        dx.flatten(2).scatter_add_(2, planes, g.flatten(2))
+        return dx
+
+    return call.only(grad)
+
+
 def _clip_grad(call: VjpCall) -> Grads:
     """Through where the input is within the bounds (inclusive, as autograd's clamp)."""
     spec, x, g = call.spec, call.arg(0), call.g
@@ -1825,6 +1863,7 @@ VJP_RULES: dict[str, Rule] = {
     "Identity": _identity_grad,
     "Concat": _concat_grad,
     "GlobalAveragePool": _global_average_pool_grad,
+    "MaxPool": _max_pool_grad,
     "MatMul": _matmul_grad,
     "Gemm": _gemm_grad,
     "Conv": _conv_grad(False),

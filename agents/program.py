@@ -8,7 +8,9 @@ random model inputs) and decides which of them receive gradients. ``Program.comp
 evaluates any one node from the values of its dependencies, exactly the ones the graph
 lists, so that an executor can run the nodes in any order a plan gives:
 
-* a forward node's value is one tensor per ONNX output;
+* a forward node's value is one tensor per ONNX output, and a training graph's MaxPool
+  keeps its argmax after them (``remat.training.argmax_bytes``), which only its backward
+  node reads;
 * the loss is the graph's (``remat.loss``: by default ``L = sum over model outputs y of
   0.5 * mean(y**2)``; or a cross-entropy of one output against labels, or the model's own
   scalar loss output); its value is ``dL/dy`` for each output of each node it reads (zeros
@@ -395,7 +397,7 @@ class Program:
         for dep in node.deps:
             names = self.graph.nodes[dep].attrs["onnx_outputs"]
             assert isinstance(names, list)
-            for name, y in zip(names, values[dep], strict=True):
+            for name, y in zip(names, values[dep][: len(names)], strict=True):
                 result.append(self.loss.gradient(name, y, fixed, self.model_outputs))
         return tuple(result)
 
@@ -506,7 +508,7 @@ class Program:
         for node in self.graph.forward_nodes():
             names = node.attrs["onnx_outputs"]
             assert isinstance(names, list)
-            for name, y in zip(names, outputs[node.id], strict=True):
+            for name, y in zip(names, outputs[node.id][: len(names)], strict=True):
                 term = self.loss.value(name, y, fixed, self.model_outputs)
                 if term is not None:
                     terms.append(term)
@@ -627,6 +629,8 @@ def build_program(
         }
         seed_of_node = kernels.node_seed(seed, node.name)
         spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
+        if node.attrs.get("keeps_argmax"):
+            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}:argmax"))
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]

@@ -15,11 +15,12 @@ accumulates weight gradients into fixed buffers). It depends on
 
 | needs            | op types                                                             |
 |------------------|----------------------------------------------------------------------|
-| output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt                  |
+| output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt, MaxPool (its    |
+|                  | argmax, kept with its output: below)                                 |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, BatchNormalization,               |
 |                  | InstanceNormalization, LayerNormalization, LeakyRelu, Gelu, Elu,     |
 |                  | Log, Abs, Pow, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM     |
-| inputs + output  | MaxPool (argmax), LRN; any op not listed (conservative)              |
+| inputs + output  | LRN; any op not listed (conservative)                                |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
 |                  | ReduceMean, ReduceSum, Slice, Neg, Expand, and every operator        |
@@ -31,6 +32,13 @@ accumulates weight gradients into fixed buffers). It depends on
 | some inputs      | Where (the condition), Gather and GatherElements (the indices),      |
 |                  | Resize (roi, scales, sizes), Dropout (ratio, training mode; and its  |
 |                  | output)                                                              |
+
+A MaxPool's gradient routes each output element's gradient to the input element it took
+(its argmax). In a training graph a MaxPool keeps those indices with its output, as
+PyTorch's autograd saves them: int64, one per output element, counted in its
+``output_bytes`` (``argmax_bytes``) unless the model already asks for them as its
+``Indices`` output. Its backward node then reads its output alone, not its input, and
+finds the argmax without running the pooling again.
 
 Clip and HardSwish need their input (Clip: and its bounds); Expand, like Reshape, only the
 input's shape. Operators with no gradient at all (comparisons such as Equal, logical
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from enum import Enum
 
 from remat.errors import InvalidInputError
@@ -90,14 +99,14 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
     "Dropout": (frozenset({1, 2}), True),  # ratio, training mode, and the mask
 }
 GRADIENT_NEEDS: dict[str, Needs] = {
-    **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt", Needs.OUTPUT),
+    **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
         "Conv ConvTranspose Gemm MatMul BatchNormalization InstanceNormalization "
         "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf HardSigmoid "
         "Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),
-    **_ops("MaxPool LRN", Needs.BOTH),
+    **_ops("LRN", Needs.BOTH),
     **_ops(
         "Add Sub Sum Concat Split Reshape Flatten Transpose Identity Pad AveragePool "
         "GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg Expand",
@@ -109,6 +118,23 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     "Div": Needs.DIV,
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+_INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
+
+
+def argmax_bytes(node: Node) -> int:
+    """The bytes of the argmax a training graph's MaxPool keeps beside its outputs (0 for
+    every other node): part of its ``output_bytes``, not of the gradient a user of it
+    sends back (``gradient_bytes``)."""
+    if not node.attrs.get("keeps_argmax"):
+        return 0
+    shapes = node.attrs["output_shapes"]
+    assert isinstance(shapes, list)
+    return _INDEX_BYTES * math.prod(int(d) for d in shapes[0])
+
+
+def gradient_bytes(node: Node) -> int:
+    """The bytes of the gradient with respect to a forward node's outputs."""
+    return node.output_bytes - argmax_bytes(node)
 
 
 def gradient_needs(
@@ -184,9 +210,9 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
     reads, attrs = _loss_reads(forward, loss, fixed)
     on_path = _on_path_to_loss(forward, reads)
     names = _Names(n.name for n in forward.nodes)
-    nodes = list(forward.nodes)
+    nodes = [_keeping_argmax(n) if on_path[n.id] else n for n in forward.nodes]
     loss_id = len(nodes)
-    read_bytes = sum(forward.nodes[o].output_bytes for o in reads)
+    read_bytes = sum(gradient_bytes(nodes[o]) for o in reads)
     labels = tuple(t for t in fixed if t not in forward.fixed)
     nodes.append(
         Node(
@@ -212,7 +238,7 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
     for f in reversed(range(len(forward))):
         if not on_path[f]:
             continue
-        node = forward.nodes[f]
+        node = nodes[f]
         index = len(nodes)
         backward_of[f] = index
         upstream = [backward_of[u] for u in users[f] if u in backward_of]
@@ -292,8 +318,8 @@ def _backward_node(
         deps.add(node.id)
     grad_in = sum(nodes[u].output_bytes for u in upstream)
     reads = sum(nodes[d].output_bytes for d in deps) - sum(nodes[u].output_bytes for u in upstream)
-    output_bytes = sum(nodes[d].output_bytes for d in node.deps)
-    fixed_bytes = node.input_bytes - sum(nodes[d].output_bytes for d in node.deps)
+    output_bytes = sum(gradient_bytes(nodes[d]) for d in node.deps)
+    fixed_bytes = node.input_bytes - sum(gradient_bytes(nodes[d]) for d in node.deps)
     # the input's and the weight's gradients; only the weight's where the input is data
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
     return Node(
@@ -308,6 +334,16 @@ def _backward_node(
         fixed=node.fixed,
         forward=node.id,
     )
+
+
+def _keeping_argmax(node: Node) -> Node:
+    """A MaxPool that keeps its argmax for its backward node (the module docstring), where
+    its ``Indices`` output is not already there."""
+    outputs = node.attrs.get("onnx_outputs")
+    if node.op != "MaxPool" or not isinstance(outputs, list) or len(outputs) != 1:
+        return node
+    kept = replace(node, attrs={**node.attrs, "keeps_argmax": True})
+    return replace(kept, output_bytes=node.output_bytes + argmax_bytes(kept))
 
 
 def _on_path_to_loss(forward: Graph, reads: Iterable[int]) -> list[bool]:

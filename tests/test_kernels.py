@@ -430,6 +430,43 @@ def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:
             torch.testing.assert_close(a, b)
 
 
+MAX_POOLS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
+    "2x2": ((2, 3, 6, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    "overlapping_ceil": (
+        (1, 2, 7, 7),
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1},
+    ),
+    "asymmetric_pads": ((1, 2, 7, 7), {"kernel_shape": [2, 2], "auto_pad": "SAME_LOWER"}),
+    "large_pads": ((1, 1, 5, 5), {"kernel_shape": [3, 3], "pads": [2, 0, 0, 2]}),
+    "dilated": ((1, 2, 9, 9), {"kernel_shape": [2, 2], "dilations": [2, 2]}),
+    "1d": ((2, 3, 9), {"kernel_shape": [3], "strides": [2]}),
+    "3d": ((1, 2, 4, 4, 4), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}),
+}
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("name", sorted(MAX_POOLS))
+def test_maxpool_gradient_from_its_argmax_matches_autograd(name: str, ties: bool) -> None:
+    """MaxPool's gradient from the argmax its forward kernel gave (ONNX's indices, ignoring
+    padding), with a placeholder for the input, against autograd re-running the pooling;
+    ``ties``: a ReLU'd input, whose zeros tie."""
+    shape, attrs = MAX_POOLS[name]
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if ties:
+        x = x.clamp(min=0)
+    spec = OpSpec("MaxPool", "pool", attrs=attrs, inputs=("x",), outputs=("y", "y:argmax"))
+    output = kernels.run_forward(spec, [x])
+    assert output[1].dtype == torch.int64
+    assert torch.equal(x.flatten()[output[1]], output[0])  # ONNX's indices, as ORT's
+    g = torch.randn(output[0].shape, generator=generator, dtype=torch.float64)
+    hollow = kernels.placeholder(shape, x.dtype, x.device)
+    (ours,) = kernels.vjp(VjpCall(spec, [hollow], output, [g, None], [True]))
+    (reference,) = kernels.autograd_vjp(VjpCall(spec, [x], output, [g, None], [True]))
+    assert ours is not None and reference is not None
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+
+
 # --- program layout -------------------------------------------------------------------------
 
 
@@ -485,6 +522,21 @@ def test_training_values_have_the_graphs_bytes(family: str) -> None:
     kinds = {n.kind for n in graph.nodes}
     assert kinds == {NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD}
     assert any(float(g.abs().max()) > 0 for g in grads.values())
+
+
+def test_a_training_step_pools_once_per_maxpool() -> None:
+    """A MaxPool's backward node takes the argmax its forward kept: over a training step of
+    VGG16 (five pools) PyTorch's pooling kernel runs five times, not ten."""
+    model = FAMILIES["vgg16"]()
+    graph = training_graph(forward_graph(model))
+    pools = sum(1 for n in graph.forward_nodes() if n.op == "MaxPool")
+    assert pools == 5
+    program = build_program(model, graph)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        _training_values(program, torch.device("cpu"))
+    calls = {e.key: e.count for e in profiled.key_averages()}
+    assert calls.get("aten::max_pool2d_with_indices") == pools
+    assert calls.get("aten::scatter_add_") == pools
 
 
 def test_a_value_shares_a_whole_storage_and_copies_part_of_one() -> None:

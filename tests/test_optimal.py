@@ -114,16 +114,16 @@ def test_a_cancelled_solve_still_returns_the_warm_start():
 
 @pytest.mark.parametrize("eviction_fits", [True, False])
 def test_checkmates_warm_start_goes_beyond_every_baseline(monkeypatch, eviction_fits):
-    """ResNet18 at 50% on cpu0: greedy eviction, and the placed heuristic's local search,
-    which runs only where eviction finds no plan, each go more than 10% below the best
-    baseline. The solve is cancelled as soon as a plan 10% below the baseline is
-    reported."""
+    """ResNet18 at 55% on cpu0 (at 50% neither baseline has a plan): greedy eviction, and
+    the placed heuristic's local search, which runs only where eviction finds no plan, each
+    go more than 10% below the best baseline. The solve is cancelled as soon as a plan 10%
+    below the baseline is reported."""
     if eviction_fits:
         monkeypatch.setattr(search_module, "placed_greedy", _must_not_run)
     else:
         monkeypatch.setattr(search_module, "greedy_evict", _no_plan)
     graph = training_graph(forward_graph(samples.ZOO["resnet18"](), batch=4))
-    plain = budgeted(graph, 50, devices=("cpu0",))
+    plain = budgeted(graph, 55, devices=("cpu0",))
     baseline = min(
         r.simulation.total_ms
         for r in (run_strategy(name, plain, "cpu0") for name in ("ap_greedy", "linearized_greedy"))
@@ -136,7 +136,7 @@ def test_checkmates_warm_start_goes_beyond_every_baseline(monkeypatch, eviction_
             cancel.set()
 
     settings = SolverSettings(options=SolveOptions(time_limit_s=60), cancel=cancel, on_plan=on_plan)
-    problem = budgeted(graph, 50, devices=("cpu0",), settings=settings)
+    problem = budgeted(graph, 55, devices=("cpu0",), settings=settings)
     result = checkmate_milp(problem, "cpu0", coarse=False)
     assert cancel.is_set()
     assert result.feasible and result.simulation.valid
@@ -151,7 +151,7 @@ def _no_plan(*_args, **_kwargs) -> StrategyResult:
     return StrategyResult("greedy_evict", None, None, "no plan (stubbed)")
 
 
-RESNET18_OPTIMUM_MS = 1.1655740267
+RESNET18_OPTIMUM_MS = 1.1666662933
 """The optimum of ResNet18 (batch 4, training) at 30% on cpu+cuda: the optimal objective of
 XEngine's model, proven by the device cover's bound, which it equals (docs/solvers.md)."""
 
@@ -209,11 +209,12 @@ def test_a_bound_found_beside_the_full_solve_is_the_results_bound(monkeypatch):
 @pytest.mark.parametrize("strategy", ["checkmate_milp", "xengine"])
 def test_a_time_limit_too_short_to_build_the_model_keeps_the_warm_start_and_says_why(strategy):
     """resnet18's models take about 0.2 s (one device) and 0.4 s (two) to build: a 0.05 s
-    limit gets the warm start's plan and the time the build would need, not a solve."""
+    limit gets the warm start's plan and the time the build would need, not a solve (at
+    55%, where the single-device baselines the warm start takes have plans)."""
     graph = training_graph(forward_graph(samples.resnet18(batch=4)))
     settings = SolverSettings(options=SolveOptions(time_limit_s=0.05))
     devices = ("cuda0",) if strategy == "checkmate_milp" else ("cpu0", "cuda0")
-    problem = budgeted(graph, 50, devices, settings)
+    problem = budgeted(graph, 55, devices, settings)
     result = run_strategy(strategy, problem, devices[0] if len(devices) == 1 else None)
     assert result.feasible and result.plan is not None and result.plan.solver is not None
     assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid

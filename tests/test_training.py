@@ -203,3 +203,42 @@ def test_a_loss_reads_only_its_output_and_holds_its_labels():
 def test_a_loss_that_does_not_fit_the_model_is_refused(loss: Loss, message: str) -> None:
     with pytest.raises(InvalidInputError, match=re.escape(message)):
         training_graph(forward_graph(_scaled_model(True)), loss)
+
+
+def _pooled_model(indices: bool) -> onnx.ModelProto:
+    """x (1, 2, 6, 6) -> Relu -> MaxPool 2x2 (with its Indices output or not) -> Conv."""
+    f32 = TensorProto.FLOAT
+    pool_out = ["p", "idx"] if indices else ["p"]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["r"], "relu"),
+            helper.make_node(
+                "MaxPool", ["r"], pool_out, "pool", kernel_shape=[2, 2], strides=[2, 2]
+            ),
+            helper.make_node("Conv", ["p", "w"], ["y"], "conv", kernel_shape=[1, 1]),
+        ],
+        "pooled",
+        [helper.make_tensor_value_info("x", f32, [1, 2, 6, 6])],
+        [helper.make_tensor_value_info("y", f32, [1, 3, 3, 3])],
+        initializer=[numpy_helper.from_array(np.ones((3, 2, 1, 1), np.float32), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("indices", [False, True])
+def test_maxpool_keeps_its_argmax_and_its_backward_reads_only_its_output(indices: bool):
+    """A training MaxPool's value holds its argmax (int64 per output element) beside its
+    output, unless the model's Indices output is already there; its backward node reads
+    that value and not the input, and the gradient its user sends holds no kept argmax
+    (a model's own Indices output gets a gradient slot, as every output does)."""
+    g = training_graph(forward_graph(_pooled_model(indices)))
+    relu, pool, conv = (g.nodes[g.index(name)] for name in ("relu", "pool", "conv"))
+    pooled = 1 * 2 * 3 * 3
+    assert pool.output_bytes == 4 * pooled + 8 * pooled
+    assert bool(pool.attrs.get("keeps_argmax")) is not indices
+    pool_grad = g.nodes[g.index("pool:grad")]
+    assert pool.id in pool_grad.deps and relu.id not in pool_grad.deps
+    assert g.nodes[g.index("conv:grad")].output_bytes == 4 * pooled + (8 * pooled if indices else 0)
+    assert conv.output_bytes == 4 * 3 * 3 * 3
+    # the forward graph (inference) is as the model says
+    assert forward_graph(_pooled_model(False)).nodes[1].output_bytes == 4 * pooled

@@ -610,10 +610,13 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     )
     with torch.no_grad():
         batch_mean, inv_std = batch_mean.detach(), inv_std.detach()
-        batch_var = inv_std.pow(-2) - eps
+        if not (spec.wants_output(1) or spec.wants_output(2)):
+            return y, mean, var, batch_mean, inv_std  # running statistics not asked for
         momentum = float(spec.attr("momentum", 0.9))
-        running_mean = mean * momentum + batch_mean.to(mean.dtype) * (1 - momentum)
-        running_var = var * momentum + batch_var.to(var.dtype) * (1 - momentum)
+        # lerp(batch, running, momentum) = running * momentum + batch * (1 - momentum)
+        running_mean = torch.lerp(batch_mean.to(mean.dtype), mean, momentum)
+        batch_var = inv_std.pow(-2).sub_(eps).to(var.dtype)
+        running_var = torch.lerp(batch_var, var, momentum)
     return y, running_mean, running_var, batch_mean, inv_std
 
 

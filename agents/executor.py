@@ -163,7 +163,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import onnx
@@ -961,6 +961,18 @@ class _Run:
         self.live = dict.fromkeys(self.space.values(), 0)
         self.accumulated: set[int] = set()  # backward nodes whose gradients are in
         self.lock = threading.Lock()  # the account and ``accumulated``, in a section
+        # each step kind's method, looked up by the step's type
+        self.perform: dict[type, Callable[[Any], float]] = {
+            Compute: self._compute,
+            Copy: self._copy,
+            Free: self._free,
+            Offload: self._offload,
+            Prefetch: self._prefetch,
+            PageOut: self._page_out,
+            PageIn: self._page_in,
+            Wait: self._wait,
+            **dict.fromkeys(get_args(FixedStep), self._fixed_step),
+        }
         self.fixed: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers: dict[str, GradientBuffers] = {}
         # per memory space: its fixed tensors and gradient buffers
@@ -1155,32 +1167,15 @@ class _Run:
         return [times[index] for index, _ in steps]
 
     def _step(self, index: int, step: Step) -> float:
+        perform = self.perform.get(type(step))
+        if perform is None:  # the simulator accepted it, so a newer step kind this agent lacks
+            raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
         try:
-            if isinstance(step, Compute):
-                ms = self._compute(step)
-            elif isinstance(step, Copy):
-                ms = self._copy(step)
-            elif isinstance(step, Free):
-                ms = self._free(step)
-            elif isinstance(step, Offload):
-                ms = self._offload(step)
-            elif isinstance(step, Prefetch):
-                ms = self._prefetch(step)
-            elif isinstance(step, PageOut):
-                ms = self._page_out(step)
-            elif isinstance(step, PageIn):
-                ms = self._page_in(step)
-            elif isinstance(step, Wait):
-                ms = self._wait(step)
-            elif isinstance(step, FixedStep):
-                ms = self._fixed_step(step)
-            else:  # the simulator accepted it, so a newer step kind this agent lacks
-                raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
+            return perform(step)
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_out_of_memory(error):
                 raise
             raise self._oom(index, step, error) from error
-        return ms
 
     def _allocated(self, device: str, nbytes: int) -> None:
         """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
@@ -1209,25 +1204,24 @@ class _Run:
         runtime = self.runtimes[step.device]
         node = self.program.graph.nodes[step.node]
         grads = None
-        with self.lock:
-            if node.kind is NodeKind.BACKWARD and step.node not in self.accumulated:
-                # A recomputed backward node must not add its parameter gradients twice.
-                self.accumulated.add(step.node)
-                grads = self.buffers[step.device]
-        if grads is not None and self.paged_fixed:
-            self._new_buffers(step, grads)
+        if node.kind is NodeKind.BACKWARD:
+            with self.lock:
+                if step.node not in self.accumulated:
+                    # A recomputed backward node must not add its parameter gradients twice.
+                    self.accumulated.add(step.node)
+                    grads = self.buffers[step.device]
+            if grads is not None and self.paged_fixed:
+                self._new_buffers(step, grads)
         resident = self.resident[step.device]
-        value, ms = self._timed(
-            runtime,
-            partial(
-                self.program.compute,
-                step.node,
-                resident,
-                self.fixed[step.device],
-                grads,
-                runtime.torch_device,
-            ),
+        compute = partial(
+            self.program.compute,
+            step.node,
+            resident,
+            self.fixed[step.device],
+            grads,
+            runtime.torch_device,
         )
+        value, ms = self._timed(runtime, compute)
         resident[step.node] = value
         self._allocated(step.device, value_bytes(value))
         return ms

@@ -530,7 +530,10 @@ class Program:
 
 def value_bytes(value: Value) -> int:
     """The bytes a value is counted for: its tensors' whole storages (``_owned``)."""
-    return sum(t.untyped_storage().nbytes() for t in value)
+    total = 0
+    for t in value:  # a loop: this runs at every step, and a generator costs more
+        total += t.untyped_storage().nbytes()
+    return total
 
 
 def _summed(values: Mapping[int, Value], parts: Sequence[tuple[int, int]]) -> Tensor:

@@ -88,9 +88,12 @@ peak. Only a pool of devices of one kind runs: a CPU's and a GPU's tensors are a
 PyTorch, so such a pool is refused.
 
 Concurrent plans (version 4, PORT-M). A run of consecutive compute steps is one section:
-each device runs its steps of it in plan order on a thread of its own (one per device,
-made for the section), a step waiting for the inputs another device computes in the
-section, and the step after the section waits until every thread is done. PyTorch's
+each device runs its steps of it in plan order on a thread of its own (the section's
+first device on the run's thread, the others on threads the run starts once), a step
+waiting for the inputs another device computes in the section, and the step after the
+section waits until every thread is done. Each such signal between threads costs the
+host's thread hand-off, which the profiler measures and the simulator charges
+(``remat.costs.CostModel.handoff_ms``). PyTorch's
 kernels release the interpreter lock, so two CPU devices of a pool (each its own thread
 count) compute at once. The account takes each allocation under a lock; a section only
 allocates, so its peak is the plan-order peak. A failing step stops the section's other
@@ -100,16 +103,12 @@ Memory of transfers. An offloaded or paged-out value counts on its device until 
 releases it, as in the simulator; a host copy or a file counts on no device. A prefetched
 or paged-in value counts from its step itself (its memory is reserved when the compute
 lane issues it, and allocated then too on CUDA, and for a page-in on a CPU), which is
-simple and conservative: the simulator reserves it when the transfer starts, later than
-the step where the lane is still busy with earlier transfers. So the account (and a CPU
-device's measured peak) is at least the simulator's peak, and exceeds it only where a
-prefetch or page-in queues behind another transfer on its lane while the compute lane
-releases memory in between (a wait for an earlier offload or page-out, a free), by at
-most the bytes of such transfers. The offloading strategies, over either tier, reserve
-that memory from the step that issues it (``remat.strategies.common.offload``), so their
-plans stay within their budgets here too; on their plans the account equals the
-simulator's peak. Plans that page fixed tensors are judged with their reads counted from
-their steps (``simulate(..., reserve_at_issue=True)``), whose peak the account equals.
+simple and conservative: the simulator's own rule reserves it when the transfer starts,
+later than the step where the lane is still busy with earlier transfers, which depends on
+the transfers' timing. So plans are judged (``remat.strategies.common.problem.
+evaluate_plan``) and checked here (``check_plan``) with that memory counted from its step
+(``simulate(..., reserve_at_issue=True)``), the bound of every instant whatever the
+timing, whose peak the account equals.
 
 Numerics. In training, the parameter gradients summed over the devices' gradient
 buffers are compared with plain end-to-end autograd on the host: the error of a tensor is
@@ -159,7 +158,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -566,7 +565,9 @@ def check_plan(plan: Plan, graph: Graph) -> Simulation:
                 "pool's tensors on one kind of device (a CPU's and a GPU's tensors are apart "
                 "in PyTorch)"
             )
-    simulation = simulate(plan, graph, analytical_costs(graph, devices).pooled())
+    simulation = simulate(
+        plan, graph, analytical_costs(graph, devices).pooled(), reserve_at_issue=True
+    )
     if simulation.violation is not None:
         raise PlanRejectedError(f"the simulator rejects the plan: {simulation.violation}")
     return simulation
@@ -981,6 +982,7 @@ class _Run:
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
         self.peaks: dict[str, int] = {}
         self.lanes: dict[str, _Lane] = {}  # of the devices that transfer, made per run
+        self.section_threads: ThreadPoolExecutor | None = None  # a concurrent plan's
         self.pagers: dict[str, _PagingLane] = {}  # of the devices that page, made per run
         self.directory: Path | None = None  # the run's own, in the storage directory
         self.paged_fixed = plan.paged_fixed  # fixed tensors in storage (version 5)
@@ -1006,6 +1008,8 @@ class _Run:
                 self._lane(name)
             for name in self.paging:
                 self._pager(name)
+            if self.plan.concurrent and len(self.runtimes) > 1:
+                self._section_threads()
             self._store_fixed()
             start = time.perf_counter()
             step_ms = self._steps()
@@ -1098,6 +1102,9 @@ class _Run:
             self.fixed_files[name] = (path, (_Layout.of(value),))
 
     def _release(self) -> None:
+        threads, self.section_threads = self.section_threads, None
+        if threads is not None:
+            threads.shutdown()
         lanes, self.lanes = self.lanes, {}
         pagers, self.pagers = self.pagers, {}
         for lane in lanes.values():
@@ -1160,11 +1167,25 @@ class _Run:
                 failed.set()
                 raise
 
-        with ThreadPoolExecutor(len(by_device), thread_name_prefix="remat-section") as pool:
-            futures = [pool.submit(run, own) for own in by_device.values()]
-            for future in futures:
-                future.result()
+        first, *others = by_device.values()
+        threads = self._section_threads()
+        futures = [threads.submit(run, own) for own in others]
+        try:
+            run(first)  # the first device's share on this thread
+        finally:
+            wait(futures)
+        for future in futures:
+            future.result()
         return [times[index] for index, _ in steps]
+
+    def _section_threads(self) -> ThreadPoolExecutor:
+        """The run's threads for the devices of a section beyond the first, started once:
+        a thread started per section would cost more than a short section's work."""
+        if self.section_threads is None:
+            self.section_threads = ThreadPoolExecutor(
+                len(self.runtimes) - 1, thread_name_prefix="remat-section"
+            )
+        return self.section_threads
 
     def _step(self, index: int, step: Step) -> float:
         perform = self.perform.get(type(step))

@@ -92,6 +92,11 @@ run's time less the sum of its evaluations' times, over its compute steps, is th
 ``step_overhead_ms`` (at least 0; on a GPU the host's work hides behind the kernels), which
 ``remat.costs.profiled_costs`` adds to every node's time there.
 
+The devices of a concurrent plan's section run on threads of their own, which wait for
+each other's signals; the table's ``handoff_ms`` is the host's thread hand-off (half an
+event's round trip between two threads, ``thread_handoff_ms``), which the simulator
+charges at each such signal.
+
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
 """
@@ -187,8 +192,35 @@ def profile(
                 r.name: storage_link(r, directory) | slowdown(r, partial(_paged, directory))
                 for r in runtimes
             },
+            "handoff_ms": thread_handoff_ms(repeats=max(100, 20 * repeats)),
         }
     )
+
+
+def thread_handoff_ms(repeats: int) -> float:
+    """The host's thread hand-off (``remat.costs.CostModel.handoff_ms``): the median of
+    ``repeats`` round trips of an event between two threads (after ten unmeasured), halved.
+    A concurrent plan's section waits so at each signal between its devices' threads."""
+    ping, pong = threading.Event(), threading.Event()
+    rounds = 10 + repeats
+
+    def answer() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    other = threading.Thread(target=answer, name="remat-handoff", daemon=True)
+    other.start()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        ping.set()
+        pong.wait()
+        pong.clear()
+        times.append(time.perf_counter() - start)
+    other.join()
+    return statistics.median(times[10:]) / 2 * 1e3
 
 
 def _limited(runtime: Runtime, limit: int | None) -> Runtime:

@@ -93,6 +93,11 @@ class CostModel:
     # runs, beyond its inputs and output (None: none anywhere)
     workspace_bytes: np.ndarray | None = None
     storage: tuple[Link, ...] = ()
+    # How long one device's thread takes to run after another's signal (a thread's
+    # wake-up): a concurrent plan's section pays it where a step waits for an input another
+    # device computed in it, and where a device other than its first starts and ends
+    # (``remat.simulator``); measured by the agent's profiler, 0 in the analytical model.
+    handoff_ms: float = 0.0
 
     def workspace(self, node: int, d: int) -> int:
         return 0 if self.workspace_bytes is None else int(self.workspace_bytes[node, d])
@@ -388,6 +393,9 @@ class CostTable(BaseModel):
     copy_ms: dict[str, dict[str, TableMs]] = Field(default_factory=dict)
     host_links: dict[str, _TableHostLink] = Field(default_factory=dict)
     storage_links: dict[str, _TableStorageLink] = Field(default_factory=dict)
+    # The host's thread hand-off (``CostModel.handoff_ms``): half an event's round trip
+    # between two threads, measured by the agent's profiler.
+    handoff_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
 
     def restricted(self, names: list[str]) -> CostTable:
         """The table's costs for the devices ``names`` only, in that order (a job may use
@@ -509,7 +517,16 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
     energy = _table_energy(graph, table, devices, compute)
     scratch = workspace if workspace.any() else None
     return CostModel(
-        CostSource.PROFILED, devices, compute, copy, out, host, energy, scratch, storage
+        CostSource.PROFILED,
+        devices,
+        compute,
+        copy,
+        out,
+        host,
+        energy,
+        scratch,
+        storage,
+        handoff_ms=table.handoff_ms,
     )
 
 
@@ -600,4 +617,5 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
             for j, d in enumerate(model.devices)
             for link in (model.link(j, Tier.STORAGE),)
         },
+        handoff_ms=model.handoff_ms,
     )

@@ -48,11 +48,16 @@ offload from one of its devices is refused too (it would free nothing); paging i
 
 Concurrent plans (version 4, PORT-M's stages on devices sharing a pool): a run of
 consecutive compute steps is one section. Each device runs its steps of the section in plan
-order, each starting when its device is free and the inputs computed earlier in the
-section have been (on any device); the section takes its longest chain, and any other
-step starts after it. A section only allocates, so memory after each of its steps is
-memory in plan order, an upper bound of every instant; while a step runs, the largest
-workspace of each other device of its pool in the section so far counts beside its own.
+order, each starting when its device is free and the inputs computed earlier in the section
+have been (on any device); the section takes its longest chain, and any other step starts
+after it. The agent runs a section's first device on its own thread and each other device
+on a thread of the run, so where a section has several devices it pays the host's thread
+hand-off (``CostModel.handoff_ms``): a step waiting for an input another device computed in
+the section starts that much after it, and a device other than the first starts that much
+after the section and ends that much before the section may. A section only allocates, so
+memory after each of its steps is memory in plan order, an upper bound of every instant;
+while a step runs, the largest workspace of each other device of its pool in the section so
+far counts beside its own.
 
 Paged fixed tensors (plan version 5): a fixed tensor named by a ``fixed_in``,
 ``fixed_wait``, ``fixed_free``, ``grad_out`` or ``grad_wait`` step is left out of the fixed
@@ -161,19 +166,33 @@ class _Lane:
 
 @dataclass
 class _Section:
-    """A concurrent plan's run of compute steps under way: times from its start."""
+    """A concurrent plan's run of compute steps under way: times from its start. Its first
+    device runs on the thread that reached it; another device's thread starts ``handoff``
+    later, signals its end ``handoff`` before the section may end, and a step that waits
+    for an input another device computed in the section starts ``handoff`` after it
+    (``CostModel.handoff_ms``)."""
 
     start: float
+    handoff: float = 0.0
+    first: int | None = None  # the device of its first step
     free_at: dict[int, float] = field(default_factory=dict)  # device -> when next free
-    ends: dict[int, float] = field(default_factory=dict)  # node -> when computed
+    ends: dict[int, tuple[float, int]] = field(default_factory=dict)  # node -> (when, device)
     workspace: dict[int, int] = field(default_factory=dict)  # device -> largest so far
     span: float = 0.0
 
     def run(self, node: int, d: int, deps: Iterable[int], duration: float) -> float:
         """Schedule ``node`` on ``d``; return how much the section lengthens."""
-        begin = max([self.free_at.get(d, 0.0), *(self.ends.get(u, 0.0) for u in deps)])
-        self.free_at[d] = self.ends[node] = begin + duration
-        span, self.span = self.span, max(self.span, begin + duration)
+        if self.first is None:
+            self.first = d
+        other = 0.0 if d == self.first else self.handoff
+        begin = self.free_at.get(d, other)
+        for u in deps:
+            if (found := self.ends.get(u)) is not None:
+                ready, on = found
+                begin = max(begin, ready + (self.handoff if on != d else 0.0))
+        end = self.free_at[d] = begin + duration
+        self.ends[node] = (end, d)
+        span, self.span = self.span, max(self.span, end + other)
         return self.span - span
 
 
@@ -208,7 +227,7 @@ class _State:
     in_transit: int = 0  # transfers in flight on every lane
     concurrent: bool = False  # the plan's sections of compute steps run at once
     section: _Section | None = None  # the section under way, in a concurrent plan
-    overlap_ms: float = 0.0  # compute time the sections' overlap saves
+    overlap_ms: float = 0.0  # compute time the sections' overlap saves, less their hand-offs
     # per device: its transfers (start, end, compute slowdown) on links that slow its compute
     busy: list[list[tuple[float, float, float]]] = field(default_factory=list)
     slowdown_ms: float = 0.0  # compute time lost to them
@@ -351,7 +370,7 @@ def _compute(state: _State, step: Compute) -> None:
         if workspace:
             state.scratch = (d, workspace)
         return
-    section = state.section = state.section or _Section(state.clock)
+    section = state.section = state.section or _Section(state.clock, state.costs.handoff_ms)
     longer = section.run(step.node, d, state.graph.nodes[step.node].deps, duration)
     state.clock += longer
     state.overlap_ms += duration - longer

@@ -40,7 +40,7 @@ from remat.problem import build_problem
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings, run_strategy
-from remat.strategies.common.problem import StrategyResult
+from remat.strategies.common.problem import StrategyResult, evaluate_plan
 from remat.strategies.exact.offload_remat import _solve
 from remat.strategies.exact.port import _secondary, lexicographic, paged
 from remat.strategies.heuristics.evict import greedy_evict
@@ -121,6 +121,47 @@ def test_a_page_out_releases_memory_at_its_wait_and_a_page_in_stalls_for_the_rea
     timeline = result.timeline["cpu0"]
     assert timeline[3] == timeline[2] - 1000
     assert timeline[12] == timeline[11] + 1000
+
+
+def test_plans_are_judged_with_a_queued_page_ins_memory_counted_from_its_step():
+    """A page-in issued while its lane still writes another value starts when the write
+    ends, after the compute lane has released that value (its wait): the simulator's own
+    rule counts the read from then, the agent's executor from its step (it reserves at
+    issue, whatever the timing). Plans are judged as the agent runs them, so their memory
+    is the account's: one value more there."""
+    g, costs = _setup()
+    steps = [
+        _c(0),
+        PageOut(1, 0, "cpu0"),
+        _c(1),
+        Wait(1, 0, "cpu0"),
+        _c(2),
+        PageOut(2, 1, "cpu0"),  # the lane writes x1 during [3, 4]
+        PageIn(2, 0, "cpu0"),  # queued: its read starts at 4
+        Wait(2, 1, "cpu0"),  # x1 released at 4
+        _c(3),
+        _c(4),
+        _f(2),
+        _f(3),
+        PageIn(4, 1, "cpu0"),
+        Wait(4, 0, "cpu0"),
+        Wait(4, 1, "cpu0"),
+        _c(5),
+        _f(1),
+        _f(4),
+        _c(6),
+        _f(0),
+        _f(5),
+        _f(6),
+    ]
+    plan = _plan(steps)
+    later = simulate(plan, g, costs)
+    at_issue = simulate(plan, g, costs, reserve_at_issue=True)
+    assert later.valid and at_issue.valid, (later.violation, at_issue.violation)
+    # after the queued page-in (step 6): x1 leaving, x2, and x0's reservation
+    assert at_issue.timeline["cpu0"][6] == later.timeline["cpu0"][6] + 1000
+    judged = evaluate_plan(Problem(g, costs, {"cpu0": None}), plan).simulation
+    assert judged.timeline == at_issue.timeline
 
 
 def test_compute_beside_a_transfer_is_slowed_by_the_links_compute_slowdown():

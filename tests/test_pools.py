@@ -11,7 +11,14 @@ import pytest
 
 from remat import samples
 from remat.compiler import compile_plan
-from remat.costs import CostModel, CostSource, analytical_costs
+from remat.costs import (
+    CostModel,
+    CostSource,
+    CostTable,
+    analytical_costs,
+    cost_table_of,
+    profiled_costs,
+)
 from remat.devices import Device, DeviceKind, parse_device
 from remat.errors import InvalidInputError
 from remat.formulations.xengine import build_xengine
@@ -236,6 +243,37 @@ def test_a_concurrent_plans_computes_overlap_across_the_pools_devices():
     one = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "cpu0")]
     one += [Compute(2, 3, "cpu0")]
     assert simulate(replace(_plan(one), concurrent=True), g, costs).total_ms == 4.0
+
+
+def test_a_concurrent_section_pays_the_hosts_thread_handoff_between_its_devices():
+    """diamond with a 0.25 ms hand-off: an input computed on the section's other device
+    is read a hand-off after it, a device other than the section's first signals its end
+    a hand-off before the section may end; a section on one device, or a plan run in
+    turn, pays none."""
+    g, costs = _diamond_costs()
+    costs = replace(costs, handoff_ms=0.25)
+    steps = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "gpu0")]
+    steps += [Compute(2, 3, "cpu0")]
+    # on cpu0: 0 in [0, 1], 1 in [1, 2]; on gpu0: 2 in [1.25, 2.25] (0 came from cpu0);
+    # on cpu0: 3 in [2.5, 3.5] (2 came from gpu0)
+    assert simulate(replace(_plan(steps), concurrent=True), g, costs).total_ms == 3.5
+    late = [*steps[:3], Compute(2, 3, "gpu0")]  # 3 on gpu0: ends 3.25, its end signalled
+    assert simulate(replace(_plan(late), concurrent=True), g, costs).total_ms == 3.5
+    one = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "cpu0")]
+    one += [Compute(2, 3, "cpu0")]
+    assert simulate(replace(_plan(one), concurrent=True), g, costs).total_ms == 4.0
+    assert simulate(_plan(steps), g, costs).total_ms == 4.0
+
+
+@pytest.mark.parametrize("handoff", [-0.01, float("nan"), 5e3])
+def test_a_tables_handoff_round_trips_and_out_of_range_is_refused(handoff):
+    g, costs = _diamond_costs()
+    table = cost_table_of(g, replace(costs, handoff_ms=0.04))
+    assert table.handoff_ms == 0.04 and profiled_costs(g, table).handoff_ms == 0.04
+    assert cost_table_of(g, costs).handoff_ms == 0.0  # the analytical model's
+    document = table.model_dump(mode="json") | {"handoff_ms": handoff}
+    with pytest.raises(ValueError, match="handoff_ms"):
+        CostTable.model_validate(document)
 
 
 def test_a_concurrent_plan_is_version_4_and_says_so_in_json():

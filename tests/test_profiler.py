@@ -65,6 +65,8 @@ def test_profile_is_a_cost_table_for_the_graph(mode: Mode) -> None:
         assert costs.compute_ms[:, d].tolist() == pytest.approx(
             [ms + device.step_overhead_ms for ms in measured]
         )
+    # The host's thread hand-off, measured with real threads, and carried into the model.
+    assert 0 < table.handoff_ms < 1e3 and costs.handoff_ms == table.handoff_ms
     # Node evaluations: (1 warm-up + 3 measured) passes per device, one copy pass each, and
     # the executor's runs of each pass (1 unmeasured + 3).
     total = len(graph) * (2 * (1 + 3) + 2 + 2 * (1 + 3))

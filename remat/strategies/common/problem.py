@@ -161,10 +161,14 @@ def evaluate_concurrent(
 
 def evaluate_plan(problem: Problem, plan: Plan, schedule: Schedule | None = None) -> Evaluation:
     """Simulate ``plan`` (compiled from ``schedule``, or stitched without one) as
-    ``evaluate`` does."""
-    simulation = simulate(plan, problem.graph, problem.costs, problem.budgets)
+    ``evaluate`` does: with each prefetch's, page-in's and fixed read's memory counted from
+    its step (``reserve_at_issue``), as the agent's executor reserves it, so that the plan's
+    peak is the one a run reaches however its transfers are timed."""
+    simulation = simulate(
+        plan, problem.graph, problem.costs, problem.budgets, reserve_at_issue=True
+    )
     if not simulation.valid:
-        unlimited = simulate(plan, problem.graph, problem.costs, {})
+        unlimited = simulate(plan, problem.graph, problem.costs, {}, reserve_at_issue=True)
         if unlimited.valid:  # over budget only: keep the true peak for "needs X bytes"
             simulation = replace(unlimited, violation=simulation.violation)
     return Evaluation(schedule, plan, simulation)

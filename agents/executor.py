@@ -346,6 +346,21 @@ def plain_run_ms(program: Program, plan: Plan, runtimes: Mapping[str, Runtime]) 
         return _Run(program, plan, runtimes).run().total_ms
 
 
+def plain_runs_at_once(
+    program: Program, plans: Mapping[str, Plan], runtimes: Mapping[str, Runtime]
+) -> dict[str, float]:
+    """One run of each device's plan (``plans`` by device name), all at once, each on a
+    thread of its own, timed as ``plain_run_ms`` times one: what the profiler sets a
+    pool's devices' times against when they compute together (``concurrent_slowdown``)."""
+
+    def run(name: str) -> float:
+        return _Run(program, plans[name], {name: runtimes[name]}).run().total_ms
+
+    with measuring(), ThreadPoolExecutor(len(plans), thread_name_prefix="remat-at-once") as pool:
+        futures = {name: pool.submit(run, name) for name in plans}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def _measured_runs(run: Callable[[], _Run], repeats: int) -> list[_Result]:
     """``repeats`` runs; each but the last without its gradients and outputs, so that the
     runs do not hold every earlier run's values (a parameter's size each) while they run."""

@@ -95,7 +95,12 @@ run's time less the sum of its evaluations' times, over its compute steps, is th
 The devices of a concurrent plan's section run on threads of their own, which wait for
 each other's signals; the table's ``handoff_ms`` is the host's thread hand-off (half an
 event's round trip between two threads, ``thread_handoff_ms``), which the simulator
-charges at each such signal.
+charges at each such signal. And devices of one memory pool slow each other when they
+compute at once (shared cores, memory bandwidth, the interpreter's lock between kernels):
+after every device's passes, each pool's devices run their pass plans at once
+(``agents.executor.plain_runs_at_once``: one unmeasured round, then ``repeats``), and a
+device's median run there over its median run alone is its ``concurrent_slowdown`` (at
+least 1), which the simulator applies to its steps in a section on several devices.
 
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
@@ -119,7 +124,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
-from agents.executor import plain_run_ms
+from agents.executor import plain_run_ms, plain_runs_at_once
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
@@ -131,7 +136,13 @@ from agents.torch_devices import (
     measuring,
     runtime_of,
 )
-from remat.costs import MAX_COMPUTE_SLOWDOWN, MAX_LINK_BYTES_PER_S, CostSource, CostTable
+from remat.costs import (
+    MAX_COMPUTE_SLOWDOWN,
+    MAX_CONCURRENT_SLOWDOWN,
+    MAX_LINK_BYTES_PER_S,
+    CostSource,
+    CostTable,
+)
 from remat.devices import Device
 from remat.errors import RematError
 from remat.graph import Graph, Node, NodeKind
@@ -176,7 +187,11 @@ def profile(
     counters = [counter_of(r, energy_counters) for r in runtimes]
     directory = resolve_storage(storage)
     program = build_program(model, graph)
-    session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters)
+    pools: dict[str, list[str]] = {}
+    for device in devices:
+        pools.setdefault(device.memory_space, []).append(device.name)
+    shared = [names for names in pools.values() if len(names) > 1]
+    session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters, shared)
     with measuring():
         session.run()
     return CostTable.model_validate(
@@ -521,8 +536,13 @@ class _Session:
         warmup: int,
         on_progress: Progress | None,
         counters: Sequence[tuple[Counter | None, str]] | None = None,
+        pools: Sequence[Sequence[str]] = (),
     ) -> None:
         self.program = program
+        # the devices of each memory pool of several, whose pass plans also run at once
+        # (``_concurrent_slowdown``), where every one of them has a pass plan
+        by_name = dict(zip((r.name for r in runtimes), passes, strict=True))
+        self.pools = [list(p) for p in pools if all(by_name[n] is not None for n in p)]
         self.runtimes = runtimes
         self.passes = passes
         self.steps = [_pass_steps(plan, program.graph) for plan in passes]
@@ -560,6 +580,12 @@ class _Session:
         self.idle_w: dict[str, float] = {}
         self.energy: dict[str, list[list[float]]] = {}  # per device, per node: mJ per run
         self.step_overhead_ms: dict[str, float] = {}  # per device (``_step_overhead``)
+        self.alone_ms: dict[str, float] = {}  # per device: its pass plan's median run
+        self.concurrent_slowdown: dict[str, float] = {}  # per pooled device
+        steps_of = dict(zip((r.name for r in runtimes), self.steps, strict=True))
+        self.total += sum(
+            (1 + repeats) * sum(len(steps_of[n]) for n in names) for names in self.pools
+        )
         self.done = 0
         self.reported_at = 0.0
 
@@ -596,7 +622,32 @@ class _Session:
                 self.energy[runtime.name] = samples
             del fixed, grads
             self.step_overhead_ms[runtime.name] = self._step_overhead(runtime, plan, steps)
+        for names in self.pools:
+            self._concurrent_slowdown(names)
         self._report(force=True)
+
+    def _concurrent_slowdown(self, names: Sequence[str]) -> None:
+        """How much longer each device of a pool (``names``) runs its pass plan while the
+        others run theirs at once (the module docstring): after one unmeasured round, the
+        median of ``repeats`` over its median run alone; at least 1."""
+        runtimes = {r.name: r for r in self.runtimes if r.name in names}
+        plans = {
+            r.name: plan
+            for r, plan in zip(self.runtimes, self.passes, strict=True)
+            if r.name in names and plan is not None
+        }
+        steps = dict(zip((r.name for r in self.runtimes), self.steps, strict=True))
+        runs: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(1 + self.repeats):
+            measured = plain_runs_at_once(self.program, plans, runtimes)
+            if round_:
+                for name, ms in measured.items():
+                    runs[name].append(ms)
+            self.done += sum(len(steps[name]) for name in names)
+            self._report()
+        for name in names:
+            ratio = statistics.median(runs[name]) / max(self.alone_ms[name], 1e-9)
+            self.concurrent_slowdown[name] = min(max(ratio, 1.0), MAX_CONCURRENT_SLOWDOWN)
 
     def _node_by_node(self, runtime: Runtime) -> None:
         """Every node timed alone on ``runtime``, where no pass fits what it may hold (the
@@ -664,6 +715,7 @@ class _Session:
             self._report()
         times = self.times[runtime.name]
         nodes_ms = sum(statistics.median(times[index]) for index, _ in steps)
+        self.alone_ms[runtime.name] = statistics.median(runs[1:])
         return max(0.0, (statistics.median(runs[1:]) - nodes_ms) / len(steps))
 
     def entry(self, node: Node) -> dict[str, Any]:
@@ -697,6 +749,7 @@ class _Session:
             "kind": runtime.kind,
             "threads": threads,
             "step_overhead_ms": self.step_overhead_ms.get(runtime.name, 0.0),
+            "concurrent_slowdown": self.concurrent_slowdown.get(runtime.name, 1.0),
         }
         note = self.counters[runtime.name][1]
         if runtime.name in self.energy:

@@ -98,6 +98,10 @@ class CostModel:
     # device computed in it, and where a device other than its first starts and ends
     # (``remat.simulator``); measured by the agent's profiler, 0 in the analytical model.
     handoff_ms: float = 0.0
+    # Per device: how much longer its compute steps take in a concurrent plan's section
+    # where another device of its pool computes too (the devices share cores, memory
+    # bandwidth and, on the agent, the interpreter's lock); empty: 1 everywhere.
+    concurrent_slowdown: tuple[float, ...] = ()
 
     def workspace(self, node: int, d: int) -> int:
         return 0 if self.workspace_bytes is None else int(self.workspace_bytes[node, d])
@@ -293,6 +297,7 @@ def analytical_costs(
 
 
 Watts = Annotated[float, Field(ge=0, le=MAX_POWER_W, allow_inf_nan=False)]
+MAX_CONCURRENT_SLOWDOWN = 100.0
 
 
 class _TableDevice(BaseModel):
@@ -307,6 +312,11 @@ class _TableDevice(BaseModel):
     # accounting, the free after it), measured by the agent's profiler; ``profiled_costs``
     # adds it to every node's time on this device, since every evaluation pays it.
     step_overhead_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
+    # How much longer its steps take while another device of its memory pool computes at
+    # once (``CostModel.concurrent_slowdown``), measured by the agent's profiler.
+    concurrent_slowdown: float = Field(
+        default=1.0, ge=1.0, le=MAX_CONCURRENT_SLOWDOWN, allow_inf_nan=False
+    )
 
 
 MAX_TABLE_MS = 1e9  # about 11.6 days: no operator or copy takes longer
@@ -527,6 +537,7 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
         scratch,
         storage,
         handoff_ms=table.handoff_ms,
+        concurrent_slowdown=tuple(d.concurrent_slowdown for d in table.devices),
     )
 
 
@@ -571,6 +582,9 @@ def cost_table_of(graph: Graph, model: CostModel) -> CostTable:
                 threads=d.threads,
                 idle_w=energy.idle_w[j],
                 energy="measured" if energy.measured_on(j) else "model",
+                concurrent_slowdown=model.concurrent_slowdown[j]
+                if model.concurrent_slowdown
+                else 1.0,
             )
             for j, d in enumerate(model.devices)
         ],

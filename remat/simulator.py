@@ -54,7 +54,10 @@ after it. The agent runs a section's first device on its own thread and each oth
 on a thread of the run, so where a section has several devices it pays the host's thread
 hand-off (``CostModel.handoff_ms``): a step waiting for an input another device computed in
 the section starts that much after it, and a device other than the first starts that much
-after the section and ends that much before the section may. A section only allocates, so
+after the section and ends that much before the section may. In a section on more than one
+device each compute step takes its device's ``CostModel.concurrent_slowdown`` times its
+time (devices that compute at once share cores, memory bandwidth and the agent's
+interpreter lock), the time it loses in ``slowdown_ms``. A section only allocates, so
 memory after each of its steps is memory in plan order, an upper bound of every instant;
 while a step runs, the largest workspace of each other device of its pool in the section so
 far counts beside its own.
@@ -228,6 +231,9 @@ class _State:
     concurrent: bool = False  # the plan's sections of compute steps run at once
     section: _Section | None = None  # the section under way, in a concurrent plan
     overlap_ms: float = 0.0  # compute time the sections' overlap saves, less their hand-offs
+    # per step: a compute step of a concurrent plan's section where more than one device
+    # computes (``CostModel.concurrent_slowdown`` applies)
+    shared: list[bool] = field(default_factory=list)
     # per device: its transfers (start, end, compute slowdown) on links that slow its compute
     busy: list[list[tuple[float, float, float]]] = field(default_factory=list)
     slowdown_ms: float = 0.0  # compute time lost to them
@@ -371,15 +377,34 @@ def _compute(state: _State, step: Compute) -> None:
             state.scratch = (d, workspace)
         return
     section = state.section = state.section or _Section(state.clock, state.costs.handoff_ms)
-    longer = section.run(step.node, d, state.graph.nodes[step.node].deps, duration)
+    slowed = duration
+    if state.shared[state.step] and state.costs.concurrent_slowdown:
+        slowed = duration * state.costs.concurrent_slowdown[d]
+        state.slowdown_ms += slowed - duration
+    longer = section.run(step.node, d, state.graph.nodes[step.node].deps, slowed)
     state.clock += longer
-    state.overlap_ms += duration - longer
+    state.overlap_ms += slowed - longer
     section.workspace[d] = max(section.workspace.get(d, 0), workspace)
     beside = sum(
         w for e, w in section.workspace.items() if e != d and state.space[e] == state.space[d]
     )
     if workspace or beside:
         state.scratch = (d, workspace + beside)
+
+
+def _shared_sections(plan: Plan) -> list[bool]:
+    """Per step of a concurrent plan: whether it is a compute step of a section on more
+    than one device."""
+    shared = [False] * len(plan.steps)
+    start = 0
+    for end in range(len(plan.steps) + 1):
+        if end < len(plan.steps) and isinstance(plan.steps[end], Compute):
+            continue
+        section = [s for s in plan.steps[start:end] if isinstance(s, Compute)]
+        if len({s.device for s in section}) > 1:
+            shared[start:end] = [True] * len(section)
+        start = end + 1
+    return shared
 
 
 def _copy(state: _State, step: Copy) -> None:
@@ -661,6 +686,7 @@ def simulate(
         {tier: [_Lane() for _ in costs.devices] for tier in Tier},
         space=space,
         concurrent=plan.concurrent,
+        shared=_shared_sections(plan) if plan.concurrent else [],
         busy=[[] for _ in costs.devices],
         paged=plan.paged_fixed,
         offload_refusals={

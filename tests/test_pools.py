@@ -265,6 +265,29 @@ def test_a_concurrent_section_pays_the_hosts_thread_handoff_between_its_devices(
     assert simulate(_plan(steps), g, costs).total_ms == 4.0
 
 
+def test_a_section_on_several_devices_runs_its_steps_slowed_by_their_interference():
+    """diamond with cpu0 1.5x and gpu0 2x slower while the other computes at once: the
+    section on both devices takes 1.5 + max(1.5, 2) + 1.5; one on cpu0 alone is not
+    slowed, nor is a plan run in turn; the time lost is the simulation's slowdown_ms."""
+    g, costs = _diamond_costs()
+    costs = replace(costs, concurrent_slowdown=(1.5, 2.0))
+    steps = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "gpu0")]
+    steps += [Compute(2, 3, "cpu0")]
+    both = simulate(replace(_plan(steps), concurrent=True), g, costs)
+    assert both.total_ms == 5.0 and both.compute_ms == 4.0 and both.slowdown_ms == 2.5
+    one = [Compute(0, 0, "cpu0"), Compute(1, 1, "cpu0"), Compute(1, 2, "cpu0")]
+    one += [Compute(2, 3, "cpu0")]
+    assert simulate(replace(_plan(one), concurrent=True), g, costs).total_ms == 4.0
+    assert simulate(_plan(steps), g, costs).total_ms == 4.0
+    table = cost_table_of(g, costs)
+    assert [d.concurrent_slowdown for d in table.devices] == [1.5, 2.0]
+    assert profiled_costs(g, table).concurrent_slowdown == (1.5, 2.0)
+    document = table.model_dump(mode="json")
+    document["devices"][0]["concurrent_slowdown"] = 0.5  # faster beside another: refused
+    with pytest.raises(ValueError, match="concurrent_slowdown"):
+        CostTable.model_validate(document)
+
+
 @pytest.mark.parametrize("handoff", [-0.01, float("nan"), 5e3])
 def test_a_tables_handoff_round_trips_and_out_of_range_is_refused(handoff):
     g, costs = _diamond_costs()

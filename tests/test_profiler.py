@@ -75,6 +75,33 @@ def test_profile_is_a_cost_table_for_the_graph(mode: Mode) -> None:
     assert done == sorted(done) and {t for _, t in progress} == {total}
 
 
+def test_the_devices_of_a_pool_are_timed_computing_at_once() -> None:
+    """Two CPUs of one memory pool: after their passes they run their pass plans at once,
+    and each one's slowdown beside the other (at least 1) is in the table; the progress
+    counts those runs too. Devices of no common pool keep 1."""
+    model = samples.resnet18(batch=1, image=32, width=4)
+    graph = for_mode(forward_graph(model), Mode.TRAINING)
+    pooled = [Device(d.name, d.kind, {**d.options, "pool": "ram"}) for d in (CPU0, CPU1)]
+    progress: list[tuple[int, int]] = []
+    table = profile(
+        model,
+        graph,
+        pooled,
+        repeats=2,
+        warmup=0,
+        on_progress=lambda done, total: progress.append((done, total)),
+        energy_counters={"cpu0": None, "cpu1": None},
+    )
+    slowdowns = [d.concurrent_slowdown for d in table.devices]
+    assert all(1.0 <= s < 100 for s in slowdowns), slowdowns
+    assert profiled_costs(graph, table).concurrent_slowdown == tuple(slowdowns)
+    # per device: 2 passes, a copy pass and 1 + 2 executor runs; then 1 + 2 rounds at once
+    total = len(graph) * (2 * (2 + 1 + 3) + 3 * 2)
+    assert progress[-1] == (total, total)
+    apart = profile(model, graph, [CPU0, CPU1], repeats=1, warmup=0, energy_counters={})
+    assert [d.concurrent_slowdown for d in apart.devices] == [1.0, 1.0]
+
+
 def test_the_executors_time_beyond_its_nodes_is_each_steps_overhead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

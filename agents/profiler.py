@@ -100,7 +100,9 @@ compute at once (shared cores, memory bandwidth, the interpreter's lock between 
 after every device's passes, each pool's devices run their pass plans at once
 (``agents.executor.plain_runs_at_once``: one unmeasured round, then ``repeats``), and a
 device's median run there over its median run alone is its ``concurrent_slowdown`` (at
-least 1), which the simulator applies to its steps in a section on several devices.
+least 1), which the simulator applies to its steps in a section on several devices. A
+pool whose devices' pass plans would not fit its memory together (or one profiled node by
+node) is not run at once: its devices keep 1.
 
 The result is a ``remat.costs.CostTable`` (source ``profiled``) keyed by the graph's node
 names, which ``remat.costs.profiled_costs`` turns into a cost model for the same graph.
@@ -124,7 +126,7 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
-from agents.executor import plain_run_ms, plain_runs_at_once
+from agents.executor import check_plan, plain_run_ms, plain_runs_at_once
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
@@ -190,7 +192,11 @@ def profile(
     pools: dict[str, list[str]] = {}
     for device in devices:
         pools.setdefault(device.memory_space, []).append(device.name)
-    shared = [names for names in pools.values() if len(names) > 1]
+    shared = [
+        names
+        for names in pools.values()
+        if len(names) > 1 and _fit_at_once(graph, names, runtimes, passes)
+    ]
     session = _Session(program, runtimes, passes, repeats, warmup, on_progress, counters, shared)
     with measuring():
         session.run()
@@ -210,6 +216,26 @@ def profile(
             "handoff_ms": thread_handoff_ms(repeats=max(100, 20 * repeats)),
         }
     )
+
+
+def _fit_at_once(
+    graph: Graph, names: Sequence[str], runtimes: Sequence[Runtime], passes: Sequence[Plan | None]
+) -> bool:
+    """Whether the pass plans of a pool's devices (``names``) may run at once: each device
+    has one, and their peaks together are within the least memory limit among them (the
+    pool's memory holds them all)."""
+    plans = {r.name: (r, p) for r, p in zip(runtimes, passes, strict=True) if r.name in names}
+    if any(plan is None for _, plan in plans.values()):
+        return False
+    limits = [r.memory_bytes for r, _ in plans.values() if r.memory_bytes is not None]
+    if not limits:
+        return True
+    peaks = sum(
+        max(check_plan(plan, graph).peak_bytes.values())
+        for _, plan in plans.values()
+        if plan is not None
+    )
+    return peaks <= min(limits)
 
 
 def thread_handoff_ms(repeats: int) -> float:
@@ -539,10 +565,9 @@ class _Session:
         pools: Sequence[Sequence[str]] = (),
     ) -> None:
         self.program = program
-        # the devices of each memory pool of several, whose pass plans also run at once
-        # (``_concurrent_slowdown``), where every one of them has a pass plan
-        by_name = dict(zip((r.name for r in runtimes), passes, strict=True))
-        self.pools = [list(p) for p in pools if all(by_name[n] is not None for n in p)]
+        # the devices of each memory pool of several whose pass plans also run at once
+        # (``_concurrent_slowdown``; ``_fit_at_once``)
+        self.pools = [list(p) for p in pools]
         self.runtimes = runtimes
         self.passes = passes
         self.steps = [_pass_steps(plan, program.graph) for plan in passes]

@@ -100,6 +100,22 @@ def test_the_devices_of_a_pool_are_timed_computing_at_once() -> None:
     assert progress[-1] == (total, total)
     apart = profile(model, graph, [CPU0, CPU1], repeats=1, warmup=0, energy_counters={})
     assert [d.concurrent_slowdown for d in apart.devices] == [1.0, 1.0]
+    # a pool whose memory holds one pass, not two: not run at once
+    peak = reference(graph, analytical_costs(graph, [CPU0])).peak_bytes
+    progress.clear()
+    tight = profile(
+        model,
+        graph,
+        pooled,
+        repeats=2,
+        warmup=0,
+        on_progress=lambda done, total: progress.append((done, total)),
+        memory_bytes={"cpu0": peak * 3 // 2, "cpu1": peak * 3 // 2},
+        energy_counters={"cpu0": None, "cpu1": None},
+    )
+    assert [d.concurrent_slowdown for d in tight.devices] == [1.0, 1.0]
+    alone = len(graph) * 2 * (2 + 1 + 3)
+    assert progress[-1] == (alone, alone)
 
 
 def test_the_executors_time_beyond_its_nodes_is_each_steps_overhead(

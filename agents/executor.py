@@ -1053,6 +1053,9 @@ class _Run:
             )
         finally:
             self._release()
+            threads, self.section_threads = self.section_threads, None
+            if threads is not None:
+                threads.shutdown()
 
     # --- setup and teardown --------------------------------------------------------------
 
@@ -1117,9 +1120,6 @@ class _Run:
             self.fixed_files[name] = (path, (_Layout.of(value),))
 
     def _release(self) -> None:
-        threads, self.section_threads = self.section_threads, None
-        if threads is not None:
-            threads.shutdown()
         lanes, self.lanes = self.lanes, {}
         pagers, self.pagers = self.pagers, {}
         for lane in lanes.values():
@@ -1231,7 +1231,8 @@ class _Run:
         else:
             what = f"node {self.program.graph.nodes[step.node].name!r}"
         first = _first_line(error)
-        self._release()
+        # nothing released here: on a section's thread the other devices are still at
+        # their steps; the run releases everything as it ends (``_run``)
         return DeviceOutOfMemory(
             f"out of memory on device {device!r} at step {index} ({step.op} of {what}): {first}"
         )

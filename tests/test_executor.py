@@ -475,6 +475,46 @@ def test_a_concurrent_plans_sections_run_on_a_thread_per_device(
     assert report.peak_bytes == execute(model, graph, in_turn, DEVICES).peak_bytes
 
 
+@pytest.mark.parametrize("device", ["cpu0", "cpu1"])
+def test_a_step_failing_in_a_section_fails_the_run_and_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """A step that runs out of memory in a concurrent section, on the run's thread (cpu0,
+    the section's first device) or on the section's other thread (cpu1), fails the run
+    with the device and step named, the other device's thread stopping at its next step;
+    the run's section threads end with it, and the next run is unaffected."""
+    model, graph, _, in_turn = _pooled_resnet()
+    concurrent = replace(in_turn, concurrent=True)
+    steps = concurrent.steps
+
+    def section(i: int) -> set[str]:  # the devices of the section around step i
+        lo, hi = i, i
+        while lo > 0 and isinstance(steps[lo - 1], Compute):
+            lo -= 1
+        while hi + 1 < len(steps) and isinstance(steps[hi + 1], Compute):
+            hi += 1
+        return {s.device for s in steps[lo : hi + 1] if isinstance(s, Compute)}
+
+    index, victim = next(
+        (i, s)
+        for i, s in enumerate(steps)
+        if isinstance(s, Compute) and s.device == device and i > 10 and len(section(i)) == 2
+    )
+    original = Program.compute
+
+    def failing(self: Program, node: int, *args: object, **kwargs: object) -> object:
+        if node == victim.node:
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return original(self, node, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Program, "compute", failing)
+    with pytest.raises(DeviceOutOfMemory, match=rf"device '{device}' at step {index} \(compute"):
+        execute(model, graph, concurrent, DEVICES)
+    assert not [t for t in threading.enumerate() if t.name.startswith("remat-section")]
+    monkeypatch.undo()
+    assert execute(model, graph, concurrent, DEVICES).gradients_match is True
+
+
 def test_a_device_this_node_lacks_is_refused() -> None:
     model, graph, plan = _chain_plan()
     with pytest.raises(DeviceError, match=r"'cpu0'.*this node does not have.*cpu7"):

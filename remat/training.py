@@ -319,7 +319,7 @@ def _backward_node(
     grad_in = sum(nodes[u].output_bytes for u in upstream)
     reads = sum(nodes[d].output_bytes for d in deps) - sum(nodes[u].output_bytes for u in upstream)
     output_bytes = sum(gradient_bytes(nodes[d]) for d in node.deps)
-    fixed_bytes = node.input_bytes - sum(gradient_bytes(nodes[d]) for d in node.deps)
+    fixed_bytes = node.input_bytes - output_bytes  # what it reads beside its dependencies
     # the input's and the weight's gradients; only the weight's where the input is data
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
     return Node(

@@ -19,7 +19,7 @@ from agents.profiler import NODE_BY_NODE_ENERGY, affine_fit, median_and_spread, 
 from agents.torch_devices import Runtime, runtime_of
 from remat import samples
 from remat.budgets import fixed_bytes, reference
-from remat.costs import CostSource, analytical_costs, profiled_costs
+from remat.costs import CostSource, CostTable, analytical_costs, profiled_costs
 from remat.devices import Device, DeviceKind, Tier, with_option
 from remat.graph import Graph, Mode
 from remat.onnx_ingest import forward_graph
@@ -83,15 +83,21 @@ def test_the_devices_of_a_pool_are_timed_computing_at_once() -> None:
     graph = for_mode(forward_graph(model), Mode.TRAINING)
     pooled = [Device(d.name, d.kind, {**d.options, "pool": "ram"}) for d in (CPU0, CPU1)]
     progress: list[tuple[int, int]] = []
-    table = profile(
-        model,
-        graph,
-        pooled,
-        repeats=2,
-        warmup=0,
-        on_progress=lambda done, total: progress.append((done, total)),
-        energy_counters={"cpu0": None, "cpu1": None},
-    )
+
+    def profiled(memory_bytes: dict[str, int] | None = None) -> CostTable:
+        progress.clear()
+        return profile(
+            model,
+            graph,
+            pooled,
+            repeats=2,
+            warmup=0,
+            on_progress=lambda done, total: progress.append((done, total)),
+            memory_bytes=memory_bytes,
+            energy_counters={"cpu0": None, "cpu1": None},
+        )
+
+    table = profiled()
     slowdowns = [d.concurrent_slowdown for d in table.devices]
     assert all(1.0 <= s < 100 for s in slowdowns), slowdowns
     assert profiled_costs(graph, table).concurrent_slowdown == tuple(slowdowns)
@@ -102,17 +108,7 @@ def test_the_devices_of_a_pool_are_timed_computing_at_once() -> None:
     assert [d.concurrent_slowdown for d in apart.devices] == [1.0, 1.0]
     # a pool whose memory holds one pass, not two: not run at once
     peak = reference(graph, analytical_costs(graph, [CPU0])).peak_bytes
-    progress.clear()
-    tight = profile(
-        model,
-        graph,
-        pooled,
-        repeats=2,
-        warmup=0,
-        on_progress=lambda done, total: progress.append((done, total)),
-        memory_bytes={"cpu0": peak * 3 // 2, "cpu1": peak * 3 // 2},
-        energy_counters={"cpu0": None, "cpu1": None},
-    )
+    tight = profiled({"cpu0": peak * 3 // 2, "cpu1": peak * 3 // 2})
     assert [d.concurrent_slowdown for d in tight.devices] == [1.0, 1.0]
     alone = len(graph) * 2 * (2 + 1 + 3)
     assert progress[-1] == (alone, alone)

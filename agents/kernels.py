@@ -626,8 +626,28 @@ def _batch_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
     return tuple(outputs[3:5]) if batch_norm_training(spec) else None
 
 
+def _layer_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """The mean and inverse standard deviation PyTorch's kernel gave with the output
+    (``_layer_norm``), which ``_layer_norm_grad`` would otherwise take again from the input;
+    None where the model asks for them (they are its outputs then, with a gradient)."""
+    if spec.wants_output(1) or spec.wants_output(2):
+        return None
+    return tuple(outputs[1:3])
+
+
+def _normalised_shape(scale: Tensor | None, bias: Tensor | None, shape: list[int]) -> bool:
+    """Whether the scale (and bias) have the normalised axes' shape, as PyTorch's fused
+    kernels take them (ONNX lets them broadcast)."""
+    return (
+        scale is not None
+        and list(scale.shape) == shape
+        and (bias is None or list(bias.shape) == shape)
+    )
+
+
 SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
+    "LayerNormalization": _layer_norm_saved,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
 reads (``forward_and_saved``)."""
@@ -647,8 +667,13 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
     axis = _axis(spec.attr("axis", -1), x.dim())
     eps = spec.attr("epsilon", 1e-5)
     shape = list(x.shape[axis:])
-    if not (spec.wants_output(1) or spec.wants_output(2)) and list(scale.shape) == shape:
-        return (F.layer_norm(x, shape, scale, bias, eps),)
+    if not (spec.wants_output(1) or spec.wants_output(2)) and _normalised_shape(scale, bias, shape):
+        # PyTorch's kernel gives the mean and inverse standard deviation with the output,
+        # in the same pass (as autograd keeps them for the backward, ``SAVES``).
+        y, mean, inv_std = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
+        return y, mean.detach(), inv_std.detach()
+    # Statistics a model asks for carry a gradient (ONNX's outputs), so they are built from
+    # differentiable operations.
     dims = tuple(range(axis, x.dim()))
     mean = x.mean(dim=dims, keepdim=True)
     inv_std = torch.rsqrt(((x - mean) ** 2).mean(dim=dims, keepdim=True) + eps)
@@ -1695,23 +1720,25 @@ def _batch_norm_grad(call: VjpCall) -> Grads:
 
 
 def _layer_norm_grad(call: VjpCall) -> Grads:
-    """PyTorch's fused backward (``native_layer_norm_backward``) from the statistics its
-    forward kernel takes again, rather than the whole forward re-run under autograd, where
-    only the output ``Y`` carries a gradient and the scale and bias have the normalised
-    shape; otherwise through autograd."""
+    """PyTorch's fused backward (``native_layer_norm_backward``) from the statistics the
+    forward kernel saved (``call.saved``) or else taken again by PyTorch's forward kernel,
+    rather than the whole forward re-run under autograd, where only the output ``Y``
+    carries a gradient and the scale and bias have the normalised shape; otherwise through
+    autograd."""
     spec, x, g = call.spec, call.arg(0), call.grads[0]
     scale, bias = call.optional(1), call.optional(2)
     shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
     if (
         g is None
         or any(other is not None for other in call.grads[1:])
-        or scale is None
-        or list(scale.shape) != shape
-        or (bias is not None and list(bias.shape) != shape)
+        or not _normalised_shape(scale, bias, shape)
     ):
         return autograd_vjp(call)
-    eps = spec.attr("epsilon", 1e-5)
-    _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
+    if call.saved is not None:
+        mean, rstd = call.saved
+    else:
+        eps = spec.attr("epsilon", 1e-5)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
     wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
     mask = [wanted[0], wanted[1], bias is not None and wanted[2]]
     grads = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, scale, bias, mask)

@@ -434,6 +434,37 @@ def test_batch_norms_backward_reads_the_statistics_its_forward_saved_from_that_i
     assert not torch.allclose(moved[0], with_saved[0])
 
 
+def test_layer_norms_backward_reads_the_statistics_its_forward_saved() -> None:
+    """LayerNormalization's kernel saves the mean and inverse standard deviation PyTorch's
+    forward gives with the output; its backward from them equals its backward taking them
+    again, and uses them (shifted statistics change it). A model that asks for the
+    statistics gets them as outputs, with a gradient, and nothing is saved."""
+    x, scale, bias = _double(2, 3, 8), _double(8, seed=1), _double(8, seed=2)
+    spec = OpSpec(
+        "LayerNormalization", "ln", opset=17, attrs={}, inputs=("x", "s", "b"), outputs=("y",)
+    )
+    output, saved = kernels.forward_and_saved(spec, [x, scale, bias])
+    assert saved is not None and len(saved) == 2 and len(output) == 1
+    g, wanted = torch.randn_like(output[0]), [True, True, True]
+    with_saved = kernels.vjp(VjpCall(spec, [x, scale, bias], None, [g], wanted, saved))
+    again = kernels.vjp(VjpCall(spec, [x, scale, bias], None, [g], wanted))
+    for a, b in zip(with_saved, again, strict=True):
+        torch.testing.assert_close(a, b)
+    shifted = (saved[0] + 1.0, saved[1])
+    moved = kernels.vjp(VjpCall(spec, [x, scale, bias], None, [g], wanted, shifted))
+    assert not torch.allclose(moved[0], with_saved[0])
+    asked = OpSpec(
+        "LayerNormalization",
+        "ln",
+        opset=17,
+        attrs={},
+        inputs=("x", "s", "b"),
+        outputs=("y", "mean", "inv_std"),
+    )
+    output, saved = kernels.forward_and_saved(asked, [x, scale, bias])
+    assert saved is None and len(output) == 3
+
+
 # --- closed-form gradients ----------------------------------------------------------------------
 
 

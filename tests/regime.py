@@ -1,14 +1,20 @@
 """XEngine's CPU/GPU regime, as ``bench/solvers.py`` measures it: a 12-thread CPU and an
 integrated-GPU-like device, each faster on some operators (XEngine section 4.2), and a
-problem with the same budget on each device as a percentage of the checkpoint-all peak."""
+problem with the same budget on each device as a percentage of the checkpoint-all peak;
+and the same regime on two devices of one memory pool (``split_pool``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
+import numpy as np
+
+from remat import samples
 from remat.devices import Device, DeviceKind, Size
-from remat.graph import Graph
-from remat.problem import problem_from_graph
+from remat.graph import Graph, NodeKind
+from remat.problem import build_problem, problem_from_graph
+from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SolverSettings
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
@@ -30,3 +36,18 @@ def budgeted(
         budgets=dict.fromkeys(devices, budget),
         solver=settings,
     )
+
+
+def split_pool(devices: Sequence[Device], seconds: float) -> Problem:
+    """The chain sample at 40% of its activations on ``devices`` (two of one pool), the
+    first three times slower on backward nodes and the second on forward ones (as a CPU
+    and a GPU that each win on some operators): the pool's ideal needs both devices."""
+    solver = SolverSettings(options=SolveOptions(time_limit_s=seconds))
+    problem = build_problem(
+        samples.chain(batch=2), devices=list(devices), budgets={"ram": "40%"}, solver=solver
+    )
+    backward = np.array([node.kind is NodeKind.BACKWARD for node in problem.graph.nodes])
+    compute = problem.costs.compute_ms.copy()
+    compute[backward, 0] *= 3
+    compute[~backward, 1] *= 3
+    return replace(problem, costs=replace(problem.costs, compute_ms=compute))

@@ -8,11 +8,11 @@ the storage directory, autograd's gradients."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from regime import split_pool
 
 from remat import samples
 from remat.compiler import compile_plan
@@ -21,13 +21,11 @@ from remat.devices import Device, DeviceKind, Tier, parse_device
 from remat.errors import InvalidInputError
 from remat.formulations.checkmate import Transfers
 from remat.formulations.xengine import build_xengine
-from remat.graph import NodeKind
 from remat.plan import PAGE_OPS, PageIn, PlanDevice, plan_from_json, plan_to_json
 from remat.problem import build_problem
 from remat.schedule import Schedule
 from remat.simulator import simulate
-from remat.solvers.model import SolveOptions
-from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies import Problem, StrategyResult, run_strategy
 from remat.training import training_graph
 
 from graphs import chain
@@ -40,18 +38,8 @@ POOL = [
 
 
 def _split_problem(seconds: float) -> Problem:
-    """The chain sample at 40% of its activations on a pool of two CPUs with fast storage,
-    the first three times slower on backward nodes and the second on forward ones (as a
-    CPU and a GPU that each win on some operators): the pool's ideal needs both devices."""
-    solver = SolverSettings(options=SolveOptions(time_limit_s=seconds))
-    problem = build_problem(
-        samples.chain(batch=2), devices=POOL, budgets={"ram": "40%"}, solver=solver
-    )
-    backward = np.array([node.kind is NodeKind.BACKWARD for node in problem.graph.nodes])
-    compute = problem.costs.compute_ms.copy()
-    compute[backward, 0] *= 3
-    compute[~backward, 1] *= 3
-    return replace(problem, costs=replace(problem.costs, compute_ms=compute))
+    """``regime.split_pool`` on the pool of two CPUs with fast storage."""
+    return split_pool(POOL, seconds)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from regime import split_pool
 
 from remat import samples
 from remat.compiler import compile_plan
@@ -22,6 +23,7 @@ from remat.costs import (
 from remat.devices import Device, DeviceKind, parse_device
 from remat.errors import InvalidInputError
 from remat.formulations.xengine import build_xengine
+from remat.graph import NodeKind
 from remat.plan import (
     PAGE_OPS,
     Compute,
@@ -37,6 +39,7 @@ from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import SearchConfig, SolverSettings, run_strategy
+from remat.strategies.heuristics.evict import evict_pooled, greedy_evict
 from remat.strategies.heuristics.recompute_ahead import recompute_ahead
 from remat.training import training_graph
 
@@ -422,6 +425,28 @@ def test_port_m_leaves_its_milp_to_small_graphs_and_pages_beside_xengine():
     assert any(s.op in PAGE_OPS for s in result.plan.steps)
     verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert verdict.valid and verdict.total_ms < apart.simulation.total_ms
+
+
+def test_eviction_on_a_pool_holds_each_value_once_and_runs_each_node_where_it_is_fastest():
+    """The chain sample at 40% on a pool of two CPUs, the first three times slower on
+    backward nodes and the second on forward ones: greedy eviction on the pool's memory
+    (``evict_pooled``) recomputes to fit the pool's budget, computes every node on its
+    faster device, and is faster than eviction on either device alone with the pool's
+    memory; XEngine's search, which starts from it, ends no slower."""
+    problem = split_pool(POOLED_CPUS, 2)
+    backward = np.array([node.kind is NodeKind.BACKWARD for node in problem.graph.nodes])
+    pooled = evict_pooled(problem, ("cpu0", "cpu1"))
+    assert pooled.feasible, pooled.message
+    verdict = simulate(pooled.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid and max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
+    computes = [s for s in pooled.plan.steps if isinstance(s, Compute)]
+    assert len(computes) > len(problem.graph)  # it recomputes
+    faster = {0: "cpu0", 1: "cpu1"}  # forward nodes, backward nodes
+    assert all(s.device == faster[int(backward[s.node])] for s in computes)
+    for name in ("cpu0", "cpu1"):
+        alone = greedy_evict(problem, name)
+        assert not alone.feasible or alone.time_ms > pooled.time_ms
+    assert run_strategy("xengine", problem).time_ms <= pooled.time_ms
 
 
 def test_port_m_says_it_needs_devices_that_share_a_pool():

@@ -172,10 +172,10 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     local search on Chen's checkpoints on this device: eviction's plans are the cheaper
     where both fit. On several devices the multi-device heuristic: its plans are the
     cheaper there and come sooner; eviction on its placement runs later, beside the full
-    solve (``restrict.solve_restrictions``). On devices that share one memory pool greedy
-    eviction on the pool's memory first (``evict_pooled``), on a graph to be decomposed
-    too. On a graph to be decomposed no other heuristic: they are slow on large graphs,
-    and the parts' quick plans (``quick_part``) come sooner.
+    solve (``restrict.solve_restrictions``); on devices that share one memory pool greedy
+    eviction on the pool's memory first (``evict_pooled``). On a graph to be decomposed
+    the best baseline only: the heuristics are slow on large graphs, and the parts'
+    quick plans (``quick_part``) come sooner.
 
     The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
     up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
@@ -184,6 +184,8 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     config = problem.solver.search
     logger.debug("warm start: best baseline on %s", ", ".join(names))
     search.offer(best_baseline(problem, names))
+    if variants.decomposes(problem):
+        return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
     spaces = {problem.costs.devices[problem.costs.device_index(n)].memory_space for n in names}
@@ -191,8 +193,6 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
         logger.debug("warm start: greedy eviction on the pool for %.3g s", seconds)
         search.offer(evict_pooled(problem, names, seconds))
         _log_incumbent(search, "warm start")
-    if variants.decomposes(problem):
-        return
     if len(names) == 1:
         logger.debug("warm start: greedy eviction on %s for %.3g s", names[0], seconds)
         evicted = greedy_evict(problem, names[0], seconds, fit_budget_s=limit * config.fit_share)

@@ -8,6 +8,7 @@ the storage directory, autograd's gradients."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +45,11 @@ def _split_problem(seconds: float) -> Problem:
 
 @pytest.fixture(scope="module")
 def port_m_plan() -> tuple[Problem, StrategyResult]:
+    """``port_m``'s plan with no plan of the pool as one device beside (which pages to
+    the ideal here, below): PORT-M's MILP's."""
     problem = _split_problem(12)
-    result = run_strategy("port_m", problem)
+    search = replace(problem.solver.search, port_m_alone_share=0.0)
+    result = run_strategy("port_m", replace(problem, solver=replace(problem.solver, search=search)))
     assert result.feasible, result.message
     return problem, result
 
@@ -78,6 +82,22 @@ def test_port_m_pages_inside_its_concurrent_plan(
     for other in others:
         assert other.simulation is not None
         assert verdict.total_ms < 0.8 * other.simulation.total_ms, other.message
+
+
+def test_port_m_plans_the_pool_as_one_device_that_pages_at_its_ideal() -> None:
+    """The same pool with ``port_m``'s defaults: ``port`` on the pool as one device (each
+    node timed on its faster CPU, the pool's memory one device's) pages what does not fit
+    behind the compute, and its plan, each node then on its faster CPU, runs at the
+    pool's ideal within the pool's budget, faster than PORT-M's concurrent plan."""
+    problem = _split_problem(12)
+    result = run_strategy("port_m", problem)
+    assert result.feasible and result.plan is not None, result.message
+    assert "cpu0+cpu1 as one device: port" in result.message
+    assert {s.device for s in result.plan.steps if s.op == "compute"} == {"cpu0", "cpu1"}
+    assert any(s.op == "page_out" for s in result.plan.steps)
+    verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert verdict.valid and max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
+    assert verdict.total_ms == pytest.approx(problem.costs.ideal_ms())
 
 
 def test_the_agent_runs_a_concurrent_paging_plan_for_real(

@@ -177,10 +177,10 @@ class SearchConfig:
     on graphs of at most this many nodes; on larger ones its time goes to XEngine's search
     (docs/strategies.md, PORT-M)."""
     port_m_alone_share: float = 0.25
-    """``port_m``: the share of the time limit for ``port`` on the pool's fastest device
-    alone (rematerializing and paging, POET's setting), after XEngine's search and before
-    PORT-M's MILP; where the MILP is not built, for ``port``'s paging heuristics on that
-    device in a process beside XEngine's search."""
+    """``port_m``: the share of the time limit for ``port`` on the pool as one device
+    (``common.pooled``; rematerializing and paging, POET's setting on the pool), after
+    XEngine's search and before PORT-M's MILP (0: none); where the MILP is not built, for
+    ``port``'s paging heuristics on it in a process beside XEngine's search."""
     port_time_tolerance: float = 0.01
     """``port``: how far above the best time (relative) a plan may be and still be chosen
     for fewer computations and page transfers (PORT's beta objectives)."""

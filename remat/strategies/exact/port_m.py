@@ -13,21 +13,21 @@ nothing is recomputed it plans as XEngine does.
 The search: XEngine's (``xengine``) for ``port_m_xengine_share`` of the time limit, whose
 plans on a pool are compiled concurrent wherever they fit (``evaluate``); its schedule
 improved by recomputing a stage ahead on another device of the pool (``recompute_ahead``,
-within ``port_m_ahead_share``); ``port`` on the pool's fastest device alone (the least
-total compute time) for ``port_m_alone_share``, which pages to the node's storage where
-that beats recomputing (POET's setting), so that the pool's plan is not slower than that
-device's own, paging included; then PORT-M's MILP for the rest, started from the better
-of XEngine's plan and the stage-ahead one. The plan returned is the fastest. On graphs of
-more than ``port_m_milp_max_nodes`` nodes the MILP is not built: XEngine's search gets the
-whole limit (less the stage-ahead share), and beside it, in a process of its own for
-``port_m_alone_share``, ``port``'s paging heuristics on the fastest device (its MILPs
-need processes of their own, which a process beside may not start): XEngine's search,
-whose plans improve late in its time on such graphs, keeps nearly all of the limit.
-Where the pool cannot hold every fixed tensor with some node's values
-(``common.floor``), ``port`` runs on each device of the pool alone instead, an equal
-share of the time each, paging fixed tensors, and the fastest of those plans is
-returned. No bound is reported: the ideal bounds PORT-M's model but not every concurrent
-plan, whose sections may overlap independent nodes across stages too.
+within ``port_m_ahead_share``); ``port`` on the pool as one device (``common.pooled``:
+each node timed on its fastest device, then computed there) for ``port_m_alone_share``,
+which pages to the node's storage where that beats recomputing (POET's setting on the
+pool), so that the pool's plan is not slower than any one device's, paging included; then
+PORT-M's MILP for the rest, started from the better of XEngine's plan and the stage-ahead
+one. The plan returned is the fastest. On graphs of more than ``port_m_milp_max_nodes``
+nodes the MILP is not built: XEngine's search gets the whole limit (less the stage-ahead
+share), and beside it, in a process of its own for ``port_m_alone_share``, ``port``'s
+paging heuristics on the pool as one device (its MILPs need processes of their own, which
+a process beside may not start): XEngine's search, whose plans improve late in its time
+on such graphs, keeps nearly all of the limit. Where the pool cannot hold every fixed
+tensor with some node's values (``common.floor``), ``port`` on the pool as one device
+plans alone, paging fixed tensors. No bound is reported: the ideal bounds PORT-M's model
+but not every concurrent plan, whose sections may overlap independent nodes across stages
+too.
 
 PORT-M's MILP pages too (``build_xengine`` with ``paging``: PORT's M^out, M^in and S^AUX
 over the pool, at stage granularity, on the lane of the pool's first device to the node's
@@ -51,6 +51,7 @@ from remat.formulations.xengine import XEngineModel, build_xengine
 from remat.plan import SolverInfo
 from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
+from remat.strategies.common.pooled import as_one_device, rehomed
 from remat.strategies.common.problem import (
     Evaluation,
     Problem,
@@ -129,9 +130,9 @@ def _without_milp(problem: Problem, started: float) -> StrategyResult:
     (``common.beside``) for ``port_m_alone_share`` of the limit, ``port``'s paging
     heuristics on the pool's fastest device alone (``_paging_alone``); the faster plan."""
     config, limit = problem.solver.search, problem.solver.options.time_limit_s
-    device = _fastest(problem)
+    names = tuple(d.name for d in problem.costs.devices)
     deadline = time.monotonic() + limit * config.port_m_alone_share
-    beside = Beside(_paging_alone, picklable(problem), device, deadline)
+    beside = Beside(_paging_alone, picklable(problem), names, deadline)
     left = limit - (time.monotonic() - started)
     first = xengine(problem.within(left - limit * config.port_m_ahead_share))
     first = _ahead(problem, first, started + limit)
@@ -145,20 +146,23 @@ def _without_milp(problem: Problem, started: float) -> StrategyResult:
     note = f"PORT-M's MILP is not built over {len(problem.graph)} nodes"
     feasible = [p for p in paging or [] if p.feasible and p.simulation is not None]
     if not feasible:
-        return first.without_bound(
-            NAME, f"{note}; paging on {device} alone: {why or 'no plan fits'}"
-        )
-    best = min(feasible, key=lambda p: p.time_ms)
-    alone = replace(best, message=f"{device} alone: {best.message}")
-    return _faster(first, alone, note)
+        label = as_one_device(problem, names).label()
+        return first.without_bound(NAME, f"{note}; paging on {label}: {why or 'no plan fits'}")
+    return _faster(first, min(feasible, key=lambda p: p.time_ms), note)
 
 
-def _paging_alone(problem: Problem, device: str, deadline: float) -> list[StrategyResult]:
-    """``port``'s paging heuristics on ``device`` alone by ``deadline``: GREEDY's and
-    DYNPROG's paging, and greedy eviction to looser budgets with paging over its plans
-    (``offload_remat.offloading_plans``). Module-level: it runs in a process beside."""
-    plans = [offload_greedy(problem, device, Tier.STORAGE)]
-    return plans + offloading_plans(problem, device, deadline, Tier.STORAGE)
+def _paging_alone(
+    problem: Problem, names: tuple[str, ...], deadline: float
+) -> list[StrategyResult]:
+    """``port``'s paging heuristics on the pool of ``names`` as one device
+    (``common.pooled``) by ``deadline``: GREEDY's and DYNPROG's paging, and greedy eviction
+    to looser budgets with paging over its plans (``offload_remat.offloading_plans``),
+    each node then computed on its fastest device. Module-level: it runs in a process
+    beside."""
+    one = as_one_device(problem, names)
+    plans = [offload_greedy(one.problem, one.anchor, Tier.STORAGE)]
+    plans += offloading_plans(one.problem, one.anchor, deadline, Tier.STORAGE)
+    return [rehomed(one, problem, plan) for plan in plans]
 
 
 def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Evaluation:
@@ -172,17 +176,12 @@ def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Eva
 
 
 def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:
-    """Below the pool's fixed memory: ``port`` on each device of the pool alone, an equal
-    share of the time limit each (paging fixed tensors, ``port``'s fallback); the fastest
-    plan."""
-    share = problem.solver.options.time_limit_s / len(names)
-    found = {name: port(problem.within(share), name) for name in names}
-    name, best = min(found.items(), key=lambda item: item[1].time_ms)
-    if best.feasible:
-        return best.without_bound(NAME, f"{name} alone, below the pool's fixed memory")
-    notes = "; ".join(f"on {n}: {r.message}" for n, r in found.items())
-    proven = all(r.proven_infeasible for r in found.values())
-    return replace(best.without_bound(NAME, ""), message=notes, proven_infeasible=proven)
+    """Below the pool's fixed memory: ``port`` on the pool as one device (paging fixed
+    tensors, ``port``'s fallback; ``common.pooled``), each node then computed on its
+    fastest device."""
+    one = as_one_device(problem, names)
+    found = rehomed(one, problem, port(one.problem, one.anchor))
+    return found.without_bound(NAME, "below the pool's fixed memory" if found.feasible else "")
 
 
 def _ahead(problem: Problem, first: StrategyResult, deadline: float) -> StrategyResult:
@@ -199,16 +198,13 @@ def _ahead(problem: Problem, first: StrategyResult, deadline: float) -> Strategy
     return first
 
 
-def _fastest(problem: Problem) -> str:
-    """The device of the pool with the least total compute time."""
-    return problem.costs.devices[int(problem.costs.compute_ms.sum(axis=0).argmin())].name
-
-
 def _alone(problem: Problem) -> StrategyResult:
-    """``port`` on the device of the pool with the least total compute time."""
-    device = _fastest(problem)
-    result = port(problem, device)
-    return replace(result, message=f"{device} alone: {result.message}")
+    """``port`` on the pool as one device (``common.pooled``), each node then computed on
+    its fastest device; none where its share of the limit is 0."""
+    if problem.solver.search.port_m_alone_share <= 0:
+        return StrategyResult(NAME, None, None, "no plan of the pool as one device")
+    one = as_one_device(problem, tuple(d.name for d in problem.costs.devices))
+    return rehomed(one, problem, port(one.problem, one.anchor))
 
 
 def _faster(first: StrategyResult, alone: StrategyResult, note: str) -> StrategyResult:

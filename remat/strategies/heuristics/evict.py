@@ -41,6 +41,7 @@ from remat.strategies.common.policy import (
     device_fixed_bytes,
     predict,
 )
+from remat.strategies.common.pooled import as_one_device
 from remat.strategies.common.problem import (
     Problem,
     StrategyResult,
@@ -165,24 +166,15 @@ def evict_pooled(
     time_budget_s: float | None = None,
     fit_budget_s: float | None = None,
 ) -> StrategyResult:
-    """Greedy eviction on devices that share one memory pool: a value held on the pool is
-    held once, wherever it was computed, so the pool's memory is one device's. The loop
-    runs on one device whose node times are each node's fastest device's, and its
-    schedule then computes each node there (the plan concurrent where it fits,
-    ``evaluate``). Sub-second on the sample networks, where the multi-device heuristic
-    and XEngine's search take their whole limits to place nodes over the pool."""
-    costs = problem.costs
-    columns = np.array([costs.device_index(name) for name in names])
-    times = costs.compute_ms[:, columns]
-    home = np.argmin(times, axis=1)
-    anchor = names[int(times.sum(axis=0).argmin())]  # the overheads of the busiest device
-    compute = costs.compute_ms.copy()
-    compute[:, costs.device_index(anchor)] = times[np.arange(len(home)), home]
-    pooled = replace(problem, costs=replace(costs, compute_ms=compute))
-    alone = greedy_evict(pooled, anchor, time_budget_s, fit_budget_s)
+    """Greedy eviction on devices that share one memory pool, planned as one device
+    (``common.pooled``: the pool's memory is one device's, each node timed on its fastest
+    device), its schedule then computing each node on that device: compiled concurrent
+    where that fits (``evaluate``)."""
+    one = as_one_device(problem, names)
+    alone = greedy_evict(one.problem, one.anchor, time_budget_s, fit_budget_s)
     if alone.schedule is None:
         return replace(alone, strategy=STRATEGY)
-    on = home[None, None, :] == np.arange(len(names))[:, None, None]
+    on = one.home[None, None, :] == np.arange(len(names))[:, None, None]
     R, S = alone.schedule.R[0], alone.schedule.S[0]
     schedule = Schedule(tuple(names), R[None] & on, S[None] & on)
     return select_best(STRATEGY, [evaluate(problem, schedule, STRATEGY)])

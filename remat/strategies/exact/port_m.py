@@ -24,10 +24,11 @@ share), and beside it, in a process of its own for ``port_m_alone_share``, ``por
 paging heuristics on the pool as one device (its MILPs need processes of their own, which
 a process beside may not start): XEngine's search, whose plans improve late in its time
 on such graphs, keeps nearly all of the limit. Where the pool cannot hold every fixed
-tensor with some node's values (``common.floor``), ``port`` on the pool as one device
-plans alone, paging fixed tensors. No bound is reported: the ideal bounds PORT-M's model
-but not every concurrent plan, whose sections may overlap independent nodes across stages
-too.
+tensor with some node's values (``common.floor``), ``port`` runs on the pool as one
+device and on each device of the pool alone instead, an equal share of the time each,
+paging fixed tensors, and the fastest of those plans is returned. No bound is reported:
+the ideal bounds PORT-M's model but not every concurrent plan, whose sections may overlap
+independent nodes across stages too.
 
 PORT-M's MILP pages too (``build_xengine`` with ``paging``: PORT's M^out, M^in and S^AUX
 over the pool, at stage granularity, on the lane of the pool's first device to the node's
@@ -176,12 +177,21 @@ def _compiled(problem: Problem, formulation: XEngineModel, x: np.ndarray) -> Eva
 
 
 def _paging_fixed(problem: Problem, names: tuple[str, ...]) -> StrategyResult:
-    """Below the pool's fixed memory: ``port`` on the pool as one device (paging fixed
-    tensors, ``port``'s fallback; ``common.pooled``), each node then computed on its
-    fastest device."""
+    """Below the pool's fixed memory: ``port`` (paging fixed tensors, its fallback) on the
+    pool as one device (``common.pooled``) and on each device of the pool alone, an equal
+    share of the time limit each; the fastest plan."""
+    share = problem.solver.options.time_limit_s / (len(names) + 1)
     one = as_one_device(problem, names)
-    found = rehomed(one, problem, port(one.problem, one.anchor))
-    return found.without_bound(NAME, "below the pool's fixed memory" if found.feasible else "")
+    found = {one.label(): rehomed(one, problem, port(one.problem.within(share), one.anchor))}
+    for name in names:
+        alone = port(problem.within(share), name)
+        found[f"{name} alone"] = replace(alone, message=f"{name} alone: {alone.message}")
+    where, best = min(found.items(), key=lambda item: item[1].time_ms)
+    if best.feasible:
+        return best.without_bound(NAME, f"{where}, below the pool's fixed memory")
+    proven = all(r.proven_infeasible for r in found.values())
+    notes = "; ".join(r.message for r in found.values())
+    return replace(best.without_bound(NAME, ""), message=notes, proven_infeasible=proven)
 
 
 def _ahead(problem: Problem, first: StrategyResult, deadline: float) -> StrategyResult:

@@ -38,7 +38,8 @@ class OneDevice:
         return tuple(name for name in self.names if name in on)
 
     def label(self) -> str:
-        """How a message names the plan's devices: ``cpu0 alone``, or ``cpu0+gpu0 as one``."""
+        """How a message names the plan's devices: ``cpu0 alone``, or ``cpu0+gpu0 as one
+        device``."""
         used = self.used
         return f"{used[0]} alone" if len(used) == 1 else f"{'+'.join(used)} as one device"
 
@@ -60,7 +61,7 @@ def as_one_device(problem: Problem, names: Sequence[str]) -> OneDevice:
 def rehomed(one: OneDevice, problem: Problem, found: StrategyResult) -> StrategyResult:
     """``found`` (a plan on the anchor of ``one``) with each computation on its node's
     device of the pool, judged by the simulator on ``problem`` (the pool's own costs),
-    its message naming the devices; ``found`` itself where it has no plan."""
+    its message naming the devices; without a plan, ``found`` with that message."""
     if found.plan is None:
         return replace(found, message=f"{one.label()}: {found.message}")
     steps = tuple(

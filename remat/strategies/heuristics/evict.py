@@ -127,8 +127,7 @@ class _EvictionSetup:
 
     def placed(self, sparse: Sparse) -> Schedule:
         """The schedule of ``sparse`` with node i computed and kept on ``names[home[i]]``."""
-        on = self.home[None, None, :] == np.arange(len(self.names))[:, None, None]
-        return Schedule(self.names, sparse.R()[None] & on, sparse.S()[None] & on)
+        return _on_placement(self.names, self.home, sparse.R(), sparse.S())
 
     def _excess(self, peaks: np.ndarray) -> int:
         return excess(peaks, self.budgets)
@@ -174,10 +173,17 @@ def evict_pooled(
     alone = greedy_evict(one.problem, one.anchor, time_budget_s, fit_budget_s)
     if alone.schedule is None:
         return replace(alone, strategy=STRATEGY)
-    on = one.home[None, None, :] == np.arange(len(names))[:, None, None]
-    R, S = alone.schedule.R[0], alone.schedule.S[0]
-    schedule = Schedule(tuple(names), R[None] & on, S[None] & on)
+    schedule = _on_placement(one.names, one.home, alone.schedule.R[0], alone.schedule.S[0])
     return select_best(STRATEGY, [evaluate(problem, schedule, STRATEGY)])
+
+
+def _on_placement(
+    names: tuple[str, ...], home: np.ndarray, R: np.ndarray, S: np.ndarray
+) -> Schedule:
+    """One device's R and S [T, n] as a schedule over ``names`` with node i computed and
+    kept on ``names[home[i]]``."""
+    on = home[None, None, :] == np.arange(len(names))[:, None, None]
+    return Schedule(names, R[None] & on, S[None] & on)
 
 
 def evict_placed(

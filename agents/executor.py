@@ -1250,15 +1250,12 @@ class _Run:
             if grads is not None and self.paged_fixed:
                 self._new_buffers(step, grads)
         resident = self.resident[step.device]
-        compute = partial(
-            self.program.compute,
-            step.node,
-            resident,
-            self.fixed[step.device],
-            grads,
-            runtime.torch_device,
-        )
-        value, ms = self._timed(runtime, compute)
+        args = (step.node, resident, self.fixed[step.device], grads, runtime.torch_device)
+        if self.timed_steps:
+            value, ms = runtime.timed(partial(self.program.compute, *args))
+        else:  # no closure at the untimed runs' every step
+            runtime.activate()
+            value, ms = self.program.compute(*args), 0.0
         resident[step.node] = value
         self._allocated(step.device, value_bytes(value))
         return ms
@@ -1293,6 +1290,9 @@ class _Run:
         return work(), 0.0
 
     def _free(self, step: Free) -> float:
+        if not self.timed_steps:
+            self._drop(step.device, step.node)
+            return 0.0
         start = time.perf_counter()
         self._drop(step.device, step.node)
         return (time.perf_counter() - start) * 1e3

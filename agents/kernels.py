@@ -194,11 +194,26 @@ def forward_and_saved(spec: OpSpec, args: Args) -> tuple[Outputs, Outputs | None
     """The operator's outputs, and what its kernel computed beside them that its gradient
     reads (as autograd saves it: a training BatchNormalization's batch mean and inverse
     standard deviation, ``SAVES``); None where nothing."""
+    return prepared_forward(spec)(args)
+
+
+def prepared_forward(spec: OpSpec) -> Callable[[Args], tuple[Outputs, Outputs | None]]:
+    """``forward_and_saved`` for one node, with its kernel, its saver and its wanted
+    outputs looked up once: the executor evaluates a node at every step that computes it."""
     check_supported(spec)
-    outputs = KERNELS[spec.op_type](spec, args)
-    wanted = tuple(out for out, name in zip(outputs, spec.outputs, strict=False) if name)
-    saves = SAVES.get(spec.op_type)
-    return wanted, saves(spec, outputs) if saves is not None else None
+    kernel, saves = KERNELS[spec.op_type], SAVES.get(spec.op_type)
+    count = len(spec.outputs)
+    every = all(spec.outputs)  # else some outputs are omitted (empty names)
+
+    def forward(args: Args) -> tuple[Outputs, Outputs | None]:
+        outputs = kernel(spec, args)
+        if every:
+            wanted = tuple(outputs[:count])
+        else:
+            wanted = tuple(out for out, name in zip(outputs, spec.outputs, strict=False) if name)
+        return wanted, saves(spec, outputs) if saves is not None else None
+
+    return forward
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -1472,12 +1487,14 @@ def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     return torch.zeros((), dtype=dtype, device=device).expand(*shape)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class VjpCall:
     """One backward evaluation: inputs by position (placeholders where the gradient does
     not read them), the output when the gradient needs it, the upstream gradient of each
     output (None: zero), which input positions want a gradient, and what the forward kernel
-    saved for it from these very inputs (``forward_and_saved``; None: take it again)."""
+    saved for it from these very inputs (``forward_and_saved``; None: take it again).
+    Made at every backward step, so not frozen: a frozen dataclass's construction costs
+    several times a plain one's."""
 
     spec: OpSpec
     args: Args

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -159,7 +159,8 @@ _Fetch = tuple[str | None, int | None, int, tuple[tuple[int, ...], torch.dtype] 
 class _Call:
     """What evaluating one node looks up and does not change between evaluations, prepared
     at its first (``Program._call``). ``args``: the forward node's inputs by position.
-    For a backward node: whether it reads its forward node's output; per output of that
+    For a forward node, ``forward``: its kernel (``kernels.prepared_forward``). For a
+    backward node: whether it reads its forward node's output; per output of that
     node, the (node, tensor index) entries of its upstream gradient (None: not a float
     output, no gradient); per tensor of its value (``deps`` order: every output of every
     node the forward node reads), the argument positions whose gradients sum into it with
@@ -168,6 +169,7 @@ class _Call:
     node: Node
     spec: OpSpec
     args: tuple[_Fetch, ...]
+    forward: Callable[[kernels.Args], tuple[kernels.Outputs, kernels.Outputs | None]] | None = None
     reads_output: bool = False
     upstream: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
     slots: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] = ()
@@ -308,9 +310,9 @@ class Program:
             if node.kind is NodeKind.LOSS:
                 return self._loss(node, values, fixed)
             call = self._call(index)
-        if call.node.kind is NodeKind.FORWARD:
+        if call.forward is not None:
             args = self._fetch(call.args, values, fixed, device)
-            result, saved = kernels.forward_and_saved(call.spec, args)
+            result, saved = call.forward(args)
             if saved is not None and args and args[0] is not None:
                 self._saved[index] = (weakref.ref(args[0]), saved)
             return _owned(result)
@@ -321,7 +323,8 @@ class Program:
         first evaluation."""
         node = self.graph.nodes[index]
         if node.kind is NodeKind.FORWARD:
-            call = _Call(node, self.specs[index], self._fetches(index, None))
+            spec = self.specs[index]
+            call = _Call(node, spec, self._fetches(index, None), kernels.prepared_forward(spec))
         else:
             f = self.forward_of(node)
             read = frozenset(node.deps)
@@ -347,7 +350,8 @@ class Program:
                 if source.fixed is not None
             )
             fetches = self._fetches(f.id, read)
-            call = _Call(node, self.specs[f.id], fetches, f.id in read, upstream, slots, fixed)
+            spec = self.specs[f.id]
+            call = _Call(node, spec, fetches, None, f.id in read, upstream, slots, fixed)
         self._calls[index] = call
         return call
 
@@ -423,8 +427,8 @@ class Program:
         saved = self._saved_for(f, args)
         found = kernels.vjp(VjpCall(call.spec, args, output, upstream, wanted, saved))
         result = tuple(_slot(found, *slot, device) for slot in call.slots)
-        read = [*args, *(output or ()), *(g for g in upstream if g is not None)]
-        if grads is not None:
+        if grads is not None and call.fixed:
+            read = [*args, *(output or ()), *(g for g in upstream if g is not None)]
             self._accumulate(call, found, grads, read)
         return _owned(result)
 

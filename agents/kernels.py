@@ -620,9 +620,7 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     # and inverse standard deviation. The statistics outputs carry no gradient.
     # PyTorch's kernel gives the batch's mean and inverse standard deviation with the
     # output, in the same pass (as autograd keeps them for the backward).
-    y, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
-        x, scale, bias, None, None, True, 0.0, eps
-    )
+    y, batch_mean, inv_std = torch.native_batch_norm(x, scale, bias, None, None, True, 0.0, eps)
     with torch.no_grad():
         batch_mean, inv_std = batch_mean.detach(), inv_std.detach()
         if not (spec.wants_output(1) or spec.wants_output(2)):
@@ -685,7 +683,7 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
     if not (spec.wants_output(1) or spec.wants_output(2)) and _normalised_shape(scale, bias, shape):
         # PyTorch's kernel gives the mean and inverse standard deviation with the output,
         # in the same pass (as autograd keeps them for the backward, ``SAVES``).
-        y, mean, inv_std = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
+        y, mean, inv_std = torch.native_layer_norm(x, shape, scale, bias, eps)
         return y, mean.detach(), inv_std.detach()
     # Statistics a model asks for carry a gradient (ONNX's outputs), so they are built from
     # differentiable operations.
@@ -810,10 +808,22 @@ def _slice(spec: OpSpec, args: Args) -> Outputs:
     return (result,)
 
 
+def _one_index(spec: OpSpec, args: Args) -> int | None:
+    """A Gather's index where it is one constant (a transformer picking q, k or v from
+    one projection): a slice of the data, no index arithmetic. None otherwise."""
+    indices = args[1]
+    if indices is None or indices.dim() != 0 or 1 not in spec.consts:
+        return None
+    found = spec.ints(1, args)
+    return found[0] if found else None
+
+
 def _gather(spec: OpSpec, args: Args) -> Outputs:
     data, indices = args[0], args[1]
     assert data is not None and indices is not None
     axis = _axis(spec.attr("axis", 0), data.dim())
+    if (index := _one_index(spec, args)) is not None:
+        return (data.select(axis, index),)
     size = data.shape[axis]
     flat = indices.reshape(-1).long()
     flat = torch.where(flat < 0, flat + size, flat)
@@ -1724,9 +1734,7 @@ def _batch_norm_grad(call: VjpCall) -> Grads:
     if call.saved is not None:
         batch_mean, inv_std = call.saved
     else:
-        _, batch_mean, inv_std = torch.ops.aten.native_batch_norm(
-            x, scale, None, None, None, True, 0.0, eps
-        )
+        _, batch_mean, inv_std = torch.native_batch_norm(x, scale, None, None, None, True, 0.0, eps)
     wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
     mask = [wanted[0], wanted[1], len(call.args) > 2 and wanted[2]]
     grads = torch.ops.aten.native_batch_norm_backward(
@@ -1755,7 +1763,7 @@ def _layer_norm_grad(call: VjpCall) -> Grads:
         mean, rstd = call.saved
     else:
         eps = spec.attr("epsilon", 1e-5)
-        _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, scale, bias, eps)
+        _, mean, rstd = torch.native_layer_norm(x, shape, scale, bias, eps)
     wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
     mask = [wanted[0], wanted[1], bias is not None and wanted[2]]
     grads = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, scale, bias, mask)
@@ -1871,6 +1879,14 @@ def _gather_grad(call: VjpCall) -> Grads:
     as one ``index_add_`` instead of the forward re-run under autograd."""
     data, indices, g = call.arg(0), call.arg(1), call.g
     axis = _axis(call.spec.attr("axis", 0), data.dim())
+    if (index := _one_index(call.spec, call.args)) is not None:
+
+        def sliced() -> Tensor:
+            grad = torch.zeros(data.shape, dtype=g.dtype, device=g.device)
+            grad.select(axis, index).copy_(g)
+            return grad
+
+        return call.only(sliced)
     size = data.shape[axis]
     flat = indices.reshape(-1).long()
     flat = torch.where(flat < 0, flat + size, flat)

@@ -213,6 +213,9 @@ CASES: dict[str, Case] = {
     ),
     "reduce_sum_input_axes": Case("ReduceSum", {"x": (2, 3, 4)}, {"axes": _i64(1)}, opset=13),
     "reduce_max_all": Case("ReduceMax", {"x": (2, 3)}, opset=18),
+    "gather_constant_index": Case(
+        "Gather", {"x": (3, 5)}, {"i": np.array(-2, np.int64)}, {"axis": 1}
+    ),
     "gather_negative_indices": Case(
         "Gather", {"x": (3, 5)}, {"i": _i64(-1, 0, 2).reshape(3, 1)}, {"axis": 1}
     ),

@@ -468,7 +468,13 @@ def test_layer_norms_backward_reads_the_statistics_its_forward_saved() -> None:
 # --- closed-form gradients ----------------------------------------------------------------------
 
 
-def _call(op: str, args: list[torch.Tensor], opset: int = 17, **attrs: Any) -> VjpCall:
+def _call(
+    op: str,
+    args: list[torch.Tensor],
+    opset: int = 17,
+    consts: dict[int, np.ndarray] | None = None,
+    **attrs: Any,
+) -> VjpCall:
     spec = OpSpec(
         op,
         "n",
@@ -476,6 +482,7 @@ def _call(op: str, args: list[torch.Tensor], opset: int = 17, **attrs: Any) -> V
         attrs=attrs,
         inputs=tuple(f"in{i}" for i in range(len(args))),
         outputs=("out",),
+        consts=consts or {},
     )
     output = kernels.run_forward(spec, args)
     g = torch.randn(
@@ -507,6 +514,13 @@ CLOSED_FORMS: dict[str, Any] = {
     # a scalar index (a transformer's q, k, v picked from one projection), repeated and
     # negative indices (added twice), and a matrix of indices on an inner axis
     "gather_scalar": lambda: _call("Gather", [_double(3, 2, 4), torch.tensor(1)], axis=0),
+    # the same as a constant (a slice of the data), and a negative one on an inner axis
+    "gather_constant": lambda: _call(
+        "Gather", [_double(3, 2, 4), torch.tensor(1)], consts={1: np.array(1)}, axis=0
+    ),
+    "gather_constant_negative": lambda: _call(
+        "Gather", [_double(3, 2, 4), torch.tensor(-1)], consts={1: np.array(-1)}, axis=2
+    ),
     "gather_repeated": lambda: _call(
         "Gather", [_double(2, 5, 3), torch.tensor([[0, -1], [4, 0]])], axis=1
     ),
@@ -536,6 +550,8 @@ def test_where_expand_gather_elements_gradients_work_from_placeholders() -> None
         ("expand", [0]),
         ("gather_elements", [0]),
         ("gather_scalar", [0]),
+        ("gather_constant", [0]),
+        ("gather_constant_negative", [0]),
         ("gather_repeated", [0]),
     ):
         call = CLOSED_FORMS[name]()

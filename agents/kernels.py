@@ -32,6 +32,7 @@ import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -108,10 +109,20 @@ class OpSpec:
         if not self.has_input(position):
             return None
         if position in self.consts:
-            return [int(v) for v in np.asarray(self.consts[position]).reshape(-1)]
+            found = self._const_ints.get(position)
+            if found is None:
+                values = np.asarray(self.consts[position]).reshape(-1)
+                found = self._const_ints[position] = tuple(int(v) for v in values)
+            return list(found)
         value = args[position]
         assert value is not None
         return [int(v) for v in value.reshape(-1).tolist()]
+
+    @cached_property
+    def _const_ints(self) -> dict[int, tuple[int, ...]]:
+        """Constant inputs as ints, each converted at its first read: a Reshape's shape is
+        read at every step that computes it."""
+        return {}
 
     def scalar(self, position: int, args: Args) -> float | None:
         if not self.has_input(position):

@@ -2,9 +2,11 @@
 (``agents/pytorch/corpus.py``, at its bench scale) as eager autograd runs it (forward, the
 entry's loss, the parameters' gradients), against the executor running the checkpoint-all
 plan of the module's ONNX export (TorchScript exporter, training mode) on one CPU device
-with the same thread count. Both take the median of ``--repeats`` timed runs after two
-warm-ups, each on a quiet machine (``agent.quietly``), in one process whose host heap is
-kept (``agents.torch_devices.keep_host_heap``).
+with the same thread count. Both take the median of ``--repeats`` timed runs, made in
+``--rounds`` alternating rounds (eager's runs, then the executor's, each round after two
+warm-ups and on a quiet machine, ``agent.quietly``) so that a drift of the machine's speed
+reaches both sides alike, in one process whose host heap is kept
+(``agents.torch_devices.keep_host_heap``).
 
 Columns: the plan's steps; eager and executor milliseconds and their ratio; the executor's
 own time per step outside the kernels' (its total less the sum of its steps' times, over
@@ -17,7 +19,7 @@ compute step: what the cost model adds to each node).
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
-        [--threads 2] [--repeats 20] [--run LABEL]
+        [--threads 2] [--repeats 20] [--rounds 4] [--run LABEL]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from agent import quietly
 from results import Writer, add_run_argument
 
-from agents.executor import execute
+from agents.executor import ExecutionReport, execute
 from agents.profiler import profile
 from agents.program import build_program
 from agents.pytorch.check import export_entry, graph_of
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--models", default="small_cnn,resnet18,transformer_encoder")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=4)
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("eager", args.run)
@@ -62,7 +65,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        row = _measure(name, device, args.threads, args.repeats)
+        row = _measure(name, device, args.threads, args.repeats, args.rounds)
         out.add(row)
         print(
             f"| {name} ({row['nodes']}) | {row['steps']} | {row['eager_ms']:.2f} "
@@ -73,7 +76,7 @@ def main() -> None:
         )
 
 
-def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str, Any]:
+def _measure(name: str, device: Device, threads: int, repeats: int, rounds: int) -> dict[str, Any]:
     """One corpus model's row: eager, the executor, and the profiler's node times."""
     entry = CORPUS[name]
     exported = export_entry(entry, "bench")
@@ -88,23 +91,31 @@ def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str,
         labels = program.fixed[program.loss.labels]
         inputs[program.loss.labels] = labels.numpy()
 
-    def eager() -> float:
+    def eager(count: int) -> list[float]:
         torch.set_num_threads(threads)
         times = []
-        for run in range(WARMUP + repeats):
+        for run in range(WARMUP + count):
             start = time.perf_counter()
             module_gradients(exported.module, exported.args, program.loss, labels)
             if run >= WARMUP:
                 times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        return times
 
-    eager_ms, _ = quietly(eager, f"eager {name}")
-    report, _ = quietly(
-        lambda: execute(
-            exported.model, graph, plan, [device], inputs=inputs, warmup=WARMUP, repeats=repeats
-        ),
-        f"executing {name}",
-    )
+    def executed(count: int) -> ExecutionReport:
+        return execute(
+            exported.model, graph, plan, [device], inputs=inputs, warmup=WARMUP, repeats=count
+        )
+
+    # Alternating rounds, so that both sides see the same machine (this VM's speed drifts
+    # by 10-30% within minutes).
+    eager_runs: list[float] = []
+    executor_runs: list[float] = []
+    count = max(repeats // rounds, 1)
+    for _ in range(rounds):
+        eager_runs += quietly(lambda: eager(count), f"eager {name}")[0]
+        report, _ = quietly(lambda: executed(count), f"executing {name}")
+        executor_runs += report.runs_ms
+    eager_ms, executor_ms = statistics.median(eager_runs), statistics.median(executor_runs)
     table, _ = quietly(
         lambda: profile(exported.model, graph, [device], repeats=5, warmup=WARMUP),
         f"profiling {name}",
@@ -117,12 +128,13 @@ def _measure(name: str, device: Device, threads: int, repeats: int) -> dict[str,
         "devices": f"cpu0:threads={threads}",
         "steps": steps,
         "eager_ms": eager_ms,
-        "measured_ms": report.total_ms,
-        "ratio": report.total_ms / eager_ms,
-        "outside_us_per_step": (report.total_ms - sum(report.step_ms)) / steps * 1e3,
+        "measured_ms": executor_ms,
+        "ratio": executor_ms / eager_ms,
+        "outside_us_per_step": (executor_ms - sum(report.step_ms)) / steps * 1e3,
         "inside_us_per_compute": (sum(report.step_ms) - kernels_ms) / computes * 1e3,
         "step_overhead_us": table.devices[0].step_overhead_ms * 1e3,
         "gradients_match": report.gradients_match,
+        "rounds": rounds,
     }
 
 

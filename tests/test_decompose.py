@@ -32,7 +32,7 @@ from remat.strategies.exact.decompose import (
     solve_parts,
     stored_choices,
 )
-from remat.strategies.exact.search import _Switch, quick_part
+from remat.strategies.exact.search import _Stalled, _Switch, quick_part
 from remat.strategies.exact.state import RelaxedPlacement, Search
 from remat.strategies.exact.xengine import xengine
 from remat.training import training_graph
@@ -307,3 +307,25 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
     dearer = _Switch(search, after=now - 1)
     dearer.on_progress(Progress(1.0, 4.0, 1.2, 0.7))
     assert dearer.placement() is None and not dearer.is_set()  # one device may reach it
+
+
+def test_the_closure_cover_stops_once_its_bound_stalls_on_a_one_device_placement(large):
+    """Beside a decomposed graph's one-device search, the device cover with closure rows
+    stops once its bound has risen by less than the tolerance over the window, unless its
+    placement uses several devices (the search may still switch to it)."""
+    n, now = len(large.graph), time.monotonic()
+    search = Search(large, large.costs.ideal_ms(), now)
+    stalled = _Stalled(search, window=0.05, rise=1e-3)
+    assert not stalled.is_set()  # no bound yet
+    stalled.on_bound(100.0)
+    assert not stalled.is_set()  # no bound a window old
+    time.sleep(0.06)
+    stalled.on_bound(102.0)
+    assert not stalled.is_set()  # risen by 2% over the window
+    time.sleep(0.06)
+    stalled.on_bound(102.05)
+    assert stalled.is_set()  # 0.05% over the last window
+    search.on_placement(RelaxedPlacement(np.zeros(n, dtype=np.int64), 90.0))
+    assert stalled.is_set()  # every node on one device
+    search.on_placement(RelaxedPlacement(np.arange(n) % 2, 80.0))
+    assert not stalled.is_set()  # a placement on both devices: it goes on

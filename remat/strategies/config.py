@@ -123,6 +123,12 @@ class SearchConfig:
     """Of the time left on several devices: the least the one-device search takes before
     it stops for the whole graph's interval model on the device cover's placement (where
     one is worth it; otherwise it takes all the time)."""
+    stall_share: float = 0.15
+    stall_rise: float = 1e-3
+    """On several devices, the device cover with closure rows beside the one-device search
+    stops once its bound has risen by less than ``stall_rise`` (relative) over the last
+    ``stall_share`` of the time limit, where its placement is on one device
+    (``search._Stalled``)."""
 
     # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
     restricted_share: float = 0.25

@@ -45,7 +45,7 @@ from remat.strategies.exact.cover import covers_extra_ms, device_closure_model, 
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
-from remat.strategies.exact.state import RelaxedPlacement, Search, SideTask
+from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
 from remat.strategies.heuristics.evict import evict_placed, evict_pooled, greedy_evict
 from remat.strategies.heuristics.placed import placed_greedy
 
@@ -133,16 +133,20 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     on ``names``, each rise reported as found, and its incumbents' placements kept
     (``Search.on_placement``): solved with ``lp_backend`` on one thread in a subprocess for
     the time left, stopped with the solves beside the full one (its root relaxation alone
-    can take a quarter of a 120 s limit on 900 nodes)."""
+    can take a quarter of a 120 s limit on 900 nodes) or once its bound stalls while its
+    placement is on one device (``_Stalled``)."""
     config = search.problem.solver.search
     seconds = search.remaining()
     cover = device_closure_model(search.problem, names)
     model = cover.model
     logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
+    limit = search.problem.solver.options.time_limit_s
+    stalled = _Stalled(search, limit * config.stall_share, config.stall_rise)
 
     def on_progress(progress: Progress) -> None:
         if progress.bound is not None and math.isfinite(progress.bound):
             search.on_bound(progress.bound)
+            stalled.on_bound(progress.bound)
 
     def on_incumbent(x: np.ndarray, objective: float) -> None:
         search.on_placement(RelaxedPlacement(cover.placement(x), objective))
@@ -153,7 +157,7 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         backend=config.lp_backend,
         options=options,
         on_progress=on_progress,
-        cancel=search.side_stop(),
+        cancel=AnyOf((search.side_stop(), stalled)),
         grace_s=config.solve_grace_s,
         on_incumbent=on_incumbent,
     )
@@ -161,7 +165,33 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         search.on_bound(solved.bound)
     if solved.x is not None and solved.objective is not None:
         on_incumbent(solved.x, solved.objective)
-    logger.debug("device closure cover: bound %s (%s)", solved.bound, solved.message)
+    why = "its bound stalled" if stalled.is_set() else solved.message
+    logger.debug("device closure cover: bound %s (%s)", solved.bound, why)
+
+
+class _Stalled:
+    """The stop flag of the device cover with closure rows beside a one-device search: set
+    once its bound has risen by less than ``rise`` (relative) over the last ``window``
+    seconds while its placement is on one device. From then on it raises the bound by
+    little, and no placement of it makes the search switch (``_Switch``), while on a busy
+    machine its core is worth more to the one-device search beside it."""
+
+    def __init__(self, search: Search, window: float, rise: float) -> None:
+        self.search = search
+        self.window = window
+        self.rise = rise
+        self.bounds: list[tuple[float, float]] = []  # (time.monotonic(), bound)
+
+    def on_bound(self, bound: float) -> None:
+        self.bounds.append((time.monotonic(), bound))
+
+    def is_set(self) -> bool:
+        relaxed = self.search.placement
+        if relaxed is not None and len(set(relaxed.home.tolist())) > 1:
+            return False
+        before = time.monotonic() - self.window
+        earlier = [bound for at, bound in self.bounds if at <= before]
+        return bool(earlier) and self.bounds[-1][1] <= earlier[-1] * (1 + self.rise)
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:

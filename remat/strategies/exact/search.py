@@ -165,7 +165,7 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         search.on_bound(solved.bound)
     if solved.x is not None and solved.objective is not None:
         on_incumbent(solved.x, solved.objective)
-    why = "its bound stalled" if stalled.is_set() else solved.message
+    why = "its bound stalled" if stalled.fired else solved.message
     logger.debug("device closure cover: bound %s (%s)", solved.bound, why)
 
 
@@ -181,17 +181,20 @@ class _Stalled:
         self.window = window
         self.rise = rise
         self.bounds: list[tuple[float, float]] = []  # (time.monotonic(), bound)
+        self.fired = False  # it stopped the solve
 
     def on_bound(self, bound: float) -> None:
         self.bounds.append((time.monotonic(), bound))
 
     def is_set(self) -> bool:
         relaxed = self.search.placement
-        if relaxed is not None and len(set(relaxed.home.tolist())) > 1:
-            return False
+        if self.fired or (relaxed is not None and len(set(relaxed.home.tolist())) > 1):
+            return self.fired
         before = time.monotonic() - self.window
         earlier = [bound for at, bound in self.bounds if at <= before]
-        return bool(earlier) and self.bounds[-1][1] <= earlier[-1] * (1 + self.rise)
+        if earlier and self.bounds[-1][1] <= earlier[-1] * (1 + self.rise):
+            self.fired = True
+        return self.fired
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:

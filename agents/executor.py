@@ -1250,12 +1250,15 @@ class _Run:
             if grads is not None and self.paged_fixed:
                 self._new_buffers(step, grads)
         resident = self.resident[step.device]
-        args = (step.node, resident, self.fixed[step.device], grads, runtime.torch_device)
-        if self.timed_steps:
-            value, ms = runtime.timed(partial(self.program.compute, *args))
-        else:  # no closure at the untimed runs' every step
-            runtime.activate()
-            value, ms = self.program.compute(*args), 0.0
+        value, ms = self._timed(
+            runtime,
+            self.program.compute,
+            step.node,
+            resident,
+            self.fixed[step.device],
+            grads,
+            runtime.torch_device,
+        )
         resident[step.node] = value
         self._allocated(step.device, value_bytes(value))
         return ms
@@ -1281,13 +1284,16 @@ class _Run:
         self._allocated(step.dst, value_bytes(copied))
         return ms
 
-    def _timed(self, runtime: Runtime, work: Callable[[], Value]) -> tuple[Value, float]:
-        """``work()`` on ``runtime``'s device, and its milliseconds where steps are timed
-        (else 0: no synchronisation or events between steps)."""
+    def _timed(
+        self, runtime: Runtime, work: Callable[..., Value], *args: Any
+    ) -> tuple[Value, float]:
+        """``work(*args)`` on ``runtime``'s device, and its milliseconds where steps are
+        timed (else 0: no synchronisation or events between steps, and no closure made at
+        the untimed runs' every step)."""
         if self.timed_steps:
-            return runtime.timed(work)
+            return runtime.timed(partial(work, *args))
         runtime.activate()
-        return work(), 0.0
+        return work(*args), 0.0
 
     def _free(self, step: Free) -> float:
         if not self.timed_steps:

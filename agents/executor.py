@@ -937,6 +937,27 @@ class _Result:
         return replace(self, gradients={}, outputs={})
 
 
+class _Account:
+    """One memory space's bytes in a run: its fixed tensors', its resident values' and
+    the most both held at once (a CPU device's measured peak)."""
+
+    __slots__ = ("fixed", "live", "lock", "peak")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.fixed = self.live = self.peak = 0
+        self.lock = lock  # the run's: a concurrent section's devices allocate from threads
+
+    def allocate(self, nbytes: int, runtime: Runtime) -> None:
+        """``nbytes`` more, allocated by ``runtime``'s device (only allocations can raise
+        the peak, checked against the memory it may use)."""
+        with self.lock:
+            self.live += nbytes
+            used = self.fixed + self.live
+            if used > self.peak:
+                self.peak = used
+                check_memory(runtime, used)
+
+
 class _Run:
     """One execution of the plan with its own fixed tensors, buffers and accounting."""
 
@@ -974,12 +995,10 @@ class _Run:
         self.space = {name: pools.get(name, name) for name in runtimes}
         self.resident: dict[str, dict[int, Value]] = {}
         self._share_resident()
-        self.live = dict.fromkeys(self.space.values(), 0)
-        self.accumulated: set[int] = set()  # backward nodes whose gradients are in
-        self.lock = threading.Lock()  # the account and ``accumulated``, in a section
-        # each step kind's method, looked up by the step's type
+        lock = threading.Lock()  # the accounts, allocated from a section's threads
+        self.accounts = {space: _Account(lock) for space in self.space.values()}
+        # each step kind's method but compute's (``_prepared_compute``), by the step's type
         self.perform: dict[type, Callable[[Any], float]] = {
-            Compute: self._compute,
             Copy: self._copy,
             Free: self._free,
             Offload: self._offload,
@@ -993,9 +1012,7 @@ class _Run:
         self.buffers: dict[str, GradientBuffers] = {}
         # per memory space: its fixed tensors and gradient buffers
         self.fixed_on: dict[str, tuple[dict[str, torch.Tensor], GradientBuffers]] = {}
-        self.fixed_bytes: dict[str, int] = {}
         self.baseline: dict[str, tuple[int, int]] = {}  # CUDA: (requested, allocated) bytes
-        self.peaks: dict[str, int] = {}
         self.lanes: dict[str, _Lane] = {}  # of the devices that transfer, made per run
         self.section_threads: ThreadPoolExecutor | None = None  # a concurrent plan's
         self.pagers: dict[str, _PagingLane] = {}  # of the devices that page, made per run
@@ -1026,8 +1043,9 @@ class _Run:
             if self.plan.concurrent and len(self.runtimes) > 1:
                 self._section_threads()
             self._store_fixed()
+            prepared = self._prepared()
             start = time.perf_counter()
-            step_ms = self._steps()
+            step_ms = self._steps(prepared)
             for lane in self.lanes.values():
                 lane.drain()
             for pager in self.pagers.values():
@@ -1048,7 +1066,7 @@ class _Run:
                 peaks,
                 self._gradients(),
                 self._outputs(),
-                {name: self.peaks[space] for name, space in self.space.items()},
+                {name: self.accounts[space].peak for name, space in self.space.items()},
                 allocator,
             )
         finally:
@@ -1104,11 +1122,11 @@ class _Run:
         buffers = [t for t in self.program.gradient_buffers(computed) if t not in self.paged_fixed]
         self.buffers[name] = GradientBuffers.allocate(buffers, self.program.fixed, device)
         self.fixed_on[space] = (self.fixed[name], self.buffers[name])
-        self.fixed_bytes[space] = sum(
+        account = self.accounts[space]
+        account.fixed = account.peak = sum(
             value_bytes((t,)) for t in (*self.fixed[name].values(), *self.buffers[name].values())
         )
-        self.peaks[space] = self.fixed_bytes[space]
-        check_memory(runtime, self.fixed_bytes[space])
+        check_memory(runtime, account.fixed)
 
     def _store_fixed(self) -> None:
         """Write each paged fixed tensor to its file in the run's directory."""
@@ -1135,33 +1153,76 @@ class _Run:
         runtime = self.runtimes[name]
         if runtime.is_cuda:
             return _requested_bytes(runtime.torch_device, "peak") - self.baseline[name][0]
-        return self.peaks[self.space[name]]
+        return self.accounts[self.space[name]].peak
 
     # --- steps ---------------------------------------------------------------------------
 
-    def _steps(self) -> list[float]:
+    def _prepared(self) -> list[Callable[[], float]]:
+        """The plan's steps resolved before the run is timed, each to a call with what it
+        uses bound (its device's values, fixed tensors and account): the run looks nothing
+        up by step kind, device or node. A backward node adds its parameter gradients at
+        its first compute step in plan order only (a recomputed one must not add them
+        twice)."""
+        prepared: list[Callable[[], float]] = []
+        accumulated: set[int] = set()
+        current: str | None = None  # the device made current by the step before
+        for index, step in enumerate(self.plan.steps):
+            if isinstance(step, Compute):
+                node = self.program.graph.nodes[step.node]
+                grads = None
+                if node.kind is NodeKind.BACKWARD and step.node not in accumulated:
+                    accumulated.add(step.node)
+                    grads = self.buffers[step.device]
+                # a one-thread-at-a-time plan switches devices only where they change
+                switch = self.plan.concurrent or step.device != current
+                prepared.append(self._prepared_compute(step, grads, switch))
+                current = step.device
+                continue
+            if isinstance(step, Free) and not self.timed_steps:
+                prepared.append(self._prepared_free(step))
+                continue
+            perform = self.perform.get(type(step))
+            if perform is None:  # the simulator accepted it: a newer step kind this agent lacks
+                raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
+            prepared.append(partial(perform, step))
+            if not isinstance(step, Free):
+                current = None  # a copy or transfer may make another device current
+        return prepared
+
+    def _steps(self, prepared: Sequence[Callable[[], float]]) -> list[float]:
         """Every step's time, in plan order; a concurrent plan's sections at once."""
         if not self.plan.concurrent:
-            return [self._step(index, step) for index, step in enumerate(self.plan.steps)]
-        times: list[float] = []
+            times: list[float] = []
+            try:
+                for run in prepared:
+                    times.append(run())
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                index = len(times)  # the step that failed
+                raise self._oom(index, self.plan.steps[index], error) from error
+            return times
+        times = []
         section: list[tuple[int, Compute]] = []
         for index, step in enumerate(self.plan.steps):
             if isinstance(step, Compute):
                 section.append((index, step))
                 continue
-            times += self._section(section)
+            times += self._section(section, prepared)
             section = []
-            times.append(self._step(index, step))
-        return times + self._section(section)
+            times.append(self._step(index, prepared))
+        return times + self._section(section, prepared)
 
-    def _section(self, steps: list[tuple[int, Compute]]) -> list[float]:
+    def _section(
+        self, steps: list[tuple[int, Compute]], prepared: Sequence[Callable[[], float]]
+    ) -> list[float]:
         """A section of a concurrent plan: each device's steps in plan order on a thread of
         its own, each after the inputs that other devices compute in the section."""
         by_device: dict[str, list[tuple[int, Compute]]] = {}
         for index, step in steps:
             by_device.setdefault(step.device, []).append((index, step))
         if len(by_device) < 2:
-            return [self._step(index, step) for index, step in steps]
+            return [self._step(index, prepared) for index, _ in steps]
         done = {step.node: threading.Event() for _, step in steps}
         failed = threading.Event()
         times: dict[int, float] = {}
@@ -1176,7 +1237,7 @@ class _Run:
                                     return
                     if failed.is_set():
                         return
-                    times[index] = self._step(index, step)
+                    times[index] = self._step(index, prepared)
                     done[step.node].set()
             except BaseException:
                 failed.set()
@@ -1202,27 +1263,18 @@ class _Run:
             )
         return self.section_threads
 
-    def _step(self, index: int, step: Step) -> float:
-        perform = self.perform.get(type(step))
-        if perform is None:  # the simulator accepted it, so a newer step kind this agent lacks
-            raise PlanRejectedError(f"step {index}: unsupported step kind {step.op!r}")
+    def _step(self, index: int, prepared: Sequence[Callable[[], float]]) -> float:
         try:
-            return perform(step)
+            return prepared[index]()
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_out_of_memory(error):
                 raise
-            raise self._oom(index, step, error) from error
+            raise self._oom(index, self.plan.steps[index], error) from error
 
     def _allocated(self, device: str, nbytes: int) -> None:
         """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
-        reservation (only allocations can raise a peak)."""
-        space = self.space[device]
-        with self.lock:  # the devices of a concurrent section allocate from their threads
-            self.live[space] += nbytes
-            used = self.fixed_bytes[space] + self.live[space]
-            if used > self.peaks[space]:
-                self.peaks[space] = used
-                check_memory(self.runtimes[device], used)
+        reservation."""
+        self.accounts[self.space[device]].allocate(nbytes, self.runtimes[device])
 
     def _oom(self, index: int, step: Step, error: Exception) -> DeviceOutOfMemory:
         device = step.dst if isinstance(step, Copy) else step.device
@@ -1237,18 +1289,34 @@ class _Run:
             f"out of memory on device {device!r} at step {index} ({step.op} of {what}): {first}"
         )
 
-    def _compute(self, step: Compute) -> float:
+    def _prepared_compute(
+        self, step: Compute, grads: GradientBuffers | None, switch: bool
+    ) -> Callable[[], float]:
+        """``step`` as a call: its node's value from the values resident on its device,
+        added there and to its account (``grads``: the buffers its parameter gradients go
+        to, None: dropped; ``switch``: make its device current first)."""
         runtime = self.runtimes[step.device]
-        node = self.program.graph.nodes[step.node]
-        grads = None
-        if node.kind is NodeKind.BACKWARD:
-            with self.lock:
-                if step.node not in self.accumulated:
-                    # A recomputed backward node must not add its parameter gradients twice.
-                    self.accumulated.add(step.node)
-                    grads = self.buffers[step.device]
-            if grads is not None and self.paged_fixed:
-                self._new_buffers(step, grads)
+        node, device, compute = step.node, runtime.torch_device, self.program.compute
+        resident, fixed = self.resident[step.device], self.fixed[step.device]
+        account = self.accounts[self.space[step.device]]
+        if self.timed_steps or (grads is not None and self.paged_fixed):
+            return partial(self._compute, step, grads)
+
+        def run() -> float:
+            if switch:
+                runtime.activate()
+            value = resident[node] = compute(node, resident, fixed, grads, device)
+            account.allocate(value_bytes(value), runtime)
+            return 0.0
+
+        return run
+
+    def _compute(self, step: Compute, grads: GradientBuffers | None) -> float:
+        """``step`` timed on its device, or making the buffers of paged fixed tensors
+        that its gradients go to first (``_new_buffers``)."""
+        runtime = self.runtimes[step.device]
+        if grads is not None and self.paged_fixed:
+            self._new_buffers(step, grads)
         resident = self.resident[step.device]
         value, ms = self._timed(
             runtime,
@@ -1295,19 +1363,25 @@ class _Run:
         runtime.activate()
         return work(*args), 0.0
 
-    def _free(self, step: Free) -> float:
-        if not self.timed_steps:
-            self._drop(step.device, step.node)
+    def _prepared_free(self, step: Free) -> Callable[[], float]:
+        """Untimed ``step`` as a call: its value released and its bytes accounted."""
+        node, resident = step.node, self.resident[step.device]
+        account = self.accounts[self.space[step.device]]
+
+        def run() -> float:
+            account.live -= value_bytes(resident.pop(node))
             return 0.0
+
+        return run
+
+    def _free(self, step: Free) -> float:
         start = time.perf_counter()
         self._drop(step.device, step.node)
         return (time.perf_counter() - start) * 1e3
 
     def _drop(self, device: str, node: int) -> None:
         """Release ``node``'s value on ``device`` and its bytes from the account."""
-        value = self.resident[device].pop(node)
-        self.live[self.space[device]] -= value_bytes(value)
-        del value
+        self.accounts[self.space[device]].live -= value_bytes(self.resident[device].pop(node))
 
     def _lane(self, device: str) -> _Lane:
         lane = self.lanes.get(device)
@@ -1368,9 +1442,9 @@ class _Run:
                 fixed[name] = value[0]
                 self._allocated(step.device, value_bytes(value) - transfer.reserved)
             else:
-                self.live[self.space[step.device]] -= value_bytes((buffers.pop(name),))
+                self.accounts[self.space[step.device]].live -= value_bytes((buffers.pop(name),))
         elif isinstance(step, FixedFree):
-            self.live[self.space[step.device]] -= value_bytes((fixed.pop(name),))
+            self.accounts[self.space[step.device]].live -= value_bytes((fixed.pop(name),))
         else:
             assert isinstance(step, GradOut)
             space = self.space[step.device]

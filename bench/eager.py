@@ -6,7 +6,10 @@ with the same thread count. Both take the median of ``--repeats`` timed runs, ma
 ``--rounds`` alternating rounds (eager's runs, then the executor's, each round after two
 warm-ups and on a quiet machine, ``agent.quietly``) so that a drift of the machine's speed
 reaches both sides alike, in one process whose host heap is kept
-(``agents.torch_devices.keep_host_heap``).
+(``agents.torch_devices.keep_host_heap``). That process is made ``--processes`` times,
+fresh each time: on this VM one process's both sides can run 20-40% slower or faster than
+the next's (where its heap and threads land), so a row gives the medians over the
+processes, and the ratio's median with its range.
 
 Columns: the plan's steps; eager and executor milliseconds and their ratio; the executor's
 own time per step outside the kernels' (its total less the sum of its steps' times, over
@@ -19,12 +22,13 @@ compute step: what the cost model adds to each node).
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
-        [--threads 2] [--repeats 20] [--rounds 4] [--run LABEL]
+        [--threads 2] [--repeats 20] [--rounds 4] [--processes 3] [--run LABEL]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from typing import Any
@@ -54,30 +58,57 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=3)
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("eager", args.run)
-    keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
-    device = Device("cpu0", DeviceKind.CPU, {"threads": str(args.threads)})
     print(
-        "| model (nodes) | steps | eager ms | executor ms | executor / eager "
+        "| model (nodes) | steps | eager ms | executor ms | executor / eager (range) "
         "| outside the kernels, us per step | inside, us per compute | step overhead, us |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter, heap and threads
     for name in args.models.split(","):
-        row = _measure(name, device, args.threads, args.repeats, args.rounds)
+        rows = []
+        for _ in range(args.processes):
+            with spawn.Pool(1) as pool:
+                rows.append(pool.apply(_measure, (name, args.threads, args.repeats, args.rounds)))
+        row = _over_processes(rows)
         out.add(row)
         print(
             f"| {name} ({row['nodes']}) | {row['steps']} | {row['eager_ms']:.2f} "
             f"| {row['measured_ms']:.2f} | {row['ratio']:.3f} "
+            f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
             f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} "
             f"| {row['step_overhead_us']:.1f} |",
             flush=True,
         )
 
 
-def _measure(name: str, device: Device, threads: int, repeats: int, rounds: int) -> dict[str, Any]:
-    """One corpus model's row: eager, the executor, and the profiler's node times."""
+def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from each process's: medians of the measured columns, the ratio's range."""
+    row = dict(rows[0])
+    for key in (
+        "eager_ms",
+        "measured_ms",
+        "ratio",
+        "outside_us_per_step",
+        "inside_us_per_compute",
+        "step_overhead_us",
+    ):
+        row[key] = statistics.median(r[key] for r in rows)
+    ratios = [r["ratio"] for r in rows]
+    row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+    row["gradients_match"] = all(r["gradients_match"] for r in rows)
+    row["processes"] = len(rows)
+    return row
+
+
+def _measure(name: str, threads: int, repeats: int, rounds: int) -> dict[str, Any]:
+    """One corpus model's row from this process: eager, the executor, and the profiler's
+    node times."""
+    keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
+    device = Device("cpu0", DeviceKind.CPU, {"threads": str(threads)})
     entry = CORPUS[name]
     exported = export_entry(entry, "bench")
     graph = graph_of(exported, Mode.TRAINING, entry.loss)

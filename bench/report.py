@@ -422,12 +422,20 @@ def _eager(rows: Rows) -> str:
         ("eager ms", lambda r: _f(r, "eager_ms", ".2f")),
         ("executor ms", lambda r: _f(r, "measured_ms", ".2f")),
         ("executor / eager", lambda r: _f(r, "ratio", ".2f")),
+        ("range", _ratio_range),
         ("outside the kernels, us per step", lambda r: _f(r, "outside_us_per_step", ".1f")),
         ("step overhead, us", lambda r: _f(r, "step_overhead_us", ".1f", "-")),
         ("gradients match", lambda r: "yes" if r.get("gradients_match") == "True" else "no"),
     ]
-    right = ("steps", "eager ms", "executor ms", "executor / eager")
+    right = ("steps", "eager ms", "executor ms", "executor / eager", "range")
     return _table(rows, columns, right)
+
+
+def _ratio_range(row: dict[str, str]) -> str:
+    """The ratio's range over the bench's processes (rows from before it ran several: none)."""
+    if not row.get("ratio_min"):
+        return ""
+    return f"{float(row['ratio_min']):.2f}-{float(row['ratio_max']):.2f}"
 
 
 def _profiling(rows: Rows) -> str:

@@ -462,10 +462,10 @@ def test_a_concurrent_plans_sections_run_on_a_thread_per_device(
     threads: set[str] = set()
     step = executor._Run._step
 
-    def watched(run: executor._Run, index: int, s: Step) -> float:
-        if isinstance(s, Compute):
+    def watched(run: executor._Run, index: int, prepared: Sequence[Callable[[], float]]) -> float:
+        if isinstance(run.plan.steps[index], Compute):
             threads.add(threading.current_thread().name)
-        return step(run, index, s)
+        return step(run, index, prepared)
 
     monkeypatch.setattr(executor._Run, "_step", watched)
     report = execute(model, graph, concurrent, DEVICES)

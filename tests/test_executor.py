@@ -166,6 +166,36 @@ def test_a_plan_split_over_two_devices_matches(family: str) -> None:
     _assert_matches(execute(model, graph, plan, DEVICES), plan)
 
 
+def test_a_step_kind_this_agent_lacks_is_refused_before_any_step_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan's steps are resolved before the run starts (``_Run._prepared``): a step
+    the simulator accepted but this executor has no method for (here: copies, taken away)
+    fails the run with its index before any node is computed."""
+    model = MODELS["mobilenet_v1"]()
+    graph = _graph(model)
+    plan = _split_plan(graph, lambda n: "cpu0" if n.id % 2 else "cpu1")
+    first = next(i for i, s in enumerate(plan.steps) if isinstance(s, Copy))
+    original = executor._Run.__init__
+
+    def without_copies(run: executor._Run, *args: object, **kwargs: object) -> None:
+        original(run, *args, **kwargs)  # type: ignore[arg-type]
+        del run.perform[Copy]
+
+    computed: list[int] = []
+    compute = Program.compute
+
+    def counted(self: Program, node: int, *args: object) -> object:
+        computed.append(node)
+        return compute(self, node, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executor._Run, "__init__", without_copies)
+    monkeypatch.setattr(Program, "compute", counted)
+    with pytest.raises(PlanRejectedError, match=rf"step {first}: unsupported step kind 'copy'"):
+        execute(model, graph, plan, DEVICES)
+    assert computed == []
+
+
 def test_only_one_run_times_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured runs time the whole plan; one more run times each compute and copy
     step on its device (on CUDA that synchronises), for the report's step times."""

@@ -511,32 +511,64 @@ def _conv_transpose(spec: OpSpec, args: Args) -> Outputs:
 # --- pooling and normalization ----------------------------------------------------------------
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_MAX_POOL_BACKWARD = {
+    2: torch.ops.aten.max_pool2d_with_indices_backward,
+    3: torch.ops.aten.max_pool3d_with_indices_backward,
+}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+# The name's suffix of MaxPool's second output where a training graph keeps its argmax
+# (``agents.program``; ``remat.training.argmax_bytes``), not the model's ``Indices``
+KEPT_ARGMAX = ":argmax"
+
+
+@dataclass(frozen=True)
+class _MaxPoolWindow:
+    """A MaxPool's window as torch pools it: ``padded``, the input is padded with -inf
+    first (torch pads by at most half the kernel and only symmetrically), and then
+    ``padding`` is zeros."""
+
+    window: _Window
+    padding: list[int]
+    padded: bool
+    ceil: bool
+
+    @classmethod
+    def of(cls, spec: OpSpec, x: Tensor) -> _MaxPoolWindow:
+        win = _window(spec, x)
+        ceil = bool(spec.attr("ceil_mode", 0))
+        if not win.symmetric or any(2 * p > k for p, k in zip(win.begins, win.kernel, strict=True)):
+            return cls(win, [0] * len(win.begins), True, ceil)
+        return cls(win, win.begins, False, ceil)
+
+    def torch_argmax(self, spec: OpSpec, x: Tensor) -> bool:
+        """The argmax is PyTorch's own (per plane, and its backward kernel takes it): a
+        training graph's kept argmax, which only the node's backward reads, where torch
+        pools ``x`` itself; a model's ``Indices`` holds ONNX's."""
+        kept = len(spec.outputs) > 1 and spec.outputs[1].endswith(KEPT_ARGMAX)
+        return kept and not self.padded and x.dim() - 2 in _MAX_POOL_BACKWARD
 
 
 def _max_pool(spec: OpSpec, args: Args) -> Outputs:
-    """The pooled values, and where ``Indices`` is wanted (also a training graph's kept
-    argmax) ONNX's indices: into the whole flattened input, not counting padding."""
+    """The pooled values, and where ``Indices`` is wanted ONNX's indices: into the whole
+    flattened input, not counting padding (a training graph's kept argmax: PyTorch's,
+    ``_MaxPoolWindow.torch_argmax``)."""
     x = args[0]
     assert x is not None
     pool = _MAX_POOL.get(x.dim() - 2)
     if pool is None:
         raise spec.unsupported(f"{x.dim() - 2}-D pooling")
-    win = _window(spec, x)
-    ceil = bool(spec.attr("ceil_mode", 0))
-    padding = win.begins
-    padded = x
-    # torch pads by at most half the kernel and only symmetrically: pad with -inf instead.
-    if not win.symmetric or any(2 * p > k for p, k in zip(win.begins, win.kernel, strict=True)):
-        padded = F.pad(x, _torch_pad(win.begins, win.ends), value=-math.inf)
-        padding = [0] * len(win.begins)
-    window = (win.kernel, win.strides, padding, win.dilations, ceil)
+    at = _MaxPoolWindow.of(spec, x)
+    win = at.window
+    padded = F.pad(x, _torch_pad(win.begins, win.ends), value=-math.inf) if at.padded else x
+    window = (win.kernel, win.strides, at.padding, win.dilations, at.ceil)
     if not spec.wants_output(1):
         return (pool(padded, *window, return_indices=False),)
     if spec.attr("storage_order", 0):
         raise spec.unsupported("column-major storage_order")
     values, indices = pool(padded, *window, return_indices=True)
-    if padded is not x:
+    if at.torch_argmax(spec, x):
+        return values, indices
+    if at.padded:
         indices = _unpadded(spec, indices, padded.shape[2:], x.shape[2:], win)
     return values, indices + _plane_starts(x)
 
@@ -1820,12 +1852,18 @@ def _conv_grad(transposed: bool) -> Rule:
 
 
 def _max_pool_grad(call: VjpCall) -> Grads:
-    """Each output element's gradient to the input element it took: the argmax, ONNX's
-    indices, which the forward kernel gave beside its values (the model's ``Indices``
-    output, or the argmax a training graph keeps: ``remat.training.argmax_bytes``); the
-    input is a shape only."""
+    """Each output element's gradient to the input element it took: the argmax, which the
+    forward kernel gave beside its values (the model's ``Indices`` output, ONNX's indices,
+    or the argmax a training graph keeps: ``remat.training.argmax_bytes``, PyTorch's where
+    torch pooled the input itself, then PyTorch's backward kernel); the input is a shape
+    only."""
     assert call.output is not None and len(call.output) > 1, "MaxPool without its argmax"
-    x, g, indices = call.arg(0), call.g, call.output[1]
+    spec, x, g, indices = call.spec, call.arg(0), call.g, call.output[1]
+    at = _MaxPoolWindow.of(spec, x)
+    if at.torch_argmax(spec, x):
+        backward, win = _MAX_POOL_BACKWARD[x.dim() - 2], at.window
+        window = (win.kernel, win.strides, at.padding, win.dilations, at.ceil)
+        return call.only(lambda: backward(g, x, *window, indices))
 
     def grad() -> Tensor:
         planes = (indices - _plane_starts(x)).flatten(2)

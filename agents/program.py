@@ -637,7 +637,7 @@ def build_program(
         seed_of_node = kernels.node_seed(seed, node.name)
         spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
         if node.attrs.get("keeps_argmax"):
-            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}:argmax"))
+            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kernels.KEPT_ARGMAX}"))
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]

@@ -447,21 +447,36 @@ MAX_POOLS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
 }
 
 
+# Where torch cannot pool the input itself (padding it with -inf first), or has no
+# backward kernel for the argmax (1-D), a kept argmax holds ONNX's indices too
+ONNX_ARGMAX = {"asymmetric_pads", "large_pads", "1d"}
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["indices", "kept_argmax"])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("name", sorted(MAX_POOLS))
-def test_maxpool_gradient_from_its_argmax_matches_autograd(name: str, ties: bool) -> None:
-    """MaxPool's gradient from the argmax its forward kernel gave (ONNX's indices, ignoring
-    padding), with a placeholder for the input, against autograd re-running the pooling;
-    ``ties``: a ReLU'd input, whose zeros tie."""
+def test_maxpool_gradient_from_its_argmax_matches_autograd(
+    name: str, ties: bool, kept: bool
+) -> None:
+    """MaxPool's gradient from the argmax its forward kernel gave, with a placeholder for
+    the input, against autograd re-running the pooling: the model's ``Indices`` hold ONNX's
+    indices (into the flattened input, ignoring padding), a training graph's kept argmax
+    PyTorch's (per plane) where torch pools the input itself; ``ties``: a ReLU'd input,
+    whose zeros tie."""
     shape, attrs = MAX_POOLS[name]
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=generator, dtype=torch.float64)
     if ties:
         x = x.clamp(min=0)
-    spec = OpSpec("MaxPool", "pool", attrs=attrs, inputs=("x",), outputs=("y", "y:argmax"))
+    argmax = "y" + kernels.KEPT_ARGMAX if kept else "indices"
+    spec = OpSpec("MaxPool", "pool", attrs=attrs, inputs=("x",), outputs=("y", argmax))
     output = kernels.run_forward(spec, [x])
     assert output[1].dtype == torch.int64
-    assert torch.equal(x.flatten()[output[1]], output[0])  # ONNX's indices, as ORT's
+    if kept and name not in ONNX_ARGMAX:  # PyTorch's, per plane
+        taken = x.flatten(2).gather(2, output[1].flatten(2))
+        assert torch.equal(taken, output[0].flatten(2))
+    else:
+        assert torch.equal(x.flatten()[output[1]], output[0])  # ONNX's indices, as ORT's
     g = torch.randn(output[0].shape, generator=generator, dtype=torch.float64)
     hollow = kernels.placeholder(shape, x.dtype, x.device)
     (ours,) = kernels.vjp(VjpCall(spec, [hollow], output, [g, None], [True]))
@@ -529,7 +544,8 @@ def test_training_values_have_the_graphs_bytes(family: str) -> None:
 
 def test_a_training_step_pools_once_per_maxpool() -> None:
     """A MaxPool's backward node takes the argmax its forward kept: over a training step of
-    VGG16 (five pools) PyTorch's pooling kernel runs five times, not ten."""
+    VGG16 (five pools) PyTorch's pooling kernel runs five times, not ten, and its backward
+    kernel takes that argmax as it is (PyTorch's indices, not ONNX's)."""
     model = FAMILIES["vgg16"]()
     graph = training_graph(forward_graph(model))
     pools = sum(1 for n in graph.forward_nodes() if n.op == "MaxPool")
@@ -539,7 +555,7 @@ def test_a_training_step_pools_once_per_maxpool() -> None:
         _training_values(program, torch.device("cpu"))
     calls = {e.key: e.count for e in profiled.key_averages()}
     assert calls.get("aten::max_pool2d_with_indices") == pools
-    assert calls.get("aten::scatter_add_") == pools
+    assert calls.get("aten::max_pool2d_with_indices_backward") == pools
 
 
 def test_a_value_shares_a_whole_storage_and_copies_part_of_one() -> None:

@@ -540,18 +540,19 @@ class _MaxPoolWindow:
             return cls(win, [0] * len(win.begins), True, ceil)
         return cls(win, win.begins, False, ceil)
 
-    def torch_argmax(self, spec: OpSpec, x: Tensor) -> bool:
-        """The argmax is PyTorch's own (per plane, and its backward kernel takes it): a
-        training graph's kept argmax, which only the node's backward reads, where torch
-        pools ``x`` itself; a model's ``Indices`` holds ONNX's."""
+    def per_plane(self, spec: OpSpec) -> bool:
+        """The argmax is PyTorch's own, per plane: a training graph's kept argmax, which
+        only the node's backward reads, where torch pools the input itself (on every
+        device alike: a plan may pool on one device and differentiate on another); a
+        model's ``Indices`` holds ONNX's."""
         kept = len(spec.outputs) > 1 and spec.outputs[1].endswith(KEPT_ARGMAX)
-        return kept and not self.padded and x.dim() - 2 in _MAX_POOL_BACKWARD
+        return kept and not self.padded
 
 
 def _max_pool(spec: OpSpec, args: Args) -> Outputs:
     """The pooled values, and where ``Indices`` is wanted ONNX's indices: into the whole
     flattened input, not counting padding (a training graph's kept argmax: PyTorch's,
-    ``_MaxPoolWindow.torch_argmax``)."""
+    ``_MaxPoolWindow.per_plane``)."""
     x = args[0]
     assert x is not None
     pool = _MAX_POOL.get(x.dim() - 2)
@@ -566,7 +567,7 @@ def _max_pool(spec: OpSpec, args: Args) -> Outputs:
     if spec.attr("storage_order", 0):
         raise spec.unsupported("column-major storage_order")
     values, indices = pool(padded, *window, return_indices=True)
-    if at.torch_argmax(spec, x):
+    if at.per_plane(spec):
         return values, indices
     if at.padded:
         indices = _unpadded(spec, indices, padded.shape[2:], x.shape[2:], win)
@@ -1854,19 +1855,22 @@ def _conv_grad(transposed: bool) -> Rule:
 def _max_pool_grad(call: VjpCall) -> Grads:
     """Each output element's gradient to the input element it took: the argmax, which the
     forward kernel gave beside its values (the model's ``Indices`` output, ONNX's indices,
-    or the argmax a training graph keeps: ``remat.training.argmax_bytes``, PyTorch's where
-    torch pooled the input itself, then PyTorch's backward kernel); the input is a shape
-    only."""
+    or the argmax a training graph keeps: ``remat.training.argmax_bytes``, PyTorch's per
+    plane where torch pooled the input itself); the input is a shape only. PyTorch's
+    argmax on the host goes to PyTorch's backward kernel; elsewhere the gradient is
+    scattered to it (on CUDA that kernel may make the input placeholder contiguous, an
+    allocation of the input's size that no cost table holds)."""
     assert call.output is not None and len(call.output) > 1, "MaxPool without its argmax"
     spec, x, g, indices = call.spec, call.arg(0), call.g, call.output[1]
     at = _MaxPoolWindow.of(spec, x)
-    if at.torch_argmax(spec, x):
+    per_plane = at.per_plane(spec)
+    if per_plane and x.device.type == "cpu" and x.dim() - 2 in _MAX_POOL_BACKWARD:
         backward, win = _MAX_POOL_BACKWARD[x.dim() - 2], at.window
         window = (win.kernel, win.strides, at.padding, win.dilations, at.ceil)
         return call.only(lambda: backward(g, x, *window, indices))
 
     def grad() -> Tensor:
-        planes = (indices - _plane_starts(x)).flatten(2)
+        planes = (indices if per_plane else indices - _plane_starts(x)).flatten(2)
         dx = torch.zeros(x.shape, dtype=g.dtype, device=g.device)
         dx.flatten(2).scatter_add_(2, planes, g.flatten(2))
         return dx

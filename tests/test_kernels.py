@@ -447,9 +447,9 @@ MAX_POOLS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
 }
 
 
-# Where torch cannot pool the input itself (padding it with -inf first), or has no
-# backward kernel for the argmax (1-D), a kept argmax holds ONNX's indices too
-ONNX_ARGMAX = {"asymmetric_pads", "large_pads", "1d"}
+# Where torch cannot pool the input itself (it is padded with -inf first), a kept argmax
+# holds ONNX's indices too
+ONNX_ARGMAX = {"asymmetric_pads", "large_pads"}
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["indices", "kept_argmax"])

@@ -540,6 +540,13 @@ class _MaxPoolWindow:
             return cls(win, [0] * len(win.begins), True, ceil)
         return cls(win, win.begins, False, ceil)
 
+    @property
+    def torch_window(self) -> tuple[list[int], list[int], list[int], list[int], bool]:
+        """Kernel, strides, padding, dilations and ceil mode, as torch's pooling and its
+        backward take them."""
+        win = self.window
+        return win.kernel, win.strides, self.padding, win.dilations, self.ceil
+
     def per_plane(self, spec: OpSpec) -> bool:
         """The argmax is PyTorch's own, per plane: a training graph's kept argmax, which
         only the node's backward reads, where torch pools the input itself (on every
@@ -561,7 +568,7 @@ def _max_pool(spec: OpSpec, args: Args) -> Outputs:
     at = _MaxPoolWindow.of(spec, x)
     win = at.window
     padded = F.pad(x, _torch_pad(win.begins, win.ends), value=-math.inf) if at.padded else x
-    window = (win.kernel, win.strides, at.padding, win.dilations, at.ceil)
+    window = at.torch_window
     if not spec.wants_output(1):
         return (pool(padded, *window, return_indices=False),)
     if spec.attr("storage_order", 0):
@@ -1865,9 +1872,8 @@ def _max_pool_grad(call: VjpCall) -> Grads:
     at = _MaxPoolWindow.of(spec, x)
     per_plane = at.per_plane(spec)
     if per_plane and x.device.type == "cpu" and x.dim() - 2 in _MAX_POOL_BACKWARD:
-        backward, win = _MAX_POOL_BACKWARD[x.dim() - 2], at.window
-        window = (win.kernel, win.strides, at.padding, win.dilations, at.ceil)
-        return call.only(lambda: backward(g, x, *window, indices))
+        backward = _MAX_POOL_BACKWARD[x.dim() - 2]
+        return call.only(lambda: backward(g, x, *at.torch_window, indices))
 
     def grad() -> Tensor:
         planes = (indices if per_plane else indices - _plane_starts(x)).flatten(2)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
+from remat.onnx_fusion import FUSED_DOMAIN, MATMUL_ADD
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -190,9 +191,10 @@ def _attribute(attribute: AttributeProto) -> Any:
 
 def check_supported(spec: OpSpec) -> None:
     """UnsupportedOpError naming the operator and node when no kernel computes it."""
-    if spec.domain:
+    fused = spec.domain == FUSED_DOMAIN  # remat.onnx_fusion's operators
+    if spec.domain and not fused:
         raise spec.unsupported(f"operators of domain {spec.domain!r} are not supported")
-    if spec.op_type not in KERNELS:
+    if spec.op_type not in KERNELS or fused != (spec.op_type == MATMUL_ADD):
         raise spec.unsupported()
 
 
@@ -434,6 +436,15 @@ def _gemm(spec: OpSpec, args: Args) -> Outputs:
         product = a @ b
         return (product if alpha == 1.0 else alpha * product,)
     return (torch.addmm(c, a, b, beta=beta, alpha=alpha),)
+
+
+def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``A @ W + B`` with ``W`` a matrix (K, N): ``F.linear``, as
+    PyTorch runs a ``Linear`` layer (one ``addmm`` over the flattened batch where the input
+    is contiguous)."""
+    a, w, bias = args[0], args[1], args[2]
+    assert a is not None and w is not None and bias is not None
+    return (F.linear(a, w.t(), bias),)
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -1439,6 +1450,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "LogSoftmax": _softmax_like(torch.log_softmax),
     # linear algebra, convolution
     "MatMul": _binary(torch.matmul),
+    MATMUL_ADD: _matmul_add,
     "Gemm": _gemm,
     "Einsum": _einsum,
     "Conv": _conv,
@@ -1755,6 +1767,18 @@ def _matmul_grad(call: VjpCall) -> Grads:
     return call.only(lambda: (g @ b.transpose(-1, -2)).sum_to_size(a.shape), grad_b)
 
 
+def _matmul_add_grad(call: VjpCall) -> Grads:
+    """``Linear``'s backward: dA = g W^T, dW = A^T g and dB = g summed over the batch, each
+    one product or reduction over the flattened leading dimensions."""
+    a, w, g = call.arg(0), call.arg(1), call.g
+    flat_g = g.reshape(-1, g.shape[-1])
+    return call.only(
+        lambda: g @ w.t(),
+        lambda: a.reshape(-1, a.shape[-1]).t() @ flat_g,
+        lambda: flat_g.sum(0),
+    )
+
+
 def _gemm_grad(call: VjpCall) -> Grads:
     spec, g = call.spec, call.g
     alpha, beta = float(spec.attr("alpha", 1.0)), float(spec.attr("beta", 1.0))
@@ -1987,6 +2011,7 @@ VJP_RULES: dict[str, Rule] = {
     "GlobalAveragePool": _global_average_pool_grad,
     "MaxPool": _max_pool_grad,
     "MatMul": _matmul_grad,
+    MATMUL_ADD: _matmul_add_grad,
     "Gemm": _gemm_grad,
     "Conv": _conv_grad(False),
     "ConvTranspose": _conv_grad(True),

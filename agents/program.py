@@ -51,6 +51,7 @@ from agents.errors import TaskError, UnsupportedOpError
 from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
+from remat.onnx_fusion import MATMUL_ADD, matmul_add
 from remat.onnx_ingest import reference_ops
 
 Value = tuple[Tensor, ...]
@@ -626,7 +627,10 @@ def build_program(
     producer: dict[str, tuple[int, int]] = {}
     for node in forward:
         outputs = _names(node, "onnx_outputs")
-        proto = protos.get(outputs[0]) if outputs else None
+        if node.op == MATMUL_ADD:
+            proto: onnx.NodeProto | None = _fused(node)
+        else:
+            proto = protos.get(outputs[0]) if outputs else None
         if proto is None:
             raise TaskError(f"node {node.name!r} matches no operator of the model")
         consts = {
@@ -656,6 +660,12 @@ def build_program(
         output_shapes={n.id: [tuple(s) for s in _shapes(n, "output_shapes")] for n in forward},
         loss=loss,
     )
+
+
+def _fused(node: Node) -> onnx.NodeProto:
+    """The operator ingestion made of two of the model's (``remat.onnx_fusion``)."""
+    a, w, bias = _names(node, "onnx_inputs")
+    return matmul_add(a, w, bias, _names(node, "onnx_outputs")[0], node.name)
 
 
 def _names(node: Node, key: str) -> list[str]:

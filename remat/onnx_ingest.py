@@ -2,7 +2,9 @@
 
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
-fold constants in one topological pass; build one ``FORWARD`` node per remaining operator.
+fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
+``Add`` into one operator (``remat.onnx_fusion``); build one ``FORWARD`` node per remaining
+operator.
 
 Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
 randomness and every tensor it reads is constant (an initializer or a folded output), or
@@ -23,6 +25,7 @@ import functools
 import heapq
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,7 @@ from remat.devices import MAX_BYTES, format_bytes
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.onnx_external import check_external_data
+from remat.onnx_fusion import fuse_linear_layers
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
@@ -641,6 +645,13 @@ class _Folder:
         info = self.infos.get(name)
         return info is not None and info.static
 
+    def static_dims(self, name: str) -> tuple[int, ...] | None:
+        return self.infos[name].dims if self._is_static(name) else None
+
+    def is_float(self, name: str) -> bool:
+        info = self.infos.get(name)
+        return info is not None and info.elem_type in _FLOAT_TYPES
+
     def _materialize(self, name: str, display: str) -> None:
         # Shapes ONNX did not infer (e.g. ConstantOfShape after an old-opset Shape chain):
         # the producer inferred alone with its inputs' values, else the computed value,
@@ -925,7 +936,16 @@ def forward_graph(
         raise EmptyModelError(
             f"the model has no operators to schedule ({len(nodes)} nodes, all constant)"
         )
-    return _build(model, folder, input_infos, [(nodes[i], names[i]) for i in scheduled])
+    readers = Counter(name for names in reads for name in names)
+    readers.update(v.name for v in model.graph.output)
+    fused = fuse_linear_layers(
+        [(nodes[i], names[i]) for i in scheduled],
+        readers,
+        constant=folder.constants.__contains__,
+        shape=folder.static_dims,
+        is_float=folder.is_float,
+    )
+    return _build(model, folder, input_infos, fused)
 
 
 def _fold(

@@ -71,6 +71,11 @@ def _matmul(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> flo
     return 2.0 * max(_out(outputs), 1) * k
 
 
+def _matmul_add(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # remat.onnx_fusion's MatMul with its bias Add: one addition per output element more.
+    return _matmul(inputs, outputs, attrs) + _out(outputs)
+
+
 def _window(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
     kernel = attrs.get("kernel_shape")
     window = math.prod(int(k) for k in kernel) if isinstance(kernel, list | tuple) else 1
@@ -127,6 +132,7 @@ FLOPS: dict[str, FlopsFn] = {
     "ConvTranspose": _conv_transpose,
     "Gemm": _gemm,
     "MatMul": _matmul,
+    "MatMulAdd": _matmul_add,
     # Inference-mode batch norm is a per-channel affine map plus the normalisation.
     "BatchNormalization": _per_output_elem(5),
     # Instance/layer/group norm compute mean and variance on the fly.

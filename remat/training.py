@@ -17,7 +17,7 @@ accumulates weight gradients into fixed buffers). It depends on
 |------------------|----------------------------------------------------------------------|
 | output           | Relu, Sigmoid, Tanh, Softmax, LogSoftmax, Exp, Sqrt, MaxPool (its    |
 |                  | argmax, kept with its output: below)                                 |
-| inputs           | Conv, ConvTranspose, Gemm, MatMul, BatchNormalization,               |
+| inputs           | Conv, ConvTranspose, Gemm, MatMul, MatMulAdd, BatchNormalization,    |
 |                  | InstanceNormalization, LayerNormalization, LeakyRelu, Gelu, Elu,     |
 |                  | Log, Abs, Pow, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM     |
 | inputs + output  | LRN; any op not listed (conservative)                                |
@@ -50,7 +50,7 @@ backward node reads the activations at those positions only, the others are shap
 always available. The backward node's output is the gradient for each activation input
 (one value, sizes summed); gradients for parameters go to fixed gradient buffers, and the
 model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
-times 2 for Conv/ConvTranspose/Gemm/MatMul (input and weight gradients; times 1 where the
+times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1 where the
 input is data: the weight's gradient alone), times 1 otherwise.
 """
 
@@ -101,7 +101,7 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
 GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
-        "Conv ConvTranspose Gemm MatMul BatchNormalization InstanceNormalization "
+        "Conv ConvTranspose Gemm MatMul MatMulAdd BatchNormalization InstanceNormalization "
         "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf HardSigmoid "
         "Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
@@ -117,7 +117,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     "Mul": Needs.MUL,
     "Div": Needs.DIV,
 }
-_DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+_DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulAdd"})
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 

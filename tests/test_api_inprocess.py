@@ -582,7 +582,7 @@ def test_auto_plans_two_cpus_sharing_a_pool_concurrently(api: InProcessApi) -> N
         budgets={"ram": "70%"},
         # room for PORT-M's MILP after auto's earlier phases on a slow machine (it ends as
         # soon as the MILP is optimal)
-        solver={"backend": "highs", "time_limit_s": 20},
+        solver={"backend": "highs", "time_limit_s": 60},
     )
     api.dispatcher.run()
     done = client.get(f"/v1/jobs/{job['id']}").json()

@@ -37,11 +37,11 @@ OPTIMAL = SolveOptions(time_limit_s=120, gap=1e-6, threads=1)  # closes in 10 to
 
 @pytest.fixture(scope="module")
 def transformer_closures() -> Iterator[tuple[Future[SolveResult], Future[SolveResult]]]:
-    """The cover with closure rows on the transformer at 25%, with and without its copy
+    """The cover with closure rows on the transformer at 32%, with and without its copy
     rows, each solved to optimality on one thread: started when the module's first test
     asks, so that they solve beside its own work (the U-Net's, whose device cover is
     given time enough for that); two tests read them. Those unread are stopped."""
-    problem = _problem("transformer", 25)
+    problem = _problem("transformer", 32)
     with_rows = device_closure_model(problem, NAMES).model
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(device_cover_module, "_copy_rows", lambda *_: None)
@@ -59,15 +59,15 @@ def _cost(result: StrategyResult) -> float | None:
 
 def _first_plan(problem: Problem) -> StrategyResult:
     """xengine's first plan for ``problem`` on two devices, within 60 s, the search
-    cancelled once it is found: no single device fits the transformer at 25%, and on a
-    busy machine the multi-device heuristic may need more than a short limit gives it."""
+    cancelled once it is found: on a busy machine the multi-device heuristic may need more
+    than a short limit gives it."""
     cancel = threading.Event()
     options = replace(problem.solver.options, time_limit_s=60)
     settings = SolverSettings(options=options, cancel=cancel, on_plan=lambda _: cancel.set())
     return run_strategy("xengine", replace(problem, solver=settings))
 
 
-@pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 25)])
+@pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 32)])
 def test_the_device_cover_bounds_every_plan_on_two_devices(
     name: str,
     percent: float,
@@ -99,7 +99,7 @@ def test_a_copy_needs_a_source_elsewhere_and_a_reader_there(
 ) -> None:
     """Without its copy rows the cover lets a value that only the accelerator ever held
     come back there at a copy's price, cheaper than recomputing it and its inputs: on the
-    transformer at 25% the rows raise the bound of the cover with closure rows by 2% or
+    transformer at 32% the rows raise the bound of the cover with closure rows by 1% or
     more (both solved to optimality; the previous test checks it against the plans)."""
     with_rows, without_rows = (solve.result() for solve in transformer_closures)
     bounds = []
@@ -107,7 +107,7 @@ def test_a_copy_needs_a_source_elsewhere_and_a_reader_there(
         assert solved.status is SolveStatus.OPTIMAL and solved.bound is not None
         bounds.append(solved.bound)
     bound_with, bound_without = bounds
-    assert bound_with > bound_without * 1.02
+    assert bound_with > bound_without * 1.01
 
 
 def test_its_placement_plans_below_every_single_device_plan() -> None:

@@ -27,6 +27,7 @@ from agents.program import GradientBuffers, Program, build_program, value_bytes
 from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
+from remat.onnx_fusion import FUSED_DOMAIN, MATMUL_ADD
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
@@ -340,6 +341,7 @@ class GradCase:
     shapes: list[tuple[int, ...]]
     attrs: dict[str, Any] = field(default_factory=dict)
     opset: int = 17
+    domain: str = ""
 
 
 GRAD_CASES: dict[str, GradCase] = {
@@ -360,6 +362,8 @@ GRAD_CASES: dict[str, GradCase] = {
     ),
     "matmul_batched_broadcast": GradCase("MatMul", [(2, 1, 3, 4), (3, 4, 5)]),
     "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
+    "matmul_add": GradCase(MATMUL_ADD, [(2, 3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
+    "matmul_add_matrix": GradCase(MATMUL_ADD, [(3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
     "layer_norm": GradCase("LayerNormalization", [(2, 3, 8), (8,), (8,)]),
     "layer_norm_two_axes": GradCase(
         "LayerNormalization", [(2, 3, 4), (3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3}
@@ -392,6 +396,7 @@ def _grad_call(case: GradCase) -> VjpCall:
     spec = OpSpec(
         case.op,
         "node",
+        domain=case.domain,
         opset=case.opset,
         attrs=case.attrs,
         inputs=tuple(f"in{i}" for i in range(len(args))),

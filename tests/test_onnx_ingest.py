@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -461,6 +462,69 @@ def test_random_generators_are_not_folded() -> None:
     graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)]))
     assert ops_of(graph) == ["RandomNormal", "Add"]
     assert graph.nodes[1].deps == (0,)
+
+
+# --- a Linear layer's MatMul and bias Add fused -------------------------------------------
+
+
+def _linear_model(
+    *, bias_shape: Sequence[int] = (5,), extra: Sequence[onnx.NodeProto] = (),
+    outputs: Sequence[str] = ("y",), bias_input: bool = False, transposed: bool = False,
+) -> onnx.ModelProto:  # fmt: skip
+    """x (2, 3, 4) @ W (4, 5) + b, then Relu: PyTorch's export of ``Linear`` then ``ReLU``
+    on a 3-D input (``transposed``: W as the TorchScript exporter writes it in training
+    mode, a Transpose of the (5, 4) initializer; ``bias_input``: b a model input)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["p"], name="fc/MatMul"),
+        helper.make_node("Add", ["p", "b"], ["h"], name="fc/Add"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+        *extra,
+    ]
+    params = [] if bias_input else [ones("b", bias_shape)]
+    if transposed:
+        nodes.insert(0, helper.make_node("Transpose", ["Wt"], ["W"], perm=[1, 0]))
+        params.append(ones("Wt", (5, 4)))
+    else:
+        params.append(ones("W", (4, 5)))
+    inputs = [vi("x", (2, 3, 4)), *([vi("b", bias_shape)] if bias_input else [])]
+    ranks = {"y": 3, "p": 3, "z": 3}
+    return model(nodes, inputs, [out(o, ranks[o]) for o in outputs], params)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["weight", "transposed_weight"])
+def test_a_linear_layers_matmul_and_bias_add_are_one_node(transposed: bool) -> None:
+    graph = ingest(_linear_model(transposed=transposed))
+    assert ops_of(graph) == ["MatMulAdd", "Relu"]
+    linear, relu = graph.nodes
+    assert linear.name == "fc/MatMul"
+    assert linear.attrs["onnx_inputs"] == ["x", "W", "b"]
+    assert linear.attrs["onnx_outputs"] == ["h"]
+    assert linear.attrs["input_shapes"] == [(2, 3, 4), (4, 5), (5,)]
+    assert linear.output_bytes == 2 * 3 * 5 * 4
+    assert linear.flops == 2 * 30 * 4 + 30
+    assert linear.fixed == ("x", "W", "b")
+    assert graph.fixed["W"].kind is FixedKind.PARAMETER
+    assert relu.deps == (0,)
+
+
+NEG_OF_PRODUCT = helper.make_node("Neg", ["p"], ["z"])
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("product_read_twice", {"extra": [NEG_OF_PRODUCT], "outputs": ["y", "z"]}),
+        ("product_a_model_output", {"outputs": ["y", "p"]}),
+        ("bias_not_a_vector", {"bias_shape": (3, 5)}),
+        ("bias_an_activation", {"bias_input": True}),
+    ],
+)  # fmt: skip
+def test_a_matmul_and_add_stay_apart_where_fused_they_would_differ(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_linear_model(**kwargs))
+    assert "MatMulAdd" not in ops_of(graph), case
+    assert ops_of(graph)[:3] == ["MatMul", "Add", "Relu"], case
 
 
 # --- operators outside the table and shape failures ----------------------------------------
@@ -1031,7 +1095,8 @@ def test_two_thousand_nodes_ingest_with_shape_idioms_folded(opset: int) -> None:
     """Ingestion time of such graphs is measured by bench/baselines.py (ingestion.csv)."""
     data = _long_model(250, opset).SerializeToString()
     graph = load_forward_graph(data, batch=4)
-    assert len(graph) == 1000  # the 4 shape-idiom nodes per block are folded
+    # per block: MatMul and Add one node, the 4 shape-idiom nodes folded
+    assert ops_of(graph) == ["MatMulAdd", "Reshape", "Relu"] * 250
     assert all(n.output_bytes == 4 * 32 * 4 for n in graph.nodes)
 
 
@@ -1108,6 +1173,8 @@ def test_large_sample_ingests() -> None:
         pytest.skip("remat.samples is not available")
     from remat import samples
 
-    data = samples.large().SerializeToString()
-    graph = load_forward_graph(data, batch=8)
-    assert len(graph) >= 1900
+    model = samples.large()
+    graph = load_forward_graph(model.SerializeToString(), batch=8)
+    fused = sum(n.op == "MatMulAdd" for n in graph.nodes)
+    assert len(model.graph.node) >= 2000 and fused >= 400
+    assert len(graph) == len(model.graph.node) - fused  # one node per operator, pairs fused

@@ -210,7 +210,7 @@ def test_xengine_is_never_worse_than_eviction_on_one_device_with_a_slow_second()
 
 
 def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The transformer at 20% on cpu+cuda: keep_all finds no plan, so eviction on band
+    """The transformer at 25% on cpu+cuda: keep_all finds no plan, so eviction on band
     placements runs beside the full solve, and one of its plans becomes the incumbent: it
     beats the warm start and eviction on the warm start's placement (the multi-device
     heuristic ranks placements by Chen's policies, which keep too much of the attention).
@@ -243,7 +243,7 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
     monkeypatch.setattr(search_module, "start_from_devices", lambda *_args: None)
     settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel, on_plan=on_plan)
     graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
-    problem = budgeted(graph, 20, settings=settings)
+    problem = budgeted(graph, 25, settings=settings)
     result = xengine(problem, coarse=False)
     assert cancel.is_set()
     assert result.simulation.valid and result.simulation.total_ms < warm[0]

@@ -519,7 +519,7 @@ NEG_OF_PRODUCT = helper.make_node("Neg", ["p"], ["z"])
         ("bias_an_activation", {"bias_input": True}),
     ],
 )  # fmt: skip
-def test_a_matmul_and_add_stay_apart_where_fused_they_would_differ(
+def test_a_matmul_and_add_stay_apart_unless_they_are_a_linear_layer(
     case: str, kwargs: dict[str, Any]
 ) -> None:
     graph = ingest(_linear_model(**kwargs))

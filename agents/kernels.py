@@ -1754,14 +1754,19 @@ def _dropout_grad(call: VjpCall) -> Grads:
 
 
 # Direct formulas for the heavy operators (no forward re-run).
+def _weight_grad(a: Tensor, g: Tensor) -> Tensor:
+    """dW of ``a @ W`` for a matrix ``W``: one product over the flattened batch."""
+    return a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
+
+
 def _matmul_grad(call: VjpCall) -> Grads:
     a, b, g = call.arg(0), call.arg(1), call.g
     if a.dim() < 2 or b.dim() < 2:
         return autograd_vjp(call)
 
     def grad_b() -> Tensor:
-        if b.dim() == 2 and a.dim() > 2:  # a weight: one product over the flattened batch
-            return a.reshape(-1, a.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+        if b.dim() == 2 and a.dim() > 2:  # a weight
+            return _weight_grad(a, g)
         return (a.transpose(-1, -2) @ g).sum_to_size(b.shape)
 
     return call.only(lambda: (g @ b.transpose(-1, -2)).sum_to_size(a.shape), grad_b)
@@ -1771,11 +1776,10 @@ def _matmul_add_grad(call: VjpCall) -> Grads:
     """``Linear``'s backward: dA = g W^T, dW = A^T g and dB = g summed over the batch, each
     one product or reduction over the flattened leading dimensions."""
     a, w, g = call.arg(0), call.arg(1), call.g
-    flat_g = g.reshape(-1, g.shape[-1])
     return call.only(
         lambda: g @ w.t(),
-        lambda: a.reshape(-1, a.shape[-1]).t() @ flat_g,
-        lambda: flat_g.sum(0),
+        lambda: _weight_grad(a, g),
+        lambda: g.reshape(-1, g.shape[-1]).sum(0),
     )
 
 

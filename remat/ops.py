@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from remat.onnx_fusion import MATMUL_ADD
+
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
 FlopsFn = Callable[[Shapes, Shapes, Mapping[str, object]], float]
@@ -132,7 +134,7 @@ FLOPS: dict[str, FlopsFn] = {
     "ConvTranspose": _conv_transpose,
     "Gemm": _gemm,
     "MatMul": _matmul,
-    "MatMulAdd": _matmul_add,
+    MATMUL_ADD: _matmul_add,
     # Inference-mode batch norm is a per-channel affine map plus the normalisation.
     "BatchNormalization": _per_output_elem(5),
     # Instance/layer/group norm compute mean and variance on the fly.

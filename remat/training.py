@@ -50,8 +50,8 @@ backward node reads the activations at those positions only, the others are shap
 always available. The backward node's output is the gradient for each activation input
 (one value, sizes summed); gradients for parameters go to fixed gradient buffers, and the
 model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
-times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1 where the
-input is data: the weight's gradient alone), times 1 otherwise.
+times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
+where the input is data: the weight's gradient alone), times 1 otherwise.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from enum import Enum
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
+from remat.onnx_fusion import MATMUL_ADD
 
 
 class Needs(Enum):
@@ -101,7 +102,7 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
 GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
-        "Conv ConvTranspose Gemm MatMul MatMulAdd BatchNormalization InstanceNormalization "
+        f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} BatchNormalization InstanceNormalization "
         "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf HardSigmoid "
         "Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
@@ -117,7 +118,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     "Mul": Needs.MUL,
     "Div": Needs.DIV,
 }
-_DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulAdd"})
+_DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 

@@ -5,6 +5,10 @@ or ``browser`` as ``LAYERS`` says, the rest are the fast in-process layer. CI ru
 all; ``pytest -m "not service and not browser"`` needs no server, database or browser, and
 ``-m "not service and not browser and not slow"`` takes under a minute. A new module that
 starts processes (``tests/service.py``) or needs PostgreSQL or Redis goes into ``service``.
+
+A test whose assertion depends on how much of the CPU it gets (what ``auto`` picks within
+its time limit, a measured slowdown) is marked ``alone``: scripts/test runs the in-process
+layers on two workers, then those tests by themselves.
 """
 
 from __future__ import annotations

@@ -566,6 +566,7 @@ def test_a_job_on_two_devices_sharing_a_pool_takes_the_pools_budget(api: InProce
     assert refused.status_code == 422 and "shares pool 'ram'" in refused.json()["detail"]
 
 
+@pytest.mark.alone
 def test_auto_plans_two_cpus_sharing_a_pool_concurrently(api: InProcessApi) -> None:
     """The default strategy on a pool plans with PORT-M: the two CPUs compute at once, and
     the stored plan says so (version 4, concurrent), within the pool's budget."""

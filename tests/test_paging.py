@@ -396,6 +396,7 @@ def test_other_strategies_keep_the_runtime_cap_by_judging():
     assert not result.feasible and "no plan within the runtime cap" in result.message
 
 
+@pytest.mark.alone
 def test_auto_mixes_recomputation_and_paging_where_that_beats_either():
     """U-Net at 75% on an edge board's CPU with an SSD: remat alone recomputes, paging
     alone stalls on the SSD; auto's greedy eviction to a looser budget with paging over

@@ -163,6 +163,7 @@ def test_one_device_has_no_copies_and_round_trips_through_json(tmp_path: Path) -
     ).all()
 
 
+@pytest.mark.alone
 def test_a_load_that_takes_the_computes_time_is_measured_as_a_slowdown() -> None:
     """A thread that holds the interpreter (pure Python, never blocking) takes turns with
     the probe's every operation: the probe runs far slower beside it than alone."""

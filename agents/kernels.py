@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
-from remat.onnx_fusion import FUSED_DOMAIN, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, MATMUL_ADD
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -194,7 +194,7 @@ def check_supported(spec: OpSpec) -> None:
     fused = spec.domain == FUSED_DOMAIN  # remat.onnx_fusion's operators
     if spec.domain and not fused:
         raise spec.unsupported(f"operators of domain {spec.domain!r} are not supported")
-    if spec.op_type not in KERNELS or fused != (spec.op_type == MATMUL_ADD):
+    if spec.op_type not in KERNELS or fused != (spec.op_type in FUSED_OPS):
         raise spec.unsupported()
 
 
@@ -445,6 +445,17 @@ def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
     a, w, bias = args[0], args[1], args[2]
     assert a is not None and w is not None and bias is not None
     return (F.linear(a, w.t(), bias),)
+
+
+def _attention(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``softmax(A @ B * scale + M) @ V`` with ``B`` the transposed
+    keys: PyTorch's ``scaled_dot_product_attention``, as eager PyTorch runs attention."""
+    a, b, v = args[0], args[1], args[2]
+    assert a is not None and b is not None and v is not None
+    mask = args[3] if len(args) > 3 else None
+    scale = float(spec.attr("scale", 1.0))
+    keys = b.transpose(-1, -2)
+    return (F.scaled_dot_product_attention(a, keys, v, attn_mask=mask, scale=scale),)
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -1451,6 +1462,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     # linear algebra, convolution
     "MatMul": _binary(torch.matmul),
     MATMUL_ADD: _matmul_add,
+    ATTENTION: _attention,
     "Gemm": _gemm,
     "Einsum": _einsum,
     "Conv": _conv,
@@ -1783,6 +1795,34 @@ def _matmul_add_grad(call: VjpCall) -> Grads:
     )
 
 
+def _attention_grad(call: VjpCall) -> Grads:
+    """Attention's backward from its inputs, as ``scaled_dot_product_attention``'s
+    recomputes its weights: P = softmax(A B s + M); dV = P^T g; dS = P * (dP - rowsum(dP
+    * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS summed to M's shape."""
+    a, b, v, g = call.arg(0), call.arg(1), call.arg(2), call.g
+    mask = call.optional(3)
+    scale = float(call.spec.attr("scale", 1.0))
+    scores = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
+    if mask is not None:
+        scores.add_(mask)
+    p = torch.softmax(scores, dim=-1)
+    wanted = call.wanted
+    ds = None
+    if any(wanted[i] for i in (0, 1, 3) if i < len(wanted)):
+        dp = torch.matmul(g, v.transpose(-1, -2))
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+
+    def scaled(t: Tensor) -> Tensor:
+        return t.mul_(scale) if scale != 1.0 else t
+
+    return call.only(
+        lambda: scaled(torch.matmul(ds, b.transpose(-1, -2))),  # type: ignore[arg-type]
+        lambda: scaled(torch.matmul(a.transpose(-1, -2), ds)),  # type: ignore[arg-type]
+        lambda: torch.matmul(p.transpose(-1, -2), g),
+        lambda: ds.sum_to_size(mask.shape),  # type: ignore[union-attr]
+    )
+
+
 def _gemm_grad(call: VjpCall) -> Grads:
     spec, g = call.spec, call.g
     alpha, beta = float(spec.attr("alpha", 1.0)), float(spec.attr("beta", 1.0))
@@ -2016,6 +2056,7 @@ VJP_RULES: dict[str, Rule] = {
     "MaxPool": _max_pool_grad,
     "MatMul": _matmul_grad,
     MATMUL_ADD: _matmul_add_grad,
+    ATTENTION: _attention_grad,
     "Gemm": _gemm_grad,
     "Conv": _conv_grad(False),
     "ConvTranspose": _conv_grad(True),

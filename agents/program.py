@@ -51,7 +51,7 @@ from agents.errors import TaskError, UnsupportedOpError
 from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
-from remat.onnx_fusion import MATMUL_ADD, matmul_add
+from remat.onnx_fusion import FUSED_OPS, fused_node
 from remat.onnx_ingest import reference_ops
 
 Value = tuple[Tensor, ...]
@@ -627,7 +627,7 @@ def build_program(
     producer: dict[str, tuple[int, int]] = {}
     for node in forward:
         outputs = _names(node, "onnx_outputs")
-        if node.op == MATMUL_ADD:
+        if node.op in FUSED_OPS:
             proto: onnx.NodeProto | None = _fused(node)
         else:
             proto = protos.get(outputs[0]) if outputs else None
@@ -663,9 +663,11 @@ def build_program(
 
 
 def _fused(node: Node) -> onnx.NodeProto:
-    """The operator ingestion made of two of the model's (``remat.onnx_fusion``)."""
-    a, w, bias = _names(node, "onnx_inputs")
-    return matmul_add(a, w, bias, _names(node, "onnx_outputs")[0], node.name)
+    """The operator ingestion made of several of the model's (``remat.onnx_fusion``)."""
+    attributes = node.attrs.get("fused_attributes", {})
+    assert isinstance(attributes, dict)
+    output = _names(node, "onnx_outputs")[0]
+    return fused_node(node.op, _names(node, "onnx_inputs"), output, node.name, **attributes)
 
 
 def _names(node: Node, key: str) -> list[str]:

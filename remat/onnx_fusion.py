@@ -14,6 +14,21 @@ matrix ``(K, N)``, the ``Add``'s other input is a constant of shape ``(N,)``, ev
 is a float, and nothing but that ``Add`` reads the product (no other node, folded or
 scheduled, and no model output). The fused node takes the ``MatMul``'s name and the
 ``Add``'s place and output: ``Y = A @ W + B`` with inputs ``(A, W, B)``.
+
+Attention, ``softmax(A @ B * scale + M) @ V``, is written by every exporter as a chain:
+``MatMul`` of the queries and the transposed keys, a ``Mul`` or ``Div`` by a scalar (or
+both operands scaled before, as PyTorch's exporter writes ``scaled_dot_product_attention``),
+an ``Add`` of a mask or a position bias, ``Softmax`` over the last axis and ``MatMul`` with
+the values. Planned node by node, the attention weights ``P`` (batch x heads x L x L, the
+largest activation of a transformer at long sequences) are held from the forward pass to
+the backward because ``Softmax``'s and the second ``MatMul``'s gradients read them, and an
+executor runs five kernels where PyTorch runs one (``scaled_dot_product_attention``, whose
+backward recomputes ``P`` from its inputs). Fused, the chain is one
+``ScaledDotProductAttention`` node with inputs ``(A, B, V[, M])`` and the attribute
+``scale``; its gradient reads its inputs, not ``P``. A chain is fused when nothing else
+reads its intermediate values, ``A``, ``B`` and ``V`` have the same batch dimensions
+(three or more dimensions), the mask broadcasts to the scores, a scale is a constant
+scalar, and every tensor is a float.
 """
 
 from __future__ import annotations
@@ -24,13 +39,19 @@ from onnx import NodeProto, helper
 
 FUSED_DOMAIN = "ai.remat"
 MATMUL_ADD = "MatMulAdd"
+ATTENTION = "ScaledDotProductAttention"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION})
 
 Shape = tuple[int, ...]
 
 
-def matmul_add(a: str, w: str, bias: str, output: str, name: str) -> NodeProto:
-    """The fused node ``output = a @ w + bias``."""
-    return helper.make_node(MATMUL_ADD, [a, w, bias], [output], name=name, domain=FUSED_DOMAIN)
+def fused_node(
+    op: str, inputs: Sequence[str], output: str, name: str, **attributes: float
+) -> NodeProto:
+    """A node of one of ``FUSED_OPS``."""
+    node = helper.make_node(op, inputs, [output], name=name, domain=FUSED_DOMAIN)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+    return node
 
 
 def fuse_linear_layers(
@@ -63,7 +84,8 @@ def fuse_linear_layers(
             if _fusable(shape(a), shape(w), shape(bias)) and all(
                 is_float(t) for t in (a, w, bias, proto.output[0])
             ):
-                fused[product] = (matmul_add(a, w, bias, proto.output[0], matmul[1]), matmul[1])
+                node = fused_node(MATMUL_ADD, [a, w, bias], proto.output[0], matmul[1])
+                fused[product] = (node, matmul[1])
                 break
     if not fused:
         return list(nodes)
@@ -80,12 +102,135 @@ def fuse_linear_layers(
     return result
 
 
+def fuse_attention_chains(
+    nodes: Sequence[tuple[NodeProto, str]],
+    readers: Mapping[str, int],
+    shape: Callable[[str], Shape | None],
+    is_float: Callable[[str], bool],
+    scalar: Callable[[str], float | None],
+    opset: int,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every fusable attention chain replaced
+    by one ``ScaledDotProductAttention`` at the place of its last ``MatMul``. ``scalar``
+    gives a constant scalar's value (None for anything else); ``opset`` is the model's
+    default-domain opset (``Softmax``'s default axis depends on it)."""
+    producer = {out: entry for entry in nodes for out in entry[0].output if out}
+    fused: dict[str, tuple[NodeProto, str]] = {}  # the last MatMul's output -> fused node
+    absorbed: set[str] = set()  # outputs of the nodes a fused node replaces
+    for proto, _ in nodes:
+        if _is_matmul(proto):
+            chain = _attention_chain(proto, producer, readers, shape, is_float, scalar, opset)
+            if chain is not None:
+                node, removed = chain
+                fused[proto.output[0]] = (node, node.name)
+                absorbed.update(removed)
+    if not fused:
+        return list(nodes)
+    result = []
+    for proto, name in nodes:
+        if proto.output and proto.output[0] in fused:
+            result.append(fused[proto.output[0]])
+        elif not (proto.output and proto.output[0] in absorbed):
+            result.append((proto, name))
+    return result
+
+
+def _attention_chain(
+    last: NodeProto,
+    producer: Mapping[str, tuple[NodeProto, str]],
+    readers: Mapping[str, int],
+    shape: Callable[[str], Shape | None],
+    is_float: Callable[[str], bool],
+    scalar: Callable[[str], float | None],
+    opset: int,
+) -> tuple[NodeProto, list[str]] | None:
+    """The fused node for the chain ending in ``last`` (``P @ V``) and the outputs of the
+    nodes it replaces, or None where the chain is not one ``fuse_attention_chains``
+    fuses."""
+    removed: list[str] = []
+
+    def step(tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
+        """The producer of ``tensor`` where it is one of ``ops`` of two inputs and nothing
+        else reads ``tensor``."""
+        found = producer.get(tensor)
+        if found is None or found[0].op_type not in ops or found[0].domain not in _DEFAULT:
+            return None
+        return found[0] if readers.get(tensor, 0) == 1 and len(found[0].input) == 2 else None
+
+    def scaled(tensor: str) -> tuple[str, float]:
+        """``tensor`` without a ``Mul`` or ``Div`` by a constant scalar (the node is then
+        removed with the chain), and that scalar; else ``tensor`` and 1."""
+        node = step(tensor, ("Mul", "Div"))
+        for position in (0, 1) if node is not None and node.op_type == "Mul" else (0,):
+            factor = scalar(node.input[1 - position]) if node is not None else None
+            if node is not None and factor is not None and factor != 0.0:
+                removed.append(tensor)
+                return node.input[position], factor if node.op_type == "Mul" else 1.0 / factor
+        return tensor, 1.0
+
+    p, v = last.input
+    softmax = producer.get(p)
+    if softmax is None or softmax[0].op_type != "Softmax" or readers.get(p, 0) != 1:
+        return None
+    removed.append(p)
+    scores, mask = softmax[0].input[0], None
+    add = step(scores, ("Add",))
+    if add is not None:
+        removed.append(scores)
+        side = 0 if step(add.input[0], ("MatMul", "Mul", "Div")) is not None else 1
+        scores, mask = add.input[side], add.input[1 - side]
+    product, scale = scaled(scores)
+    matmul = step(product, ("MatMul",))
+    if matmul is None:
+        return None
+    removed.append(product)
+    (a, scale_a), (b, scale_b) = scaled(matmul.input[0]), scaled(matmul.input[1])
+    inputs = [a, b, v] + ([mask] if mask is not None else [])
+    if not all(is_float(t) for t in [*inputs, last.output[0]]):
+        return None
+    if not _attention_shapes([shape(t) for t in inputs], _softmax_axis(softmax[0], opset)):
+        return None
+    node = fused_node(
+        ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b
+    )
+    return node, removed
+
+
+def _softmax_axis(softmax: NodeProto, opset: int) -> int:
+    for attribute in softmax.attribute:
+        if attribute.name == "axis":
+            return int(attribute.i)
+    return -1 if opset >= 13 else 1
+
+
+def _attention_shapes(shapes: Sequence[Shape | None], axis: int) -> bool:
+    """Queries (..., Lq, d), transposed keys (..., d, Lk) and values (..., Lk, dv) of the
+    same batch dimensions, a mask that broadcasts to the scores, the softmax over Lk."""
+    known = [s for s in shapes if s is not None]
+    if len(known) != len(shapes):
+        return False
+    a, b, v, masks = known[0], known[1], known[2], known[3:]
+    rank = len(a)
+    if rank < 3 or len(b) != rank or len(v) != rank or axis not in (-1, rank - 1):
+        return False
+    if not (a[:-2] == b[:-2] == v[:-2] and a[-1] == b[-2] and b[-1] == v[-2]):
+        return False
+    scores = (*a[:-1], b[-1])
+    return all(
+        len(m) <= rank and all(d in (1, s) for d, s in zip(m[::-1], scores[::-1], strict=False))
+        for m in masks
+    )
+
+
+_DEFAULT = ("", "ai.onnx")
+
+
 def _is_matmul(proto: NodeProto) -> bool:
-    return proto.op_type == "MatMul" and proto.domain in ("", "ai.onnx") and len(proto.input) == 2
+    return proto.op_type == "MatMul" and proto.domain in _DEFAULT and len(proto.input) == 2
 
 
 def _is_add(proto: NodeProto) -> bool:
-    return proto.op_type == "Add" and proto.domain in ("", "ai.onnx") and len(proto.input) == 2
+    return proto.op_type == "Add" and proto.domain in _DEFAULT and len(proto.input) == 2
 
 
 def _fusable(a: Shape | None, w: Shape | None, bias: Shape | None) -> bool:

@@ -3,8 +3,8 @@
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
-``Add`` into one operator (``remat.onnx_fusion``); build one ``FORWARD`` node per remaining
-operator.
+``Add`` into one operator, and where asked each attention chain (``remat.onnx_fusion``);
+build one ``FORWARD`` node per remaining operator.
 
 Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
 randomness and every tensor it reads is constant (an initializer or a folded output), or
@@ -41,7 +41,7 @@ from remat.devices import MAX_BYTES, format_bytes
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.onnx_external import check_external_data
-from remat.onnx_fusion import fuse_linear_layers
+from remat.onnx_fusion import FUSED_DOMAIN, fuse_attention_chains, fuse_linear_layers
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
@@ -652,6 +652,15 @@ class _Folder:
         info = self.infos.get(name)
         return info is not None and info.elem_type in _FLOAT_TYPES
 
+    def scalar(self, name: str) -> float | None:
+        """The value of a constant of one element (a float), else None."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static:
+            return None
+        if math.prod(info.dims) != 1 or info.elem_type not in _FLOAT_TYPES:
+            return None
+        return float(self.value(name, name).reshape(()))
+
     def _materialize(self, name: str, display: str) -> None:
         # Shapes ONNX did not infer (e.g. ConstantOfShape after an old-opset Shape chain):
         # the producer inferred alone with its inputs' values, else the computed value,
@@ -906,11 +915,14 @@ def forward_graph(
     model: onnx.ModelProto,
     batch: int | None = None,
     inputs: Mapping[str, Sequence[int]] | None = None,
+    *,
+    fuse_attention: bool = False,
 ) -> Graph:
     """The forward graph of a (checked) model; see the module docstring for the steps.
 
     ``batch`` fills the leading dimension of inputs whose first dimension is symbolic;
-    ``inputs`` gives whole shapes by input name and wins over ``batch``.
+    ``inputs`` gives whole shapes by input name and wins over ``batch``;
+    ``fuse_attention``: each attention chain as one node (``remat.onnx_fusion``).
 
     Nodes are named by their ONNX name, or ``{op_type}_{i}`` with ``i`` their position in
     ``model.graph.node``. ``fixed`` holds every real graph input (kind INPUT) and every
@@ -938,14 +950,23 @@ def forward_graph(
         )
     readers = Counter(name for names in reads for name in names)
     readers.update(v.name for v in model.graph.output)
-    fused = fuse_linear_layers(
+    linear = fuse_linear_layers(
         [(nodes[i], names[i]) for i in scheduled],
         readers,
         constant=folder.constants.__contains__,
         shape=folder.static_dims,
         is_float=folder.is_float,
     )
-    return _build(model, folder, input_infos, fused)
+    if fuse_attention:
+        linear = fuse_attention_chains(
+            linear,
+            readers,
+            shape=folder.static_dims,
+            is_float=folder.is_float,
+            scalar=folder.scalar,
+            opset=folder.opsets.get("", 0),
+        )
+    return _build(model, folder, input_infos, linear)
 
 
 def _fold(
@@ -1119,6 +1140,7 @@ def _node(
             "onnx_outputs": list(outputs),
             "input_shapes": [infos[t].dims for t in proto.input if t],
             "output_shapes": output_shapes,
+            **({"fused_attributes": attrs} if proto.domain == FUSED_DOMAIN and attrs else {}),
         },
     )
 
@@ -1137,10 +1159,11 @@ def load_forward_graph(
     inputs: Mapping[str, Sequence[int]] | None = None,
     *,
     external_data_dir: Path | None = None,
+    fuse_attention: bool = False,
 ) -> Graph:
-    """``forward_graph(load_model(source, external_data_dir=...), batch, inputs)``."""
+    """``forward_graph(load_model(source, external_data_dir=...), batch, inputs, ...)``."""
     model = load_model(source, external_data_dir=external_data_dir)
-    return forward_graph(model, batch=batch, inputs=inputs)
+    return forward_graph(model, batch=batch, inputs=inputs, fuse_attention=fuse_attention)
 
 
 # --- command-line helpers -----------------------------------------------------------------

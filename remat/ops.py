@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, MATMUL_ADD
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -78,6 +78,15 @@ def _matmul_add(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) ->
     return _matmul(inputs, outputs, attrs) + _out(outputs)
 
 
+def _attention(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
+    # remat.onnx_fusion's softmax(A @ B * scale + M) @ V: both products, then the scale,
+    # the mask and the softmax (5) per score.
+    d, keys = inputs[0][-1], inputs[1][-1]
+    out = _out(outputs)
+    scores = out // max(outputs[0][-1], 1) * keys
+    return 2.0 * scores * d + 2.0 * out * keys + 7.0 * scores
+
+
 def _window(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
     kernel = attrs.get("kernel_shape")
     window = math.prod(int(k) for k in kernel) if isinstance(kernel, list | tuple) else 1
@@ -135,6 +144,7 @@ FLOPS: dict[str, FlopsFn] = {
     "Gemm": _gemm,
     "MatMul": _matmul,
     MATMUL_ADD: _matmul_add,
+    ATTENTION: _attention,
     # Inference-mode batch norm is a per-channel affine map plus the normalisation.
     "BatchNormalization": _per_output_elem(5),
     # Instance/layer/group norm compute mean and variance on the fly.

@@ -19,7 +19,8 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | argmax, kept with its output: below)                                 |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, MatMulAdd, BatchNormalization,    |
 |                  | InstanceNormalization, LayerNormalization, LeakyRelu, Gelu, Elu,     |
-|                  | Log, Abs, Pow, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM     |
+|                  | Log, Abs, Pow, Erf, HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM,    |
+|                  | ScaledDotProductAttention (its weights recomputed, not held)         |
 | inputs + output  | LRN; any op not listed (conservative)                                |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
@@ -51,7 +52,9 @@ always available. The backward node's output is the gradient for each activation
 (one value, sizes summed); gradients for parameters go to fixed gradient buffers, and the
 model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
 times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
-where the input is data: the weight's gradient alone), times 1 otherwise.
+where the input is data: the weight's gradient alone), times 2.5 for
+ScaledDotProductAttention (the scores again, then four products where the forward pass
+has two), times 1 otherwise.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from enum import Enum
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
-from remat.onnx_fusion import MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, MATMUL_ADD
 
 
 class Needs(Enum):
@@ -102,9 +105,9 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
 GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
-        f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} BatchNormalization InstanceNormalization "
-        "LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf HardSigmoid "
-        "Clip HardSwish RNN GRU LSTM",
+        f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} {ATTENTION} BatchNormalization "
+        "InstanceNormalization LayerNormalization LeakyRelu Gelu Elu Log Abs Pow Erf "
+        "HardSigmoid Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),
     **_ops("LRN", Needs.BOTH),
@@ -119,6 +122,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     "Div": Needs.DIV,
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
+_ATTENTION_BACKWARD = 2.5  # the scores recomputed, then dV, dP, dA and dB
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 
@@ -323,6 +327,8 @@ def _backward_node(
     fixed_bytes = node.input_bytes - output_bytes  # what it reads beside its dependencies
     # the input's and the weight's gradients; only the weight's where the input is data
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
+    if node.op == ATTENTION:
+        factor = _ATTENTION_BACKWARD
     return Node(
         id=index,
         name=names.unique(f"{node.name}:grad"),

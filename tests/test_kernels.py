@@ -27,7 +27,7 @@ from agents.program import GradientBuffers, Program, build_program, value_bytes
 from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
-from remat.onnx_fusion import FUSED_DOMAIN, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, MATMUL_ADD
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
@@ -98,6 +98,12 @@ def _assert_forward_matches(
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sample_families_match_onnxruntime_per_operator(family: str) -> None:
     _assert_forward_matches(FAMILIES[family]())
+
+
+def test_fused_attention_matches_onnxruntime() -> None:
+    """The transformer sample's attention as one node against onnxruntime's chain."""
+    program = _assert_forward_matches(FAMILIES["transformer"](), fuse_attention=True)
+    assert any(n.op == ATTENTION for n in program.graph.nodes)
 
 
 # --- single operators with non-default attributes ---------------------------------------------
@@ -364,6 +370,12 @@ GRAD_CASES: dict[str, GradCase] = {
     "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
     "matmul_add": GradCase(MATMUL_ADD, [(2, 3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
     "matmul_add_matrix": GradCase(MATMUL_ADD, [(3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
+    "attention": GradCase(
+        ATTENTION, [(2, 3, 4, 5), (2, 3, 5, 6), (2, 3, 6, 4)], {"scale": 0.4}, domain=FUSED_DOMAIN
+    ),
+    "attention_masked": GradCase(
+        ATTENTION, [(2, 4, 5), (2, 5, 6), (2, 6, 3), (1, 4, 6)], domain=FUSED_DOMAIN
+    ),
     "layer_norm": GradCase("LayerNormalization", [(2, 3, 8), (8,), (8,)]),
     "layer_norm_two_axes": GradCase(
         "LayerNormalization", [(2, 3, 4), (3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3}

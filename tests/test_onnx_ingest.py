@@ -34,6 +34,7 @@ from remat.onnx_ingest import (
     parse_input_shape,
     reference_ops,
 )
+from remat.training import training_graph
 
 F32 = TensorProto.FLOAT
 OPSETS = (9, 13, 17, 21)
@@ -525,6 +526,89 @@ def test_a_matmul_and_add_stay_apart_unless_they_are_a_linear_layer(
     graph = ingest(_linear_model(**kwargs))
     assert "MatMulAdd" not in ops_of(graph), case
     assert ops_of(graph)[:3] == ["MatMul", "Add", "Relu"], case
+
+
+# --- attention's chain fused -------------------------------------------------------------
+
+ATTENTION_SHAPE = (2, 4, 3, 8)  # batch, heads, tokens, head width
+
+
+def _attention_model(
+    *, mask_shape: Sequence[int] | None = (1, 1, 3, 3), prescaled: bool = False,
+    axis: int = -1, extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
+    scale: Sequence[float] | float = 8**0.5,
+) -> onnx.ModelProto:  # fmt: skip
+    """softmax(q k^T / sqrt(8) + mask) v, then Relu, as Hugging Face's eager attention is
+    exported (``prescaled``: q and k^T each multiplied by 8 ** -0.25 before the product,
+    as PyTorch exports ``scaled_dot_product_attention``; ``scale``: the divisor)."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
+    params = [init("c", scale)]
+    a, b = "q", "kt"
+    if prescaled:
+        nodes += [
+            helper.make_node("Mul", ["q", "r"], ["qs"]),
+            helper.make_node("Mul", ["r", "kt"], ["ks"]),
+        ]
+        params.append(init("r", 8**-0.25))
+        a, b = "qs", "ks"
+    nodes.append(helper.make_node("MatMul", [a, b], ["s"], name="attn/MatMul"))
+    scores = "s"
+    if not prescaled:
+        nodes.append(helper.make_node("Div", ["s", "c"], ["sd"]))
+        scores = "sd"
+    if mask_shape is not None:
+        nodes.append(helper.make_node("Add", ["m", scores], ["sm"]))
+        params.append(init("m", np.zeros(mask_shape)))
+        scores = "sm"
+    nodes += [
+        helper.make_node("Softmax", [scores], ["p"], axis=axis),
+        helper.make_node("MatMul", ["p", "v"], ["o"], name="attn/MatMul_1"),
+        helper.make_node("Relu", ["o"], ["y"]),
+        *extra,
+    ]
+    inputs = [vi(name, ATTENTION_SHAPE) for name in ("q", "k", "v")]
+    return model(nodes, inputs, [out(o, 4) for o in outputs], params)
+
+
+@pytest.mark.parametrize("prescaled", [False, True], ids=["scores_divided", "operands_scaled"])
+def test_attentions_chain_is_one_node_that_holds_no_weights(prescaled: bool) -> None:
+    mask = None if prescaled else (1, 1, 3, 3)
+    graph = ingest(_attention_model(prescaled=prescaled, mask_shape=mask), fuse_attention=True)
+    assert ops_of(graph) == ["Transpose", "ScaledDotProductAttention", "Relu"]
+    attention = graph.nodes[1]
+    assert attention.name == "attn/MatMul"
+    inputs = ["q", "kt", "v"] if prescaled else ["q", "kt", "v", "m"]
+    assert attention.attrs["onnx_inputs"] == inputs
+    assert attention.attrs["onnx_outputs"] == ["o"]
+    assert attention.attrs["fused_attributes"] == {"scale": pytest.approx(8**-0.5)}
+    assert attention.output_bytes == 2 * 4 * 3 * 8 * 4
+    scores = 2 * 4 * 3 * 3
+    assert attention.flops == 2 * scores * 8 + 2 * (2 * 4 * 3 * 8) * 3 + 7 * scores
+    trained = training_graph(graph)
+    [backward] = [n for n in trained.nodes if n.forward == attention.id]
+    assert backward.flops == 2.5 * attention.flops
+    assert 0 in backward.deps  # it reads its inputs (the keys transposed), no weights held
+
+
+P_READ_TWICE = helper.make_node("Neg", ["p"], ["z"])
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("weights_read_twice", {"extra": [P_READ_TWICE], "outputs": ["y", "z"]}),
+        ("weights_a_model_output", {"outputs": ["y", "p"]}),
+        ("softmax_over_queries", {"axis": 2}),
+        ("mask_widens_the_scores", {"mask_shape": (5, 1, 1, 3, 3)}),
+        ("scale_not_a_scalar", {"scale": [1.0, 2.0, 3.0]}),
+    ],
+)  # fmt: skip
+def test_a_softmax_between_products_stays_apart_unless_it_is_attention(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_attention_model(**kwargs), fuse_attention=True)
+    assert "ScaledDotProductAttention" not in ops_of(graph), case
+    assert "Softmax" in ops_of(graph) and ops_of(graph).count("MatMul") == 2, case
 
 
 # --- operators outside the table and shape failures ----------------------------------------

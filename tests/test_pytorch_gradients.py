@@ -26,8 +26,11 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
+from remat.onnx_fusion import ATTENTION
+from remat.onnx_ingest import forward_graph
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
+from remat.training import for_mode
 
 TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # auto without its exact solve, which finds no cheaper plan for any of these models in 5 s:
@@ -38,7 +41,7 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=3.0, threads=1), sea
 
 def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
-    loss: Loss | None = None,
+    loss: Loss | None = None, fuse_attention: bool = False,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
@@ -48,7 +51,12 @@ def _check(
         exported = export_entry(entry, "test", exporter, opset=opset)
     except Unavailable as error:
         pytest.skip(str(error))
-    graph = graph_of(exported, Mode.TRAINING, loss or entry.loss)
+    if fuse_attention:
+        forward = forward_graph(exported.model, fuse_attention=True)
+        assert any(n.op == ATTENTION for n in forward.nodes)
+        graph = for_mode(forward, Mode.TRAINING, loss or entry.loss)
+    else:
+        graph = graph_of(exported, Mode.TRAINING, loss or entry.loss)
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)
@@ -99,3 +107,12 @@ def test_torchvision_models(name: str) -> None:
 )
 def test_hugging_face_language_models(name: str) -> None:
     _check(name)
+
+
+@pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
+@pytest.mark.parametrize("name", ["transformer_encoder", "bert", "gpt2", "t5"])
+def test_attention_fused_into_one_node(name: str) -> None:
+    """Each attention chain as one ``ScaledDotProductAttention`` node (PyTorch's
+    ``scaled_dot_product_attention`` as exported, Hugging Face's masked and T5's with its
+    learned position bias): the gradients still match the module's autograd."""
+    _check(name, fuse_attention=True)

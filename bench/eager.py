@@ -22,7 +22,11 @@ compute step: what the cost model adds to each node).
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
-        [--threads 2] [--repeats 20] [--rounds 4] [--processes 3] [--run LABEL]
+        [--threads 2] [--repeats 20] [--rounds 4] [--processes 3] [--fuse-attention]
+        [--run LABEL]
+
+``--fuse-attention`` plans each attention chain as one node
+(``forward_graph(fuse_attention=True)``).
 """
 
 from __future__ import annotations
@@ -40,14 +44,16 @@ from results import Writer, add_run_argument
 from agents.executor import ExecutionReport, execute
 from agents.profiler import profile
 from agents.program import build_program
-from agents.pytorch.check import export_entry, graph_of
+from agents.pytorch.check import export_entry
 from agents.pytorch.corpus import CORPUS
 from agents.pytorch.reference import model_inputs, module_gradients
 from agents.torch_devices import keep_host_heap
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
+from remat.onnx_ingest import forward_graph
 from remat.problem import problem_from_graph
 from remat.strategies import run_strategy
+from remat.training import for_mode
 
 WARMUP = 2
 
@@ -59,6 +65,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument(
+        "--fuse-attention", action="store_true", help="each attention chain as one node"
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("eager", args.run)
@@ -72,7 +81,8 @@ def main() -> None:
         rows = []
         for _ in range(args.processes):
             with spawn.Pool(1) as pool:
-                rows.append(pool.apply(_measure, (name, args.threads, args.repeats, args.rounds)))
+                measure = (name, args.threads, args.repeats, args.rounds, args.fuse_attention)
+                rows.append(pool.apply(_measure, measure))
         row = _over_processes(rows)
         out.add(row)
         print(
@@ -104,14 +114,17 @@ def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _measure(name: str, threads: int, repeats: int, rounds: int) -> dict[str, Any]:
+def _measure(
+    name: str, threads: int, repeats: int, rounds: int, fuse_attention: bool
+) -> dict[str, Any]:
     """One corpus model's row from this process: eager, the executor, and the profiler's
     node times."""
     keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
     device = Device("cpu0", DeviceKind.CPU, {"threads": str(threads)})
     entry = CORPUS[name]
     exported = export_entry(entry, "bench")
-    graph = graph_of(exported, Mode.TRAINING, entry.loss)
+    forward = forward_graph(exported.model, fuse_attention=fuse_attention)
+    graph = for_mode(forward, Mode.TRAINING, entry.loss)
     problem = problem_from_graph(graph, devices=[device])
     plan = run_strategy("checkpoint_all", problem, device.name).plan
     assert plan is not None

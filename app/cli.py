@@ -91,6 +91,7 @@ def _service_commands(commands: remat_cli.Commands) -> None:
     submit.add_argument("--batch", type=int, help="batch size")
     submit.add_argument("--mode", choices=["training", "inference"], default="training")
     remat_cli.loss_arguments(submit)
+    remat_cli.fusion_argument(submit)
     submit.add_argument("--strategy", default="xengine")
     submit.add_argument("--solver", default="highs")
     submit.add_argument("--time-limit", type=float, default=30.0, metavar="S")
@@ -332,6 +333,7 @@ def _job_body(args: argparse.Namespace, model_id: str) -> dict[str, Any]:
         "mode": args.mode,
         "batch": args.batch,
         "loss": {"kind": args.loss, "output": args.loss_output, "axis": args.loss_axis},
+        "fuse_attention": args.fuse_attention,
         "devices": devices,
         "budgets": budgets,
         "strategy": args.strategy,

@@ -118,7 +118,12 @@ def family_problems(
 
 def job_graph(spec: JobSpec, path: Path | onnx.ModelProto) -> Graph:
     return model_graph(
-        path, batch=spec.batch, inputs=spec.inputs, mode=spec.mode, loss=spec.loss.to_loss()
+        path,
+        batch=spec.batch,
+        inputs=spec.inputs,
+        mode=spec.mode,
+        loss=spec.loss.to_loss(),
+        fuse_attention=spec.fuse_attention,
     )
 
 
@@ -153,6 +158,7 @@ def build_problem(
         solver=solver or solver_settings(spec),
         max_cost_bytes=max_cost_bytes,
         objective=spec.objective.to_objective(),
+        fuse_attention=spec.fuse_attention,
     )
 
 

@@ -35,6 +35,7 @@ def model_ref(spec: JobSpec, model: ModelRow) -> ModelRef:
         batch=spec.batch,
         inputs=spec.inputs,
         loss=spec.loss if spec.loss != LossSpec() else None,
+        fuse_attention=spec.fuse_attention,
     )
 
 

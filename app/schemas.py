@@ -137,6 +137,8 @@ class JobSpec(Strict):
     ranges: dict[InputName, RangeText] | None = Field(default=None, max_length=MAX_INPUTS)
     observed: list[ObservedSize] | None = Field(default=None, max_length=MAX_OBSERVED)
     loss: LossSpec = Field(default_factory=LossSpec)  # training: what is differentiated
+    # each attention chain planned and run as one node (remat.onnx_fusion)
+    fuse_attention: bool = False
     devices: list[DeviceSpec] = Field(
         default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)],
         min_length=1,

@@ -141,13 +141,21 @@ class ModelRef(Strict):
     batch: int | None = None
     inputs: dict[str, list[int]] | None = None
     loss: LossSpec | None = None  # None: the default loss
+    fuse_attention: bool = False
 
     def graph(self, model: onnx.ModelProto) -> Graph:
         """The job's graph of ``model`` (the file this reference names, loaded)."""
         from remat.problem import model_graph  # the strategies' imports, only when used
 
         loss = self.loss.to_loss() if self.loss is not None else MEAN_SQUARE
-        return model_graph(model, batch=self.batch, inputs=self.inputs, mode=self.mode, loss=loss)
+        return model_graph(
+            model,
+            batch=self.batch,
+            inputs=self.inputs,
+            mode=self.mode,
+            loss=loss,
+            fuse_attention=self.fuse_attention,
+        )
 
 
 MAX_PROFILED_SIZES = 16

@@ -243,6 +243,7 @@ def _max_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentP
         help=f"largest batch size to try (default {DEFAULT_CAP})",
     )
     loss_arguments(search)
+    fusion_argument(search)
     _solver_arguments(search, time_limit_s=MAX_BATCH_TIME_LIMIT_S, per="per batch size tried")
     search.add_argument("--json", action="store_true", help="print the result as JSON")
     search.add_argument(
@@ -260,6 +261,17 @@ def _model_arguments(
     parser.add_argument("--batch", type=_positive_int, help="value of the leading dimension")
     parser.add_argument("--input", action="append", default=[], metavar="NAME=DIMS", help=shapes)
     loss_arguments(parser)
+    fusion_argument(parser)
+
+
+def fusion_argument(parser: argparse.ArgumentParser) -> None:
+    """``--fuse-attention``: each attention chain as one node (``remat.onnx_fusion``)."""
+    parser.add_argument(
+        "--fuse-attention",
+        action="store_true",
+        help="plan and run each attention chain (MatMul, scale, mask, Softmax, MatMul) as one "
+        "node, as PyTorch's scaled_dot_product_attention: its weights are not held",
+    )
 
 
 def loss_arguments(parser: argparse.ArgumentParser) -> None:
@@ -456,6 +468,7 @@ class ModelOptions(TypedDict):
     mode: Mode
     loss: Loss
     external_data_dir: Path
+    fuse_attention: bool
 
 
 def _model_options(args: argparse.Namespace, whole_shapes: bool = True) -> ModelOptions:
@@ -468,6 +481,7 @@ def _model_options(args: argparse.Namespace, whole_shapes: bool = True) -> Model
         "mode": Mode(args.mode),
         "loss": loss_of(args),
         "external_data_dir": _model_dir(args),
+        "fuse_attention": args.fuse_attention,
     }
 
 
@@ -776,6 +790,7 @@ def _max_batch_command(args: argparse.Namespace) -> int:
         solver=_solver_settings(args),
         external_data_dir=_model_dir(args),
         loss=loss_of(args),
+        fuse_attention=args.fuse_attention,
     )
     bound = CostBound(None if args.max_overhead is None else args.max_overhead / 100.0)
 

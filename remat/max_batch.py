@@ -54,10 +54,11 @@ def problems_by_batch(
     solver: SolverSettings | None = None,
     external_data_dir: Path | None = None,
     loss: Loss = MEAN_SQUARE,
+    fuse_attention: bool = False,
 ) -> Callable[[int], Problem]:
     """``build`` for ``max_batch``: the training problem of ``model`` at each batch size
     (``remat.problem.build_problem``, analytical costs on ``devices``, differentiating
-    ``loss``). Budgets must be in
+    ``loss``, each attention chain one node where ``fuse_attention``). Budgets must be in
     bytes, for at least one device: a percentage of the checkpoint-all peak would move with
     the batch, and without a limit every batch fits. Budgets below the fixed memory are a
     batch that does not fit (the strategy says what it needs), not an error."""
@@ -90,6 +91,7 @@ def problems_by_batch(
             budgets=sizes,
             solver=solver,
             check_fixed=False,
+            fuse_attention=fuse_attention,
         )
 
     return build

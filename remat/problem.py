@@ -57,13 +57,16 @@ def model_graph(
     mode: Mode = Mode.TRAINING,
     loss: Loss = MEAN_SQUARE,
     external_data_dir: Path | None = None,
+    fuse_attention: bool = False,
 ) -> Graph:
     """The graph to plan for a model (a checked ``ModelProto`` or a file, loaded with
     ``load_model``; external data only from ``external_data_dir``): its forward graph at
-    ``batch`` / ``inputs``, made a training graph for ``loss`` in training ``mode``."""
+    ``batch`` / ``inputs`` (each attention chain one node where ``fuse_attention``), made
+    a training graph for ``loss`` in training ``mode``."""
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model, external_data_dir=external_data_dir)
-    return for_mode(forward_graph(model, batch=batch, inputs=inputs), mode, loss)
+    forward = forward_graph(model, batch=batch, inputs=inputs, fuse_attention=fuse_attention)
+    return for_mode(forward, mode, loss)
 
 
 def build_problem(
@@ -81,6 +84,7 @@ def build_problem(
     external_data_dir: Path | None = None,
     check_fixed: bool = True,
     objective: Objective | None = None,
+    fuse_attention: bool = False,
 ) -> Problem:
     """The problem of planning ``model`` (see ``model_graph``) on ``devices`` under
     ``budgets``; the rest as ``problem_from_graph``. Devices and budgets are checked
@@ -93,6 +97,7 @@ def build_problem(
         mode=mode,
         loss=loss,
         external_data_dir=external_data_dir,
+        fuse_attention=fuse_attention,
     )
     return problem_from_graph(
         graph,

@@ -16,7 +16,11 @@ from fastapi.testclient import TestClient
 from service import job_body, problem
 
 from app.cli import main as remat_main
+from app.profiles import model_ref
+from app.schemas import JobSpec
+from app.tables import ModelRow
 from remat import samples
+from remat.agent_protocol import ModelRef
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.onnx_ingest import forward_graph
@@ -267,6 +271,34 @@ def test_a_job_differentiates_the_loss_it_names(api: InProcessApi) -> None:
     assert client.get(f"/v1/jobs/{job.json()['id']}").json()["status"] == "succeeded"
     plan = client.get(f"/v1/jobs/{job.json()['id']}/plan").json()
     assert plan["steps"]
+
+
+def test_a_job_plans_attention_as_one_node_where_asked(api: InProcessApi) -> None:
+    client = api.client
+    model = uploaded(client, samples.transformer_block(batch=2).SerializeToString())
+    url = f"/v1/models/{model}/graph"
+    fused, unfused = (
+        client.get(url, params={"fuse_attention": fuse}).json() for fuse in (True, False)
+    )
+    ops = {n["op"] for n in fused["nodes"]}
+    assert "ScaledDotProductAttention" in ops and "Softmax" not in ops
+    assert "Softmax" in {n["op"] for n in unfused["nodes"]}
+    quick = {"strategy": "checkpoint_all", "budgets": {}}
+    jobs = [submitted(client, model, fuse_attention=fuse, **quick) for fuse in (True, False)]
+    assert [job["spec"]["fuse_attention"] for job in jobs] == [True, False]
+    api.dispatcher.run()
+    nodes = []
+    for job in jobs:
+        assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "succeeded"
+        schedule = client.get(f"/v1/jobs/{job['id']}/schedule").json()
+        nodes.append(len(schedule["nodes"]))
+    assert nodes == [len(fused["nodes"]), len(unfused["nodes"])] and nodes[0] < nodes[1]
+    # an agent rebuilds the fused job's graph from the reference the server sends it
+    spec = JobSpec.model_validate(jobs[0]["spec"])
+    sent = model_ref(spec, ModelRow(id=model, sha256="0")).model_dump_json()
+    ref = ModelRef.model_validate_json(sent)
+    rebuilt = ref.graph(samples.transformer_block(batch=2))
+    assert [n.name for n in rebuilt.nodes] == [n["name"] for n in fused["nodes"]]
 
 
 def test_a_queued_job_is_cancelled_at_once(api: InProcessApi) -> None:

@@ -30,6 +30,21 @@ def test_graph_json_lists_forward_loss_and_backward_nodes(vgg):
     assert {n["kind"] for n in inference["nodes"]} == {"forward"}
 
 
+def test_attention_is_one_node_where_asked(tmp_path):
+    model = tmp_path / "block.onnx"
+    model.write_bytes(samples.transformer_block(batch=2).SerializeToString())
+    fused, unfused = remat_all(["graph", str(model), "--fuse-attention"], ["graph", str(model)])
+    assert fused.returncode == 0 and unfused.returncode == 0, fused.stderr + unfused.stderr
+    assert "ScaledDotProductAttention" in fused.stdout and "Softmax" not in fused.stdout
+    assert "Softmax" in unfused.stdout
+
+    def peak(output: str) -> int:
+        [line] = [x for x in output.splitlines() if x.startswith("checkpoint-all peak")]
+        return int(line.rsplit("(", 1)[1].split()[0])
+
+    assert peak(fused.stdout) < peak(unfused.stdout)  # the weights are not held
+
+
 def test_plan_then_check_round_trip(vgg, tmp_path):
     out = tmp_path / "plan.json"
     result = remat(

@@ -76,11 +76,13 @@ def get_graph(
     session: SessionDep,
     mode: Mode = Mode.TRAINING,
     batch: Annotated[int | None, Query(ge=1, le=MAX_BATCH)] = None,
+    fuse_attention: bool = False,
 ) -> dict[str, object]:
-    """The model's graph (nodes, dependencies, output bytes) in ``mode`` at ``batch``."""
+    """The model's graph (nodes, dependencies, output bytes) in ``mode`` at ``batch``, as
+    a job with ``fuse_attention`` plans it."""
     row = models.load_model(session, model_id)
     session.commit()  # the read ends here: building the graph can take a while
-    spec = JobSpec(model_id=model_id, mode=mode, batch=batch)
+    spec = JobSpec(model_id=model_id, mode=mode, batch=batch, fuse_attention=fuse_attention)
     return graph_to_json(job_graph(spec, ctx.store.path(row.sha256)))
 
 

@@ -1806,6 +1806,8 @@ def _attention_grad(call: VjpCall) -> Grads:
     if mask is not None:
         scores.add_(mask)
     p = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        p.nan_to_num_(0.0)  # a row whose every score is masked: zero weights, as forward
     wanted = call.wanted
     ds = None
     if any(wanted[i] for i in (0, 1, 3) if i < len(wanted)):

@@ -19,7 +19,9 @@ Attention, ``softmax(A @ B * scale + M) @ V``, is written by every exporter as a
 ``MatMul`` of the queries and the transposed keys, a ``Mul`` or ``Div`` by a scalar (or
 both operands scaled before, as PyTorch's exporter writes ``scaled_dot_product_attention``),
 an ``Add`` of a mask or a position bias, ``Softmax`` over the last axis and ``MatMul`` with
-the values. Planned node by node, the attention weights ``P`` (batch x heads x L x L, the
+the values (PyTorch's dynamo exporter zeroes a fully masked row's weights after the
+``Softmax``: ``Where(IsNaN(P), 0, P)``, as ``scaled_dot_product_attention`` does). Planned
+node by node, the attention weights ``P`` (batch x heads x L x L, the
 largest activation of a transformer at long sequences) are held from the forward pass to
 the backward because ``Softmax``'s and the second ``MatMul``'s gradients read them, and an
 executor runs five kernels where PyTorch runs one (``scaled_dot_product_attention``, whose
@@ -169,8 +171,15 @@ def _attention_chain(
         return tensor, 1.0
 
     p, v = last.input
+    weights_readers = 1
+    zeroed = _nan_zeroed(p, producer, readers, scalar)
+    if zeroed is not None:  # Where(IsNaN(P), 0, P): a fully masked row's weights zeroed
+        removed.extend((p, zeroed[1]))
+        p, weights_readers = zeroed[0], 2
     softmax = producer.get(p)
-    if softmax is None or softmax[0].op_type != "Softmax" or readers.get(p, 0) != 1:
+    if softmax is None or softmax[0].op_type != "Softmax":
+        return None
+    if readers.get(p, 0) != weights_readers:
         return None
     removed.append(p)
     scores, mask = softmax[0].input[0], None
@@ -194,6 +203,27 @@ def _attention_chain(
         ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b
     )
     return node, removed
+
+
+def _nan_zeroed(
+    tensor: str,
+    producer: Mapping[str, tuple[NodeProto, str]],
+    readers: Mapping[str, int],
+    scalar: Callable[[str], float | None],
+) -> tuple[str, str] | None:
+    """Where ``tensor`` is ``Where(IsNaN(P), 0, P)`` read once (PyTorch's dynamo exporter
+    writes attention's weights so, as ``scaled_dot_product_attention`` zeroes a row whose
+    every score is masked): ``P`` and the ``IsNaN``'s output; else None."""
+    where = producer.get(tensor)
+    if where is None or where[0].op_type != "Where" or readers.get(tensor, 0) != 1:
+        return None
+    condition, zero, weights = where[0].input
+    isnan = producer.get(condition)
+    if isnan is None or isnan[0].op_type != "IsNaN" or list(isnan[0].input) != [weights]:
+        return None
+    if readers.get(condition, 0) != 1 or scalar(zero) != 0.0:
+        return None
+    return weights, condition
 
 
 def _softmax_axis(softmax: NodeProto, opset: int) -> int:

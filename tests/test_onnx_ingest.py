@@ -536,11 +536,12 @@ ATTENTION_SHAPE = (2, 4, 3, 8)  # batch, heads, tokens, head width
 def _attention_model(
     *, mask_shape: Sequence[int] | None = (1, 1, 3, 3), prescaled: bool = False,
     axis: int = -1, extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
-    scale: Sequence[float] | float = 8**0.5,
+    scale: Sequence[float] | float = 8**0.5, nan_zeroed: bool = False,
 ) -> onnx.ModelProto:  # fmt: skip
     """softmax(q k^T / sqrt(8) + mask) v, then Relu, as Hugging Face's eager attention is
     exported (``prescaled``: q and k^T each multiplied by 8 ** -0.25 before the product,
-    as PyTorch exports ``scaled_dot_product_attention``; ``scale``: the divisor)."""
+    as PyTorch exports ``scaled_dot_product_attention``; ``scale``: the divisor;
+    ``nan_zeroed``: a fully masked row's weights zeroed, as the dynamo exporter writes)."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
     params = [init("c", scale)]
     a, b = "q", "kt"
@@ -560,9 +561,17 @@ def _attention_model(
         nodes.append(helper.make_node("Add", ["m", scores], ["sm"]))
         params.append(init("m", np.zeros(mask_shape)))
         scores = "sm"
+    nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=axis))
+    weights = "p"
+    if nan_zeroed:
+        nodes += [
+            helper.make_node("IsNaN", ["p"], ["nan"]),
+            helper.make_node("Where", ["nan", "zero", "p"], ["pz"]),
+        ]
+        params.append(init("zero", 0.0))
+        weights = "pz"
     nodes += [
-        helper.make_node("Softmax", [scores], ["p"], axis=axis),
-        helper.make_node("MatMul", ["p", "v"], ["o"], name="attn/MatMul_1"),
+        helper.make_node("MatMul", [weights, "v"], ["o"], name="attn/MatMul_1"),
         helper.make_node("Relu", ["o"], ["y"]),
         *extra,
     ]
@@ -570,10 +579,17 @@ def _attention_model(
     return model(nodes, inputs, [out(o, 4) for o in outputs], params)
 
 
-@pytest.mark.parametrize("prescaled", [False, True], ids=["scores_divided", "operands_scaled"])
-def test_attentions_chain_is_one_node_that_holds_no_weights(prescaled: bool) -> None:
+@pytest.mark.parametrize(
+    ("prescaled", "nan_zeroed"),
+    [(False, False), (True, False), (True, True)],
+    ids=["scores_divided", "operands_scaled", "dynamo_zeroed_rows"],
+)
+def test_attentions_chain_is_one_node_that_holds_no_weights(
+    prescaled: bool, nan_zeroed: bool
+) -> None:
     mask = None if prescaled else (1, 1, 3, 3)
-    graph = ingest(_attention_model(prescaled=prescaled, mask_shape=mask), fuse_attention=True)
+    attention_model = _attention_model(prescaled=prescaled, mask_shape=mask, nan_zeroed=nan_zeroed)
+    graph = ingest(attention_model, fuse_attention=True)
     assert ops_of(graph) == ["Transpose", "ScaledDotProductAttention", "Relu"]
     attention = graph.nodes[1]
     assert attention.name == "attn/MatMul"

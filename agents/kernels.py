@@ -1802,17 +1802,18 @@ def _attention_grad(call: VjpCall) -> Grads:
     a, b, v, g = call.arg(0), call.arg(1), call.arg(2), call.g
     mask = call.optional(3)
     scale = float(call.spec.attr("scale", 1.0))
-    scores = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
+    # Two score-sized buffers at most beside the inputs: P, then dP made dS in place.
+    p = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
     if mask is not None:
-        scores.add_(mask)
-    p = torch.softmax(scores, dim=-1)
+        p.add_(mask)
+    p = torch.softmax(p, dim=-1)
     if mask is not None:
         p.nan_to_num_(0.0)  # a row whose every score is masked: zero weights, as forward
     wanted = call.wanted
     ds = None
     if any(wanted[i] for i in (0, 1, 3) if i < len(wanted)):
         dp = torch.matmul(g, v.transpose(-1, -2))
-        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        ds = dp.sub_((dp * p).sum(dim=-1, keepdim=True)).mul_(p)
 
     def scaled(t: Tensor) -> Tensor:
         return t.mul_(scale) if scale != 1.0 else t

@@ -27,10 +27,11 @@ the backward because ``Softmax``'s and the second ``MatMul``'s gradients read th
 executor runs five kernels where PyTorch runs one (``scaled_dot_product_attention``, whose
 backward recomputes ``P`` from its inputs). Fused, the chain is one
 ``ScaledDotProductAttention`` node with inputs ``(A, B, V[, M])`` and the attribute
-``scale``; its gradient reads its inputs, not ``P``. A chain is fused when nothing else
-reads its intermediate values, ``A``, ``B`` and ``V`` have the same batch dimensions
-(three or more dimensions), the mask broadcasts to the scores, a scale is a constant
-scalar, and every tensor is a float.
+``scale``; its gradient reads its inputs, not ``P``. A row whose every score is masked
+(-inf) gets zero weights, as in PyTorch, where ONNX's ``Softmax`` alone gives NaN. A chain
+is fused when nothing else reads its intermediate values, ``A``, ``B`` and ``V`` have the
+same batch dimensions (three or more dimensions), the mask broadcasts to the scores, a
+scale is a constant scalar, and every tensor is a float.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def _attention_chain(
         removed.extend((p, zeroed[1]))
         p, weights_readers = zeroed[0], 2
     softmax = producer.get(p)
-    if softmax is None or softmax[0].op_type != "Softmax":
+    if softmax is None or softmax[0].op_type != "Softmax" or softmax[0].domain not in _DEFAULT:
         return None
     if readers.get(p, 0) != weights_readers:
         return None
@@ -185,8 +186,10 @@ def _attention_chain(
     scores, mask = softmax[0].input[0], None
     add = step(scores, ("Add",))
     if add is not None:
+        side = _scores_side(add, producer)
+        if side is None:
+            return None
         removed.append(scores)
-        side = 0 if step(add.input[0], ("MatMul", "Mul", "Div")) is not None else 1
         scores, mask = add.input[side], add.input[1 - side]
     product, scale = scaled(scores)
     matmul = step(product, ("MatMul",))
@@ -203,6 +206,23 @@ def _attention_chain(
         ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b
     )
     return node, removed
+
+
+def _scores_side(add: NodeProto, producer: Mapping[str, tuple[NodeProto, str]]) -> int | None:
+    """Which input of the mask's ``Add`` is the scores: a ``MatMul``'s product, or a
+    ``Mul`` or ``Div`` of one (the mask may be a product too, as a padding mask scaled by
+    the most negative float)."""
+    for side in (0, 1):
+        found = producer.get(add.input[side])
+        node = found[0] if found is not None else None
+        if node is not None and node.op_type in ("Mul", "Div"):
+            node = next(
+                (p[0] for t in node.input if (p := producer.get(t)) and p[0].op_type == "MatMul"),
+                None,
+            )
+        if node is not None and node.op_type == "MatMul":
+            return side
+    return None
 
 
 def _nan_zeroed(

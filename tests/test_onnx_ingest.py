@@ -537,11 +537,13 @@ def _attention_model(
     *, mask_shape: Sequence[int] | None = (1, 1, 3, 3), prescaled: bool = False,
     axis: int = -1, extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
     scale: Sequence[float] | float = 8**0.5, nan_zeroed: bool = False,
+    padding_mask: bool = False,
 ) -> onnx.ModelProto:  # fmt: skip
     """softmax(q k^T / sqrt(8) + mask) v, then Relu, as Hugging Face's eager attention is
     exported (``prescaled``: q and k^T each multiplied by 8 ** -0.25 before the product,
     as PyTorch exports ``scaled_dot_product_attention``; ``scale``: the divisor;
-    ``nan_zeroed``: a fully masked row's weights zeroed, as the dynamo exporter writes)."""
+    ``nan_zeroed``: a fully masked row's weights zeroed, as the dynamo exporter writes;
+    ``padding_mask``: the mask a model input times the most negative float, read once)."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
     params = [init("c", scale)]
     a, b = "q", "kt"
@@ -557,9 +559,15 @@ def _attention_model(
     if not prescaled:
         nodes.append(helper.make_node("Div", ["s", "c"], ["sd"]))
         scores = "sd"
-    if mask_shape is not None:
-        nodes.append(helper.make_node("Add", ["m", scores], ["sm"]))
+    inputs = [vi(name, ATTENTION_SHAPE) for name in ("q", "k", "v")]
+    if padding_mask:
+        nodes.append(helper.make_node("Mul", ["pad", "lowest"], ["m"]))
+        inputs.append(vi("pad", (2, 1, 1, 3)))
+        params.append(init("lowest", np.finfo(np.float32).min))
+    elif mask_shape is not None:
         params.append(init("m", np.zeros(mask_shape)))
+    if padding_mask or mask_shape is not None:
+        nodes.append(helper.make_node("Add", ["m", scores], ["sm"]))
         scores = "sm"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=axis))
     weights = "p"
@@ -575,7 +583,6 @@ def _attention_model(
         helper.make_node("Relu", ["o"], ["y"]),
         *extra,
     ]
-    inputs = [vi(name, ATTENTION_SHAPE) for name in ("q", "k", "v")]
     return model(nodes, inputs, [out(o, 4) for o in outputs], params)
 
 
@@ -604,6 +611,12 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     [backward] = [n for n in trained.nodes if n.forward == attention.id]
     assert backward.flops == 2.5 * attention.flops
     assert 0 in backward.deps  # it reads its inputs (the keys transposed), no weights held
+
+
+def test_a_padding_mask_computed_in_the_model_is_the_fused_nodes_mask() -> None:
+    graph = ingest(_attention_model(padding_mask=True), fuse_attention=True)
+    assert ops_of(graph) == ["Transpose", "Mul", "ScaledDotProductAttention", "Relu"]
+    assert graph.nodes[2].attrs["onnx_inputs"] == ["q", "kt", "v", "m"]
 
 
 P_READ_TWICE = helper.make_node("Neg", ["p"], ["z"])

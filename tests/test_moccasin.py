@@ -110,6 +110,7 @@ def test_moccasin_plans_within_the_budget_no_worse_than_its_warm_start(resnet, e
     assert solver.bound == pytest.approx(resnet.costs.ideal_ms("cuda0") + extra)
 
 
+@pytest.mark.alone
 def test_a_decomposed_graph_is_solved_whole_after_its_parts(resnet):
     """Past ``decompose_min_nodes`` the parts' stitched plan is the interval model's
     warm start for the time left."""

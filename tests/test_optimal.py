@@ -156,6 +156,7 @@ RESNET18_OPTIMUM_MS = 1.1666662933
 XEngine's model, proven by the device cover's bound, which it equals (docs/solvers.md)."""
 
 
+@pytest.mark.alone
 def test_the_placement_restriction_finds_resnet18s_optimum_long_before_the_full_model():
     """ResNet18 at 30% on cpu+cuda: the optimum recomputes nothing, so the keep_all
     restriction finds it, as does eviction on the device cover's placement (the full model

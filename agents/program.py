@@ -51,14 +51,13 @@ from agents.errors import TaskError, UnsupportedOpError
 from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
-from remat.onnx_fusion import FUSED_OPS, fused_node
+from remat.onnx_fusion import DEFAULT_DOMAINS, FUSED_OPS, fused_node
 from remat.onnx_ingest import reference_ops
 
 Value = tuple[Tensor, ...]
 # Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
 # that shapes, axes and pads are read without a device synchronisation.
 _HOST_CONSTANT_ELEMENTS = 64
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -619,8 +618,7 @@ def build_program(
     loss = LossOf.of(graph)
     fixed = _fixed_values(model, graph, shapes, types, inputs or {}, seed, loss)
     opsets = {
-        (o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
-        for o in model.opset_import
+        (o.domain if o.domain not in DEFAULT_DOMAINS else ""): o.version for o in model.opset_import
     }
     specs: dict[int, OpSpec] = {}
     sources: dict[int, list[Source]] = {}
@@ -950,7 +948,7 @@ def initializer_gradients(
     others = sorted(
         {i for p in nodes for i in p.input if i and i not in depends and i not in initializers}
     )
-    opsets = {(o.domain if o.domain not in _DEFAULT_DOMAINS else ""): o.version
+    opsets = {(o.domain if o.domain not in DEFAULT_DOMAINS else ""): o.version
               for o in model.opset_import}  # fmt: skip
     shapes = _tensor_shapes(program.graph)
     read = {i for p in nodes for i in p.input if i in initializers}

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from onnx import NodeProto, helper
 
 FUSED_DOMAIN = "ai.remat"
+DEFAULT_DOMAINS = ("", "ai.onnx")  # how a model may name ONNX's own domain
 MATMUL_ADD = "MatMulAdd"
 ATTENTION = "ScaledDotProductAttention"
 FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION})
@@ -156,7 +157,7 @@ def _attention_chain(
         """The producer of ``tensor`` where it is one of ``ops`` of two inputs and nothing
         else reads ``tensor``."""
         found = producer.get(tensor)
-        if found is None or found[0].op_type not in ops or found[0].domain not in _DEFAULT:
+        if found is None or found[0].op_type not in ops or found[0].domain not in DEFAULT_DOMAINS:
             return None
         return found[0] if readers.get(tensor, 0) == 1 and len(found[0].input) == 2 else None
 
@@ -178,7 +179,11 @@ def _attention_chain(
         removed.extend((p, zeroed[1]))
         p, weights_readers = zeroed[0], 2
     softmax = producer.get(p)
-    if softmax is None or softmax[0].op_type != "Softmax" or softmax[0].domain not in _DEFAULT:
+    if (
+        softmax is None
+        or softmax[0].op_type != "Softmax"
+        or softmax[0].domain not in DEFAULT_DOMAINS
+    ):
         return None
     if readers.get(p, 0) != weights_readers:
         return None
@@ -272,15 +277,12 @@ def _attention_shapes(shapes: Sequence[Shape | None], axis: int) -> bool:
     )
 
 
-_DEFAULT = ("", "ai.onnx")
-
-
 def _is_matmul(proto: NodeProto) -> bool:
-    return proto.op_type == "MatMul" and proto.domain in _DEFAULT and len(proto.input) == 2
+    return proto.op_type == "MatMul" and proto.domain in DEFAULT_DOMAINS and len(proto.input) == 2
 
 
 def _is_add(proto: NodeProto) -> bool:
-    return proto.op_type == "Add" and proto.domain in _DEFAULT and len(proto.input) == 2
+    return proto.op_type == "Add" and proto.domain in DEFAULT_DOMAINS and len(proto.input) == 2
 
 
 def _fusable(a: Shape | None, w: Shape | None, bias: Shape | None) -> bool:

@@ -41,13 +41,17 @@ from remat.devices import MAX_BYTES, format_bytes
 from remat.errors import EmptyModelError, InvalidInputError, ModelLoadError, ShapeError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.onnx_external import check_external_data
-from remat.onnx_fusion import FUSED_DOMAIN, fuse_attention_chains, fuse_linear_layers
+from remat.onnx_fusion import (
+    DEFAULT_DOMAINS,
+    FUSED_DOMAIN,
+    fuse_attention_chains,
+    fuse_linear_layers,
+)
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
 
 Dim = int | str | None  # int: known; str: symbolic name; None: unknown
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 # Random generators produce a fresh tensor per step: an activation, not a constant.
 _NEVER_FOLD = frozenset(
     [
@@ -498,7 +502,7 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _schema(node: NodeProto, opsets: Mapping[str, int]) -> onnx.defs.OpSchema | None:
-    domain = "" if node.domain in _DEFAULT_DOMAINS else node.domain
+    domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
     version = opsets.get(domain)
     if version is None:
         return None
@@ -574,7 +578,7 @@ class _Folder:
         self.constants.update(self.params)
 
     def foldable(self, node: NodeProto, reads: Sequence[str]) -> bool:
-        if node.domain not in _DEFAULT_DOMAINS or node.op_type in _NEVER_FOLD:
+        if node.domain not in DEFAULT_DOMAINS or node.op_type in _NEVER_FOLD:
             return False
         if _has_subgraph(node):
             return False
@@ -852,7 +856,7 @@ def _optional_output_info(
 ) -> TensorInfo | None:
     """The shape the operator's specification gives an optional output (index > 0) when
     shape inference leaves it unknown: ONNX infers Dropout-7's mask, for one, not at all."""
-    if index == 0 or node.domain not in _DEFAULT_DOMAINS or not node.input:
+    if index == 0 or node.domain not in DEFAULT_DOMAINS or not node.input:
         return None
     x = infos.get(node.input[0])
     if x is None or not x.static or not x.shape:
@@ -1026,7 +1030,7 @@ _SEQUENCE_OPS = frozenset(
 def _unplannable(node: NodeProto, display: str) -> _NodeError | None:
     """Why a static plan cannot hold this operator, if it cannot: control flow (its memory
     lies in subgraphs run a data-dependent number of times), sequence/optional values."""
-    if node.domain not in _DEFAULT_DOMAINS:
+    if node.domain not in DEFAULT_DOMAINS:
         return None
     if node.op_type in _CONTROL_FLOW:
         need = {

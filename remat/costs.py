@@ -126,6 +126,29 @@ class CostModel:
         """Per node: the time to bring its output back from ``tier`` to device ``d``."""
         return self.link(d, tier).in_ms(self.output_bytes)
 
+    def grouped(
+        self, groups: Sequence[Sequence[int]], output_bytes: np.ndarray, copy_ms: np.ndarray
+    ) -> CostModel:
+        """The model of a graph whose node ``c`` runs the nodes ``groups[c]`` of this one in
+        turn, with the given output sizes and copy times: their compute times and energies
+        summed, the largest of their workspaces (one kernel runs at a time). Groups of one
+        node each slice the model (a part of the graph)."""
+        rows = [list(g) for g in groups]
+        workspace = None
+        if self.workspace_bytes is not None:
+            workspace = np.stack([self.workspace_bytes[g].max(axis=0) for g in rows])
+        energy = self.energy
+        if energy is not None:
+            energy = replace(energy, q_mj=np.stack([energy.q_mj[g].sum(axis=0) for g in rows]))
+        return replace(
+            self,
+            compute_ms=np.stack([self.compute_ms[g].sum(axis=0) for g in rows]),
+            copy_ms=copy_ms,
+            output_bytes=output_bytes,
+            workspace_bytes=workspace,
+            energy=energy,
+        )
+
     def pooled(self) -> CostModel:
         """This model with no copy time between devices that share a memory pool (option
         ``pool``): a tensor on the pool is already where each of them reads it."""

@@ -3,6 +3,7 @@ coarse schedules expanded into valid fine ones; the optimal strategies' coarse p
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from remat.strategies.common.rsolve import clean_placed
 from remat.strategies.exact import search as search_module
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.coarsen import coarsen
+from remat.strategies.exact.decompose import Part
 from remat.strategies.exact.state import Search
 from remat.strategies.exact.xengine import xengine
 from remat.strategies.heuristics.placed import placed_greedy
@@ -253,3 +255,27 @@ def test_the_coarse_solve_stops_when_a_plan_from_elsewhere_passes_its_bound():
     assert not search.coarse_done.is_set()  # no incumbent yet
     search.offer(plan)
     assert search.coarse_done.is_set()
+
+
+def test_coarse_and_part_costs_keep_each_node_s_workspace_and_energy():
+    """A profiled table's workspace and measured energy (CUDA) reach the coarse graph and
+    the decomposition's parts: a group holds its largest workspace and the sum of its
+    energies, and xengine's coarse phase builds its model over them."""
+    problem = _problem("unet", 60, SolverSettings(options=SolveOptions(time_limit_s=5)))
+    n, devices = problem.costs.compute_ms.shape
+    rng = np.random.default_rng(0)
+    workspace = rng.integers(0, 2**16, size=(n, devices), dtype=np.int64)
+    energy = replace(problem.costs.energy_model(), q_mj=rng.random((n, devices)))
+    costs = replace(problem.costs, workspace_bytes=workspace, energy=energy)
+    coarse = coarsen(problem.graph, costs)
+    assert coarse.ratio < 1
+    for c, group in enumerate(coarse.groups):
+        rows = list(group)
+        assert (coarse.costs.workspace_bytes[c] == workspace[rows].max(axis=0)).all()
+        assert coarse.costs.energy.q_mj[c] == pytest.approx(energy.q_mj[rows].sum(axis=0))
+    part = Part(nodes=(3, 5, 8), held=(), needed_after=frozenset())
+    sliced = part.costs(costs)
+    assert (sliced.workspace_bytes == workspace[[3, 5, 8]]).all()
+    assert (sliced.energy.q_mj == energy.q_mj[[3, 5, 8]]).all()
+    result = xengine(replace(problem, costs=costs))
+    assert result.feasible and result.simulation.valid, result.message

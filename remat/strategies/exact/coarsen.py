@@ -25,7 +25,7 @@ dropped (``rsolve.clean_placed``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -208,7 +208,6 @@ def _coarse_costs(
     costs: CostModel, groups: list[list[int]], external: list[list[int]]
 ) -> CostModel:
     out = costs.output_bytes
-    compute = np.stack([costs.compute_ms[g].sum(axis=0) for g in groups])
     copy = np.stack(
         [
             costs.copy_ms[e].sum(axis=0) if e else costs.copy_ms[g[-1]]
@@ -220,4 +219,4 @@ def _coarse_costs(
         internal = [int(out[m]) for m in g if m not in e]
         sizes.append(int(out[e].sum()) + max(internal, default=0))
     sizes_array = np.array(sizes, dtype=np.int64)
-    return replace(costs, compute_ms=compute, copy_ms=copy, output_bytes=sizes_array)
+    return costs.grouped(groups, sizes_array, copy)

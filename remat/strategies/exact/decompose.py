@@ -78,12 +78,7 @@ class Part:
 
     def costs(self, costs: CostModel) -> CostModel:
         index = list(self.nodes)
-        return replace(
-            costs,
-            compute_ms=costs.compute_ms[index],
-            copy_ms=costs.copy_ms[index],
-            output_bytes=costs.output_bytes[index],
-        )
+        return costs.grouped([[i] for i in index], costs.output_bytes[index], costs.copy_ms[index])
 
 
 def held_name(value: int) -> str:

@@ -29,8 +29,9 @@ Measuring (``idle_watts``, ``energy_per_run_mj``): a device's idle power is the 
 rate over a short sleep (the median of a few), and a node's energy per run is what the
 counter advanced over a loop of runs lasting at least ``window_s``, less the idle power
 over the loop's wall time, divided by the runs, clamped at zero. Short operators run many
-times per loop, since a counter updates only every millisecond or so and a single run of
-microseconds would read as nothing.
+times per loop, since a counter moves only every so often (``update_s``: RAPL about every
+millisecond, NVML's every 100 ms) and a single run of microseconds would read as nothing;
+the loop spans at least ``WINDOW_UPDATES`` updates, so NVML's loops last a second.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ from agents.torch_devices import Runtime
 POWERCAP = Path("/sys/class/powercap")
 _PACKAGE_ZONE = re.compile(r"intel-rapl:\d+$")
 _NVML_RANGE_MJ = 1 << 64  # nvmlDeviceGetTotalEnergyConsumption: unsigned long long
+# How often each counter's reading moves: RAPL's about every millisecond; NVML's total
+# energy every 100 ms (an H200, idle and under load alike: bench/cuda.sh's probe).
+RAPL_UPDATE_S = 0.001
+NVML_UPDATE_S = 0.1
 
 
 class Counter(Protocol):
@@ -63,6 +68,12 @@ class Counter(Protocol):
 
     def joules(self) -> float:
         """The energy drawn since a fixed point, in joules; never decreases."""
+        ...
+
+    @property
+    def update_s(self) -> float:
+        """How often the reading moves, in seconds: a loop shorter than a few of these
+        reads as nothing or as a whole update (``window_s``)."""
         ...
 
 
@@ -102,6 +113,10 @@ class RaplCounter:
 
     def joules(self) -> float:
         return sum(c.advanced() for c in self._counters) * 1e-6
+
+    @property
+    def update_s(self) -> float:
+        return RAPL_UPDATE_S
 
 
 def _reader(path: Path) -> Callable[[], int]:
@@ -163,6 +178,10 @@ class NvmlCounter:
 
     def joules(self) -> float:
         return self._counter.advanced() * 1e-3
+
+    @property
+    def update_s(self) -> float:
+        return NVML_UPDATE_S
 
 
 def nvml_counter(device: torch.device) -> tuple[NvmlCounter | None, str]:
@@ -244,7 +263,22 @@ def counter_of(
 IDLE_SECONDS = 0.5
 IDLE_SAMPLES = 3
 WINDOW_S = 0.02
+# A loop spans at least this many of its counter's updates: its reading is then off by at
+# most about one update in this many.
+WINDOW_UPDATES = 10
 MIN_RUNS = 3
+
+
+def window_s(counter: Counter) -> float:
+    """The shortest loop ``counter`` measures: ``WINDOW_S``, or ``WINDOW_UPDATES`` of its
+    updates where they are slower (NVML: 1 s)."""
+    return max(WINDOW_S, WINDOW_UPDATES * counter.update_s)
+
+
+def resolves_nodes(counter: Counter) -> bool:
+    """Whether ``counter`` updates often enough to measure one node in a loop of
+    ``WINDOW_S`` (RAPL); else the profiler measures a whole pass (NVML)."""
+    return window_s(counter) <= WINDOW_S
 
 
 def idle_watts(

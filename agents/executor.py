@@ -22,11 +22,11 @@ CPU devices share the host's memory, so the process's memory cannot tell them ap
 CUDA device it is the peak of the bytes requested from PyTorch's CUDA allocator above the
 baseline before the run (``requested_bytes`` in ``torch.cuda.memory_stats``). That also
 sees what the kernels allocate for themselves while they run (cuDNN workspaces, the
-temporaries of a gradient), which the simulator does not model: on an H100 it added 1 to
-63 KiB on the tests' small models and 18 KiB to 38 MiB on batch-8 96x96 ones (the most:
-VGG-16, cuDNN's workspaces for IEEE fp32 convolutions). The report also keeps
-the executor's own account for every device (``accounted_peak_bytes``, which equals the
-simulator's peak for a correct run of a plan without transfers) and, for CUDA, the
+temporaries of a gradient), which a plan made from a profiled table counts (the table's
+``workspace_bytes``) and the replay's analytical costs do not. The report's predicted
+peak is the plan's own (``Plan.predicted``; the replay's for a plan without one); it also
+keeps the executor's own account for every device (``accounted_peak_bytes``, which equals
+the replay's peak for a correct run of a plan without transfers) and, for CUDA, the
 allocator's peak (``allocator_peak_bytes``: ``max_memory_allocated``, which adds the
 allocator's rounding of every block and the slack of cached blocks it reuses without
 splitting, up to 1 MiB each).
@@ -145,12 +145,15 @@ draw, idle included, as the plan's prediction (``Predicted.energy_mj``) counts i
 two compare. A counter shared by several devices (emulated CPU devices on one socket's
 RAPL, told apart by the counter's description) counts once. The window is the measured
 runs' loop, so it also covers each run's setup and collection of results (placing fixed
-tensors, copying gradients to the host), a little more than the timed part of a run.
-``energy_note`` names the counters read and the devices they cover, and the devices left
-uncounted with the reason (their energy is not in ``energy_mj``); without any counter
-there is no ``energy_mj`` and the note gives the reasons. A counter that fails to read
-drops the measurement, not the execution. The report's JSON carries both in ``measured``
-(``remat.agent_protocol.Measured``), and the plan's predicted energy in ``predicted``.
+tensors, copying gradients to the host), a little more than the timed part of a run. Where
+a counter moves too rarely for the measured runs (``energy_counters.WINDOW_UPDATES`` of
+its updates: NVML's, a second), more runs are made until the loop spans them; they count
+among the measured runs. ``energy_note`` names the counters read and the devices they
+cover, and the devices left uncounted with the reason (their energy is not in
+``energy_mj``); without any counter there is no ``energy_mj`` and the note gives the
+reasons. A counter that fails to read drops the measurement, not the execution. The
+report's JSON carries both in ``measured`` (``remat.agent_protocol.Measured``), and the
+plan's predicted energy in ``predicted``.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ import numpy as np
 import onnx
 import torch
 
-from agents.energy_counters import Counter, counter_of
+from agents.energy_counters import WINDOW_UPDATES, Counter, counter_of
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, StorageError
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
@@ -306,7 +309,9 @@ def execute(
         step_ms=steps.step_ms,
         peak_bytes=chosen.peak_bytes,
         predicted_total_ms=plan.predicted.total_ms if plan.predicted is not None else None,
-        predicted_peak_bytes=dict(simulation.peak_bytes),
+        predicted_peak_bytes=dict(
+            simulation.peak_bytes if plan.predicted is None else plan.predicted.peak_bytes
+        ),
         gradients_match=None,
         max_rel_error=None,
         runs_ms=[r.total_ms for r in measured],
@@ -414,6 +419,10 @@ def _metered(
         return work(), None, f"the energy counters cannot be read: {error}"
     start = time.perf_counter()
     results = work()
+    # more runs where the counters move too rarely for these (NVML: every 100 ms)
+    window = max(WINDOW_UPDATES * counter.update_s for counter, _ in distinct.values())
+    while time.perf_counter() - start < window:
+        results = [*(r.without_values() for r in results), *work()]
     try:
         after = read()
     except Exception as error:

@@ -64,19 +64,25 @@ runs (alone, then beside), the median of the pairs' ratios, at least 1. A CUDA d
 transfers run on its copy engines and DMA, beside its kernels (Beaumont et al.'s assumption
 (D)): 1, not measured.
 
-Each device with an energy counter (``agents.energy_counters``: RAPL for CPU packages, NVML
-for CUDA GPUs) gets one more pass, after the others, that measures energy, since a plan's
-energy is a cost a job may minimise (``remat.energy``). First its idle power: the counter's
-rate over half a second of sleep, the median of three (``idle_w``, the baseline). Then the
-pass follows the same steps, and each node, at its first evaluation, runs in a loop of at
-least ``energy_counters.WINDOW_S`` and three runs, ``repeats`` times: per loop, the counter's
-advance less the idle power over the loop's time, per run, at least 0; the node's energy is
-the median (``energy_mj``, mJ, dynamic: above idle). A single run is too short for a counter
-that updates every millisecond or so, hence the loop; it runs inside the pass so that the
-node's inputs are the pass's own. A loop holds one result at a time, so the pass stays
-within the device's memory limit as the timed ones do. Such a device is ``energy:
-"measured"`` in the table. A device without a counter gets no energy and ``energy:
-"model"`` (remat's power model stands in), with the reason in ``energy_note``.
+Each device with an energy counter (``agents.energy_counters``: RAPL for CPU packages,
+NVML for CUDA GPUs) gets one more pass, after the others, that measures energy, since a
+plan's energy is a cost a job may minimise (``remat.energy``). First its idle power: the
+counter's rate over half a second of sleep, the median of three (``idle_w``, the
+baseline). Then the pass follows the same steps, and each node, at its first evaluation,
+runs in a loop of at least ``energy_counters.WINDOW_S`` and three runs, ``repeats`` times:
+per loop, the counter's advance less the idle power over the loop's time, per run, at
+least 0; the node's energy is the median (``energy_mj``, mJ, dynamic: above idle). A
+single run is too short for a counter that updates every millisecond or so, hence the
+loop; it runs inside the pass so that the node's inputs are the pass's own. A counter that
+moves too rarely to resolve one node so (``energy_counters.resolves_nodes``: NVML's, every
+100 ms, would need a second's loop per node) measures the device's pass plan instead,
+after its step overhead: the executor's runs of it looped for ``energy_counters.window_s``
+(a second), their dynamic energy per run split over the pass's evaluations in proportion
+to their times (one power for the device's kernels: the plan's total holds, not each
+operator's own draw). A loop holds one result at a time, so the pass stays within the
+device's memory limit as the timed ones do. Such a device is ``energy: "measured"`` in the
+table. A device without a counter gets no energy and ``energy: "model"`` (remat's power
+model stands in), with the reason in ``energy_note``.
 
 On a CUDA device the timed passes also measure each node's workspace: the allocator's
 peak while the node runs, less what is allocated after it (what was before it, and its
@@ -89,7 +95,9 @@ account, frees values, and a node's time is the median of its evaluations where 
 pays each one's. So each device ends with the executor's own runs of its pass's plan
 (``agents.executor.plain_run_ms``: one unmeasured, then ``repeats``), and the median
 run's time less the sum of its evaluations' times, over its compute steps, is the device's
-``step_overhead_ms`` (at least 0; on a GPU the host's work hides behind the kernels), which
+``step_overhead_ms`` (at least 0: on a GPU, a node's time is the larger of its kernels'
+and its dispatch, ``agents.torch_devices.Runtime.timed``, and the rest of the host's work
+hides behind the kernels), which
 ``remat.costs.profiled_costs`` adds to every node's time there.
 
 The devices of a concurrent plan's section run on threads of their own, which wait for
@@ -124,7 +132,14 @@ import numpy as np
 import onnx
 import torch
 
-from agents.energy_counters import Counter, counter_of, energy_per_run_mj, idle_watts
+from agents.energy_counters import (
+    Counter,
+    counter_of,
+    energy_per_run_mj,
+    idle_watts,
+    resolves_nodes,
+    window_s,
+)
 from agents.errors import DeviceError, DeviceOutOfMemory, StorageError, TaskError
 from agents.executor import check_plan, plain_run_ms, plain_runs_at_once
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
@@ -637,7 +652,7 @@ class _Session:
             if len(self.runtimes) > 1:
                 self._pass(runtime, steps, held, fixed, grads, None, copies=True)
             counter = self.counters[runtime.name][0]
-            if counter is not None:
+            if counter is not None and resolves_nodes(counter):
                 runtime.activate()
                 runtime.synchronize()
                 idle = self.idle_w[runtime.name] = idle_watts(counter)
@@ -647,6 +662,8 @@ class _Session:
                 self.energy[runtime.name] = samples
             del fixed, grads
             self.step_overhead_ms[runtime.name] = self._step_overhead(runtime, plan, steps)
+            if counter is not None and not resolves_nodes(counter):
+                self.energy[runtime.name] = self._pass_energy(runtime, plan, steps, counter)
         for names in self.pools:
             self._concurrent_slowdown(names)
         self._report(force=True)
@@ -728,6 +745,33 @@ class _Session:
         workspace = self.workspace.setdefault(runtime.name, {})
         workspace[index] = max(workspace.get(index, 0), scratch)
         return value, ms
+
+    def _pass_energy(
+        self, runtime: Runtime, plan: Plan, steps: PassSteps, counter: Counter
+    ) -> list[list[float]]:
+        """Per node, its energy per evaluation where ``counter`` cannot resolve one node
+        (the module docstring): the pass plan's dynamic energy per run, its runs looped for
+        ``energy_counters.window_s``, split over the pass's evaluations by their times."""
+        runtime.activate()
+        runtime.synchronize()
+        idle = self.idle_w[runtime.name] = idle_watts(counter)
+        _, pass_mj = energy_per_run_mj(
+            counter,
+            lambda: plain_run_ms(self.program, plan, {runtime.name: runtime}),
+            idle,
+            run_ms=self.alone_ms[runtime.name],
+            window_s=window_s(counter),
+            synchronize=runtime.synchronize,
+        )
+        self.done += len(steps)
+        times = self.times[runtime.name]
+        node_ms = {index: float(statistics.median(times[index])) for index, _ in steps}
+        total_ms = sum(node_ms[index] for index, _ in steps)
+        share = pass_mj / total_ms if total_ms > 0 else 0.0
+        samples = [[0.0] for _ in range(len(self.program.graph))]
+        for index, ms in node_ms.items():
+            samples[index] = [share * ms]
+        return samples
 
     def _step_overhead(self, runtime: Runtime, plan: Plan, steps: PassSteps) -> float:
         """The executor's own time per compute step of ``plan`` on ``runtime`` (the module

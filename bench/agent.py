@@ -336,8 +336,17 @@ def _summary(row: Row) -> str:
         f"{report.total_ms:.1f} ms vs {report.predicted_total_ms:.1f} ms predicted, "
         f"peaks {report.peak_bytes} vs {report.predicted_peak_bytes}, "
         f"gradient error {report.max_rel_error:.1e} (tolerance {report.tolerance:.1e}), "
-        f"allocator peaks {report.allocator_peak_bytes}"
+        f"allocator peaks {report.allocator_peak_bytes}, {_energy(report)}"
     )
+
+
+def _energy(report: ExecutionReport) -> str:
+    """Measured energy per run against the plan's prediction, where counters exist."""
+    predicted = report.predicted_energy_mj
+    if report.energy_mj is None:
+        return f"no measured energy ({report.energy_note})"
+    against = "" if predicted is None else f" vs {predicted:.1f} mJ predicted"
+    return f"energy {report.energy_mj:.1f} mJ per run{against} ({report.energy_note})"
 
 
 def _peaks(report: ExecutionReport, device: str) -> str:
@@ -376,6 +385,8 @@ def _print_table(rows: list[Row], args: argparse.Namespace, unplanned: list[str]
     for row in rows:
         r = row.report
         runs = ", ".join(f"{ms:.1f}" for ms in r.runs_ms)
+        if len(r.runs_ms) > 5:  # more runs where an energy counter needed them
+            runs = f"{len(r.runs_ms)} runs, {min(r.runs_ms):.1f}-{max(r.runs_ms):.1f}"
         peaks = "".join(f"| {_peaks(r, d.name)} " for d in devices)
         print(
             f"| {row.model} ({row.nodes}) | {row.budget} | {row.plan.strategy}: "
@@ -397,6 +408,9 @@ def _print_table(rows: list[Row], args: argparse.Namespace, unplanned: list[str]
     print(f"\nProfiling took {timing}; planning {planning}.")
     for model, links in dict((r.model, r.links) for r in rows).items():
         print(f"Measured links ({model}'s profile): {links}.")
+    for row in rows:
+        if row.report.energy_mj is not None:
+            print(f"- {row.model} at {row.budget}: {_energy(row.report)}")
 
 
 def _result(row: Row, devices: list[Device], args: argparse.Namespace) -> dict[str, object]:
@@ -431,6 +445,8 @@ def _result(row: Row, devices: list[Device], args: argparse.Namespace) -> dict[s
         "measured_peak": per_device(report.peak_bytes),
         "allocator_peak": per_device(report.allocator_peak_bytes),
         "grad_rel_error": report.max_rel_error,
+        "energy_mj": report.energy_mj,
+        "predicted_energy_mj": report.predicted_energy_mj,
         "profile_s": row.profile_s,
         "links": row.links,
         "targets": "met" if not row.misses else "missed: " + "; ".join(row.misses),

@@ -2,7 +2,9 @@
 (``agents/pytorch/corpus.py``, at its bench scale) as eager autograd runs it (forward, the
 entry's loss, the parameters' gradients), against the executor running the checkpoint-all
 plan of the module's ONNX export (TorchScript exporter, training mode) on one CPU device
-with the same thread count. Both take the median of ``--repeats`` timed runs, made in
+with the same thread count, or with ``--device cuda`` on the first CUDA GPU (both sides in
+IEEE float32, no TF32, and each eager run ending with a synchronisation). Both take the
+median of ``--repeats`` timed runs, made in
 ``--rounds`` alternating rounds (eager's runs, then the executor's, each round after two
 warm-ups and on a quiet machine, ``agent.quietly``) so that a drift of the machine's speed
 reaches both sides alike, in one process whose host heap is kept
@@ -22,8 +24,8 @@ compute step: what the cost model adds to each node).
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
-        [--threads 2] [--repeats 20] [--rounds 4] [--processes 3] [--fuse-attention]
-        [--run LABEL]
+        [--threads 2] [--device cpu|cuda] [--repeats 20] [--rounds 4] [--processes 3]
+        [--fuse-attention] [--run LABEL]
 
 ``--fuse-attention`` plans each attention chain as one node
 (``forward_graph(fuse_attention=True)``).
@@ -37,7 +39,6 @@ import statistics
 import time
 from typing import Any
 
-import torch
 from agent import quietly
 from results import Writer, add_run_argument
 
@@ -47,7 +48,7 @@ from agents.program import build_program
 from agents.pytorch.check import export_entry
 from agents.pytorch.corpus import CORPUS
 from agents.pytorch.reference import model_inputs, module_gradients
-from agents.torch_devices import keep_host_heap
+from agents.torch_devices import keep_host_heap, measuring, runtime_of
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
 from remat.onnx_ingest import forward_graph
@@ -62,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="small_cnn,resnet18,transformer_encoder")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--processes", type=int, default=3)
@@ -81,7 +83,13 @@ def main() -> None:
         rows = []
         for _ in range(args.processes):
             with spawn.Pool(1) as pool:
-                measure = (name, args.threads, args.repeats, args.rounds, args.fuse_attention)
+                measure = (
+                    name,
+                    _device(args.device, args.threads),
+                    args.repeats,
+                    args.rounds,
+                    args.fuse_attention,
+                )
                 rows.append(pool.apply(_measure, measure))
         row = _over_processes(rows)
         out.add(row)
@@ -114,13 +122,20 @@ def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _device(kind: str, threads: int) -> Device:
+    """The one device both sides run on: a CPU with ``threads``, or the first CUDA GPU."""
+    if kind == "cuda":
+        return Device("cuda0", DeviceKind.CUDA)
+    return Device("cpu0", DeviceKind.CPU, {"threads": str(threads)})
+
+
 def _measure(
-    name: str, threads: int, repeats: int, rounds: int, fuse_attention: bool
+    name: str, device: Device, repeats: int, rounds: int, fuse_attention: bool
 ) -> dict[str, Any]:
     """One corpus model's row from this process: eager, the executor, and the profiler's
     node times."""
     keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
-    device = Device("cpu0", DeviceKind.CPU, {"threads": str(threads)})
+    runtime = runtime_of(device)
     entry = CORPUS[name]
     exported = export_entry(entry, "bench")
     forward = forward_graph(exported.model, fuse_attention=fuse_attention)
@@ -134,15 +149,20 @@ def _measure(
     if program.loss.labels is not None:
         labels = program.fixed[program.loss.labels]
         inputs[program.loss.labels] = labels.numpy()
+    module = exported.module.to(runtime.torch_device)
+    args = [a.to(runtime.torch_device) for a in exported.args]
+    on_device = None if labels is None else labels.to(runtime.torch_device)
 
     def eager(count: int) -> list[float]:
-        torch.set_num_threads(threads)
+        runtime.activate()
         times = []
-        for run in range(WARMUP + count):
-            start = time.perf_counter()
-            module_gradients(exported.module, exported.args, program.loss, labels)
-            if run >= WARMUP:
-                times.append((time.perf_counter() - start) * 1e3)
+        with measuring():
+            for run in range(WARMUP + count):
+                start = time.perf_counter()
+                module_gradients(module, args, program.loss, on_device)
+                runtime.synchronize()
+                if run >= WARMUP:
+                    times.append((time.perf_counter() - start) * 1e3)
         return times
 
     def executed(count: int) -> ExecutionReport:
@@ -169,7 +189,7 @@ def _measure(
     return {
         "model": name,
         "nodes": len(graph),
-        "devices": f"cpu0:threads={threads}",
+        "devices": ",".join([device.name, *(f"{k}={v}" for k, v in device.options.items())]),
         "steps": steps,
         "eager_ms": eager_ms,
         "measured_ms": executor_ms,

@@ -131,6 +131,7 @@ class FakeMachine:
     more while work runs."""
 
     description = "fake"
+    update_s = 0.0
 
     def __init__(self, idle_w: float) -> None:
         self.idle_w = idle_w
@@ -285,6 +286,9 @@ class ProcessTimeCounter:
 
     description = "process time at 50 W"
 
+    def __init__(self, update_s: float = 0.0) -> None:
+        self.update_s = update_s
+
     def joules(self) -> float:
         return 50.0 * time.process_time()
 
@@ -316,6 +320,30 @@ def test_the_energy_pass_fills_the_table_counts_progress_and_keeps_the_model_els
     energy = profiled_costs(graph, table).energy_model()
     assert energy.measured == (True, False)
     assert energy.idle_w[0] == cpu0.idle_w
+
+
+def test_a_counter_too_coarse_for_one_node_measures_the_pass_plan() -> None:
+    """A counter that moves every 50 ms (as NVML's every 100 ms) cannot time one node in a
+    loop of 20 ms: the device's pass plan runs in a loop of half a second instead, and its
+    energy per run is split over the nodes in proportion to their times."""
+    model, graph = small_training()
+    progress: list[tuple[int, int]] = []
+    table = profile(
+        model,
+        graph,
+        [CPU0],
+        repeats=2,
+        warmup=0,
+        on_progress=lambda *p: progress.append(p),
+        energy_counters={"cpu0": ProcessTimeCounter(update_s=0.05)},
+    )
+    assert table.devices[0].energy == "measured"
+    entries = [table.nodes[n.name] for n in graph.nodes]
+    energies = [e.energy_mj["cpu0"] for e in entries]
+    assert sum(energies) > 0
+    watts = [e.energy_mj["cpu0"] / e.compute_ms["cpu0"] for e in entries if e.compute_ms["cpu0"]]
+    assert max(watts) == pytest.approx(min(watts), rel=1e-9)  # one power for the device
+    assert progress[-1][0] == progress[-1][1]
 
 
 def test_the_energy_pass_stays_within_the_device_s_memory() -> None:

@@ -33,9 +33,10 @@ class FakeCounter:
     """A counter drawing a constant ``watts`` since it was made, on ``time.perf_counter``;
     it records the times it was read."""
 
-    def __init__(self, description: str, watts: float = WATTS) -> None:
+    def __init__(self, description: str, watts: float = WATTS, update_s: float = 0.0) -> None:
         self._description = description
         self.watts = watts
+        self.update_s = update_s
         self.start = time.perf_counter()
         self.reads: list[float] = []
 
@@ -114,6 +115,23 @@ def test_an_injected_counter_gives_the_energy_per_measured_run() -> None:
     measured = report.to_json()["measured"]
     assert measured["energy_mj"] == report.energy_mj
     assert measured["energy_note"] == report.energy_note
+
+
+def test_a_counter_that_moves_rarely_gets_runs_until_its_window() -> None:
+    """A counter that moves every 30 ms (as NVML's every 100 ms) is read over at least ten
+    of its updates: the executor makes more measured runs than asked until they span 0.3 s,
+    and they all count."""
+    model, graph, plan = _model_graph_plan([CPU0])
+    counter = FakeCounter("coarse", update_s=0.03)
+    report = execute(
+        model, graph, plan, [CPU0], warmup=1, repeats=3, energy_counters={"cpu0": counter}
+    )
+    window_s = counter.reads[1] - counter.reads[0]
+    assert window_s >= 10 * counter.update_s
+    runs = len(report.runs_ms)
+    assert runs > 3 and report.energy_note.startswith(f"coarse (cpu0): over {runs} run(s)")
+    assert report.energy_mj == pytest.approx(WATTS * window_s * 1e3 / runs, rel=1e-9)
+    assert report.gradients_match is True
 
 
 def test_a_counter_shared_by_two_devices_counts_once() -> None:

@@ -307,3 +307,30 @@ def test_two_devices_offload_on_their_own_lanes(monkeypatch: pytest.MonkeyPatch)
     report = execute(model, graph, plan, DEVICES)
     _assert_correct(report, plan)
     assert report.peak_bytes == report.predicted_peak_bytes
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_device_offloads_through_pinned_buffers() -> None:  # pragma: no cover
+    """offload_greedy's plan on a GPU: the transfers run on the lane's CUDA stream into
+    pinned host buffers, the gradients are autograd's (against float64 within the CUDA
+    tolerance), the executor's account is the simulator's peak, and what the allocator was
+    asked for adds only the kernels' temporaries (within 1% or 1 MiB)."""
+    cuda0 = Device("cuda0", DeviceKind.CUDA)
+    model = MODELS["resnet18"]()
+    graph = _graph(model)
+    costs = analytical_costs(graph, [cuda0])
+    ref = reference(graph, costs)
+    budget = Size(percent=60).resolve(ref.fixed_bytes, ref.peak_bytes)
+    result = run_strategy("offload_greedy", Problem(graph, costs, {"cuda0": budget}), "cuda0")
+    assert result.plan is not None, result.message
+    ops = _ops(result.plan)
+    assert ops["offload"] >= 1 and ops["prefetch"] >= 1
+    report = execute(model, graph, result.plan, [cuda0], repeats=2)
+    assert report.gradients_match is True, (report.max_rel_error, report.tolerance)
+    assert not _lane_threads(), "the lanes' threads end with the run"
+    predicted = report.predicted_peak_bytes["cuda0"]
+    assert report.accounted_peak_bytes["cuda0"] == predicted <= budget
+    assert predicted <= report.peak_bytes["cuda0"] <= predicted + max(0.01 * predicted, 2**20)

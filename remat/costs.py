@@ -280,8 +280,9 @@ def analytical_costs(
     graph: Graph, devices: Sequence[Device], params: AnalyticalParams | None = None
 ) -> CostModel:
     """compute = max(FLOPs / rate, bytes moved / bandwidth) + launch overhead;
-    copy = bytes / link bandwidth + latency. Backward nodes carry their own FLOP and byte
-    estimates (set by the training graph from the op type)."""
+    copy = bytes / link bandwidth + latency; workspace: each node's ``scratch_bytes`` on
+    every device. Backward nodes carry their own FLOP, byte and scratch estimates (set by the
+    training graph from the op type)."""
     params = params or AnalyticalParams()
     specs = [params.spec(d) for d in devices]
     flops = np.array([n.flops for n in graph.nodes], dtype=float)
@@ -296,6 +297,7 @@ def analytical_costs(
         modelled_energy_mj(devices, work_s * 1e3, bound, launch_s * 1e3), idle_power(devices)
     )
     D = len(devices)
+    scratch = np.array([n.scratch_bytes for n in graph.nodes], dtype=np.int64)
     copy_s = np.zeros((len(graph), D, D))
     for a in range(D):
         for b in range(D):
@@ -312,6 +314,7 @@ def analytical_costs(
         out,
         host,
         energy,
+        workspace_bytes=np.repeat(scratch[:, None], D, axis=1) if scratch.any() else None,
         storage=storage,
     )
 

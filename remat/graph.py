@@ -63,6 +63,9 @@ class Node:
     fixed tensors it reads. For a backward node, ``forward`` is the index of the forward
     node it differentiates; ``flops`` and ``bytes_moved`` feed the analytical cost model.
     ``input_bytes`` is the size of every tensor the op reads (values and fixed tensors).
+    ``scratch_bytes`` is the memory its kernel itself holds while it runs beyond its inputs
+    and output, where the op's shapes tell (``remat.ops.scratch_bytes``: a fused
+    attention's score matrix); the analytical cost model's workspace.
     """
 
     id: int
@@ -75,6 +78,7 @@ class Node:
     input_bytes: int = 0
     fixed: tuple[str, ...] = ()
     forward: int | None = None
+    scratch_bytes: int = 0
     attrs: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -1139,6 +1139,7 @@ def _node(
         flops=ops.flops(proto.op_type, _positional_shapes(proto, infos), output_shapes, attrs),
         input_bytes=sum(infos[t].nbytes for t in reads),
         fixed=tuple(t for t in reads if t in fixed),
+        scratch_bytes=_scratch_bytes(proto, infos, outputs),
         attrs={
             "onnx_inputs": [n for n in proto.input if n],
             "onnx_outputs": list(outputs),
@@ -1147,6 +1148,16 @@ def _node(
             **({"fused_attributes": attrs} if proto.domain == FUSED_DOMAIN and attrs else {}),
         },
     )
+
+
+def _scratch_bytes(
+    proto: NodeProto, infos: Mapping[str, TensorInfo], outputs: Sequence[str]
+) -> int:
+    """What the node's kernel holds beyond its inputs and output (``ops.scratch_elements``),
+    in its first output's element type."""
+    output_shapes = [infos[o].dims for o in outputs]
+    elements = ops.scratch_elements(proto.op_type, _positional_shapes(proto, infos), output_shapes)
+    return (elements * _element_bits(infos[outputs[0]].elem_type) + 7) // 8 if elements else 0
 
 
 def _positional_shapes(proto: NodeProto, infos: Mapping[str, TensorInfo]) -> list[tuple[int, ...]]:

@@ -171,6 +171,22 @@ FLOPS: dict[str, FlopsFn] = {
 _DEFAULT: FlopsFn = _per_output_elem(1)
 
 
+def scratch_elements(
+    op_type: str, input_shapes: list[tuple[int, ...]], output_shapes: list[tuple[int, ...]]
+) -> int:
+    """Elements an operator call's kernel holds beyond its inputs and output, where its
+    shapes tell: a fused attention's score matrix (``softmax(A @ B * scale + M)``, which the
+    kernels materialise); 0 for every other operator. Elements, not bytes: the caller
+    multiplies by the element size."""
+    if op_type != ATTENTION:
+        return 0
+    try:
+        out, keys = output_shapes[0], input_shapes[1][-1]
+        return _numel(out) // max(out[-1], 1) * keys
+    except IndexError:
+        return 0
+
+
 def flops(
     op_type: str,
     input_shapes: list[tuple[int, ...]],

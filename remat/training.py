@@ -123,6 +123,9 @@ GRADIENT_NEEDS: dict[str, Needs] = {
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
 _ATTENTION_BACKWARD = 2.5  # the scores recomputed, then dV, dP, dA and dB
+# The fused attention's backward holds two score-sized buffers: the probabilities
+# recomputed and their gradient (``agents.kernels``' closed form).
+_ATTENTION_BACKWARD_SCRATCH = 2
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 
@@ -327,8 +330,10 @@ def _backward_node(
     fixed_bytes = node.input_bytes - output_bytes  # what it reads beside its dependencies
     # the input's and the weight's gradients; only the weight's where the input is data
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
+    scratch = 0
     if node.op == ATTENTION:
         factor = _ATTENTION_BACKWARD
+        scratch = _ATTENTION_BACKWARD_SCRATCH * node.scratch_bytes
     return Node(
         id=index,
         name=names.unique(f"{node.name}:grad"),
@@ -340,6 +345,7 @@ def _backward_node(
         input_bytes=grad_in + reads + max(fixed_bytes, 0),
         fixed=node.fixed,
         forward=node.id,
+        scratch_bytes=scratch,
     )
 
 

@@ -19,6 +19,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from remat import ops
+from remat.costs import analytical_costs
+from remat.devices import Device, DeviceKind
 from remat.errors import (
     EmptyModelError,
     InvalidInputError,
@@ -27,6 +29,7 @@ from remat.errors import (
     ShapeError,
 )
 from remat.graph import FixedKind, Graph, Mode, NodeKind
+from remat.onnx_fusion import ATTENTION
 from remat.onnx_ingest import (
     forward_graph,
     load_forward_graph,
@@ -611,6 +614,13 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     [backward] = [n for n in trained.nodes if n.forward == attention.id]
     assert backward.flops == 2.5 * attention.flops
     assert 0 in backward.deps  # it reads its inputs (the keys transposed), no weights held
+    # The kernels hold the fp32 scores (forward) and the probabilities and their gradient
+    # (backward) beside their inputs and output: the analytical model's workspace.
+    assert attention.scratch_bytes == scores * 4 and backward.scratch_bytes == 2 * scores * 4
+    assert all(n.scratch_bytes == 0 for n in trained.nodes if n.op != ATTENTION)
+    workspace = analytical_costs(trained, [Device("cpu0", DeviceKind.CPU)]).workspace_bytes
+    assert workspace is not None
+    assert workspace[:, 0].tolist() == [n.scratch_bytes for n in trained.nodes]
 
 
 def test_a_padding_mask_computed_in_the_model_is_the_fused_nodes_mask() -> None:

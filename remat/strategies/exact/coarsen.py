@@ -201,6 +201,7 @@ def _coarse_node(
         output_bytes=output_bytes,
         fixed=fixed,
         forward=forward,
+        scratch_bytes=max(graph.nodes[m].scratch_bytes for m in group),
     )
 
 

@@ -232,6 +232,7 @@ def test_cancelling_stops_the_full_and_the_coarse_solve_and_keeps_the_incumbent(
     assert not any(t.name == "remat-coarse" and t.is_alive() for t in threading.enumerate())
 
 
+@pytest.mark.alone
 def test_a_cancel_during_the_warm_start_stops_the_strategy_within_seconds():
     """The multi-device heuristic (a warm start of up to 10 s on U-Net) and the coarse
     graph's own heuristic stop at the cancel, not at their time budgets."""

@@ -29,7 +29,8 @@ renders them; peaks as ``device=bytes;...``).
 
     .venv/bin/python bench/agent.py [--models vgg16,resnet18,unet] [--budgets 100,50]
         [--batch 8] [--image 96] [--width 16] [--time-limit 10] [--repeats 5]
-        [--devices NAME:KIND[:key=value,...] ...] [--strategy NAME] [--run LABEL]
+        [--devices NAME:KIND[:key=value,...] ...] [--strategy NAME] [--save-tables DIR]
+        [--run LABEL]
 
 Timings need a quiet machine: other processes on the cores distort them. Profiling and
 each execution wait until other processes leave the CPUs idle (/proc/stat) and are taken
@@ -45,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TypeVar
 
 import onnx
@@ -119,6 +121,12 @@ def main() -> None:
         help="the strategy that plans (default xengine, falling back to the multi-device "
         "heuristic and auto; any other: that strategy alone, e.g. offload_dynprog)",
     )
+    parser.add_argument(
+        "--save-tables",
+        type=Path,
+        metavar="DIR",
+        help="write each model's profiled cost table to DIR/MODEL.json (to study offline)",
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("agent", args.run)
@@ -135,6 +143,9 @@ def main() -> None:
             f"profiling {name}",
         )
         print(f"... {name}: measured {_links(table)}", file=sys.stderr, flush=True)
+        if args.save_tables is not None:
+            args.save_tables.mkdir(parents=True, exist_ok=True)
+            (args.save_tables / f"{name}.json").write_text(table.model_dump_json())
         for given in args.budgets.split(","):
             budget = f"{given}%" if given.replace(".", "").isdigit() else given
             start = time.monotonic()

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA checks, in one run on a machine with an NVIDIA GPU: the GPU tests, then the
-# agreement and overhead benches on cuda0 (bench/agent.py on the GPU alone, with offloading,
-# with the CPU in one memory pool, and beside the CPU; bench/eager.py --device cuda).
+# agreement and overhead benches on cuda0 (bench/agent.py on the GPU alone, with
+# offload_dynprog, and beside the CPU; bench/eager.py --device cuda), and a probe of how
+# often NVML's energy counter moves.
 # Each part has its own time limit, so that one that hangs leaves the others their time;
 # each writes its log to $OUT (default bench/results/cuda), with the result rows the
-# benches appended (results.tgz).
+# benches appended and the profiled cost tables of cuda0 (results.tgz: bench/results/*.csv,
+# tables/MODEL.json). Infeasible budgets are reported and left out (VGG16 and ResNet-18 at
+# 50% on cuda0 once cuDNN's workspaces count).
 #
 #     OUT=/tmp/cuda bash bench/cuda.sh [python]
 #
@@ -37,12 +40,12 @@ part tests 110 "$PY" -m pytest -p no:cacheprovider -n 6 -rs \
     tests/test_executor.py tests/test_kernels.py tests/test_profiler.py \
     tests/test_energy_counters.py tests/test_offload_execution.py tests/test_coarsen.py \
     -k "cuda or gpu or nvml or measured_where or workspace"
-part agent_cuda 150 "$PY" bench/agent.py --devices cuda0:cuda --budgets 100,75 --repeats 3 \
-    --time-limit 3 --run cuda
+part agent_cuda 150 "$PY" bench/agent.py --devices cuda0:cuda --budgets 100,75,50 --repeats 3 \
+    --time-limit 3 --save-tables "$OUT/tables" --run cuda
 part eager_cuda 60 "$PY" bench/eager.py --device cuda --models small_cnn,transformer_encoder \
     --processes 1 --repeats 20 --rounds 2 --run cuda
-part offload_cuda 45 "$PY" bench/agent.py --devices cuda0:cuda --strategy offload_dynprog \
-    --models vgg16,resnet18 --budgets 75 --repeats 3 --run cuda
+part offload_cuda 60 "$PY" bench/agent.py --devices cuda0:cuda --strategy offload_dynprog \
+    --budgets 90,75 --repeats 3 --run cuda
 part cpu_cuda 50 "$PY" bench/agent.py --devices cpu0:cpu:threads=8 cuda0:cuda \
     --models resnet18 --budgets 100,75 --repeats 3 --time-limit 5 --run cuda
 # How often NVML's energy counter moves, idle and under a queue of matrix products.
@@ -71,4 +74,4 @@ for _ in range(400):
 watch(1.0)
 torch.cuda.synchronize()
 PROBE
-tar czf "$OUT/results.tgz" bench/results/*.csv
+tar czf "$OUT/results.tgz" bench/results/*.csv -C "$OUT" tables

@@ -269,10 +269,16 @@ WINDOW_UPDATES = 10
 MIN_RUNS = 3
 
 
+def updates_s(counter: Counter) -> float:
+    """``WINDOW_UPDATES`` of ``counter``'s updates, in seconds: the least a loop it reads
+    must span (NVML: 1 s)."""
+    return WINDOW_UPDATES * counter.update_s
+
+
 def window_s(counter: Counter) -> float:
-    """The shortest loop ``counter`` measures: ``WINDOW_S``, or ``WINDOW_UPDATES`` of its
-    updates where they are slower (NVML: 1 s)."""
-    return max(WINDOW_S, WINDOW_UPDATES * counter.update_s)
+    """The shortest loop ``counter`` measures a node over: ``WINDOW_S``, or ``updates_s``
+    where its updates are slower."""
+    return max(WINDOW_S, updates_s(counter))
 
 
 def resolves_nodes(counter: Counter) -> bool:

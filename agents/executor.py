@@ -171,7 +171,7 @@ import numpy as np
 import onnx
 import torch
 
-from agents.energy_counters import WINDOW_UPDATES, Counter, counter_of
+from agents.energy_counters import Counter, counter_of, updates_s
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, StorageError
 from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
@@ -420,7 +420,7 @@ def _metered(
     start = time.perf_counter()
     results = work()
     # more runs where the counters move too rarely for these (NVML: every 100 ms)
-    window = max(WINDOW_UPDATES * counter.update_s for counter, _ in distinct.values())
+    window = max(updates_s(counter) for counter, _ in distinct.values())
     while time.perf_counter() - start < window:
         results = [*(r.without_values() for r in results), *work()]
     try:

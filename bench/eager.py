@@ -189,7 +189,7 @@ def _measure(
     return {
         "model": name,
         "nodes": len(graph),
-        "devices": ",".join([device.name, *(f"{k}={v}" for k, v in device.options.items())]),
+        "devices": ":".join([device.name, *(f"{k}={v}" for k, v in device.options.items())]),
         "steps": steps,
         "eager_ms": eager_ms,
         "measured_ms": executor_ms,

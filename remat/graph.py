@@ -64,7 +64,7 @@ class Node:
     node it differentiates; ``flops`` and ``bytes_moved`` feed the analytical cost model.
     ``input_bytes`` is the size of every tensor the op reads (values and fixed tensors).
     ``scratch_bytes`` is the memory its kernel itself holds while it runs beyond its inputs
-    and output, where the op's shapes tell (``remat.ops.scratch_bytes``: a fused
+    and output, where the op's shapes tell (``remat.ops.scratch_elements``: a fused
     attention's score matrix); the analytical cost model's workspace.
     """
 

@@ -1123,7 +1123,9 @@ def _node(
     fixed: Mapping[str, FixedTensor],
     infos: Mapping[str, TensorInfo],
 ) -> Node:
+    input_shapes = _positional_shapes(proto, infos)
     output_shapes = [infos[o].dims for o in outputs]
+    scratch = ops.scratch_elements(proto.op_type, input_shapes, output_shapes)
     attrs = {
         a.name: helper.get_attribute_value(a)
         for a in proto.attribute
@@ -1136,10 +1138,11 @@ def _node(
         kind=NodeKind.FORWARD,
         deps=tuple(sorted({producer[t] for t in reads if t in producer})),
         output_bytes=sum(infos[o].nbytes for o in outputs),
-        flops=ops.flops(proto.op_type, _positional_shapes(proto, infos), output_shapes, attrs),
+        flops=ops.flops(proto.op_type, input_shapes, output_shapes, attrs),
         input_bytes=sum(infos[t].nbytes for t in reads),
         fixed=tuple(t for t in reads if t in fixed),
-        scratch_bytes=_scratch_bytes(proto, infos, outputs),
+        # in the first output's element type
+        scratch_bytes=(scratch * _element_bits(infos[outputs[0]].elem_type) + 7) // 8,
         attrs={
             "onnx_inputs": [n for n in proto.input if n],
             "onnx_outputs": list(outputs),
@@ -1148,16 +1151,6 @@ def _node(
             **({"fused_attributes": attrs} if proto.domain == FUSED_DOMAIN and attrs else {}),
         },
     )
-
-
-def _scratch_bytes(
-    proto: NodeProto, infos: Mapping[str, TensorInfo], outputs: Sequence[str]
-) -> int:
-    """What the node's kernel holds beyond its inputs and output (``ops.scratch_elements``),
-    in its first output's element type."""
-    output_shapes = [infos[o].dims for o in outputs]
-    elements = ops.scratch_elements(proto.op_type, _positional_shapes(proto, infos), output_shapes)
-    return (elements * _element_bits(infos[outputs[0]].elem_type) + 7) // 8 if elements else 0
 
 
 def _positional_shapes(proto: NodeProto, infos: Mapping[str, TensorInfo]) -> list[tuple[int, ...]]:

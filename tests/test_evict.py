@@ -156,6 +156,7 @@ def test_the_descent_to_a_fitting_plan_may_outrun_the_time_budget() -> None:
     assert refined.simulation.total_ms < fitted.simulation.total_ms
 
 
+@pytest.mark.alone
 def test_the_milps_warm_start_fits_even_when_evictions_budget_is_spent() -> None:
     """The heuristics' budget at a share of the limit, here none: eviction's descent still
     gets half the limit to fit, so U-Net at 25% on cuda0 (no baseline fits, the placed

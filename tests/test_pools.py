@@ -499,6 +499,7 @@ def test_no_bound_is_reported_for_concurrent_plans(strategy):
     assert any(r.objective is not None for r in reports)
 
 
+@pytest.mark.alone
 def test_auto_plans_a_pool_with_port_m():
     """``auto``'s exact phase on the devices of one pool is PORT-M, not XEngine: on the
     chain sample at 70% on two pooled CPUs its plan is concurrent, within the pool's

@@ -49,6 +49,8 @@ def postgres_database() -> Iterator[str]:
 
 
 def redis_url(db: int) -> str:
+    """Redis database ``db``, emptied. Each module uses its own numbers: scripts/test runs
+    the service modules on two pytest-xdist workers, side by side."""
     import redis
 
     redis.Redis.from_url(f"{REDIS}/{db}").flushdb()

@@ -222,7 +222,7 @@ def stack(tmp_path_factory):
         upgrade(database)
         env = service_env(
             database_url=database,
-            broker_url=redis_url(5),
+            broker_url=redis_url(7),
             data_dir=str(data),
             enroll_token=ENROLL,
             heartbeat_s="1",

@@ -136,7 +136,9 @@ class Simulation:
     copy_ms: float
     fixed_bytes: dict[str, int]
     peak_bytes: dict[str, int]
-    timeline: dict[str, list[int]]  # bytes resident on each device after each step
+    # bytes resident on each device after each step, or while it ran where more: a compute
+    # step's workspace on its device (so that the timeline's largest value is the peak)
+    timeline: dict[str, list[int]]
     computes: int = 0
     transfer_ms: float = 0.0  # the transfer lanes' busy time (overlapped with compute)
     stall_ms: float = 0.0  # the compute lane's waits for transfers, in ``total_ms``
@@ -712,6 +714,8 @@ def simulate(
 
     placed = [(name, space[where[name]]) for name in names]
 
+    running: dict[str, int] = {}  # this step's bytes with its workspace, where it has one
+
     def measure(step: int) -> Violation | None:
         used = {name: state.memory[s] for name, s in placed}
         if state.scratch is not None:  # the workspace of the node this step computes
@@ -720,6 +724,7 @@ def simulate(
             for name, s in placed:
                 if s == space[d]:
                     used[name] += workspace
+            running.update(used)
         for name, value in used.items():
             if value > peaks[name]:
                 peaks[name] = value
@@ -752,7 +757,8 @@ def simulate(
         if violation is None and state.pending:
             violation = start_pending(state.clock)
         for name, s in placed:
-            timeline[name].append(state.memory[s])
+            timeline[name].append(max(state.memory[s], running.get(name, 0)))
+        running.clear()
         if violation is not None:
             break
     if violation is None:

@@ -39,12 +39,15 @@ def test_a_nodes_workspace_counts_while_it_runs_and_not_after():
     plan = run_strategy("checkpoint_all", Problem(graph, plain, {}), "gpu0").plan
     without = simulate(plan, graph, plain, {})
     with_scratch = simulate(plan, graph, costs, {})
-    # the timeline (memory after each step) is the same; the peak has node 2's scratch
-    assert with_scratch.timeline == without.timeline
+    # node 2's scratch counts at its step alone, in the timeline and the peak
     step = next(i for i, s in enumerate(plan.steps) if s.op == "compute" and s.node == 2)
     during = without.timeline["gpu0"][step] + heavy
+    expected = list(without.timeline["gpu0"])
+    expected[step] = during
+    assert with_scratch.timeline["gpu0"] == expected
     assert with_scratch.peak_bytes["gpu0"] == max(without.peak_bytes["gpu0"], during)
     assert with_scratch.peak_bytes["gpu0"] > without.peak_bytes["gpu0"]
+    assert max(with_scratch.timeline["gpu0"]) == with_scratch.peak_bytes["gpu0"]
     budget = without.peak_bytes["gpu0"]  # fits without the workspace, not with it
     over = simulate(plan, graph, costs, {"gpu0": budget})
     assert over.violation is not None and over.violation.over_budget

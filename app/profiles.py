@@ -70,6 +70,8 @@ def profile_key(ref: ModelRef, devices: list[AgentDevice]) -> str:
     }
     if ref.loss is not None:  # the default loss keeps the keys of profiles made before losses
         what["loss"] = ref.loss.model_dump(mode="json")
+    if ref.fuse_attention:  # another graph; unfused keeps the keys of profiles made before
+        what["fuse_attention"] = True
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 

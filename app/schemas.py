@@ -137,8 +137,9 @@ class JobSpec(Strict):
     ranges: dict[InputName, RangeText] | None = Field(default=None, max_length=MAX_INPUTS)
     observed: list[ObservedSize] | None = Field(default=None, max_length=MAX_OBSERVED)
     loss: LossSpec = Field(default_factory=LossSpec)  # training: what is differentiated
-    # each attention chain planned and run as one node (remat.onnx_fusion)
-    fuse_attention: bool = False
+    # each attention chain planned and run as one node (remat.onnx_fusion); jobs stored
+    # before this was the default hold false (migration 0006)
+    fuse_attention: bool = True
     devices: list[DeviceSpec] = Field(
         default_factory=lambda: [DeviceSpec(name="cpu0", kind=DeviceKind.CPU)],
         min_length=1,

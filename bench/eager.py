@@ -25,10 +25,10 @@ Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
         [--threads 2] [--device cpu|cuda] [--repeats 20] [--rounds 4] [--processes 3]
-        [--fuse-attention] [--run LABEL]
+        [--no-fuse-attention] [--run LABEL]
 
-``--fuse-attention`` plans each attention chain as one node
-(``forward_graph(fuse_attention=True)``).
+``--no-fuse-attention`` plans each attention chain node by node
+(``forward_graph(fuse_attention=False)``; fused is the default).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from agents.pytorch.check import export_entry
 from agents.pytorch.corpus import CORPUS
 from agents.pytorch.reference import model_inputs, module_gradients
 from agents.torch_devices import keep_host_heap, measuring, runtime_of
+from remat.cli import fusion_argument
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
 from remat.onnx_ingest import forward_graph
@@ -67,9 +68,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--processes", type=int, default=3)
-    parser.add_argument(
-        "--fuse-attention", action="store_true", help="each attention chain as one node"
-    )
+    fusion_argument(parser)
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("eager", args.run)

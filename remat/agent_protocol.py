@@ -141,6 +141,7 @@ class ModelRef(Strict):
     batch: int | None = None
     inputs: dict[str, list[int]] | None = None
     loss: LossSpec | None = None  # None: the default loss
+    # absent in what servers sent before attention was fused: those graphs are unfused
     fuse_attention: bool = False
 
     def graph(self, model: onnx.ModelProto) -> Graph:

@@ -265,12 +265,15 @@ def _model_arguments(
 
 
 def fusion_argument(parser: argparse.ArgumentParser) -> None:
-    """``--fuse-attention``: each attention chain as one node (``remat.onnx_fusion``)."""
+    """``--fuse-attention`` (the default) or ``--no-fuse-attention``: each attention chain
+    as one node (``remat.onnx_fusion``), or node by node."""
     parser.add_argument(
         "--fuse-attention",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="plan and run each attention chain (MatMul, scale, mask, Softmax, MatMul) as one "
-        "node, as PyTorch's scaled_dot_product_attention: its weights are not held",
+        "node, as PyTorch's scaled_dot_product_attention: its weights are not held "
+        "(default: on; --no-fuse-attention plans the chain node by node)",
     )
 
 

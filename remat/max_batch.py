@@ -54,7 +54,7 @@ def problems_by_batch(
     solver: SolverSettings | None = None,
     external_data_dir: Path | None = None,
     loss: Loss = MEAN_SQUARE,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> Callable[[int], Problem]:
     """``build`` for ``max_batch``: the training problem of ``model`` at each batch size
     (``remat.problem.build_problem``, analytical costs on ``devices``, differentiating

@@ -920,7 +920,7 @@ def forward_graph(
     batch: int | None = None,
     inputs: Mapping[str, Sequence[int]] | None = None,
     *,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> Graph:
     """The forward graph of a (checked) model; see the module docstring for the steps.
 
@@ -1167,7 +1167,7 @@ def load_forward_graph(
     inputs: Mapping[str, Sequence[int]] | None = None,
     *,
     external_data_dir: Path | None = None,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> Graph:
     """``forward_graph(load_model(source, external_data_dir=...), batch, inputs, ...)``."""
     model = load_model(source, external_data_dir=external_data_dir)

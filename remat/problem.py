@@ -57,7 +57,7 @@ def model_graph(
     mode: Mode = Mode.TRAINING,
     loss: Loss = MEAN_SQUARE,
     external_data_dir: Path | None = None,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> Graph:
     """The graph to plan for a model (a checked ``ModelProto`` or a file, loaded with
     ``load_model``; external data only from ``external_data_dir``): its forward graph at
@@ -84,7 +84,7 @@ def build_problem(
     external_data_dir: Path | None = None,
     check_fixed: bool = True,
     objective: Objective | None = None,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> Problem:
     """The problem of planning ``model`` (see ``model_graph``) on ``devices`` under
     ``budgets``; the rest as ``problem_from_graph``. Devices and budgets are checked

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from service import job_body, problem
 
 from app.cli import main as remat_main
-from app.profiles import model_ref
+from app.profiles import model_ref, profile_key
 from app.schemas import JobSpec
 from app.tables import ModelRow
 from remat import samples
@@ -273,7 +273,7 @@ def test_a_job_differentiates_the_loss_it_names(api: InProcessApi) -> None:
     assert plan["steps"]
 
 
-def test_a_job_plans_attention_as_one_node_where_asked(api: InProcessApi) -> None:
+def test_a_job_plans_attention_as_one_node_unless_asked_not_to(api: InProcessApi) -> None:
     client = api.client
     model = uploaded(client, samples.transformer_block(batch=2).SerializeToString())
     url = f"/v1/models/{model}/graph"
@@ -284,8 +284,11 @@ def test_a_job_plans_attention_as_one_node_where_asked(api: InProcessApi) -> Non
     assert "ScaledDotProductAttention" in ops and "Softmax" not in ops
     assert "Softmax" in {n["op"] for n in unfused["nodes"]}
     quick = {"strategy": "checkpoint_all", "budgets": {}}
-    jobs = [submitted(client, model, fuse_attention=fuse, **quick) for fuse in (True, False)]
-    assert [job["spec"]["fuse_attention"] for job in jobs] == [True, False]
+    jobs = [
+        submitted(client, model, **quick),
+        submitted(client, model, fuse_attention=False, **quick),
+    ]
+    assert [job["spec"]["fuse_attention"] for job in jobs] == [True, False]  # fused by default
     api.dispatcher.run()
     nodes = []
     for job in jobs:
@@ -299,6 +302,9 @@ def test_a_job_plans_attention_as_one_node_where_asked(api: InProcessApi) -> Non
     ref = ModelRef.model_validate_json(sent)
     rebuilt = ref.graph(samples.transformer_block(batch=2))
     assert [n.name for n in rebuilt.nodes] == [n["name"] for n in fused["nodes"]]
+    # a profile of one graph is not found for the other
+    unfused_ref = model_ref(JobSpec.model_validate(jobs[1]["spec"]), ModelRow(id=model, sha256="0"))
+    assert profile_key(ref, []) != profile_key(unfused_ref, [])
 
 
 def test_a_queued_job_is_cancelled_at_once(api: InProcessApi) -> None:
@@ -483,7 +489,8 @@ def test_a_job_list_has_an_etag_that_changes_with_its_jobs(api: InProcessApi) ->
 # --- jobs over ranges of input sizes -----------------------------------------------------
 
 TRANSFORMER = samples.transformer_block(layers=2, seq="S").SerializeToString()
-RANGED = {
+RANGED = {  # budgets calibrated on the attention node by node
+    "fuse_attention": False,
     "ranges": {"input": "2x16..128x32"},
     "observed": [{"size": 24, "count": 50}, {"size": 100, "count": 5}],
 }
@@ -508,7 +515,9 @@ def test_a_job_over_a_range_of_sizes_serves_a_plan_per_size(api: InProcessApi) -
     assert again.headers["x-remat-plan-cache"] == "hit" and again.json() == missed.json()
     plan = plan_from_json(missed.json())
     graph = training_graph(
-        forward_graph(samples.transformer_block(layers=2), inputs={"input": (2, 50, 32)})
+        forward_graph(
+            samples.transformer_block(layers=2), inputs={"input": (2, 50, 32)}, fuse_attention=False
+        )
     )
     costs = analytical_costs(graph, [Device("cpu0", DeviceKind.CPU)])
     verdict = simulate(plan, graph, costs)

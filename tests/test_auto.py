@@ -38,7 +38,11 @@ def settings(limit: float = 20.0, search: SearchConfig | None = None) -> SolverS
 def transformer(percent: int, solver: SolverSettings) -> Problem:
     """A transformer block whose baselines all fail at 40-50% (as a TransformerEncoder's do)."""
     return build_problem(
-        samples.transformer_block(), batch=2, budgets={"cpu0": f"{percent}%"}, solver=solver
+        samples.transformer_block(),
+        batch=2,
+        budgets={"cpu0": f"{percent}%"},
+        solver=solver,
+        fuse_attention=False,
     )
 
 

@@ -30,10 +30,10 @@ def test_graph_json_lists_forward_loss_and_backward_nodes(vgg):
     assert {n["kind"] for n in inference["nodes"]} == {"forward"}
 
 
-def test_attention_is_one_node_where_asked(tmp_path):
+def test_attention_is_one_node_unless_asked_not_to(tmp_path):
     model = tmp_path / "block.onnx"
     model.write_bytes(samples.transformer_block(batch=2).SerializeToString())
-    fused, unfused = remat_all(["graph", str(model), "--fuse-attention"], ["graph", str(model)])
+    fused, unfused = remat_all(["graph", str(model)], ["graph", str(model), "--no-fuse-attention"])
     assert fused.returncode == 0 and unfused.returncode == 0, fused.stderr + unfused.stderr
     assert "ScaledDotProductAttention" in fused.stdout and "Softmax" not in fused.stdout
     assert "Softmax" in unfused.stdout
@@ -98,17 +98,19 @@ def test_infeasible_budget_states_what_is_needed(vgg):
 def test_default_strategy_plans_by_eviction_or_fixed_paging_and_says_what_it_tried(tmp_path):
     model = tmp_path / "block.onnx"
     model.write_bytes(samples.transformer_block(batch=2).SerializeToString())
-    # baselines all fail at 50%: greedy eviction (auto's second phase) finds a plan
-    found = remat("plan", str(model), "--budget", "cpu0=50%", "--time-limit", "2")
+    # baselines all fail at 50% (attention node by node): greedy eviction (auto's second
+    # phase) finds a plan
+    unfused = ["--no-fuse-attention", "--time-limit", "2"]
+    found = remat("plan", str(model), "--budget", "cpu0=50%", *unfused)
     assert found.returncode == 0, found.stderr
     assert "strategy:" in found.stdout and "predicted:" in found.stdout
     # above the floor, no plan found: what auto tried, never "infeasible"
-    tried = remat("plan", str(model), "--budget", "cpu0=40%", "--time-limit", "2")
+    tried = remat("plan", str(model), "--budget", "cpu0=40%", *unfused)
     assert tried.returncode == 2 and "infeasible" not in tried.stderr
     assert "no plan found by auto at this budget (tried: baselines on cpu0" in tried.stderr
     assert "the least any of them needed is" in tried.stderr
     # below the memory floor with every fixed tensor resident: auto pages some of them
-    paged = remat("plan", str(model), "--budget", "cpu0=30%", "--time-limit", "2")
+    paged = remat("plan", str(model), "--budget", "cpu0=30%", *unfused)
     assert paged.returncode == 0, paged.stderr
     assert "fixed tensors paged" in paged.stdout and "to and from storage" in paged.stdout
 
@@ -316,7 +318,8 @@ def test_verbose_logs_each_phase_of_the_search(vgg):
 def test_family_plans_buckets_and_a_size_on_the_spot(tmp_path):
     model = tmp_path / "transformer.onnx"
     model.write_bytes(samples.transformer_block(layers=2, seq="S").SerializeToString())
-    common = ["family", str(model), "--device", "cuda0:cuda", "--budget", "cuda0=75%"]
+    common = ["family", str(model), "--no-fuse-attention", "--device", "cuda0:cuda"]
+    common += ["--budget", "cuda0=75%"]
     result, bad, fixed, shares = remat_all(
         [*common, "--input", "input=2x16..128x32", "--strategy", "greedy_evict", "--size", "50"],
         [*common, "--input", "input=2x16..8x32"],

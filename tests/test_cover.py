@@ -39,7 +39,7 @@ def _one_device_costs(problem, device: str) -> list[float]:
 
 
 def _graph(name: str, batch: int = 4):
-    return training_graph(forward_graph(samples.ZOO[name](batch=batch)))
+    return training_graph(forward_graph(samples.ZOO[name](batch=batch), fuse_attention=False))
 
 
 def test_every_plan_on_one_device_costs_at_least_either_bound() -> None:
@@ -57,7 +57,7 @@ def test_closure_rows_deep_enough_for_attention_raise_the_bound_below_every_plan
     """A recomputed softmax needs its scores, the scores need Q and K, and those their
     projections: on the transformer block rows that follow inputs ``closure_depth`` (8)
     steps back charge that chain, where one step stops short of it."""
-    graph = training_graph(forward_graph(samples.transformer_block(batch=2)))
+    graph = training_graph(forward_graph(samples.transformer_block(batch=2), fuse_attention=False))
     problem = budgeted(graph, 50, ("cpu0",), QUICK)
     search = problem.solver.search
     shallow_settings = replace(problem.solver, search=replace(search, closure_depth=1))

@@ -41,7 +41,7 @@ FAST = SolverSettings(options=SolveOptions(time_limit_s=12, gap=0.01, threads=2)
 
 
 def _problem(blocks, percent, devices=("cuda0",), mode=Mode.TRAINING, settings=FAST):
-    graph = forward_graph(samples.large(batch=4, blocks=blocks))
+    graph = forward_graph(samples.large(batch=4, blocks=blocks), fuse_attention=False)
     if mode is Mode.TRAINING:
         graph = training_graph(graph)
     return budgeted(graph, percent, devices, settings)

@@ -27,7 +27,7 @@ QUICK = SolverSettings(options=SolveOptions(time_limit_s=3, gap=1e-4, threads=2)
 
 
 def _problem(name: str, percent: float, seconds: float = 3):
-    graph = training_graph(forward_graph(samples.ZOO[name](batch=4)))
+    graph = training_graph(forward_graph(samples.ZOO[name](batch=4), fuse_attention=False))
     settings = SolverSettings(options=SolveOptions(time_limit_s=seconds, gap=1e-4, threads=2))
     return budgeted(graph, percent, NAMES, settings)
 

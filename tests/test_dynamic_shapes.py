@@ -29,7 +29,9 @@ def transformer_at(size: int, budget: str | None = None) -> Problem:
     """Four encoder layers (attention scores grow with the square of the size)."""
     budgets = {"cuda0": budget} if budget else None
     model = samples.transformer_block(layers=4, seq="S")
-    return build_problem(model, inputs=SEQ.shapes(size), devices=GPU, budgets=budgets)
+    return build_problem(
+        model, inputs=SEQ.shapes(size), devices=GPU, budgets=budgets, fuse_attention=False
+    )
 
 
 # --- shape ranges ----------------------------------------------------------------------
@@ -104,7 +106,9 @@ def test_three_sizes_predict_the_bytes_of_a_fourth_exactly_and_its_time_closely(
 def test_a_fit_needs_two_sizes_with_the_same_nodes():
     with pytest.raises(InvalidInputError, match="two sizes"):
         fit_size_model({16: transformer_at(16)})
-    two_layers = build_problem(samples.transformer_block(layers=2), batch=2, devices=GPU)
+    two_layers = build_problem(
+        samples.transformer_block(layers=2), batch=2, devices=GPU, fuse_attention=False
+    )
     with pytest.raises(InvalidInputError, match="structure depends on the size"):
         fit_size_model({16: transformer_at(16), 32: two_layers})
 
@@ -157,6 +161,7 @@ def _family(budget: int, observed: tuple[tuple[int, int], ...] = ()):
             devices=GPU,
             budgets={"cuda0": budget},
             solver=settings,
+            fuse_attention=False,
         )
 
     return plan_family(problem_at, ranged, "cuda0", "greedy_evict"), problem_at

@@ -46,7 +46,7 @@ def _zoo_problem(
 ) -> Problem:
     """``bench/solvers.py``'s setting: batch 4, analytical costs, a share of the
     checkpoint-all peak on each device."""
-    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
+    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4, fuse_attention=False))
     settings = SolverSettings(options=SolveOptions(time_limit_s=limit_s, gap=1e-4, threads=2))
     return budgeted(graph, percent, devices, settings)
 

@@ -1297,7 +1297,7 @@ def test_large_sample_ingests() -> None:
     from remat import samples
 
     model = samples.large()
-    graph = load_forward_graph(model.SerializeToString(), batch=8)
+    graph = load_forward_graph(model.SerializeToString(), batch=8, fuse_attention=False)
     fused = sum(n.op == "MatMulAdd" for n in graph.nodes)
     assert len(model.graph.node) >= 2000 and fused >= 400
     assert len(graph) == len(model.graph.node) - fused  # one node per operator, pairs fused

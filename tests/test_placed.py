@@ -87,7 +87,7 @@ def test_one_device_placed_solve_is_checkmates():
 
 
 def _split_problem(name, percent, settings=None):
-    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4))
+    graph = training_graph(forward_graph(samples.ZOO[name](), batch=4, fuse_attention=False))
     return budgeted(graph, percent, settings=settings)
 
 

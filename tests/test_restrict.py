@@ -179,7 +179,9 @@ def test_eviction_on_each_device_alone_where_no_baseline_fits_it(
 ) -> None:
     """The transformer at 50% on cpu+cuda: eviction fits on cpu0 alone but no baseline
     does; eviction still runs there, since its plan may be the cheapest of all."""
-    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    graph = training_graph(
+        forward_graph(samples.ZOO["transformer"](), batch=4, fuse_attention=False)
+    )
     problem = budgeted(graph, 50, ("cpu0", "cuda0"), settings=SETTINGS)
     search = Search(problem, problem.costs.ideal_ms(), time.monotonic())
     assert greedy_evict(problem, "cpu0").feasible
@@ -194,7 +196,9 @@ def test_xengine_is_never_worse_than_eviction_on_one_device_with_a_slow_second()
     the transformer at 50% on each: no baseline fits the CPU alone, and eviction's plan
     there beats every plan the two-device search finds in its time (a 6 s limit: eviction
     there takes a tenth of a second, about a second into the search)."""
-    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=8))
+    graph = training_graph(
+        forward_graph(samples.ZOO["transformer"](), batch=8, fuse_attention=False)
+    )
     cpu = Device("cpu0", DeviceKind.CPU, {"threads": "8"})
     gpu = Device("gpu0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "1e11", "launch_us": "20"})
     costs = analytical_costs(graph, [cpu, gpu])
@@ -242,7 +246,9 @@ def test_xengine_finds_the_transformers_band_plan_early(monkeypatch: pytest.Monk
     monkeypatch.setattr(search_module, "warm_start", recorded_warm_start)
     monkeypatch.setattr(search_module, "start_from_devices", lambda *_args: None)
     settings = SolverSettings(options=SolveOptions(time_limit_s=30), cancel=cancel, on_plan=on_plan)
-    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    graph = training_graph(
+        forward_graph(samples.ZOO["transformer"](), batch=4, fuse_attention=False)
+    )
     problem = budgeted(graph, 25, settings=settings)
     result = xengine(problem, coarse=False)
     assert cancel.is_set()
@@ -266,7 +272,9 @@ def test_node_moves_improve_the_incumbent_until_the_full_solve_ends(
     moves nodes from the incumbent: from the transformer's best band plan, a cheaper plan
     that fits; once the full solve has ended, nothing is tried."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=60))
-    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    graph = training_graph(
+        forward_graph(samples.ZOO["transformer"](), batch=4, fuse_attention=False)
+    )
     problem = budgeted(graph, 25, settings=settings)
     band = _transformer_band_plan(problem, monkeypatch)
     names = ("cpu0", "cuda0")
@@ -309,7 +317,9 @@ def test_rins_fixes_the_integer_variables_on_which_the_plan_and_the_lp_agree() -
 def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
     """The transformer on cpu0 with eviction's plan as the incumbent."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=seconds))
-    graph = training_graph(forward_graph(samples.ZOO["transformer"](), batch=4))
+    graph = training_graph(
+        forward_graph(samples.ZOO["transformer"](), batch=4, fuse_attention=False)
+    )
     problem = budgeted(graph, percent, ("cpu0",), settings=settings)
     search = Search(problem, problem.costs.ideal_ms("cpu0"), time.monotonic())
     search.offer(greedy_evict(problem, "cpu0"))

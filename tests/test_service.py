@@ -394,6 +394,36 @@ def test_migrations_go_up_and_down():
         upgrade(database)  # and up again
 
 
+def test_jobs_stored_before_attention_was_fused_stay_unfused():
+    """A spec stored without ``fuse_attention`` (before the field) meant unfused; once
+    fusing is the default, migration 0006 writes that down, and leaves other specs alone."""
+    with postgres_database() as database:
+        upgrade(database, "0005")
+        with psycopg.connect(database.replace("+psycopg", "")) as db:
+            db.execute(
+                "INSERT INTO models (id, sha256, filename, size_bytes, summary, created_at) "
+                "VALUES ('m1', 'f00', 'model.onnx', 1, '{}', now())"
+            )
+            stored = {
+                "old": '{"model_id": "m1"}',
+                "fused": '{"model_id": "m1", "fuse_attention": true}',
+            }
+            for job_id, spec in stored.items():
+                db.execute(
+                    "INSERT INTO jobs (id, model_id, spec, status, cancel_requested, attempts, "
+                    "created_at, updated_at) VALUES (%s, 'm1', %s, 'succeeded', false, 1, now(), "
+                    "now())",
+                    (job_id, spec),
+                )
+        upgrade(database)
+        with psycopg.connect(database.replace("+psycopg", "")) as db:
+            specs = dict(db.execute("SELECT id, spec FROM jobs").fetchall())
+    assert specs == {
+        "old": {"model_id": "m1", "fuse_attention": False},
+        "fused": {"model_id": "m1", "fuse_attention": True},
+    }
+
+
 def _schema_drift(database: str) -> list[object]:
     """What ``alembic revision --autogenerate`` would write: the migrations' schema
     against ``app/tables.py``."""

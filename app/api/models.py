@@ -76,7 +76,7 @@ def get_graph(
     session: SessionDep,
     mode: Mode = Mode.TRAINING,
     batch: Annotated[int | None, Query(ge=1, le=MAX_BATCH)] = None,
-    fuse_attention: bool = False,
+    fuse_attention: bool = True,
 ) -> dict[str, object]:
     """The model's graph (nodes, dependencies, output bytes) in ``mode`` at ``batch``, as
     a job with ``fuse_attention`` plans it."""

@@ -333,6 +333,7 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     page.get_by_role("link", name="Plan a job for transformer.onnx").click()
     expect(page.locator("#plan-title")).to_be_focused()  # the link lands on the form
     page.get_by_label("Memory budget").fill("40%")
+    page.get_by_label("Attention").select_option("unfused")
     page.get_by_role("button", name="Add a device").click()
     page.locator(".device-budget").nth(1).fill("40%")
     page.get_by_label("Strategy").select_option("xengine")
@@ -347,6 +348,7 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     assert [d["name"] for d in spec["devices"]] == ["cpu0", "cpu1"]
     assert spec["budgets"] == {"cpu0": "40%", "cpu1": "40%"}
     assert spec["solver"]["time_limit_s"] == 7 and spec["solver"]["gap"] == 0
+    assert spec["fuse_attention"] is False
     expect(page.locator("#job-status [data-status]")).to_have_text("running", timeout=WAIT_MS)
     page.wait_for_timeout(1000)  # a poll or two
     conditional = [tag for url, tag in polls if url.endswith(f"/v1/jobs/{job_id}") and tag]

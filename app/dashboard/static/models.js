@@ -223,6 +223,7 @@ function jobBody(form, model) {
     },
     costs: costs === "analytical" ? "analytical" : { node_id: costs },
   };
+  body.fuse_attention = value("job-attention") === "fused";
   if (value("job-batch")) body.batch = Number(value("job-batch"));
   const objective = { kind: value("job-objective") };
   if (objective.kind === "weighted") objective.alpha = Number(value("job-alpha"));
@@ -301,7 +302,11 @@ function jobForm(model, nodes, catalog) {
         field("job-batch", "Batch size", h("input", {
           id: "job-batch", type: "number", min: "1", step: "1", value: needsBatch(model) ? "4" : "",
           placeholder: "the model's", required: needsBatch(model),
-        })))),
+        })),
+        field("job-attention", "Attention", select("job-attention", [
+          ["fused", "one node (as scaled_dot_product_attention)"],
+          ["unfused", "node by node"],
+        ], "fused")))),
     h("fieldset", {},
       h("legend", {}, "Strategy and solver"),
       h("div", { class: "field-row" },

@@ -27,10 +27,8 @@ from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
 from remat.onnx_fusion import ATTENTION
-from remat.onnx_ingest import forward_graph
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
-from remat.training import for_mode
 
 TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # auto without its exact solve, which finds no cheaper plan for any of these models in 5 s:
@@ -41,23 +39,22 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=3.0, threads=1), sea
 
 def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
-    loss: Loss | None = None, fuse_attention: bool = False, folded: int = 0,
+    loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
+    folded: int = 0,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
     the simulator and compare the executor's gradients with the module's (``folded``: how
-    many of its weights the export folds into constants, so that they have no gradient)."""
+    many of its weights the export folds into constants, so that they have no gradient).
+    ``fuse_attention`` as in a job (the default); ``attention``: some attention chain must
+    have become one node."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
     except Unavailable as error:
         pytest.skip(str(error))
-    if fuse_attention:
-        forward = forward_graph(exported.model, fuse_attention=True)
-        assert any(n.op == ATTENTION for n in forward.nodes)
-        graph = for_mode(forward, Mode.TRAINING, loss or entry.loss)
-    else:
-        graph = graph_of(exported, Mode.TRAINING, loss or entry.loss)
+    graph = graph_of(exported, Mode.TRAINING, loss or entry.loss, fuse_attention)
+    assert not attention or any(n.op == ATTENTION for n in graph.nodes)
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)
@@ -110,7 +107,8 @@ def test_torchvision_models(name: str) -> None:
     ],
 )
 def test_hugging_face_language_models(name: str) -> None:
-    _check(name)
+    """Attention node by node (fused: ``test_attention_fused_into_one_node``)."""
+    _check(name, fuse_attention=False)
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
@@ -131,4 +129,4 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     learned position bias): the gradients still match the module's autograd. The dynamo
     exporter folds the position embeddings' lookup of constant positions into a constant:
     that weight gets no gradient."""
-    _check(name, exporter=exporter, fuse_attention=True, folded=int(exporter == "dynamo"))
+    _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"))

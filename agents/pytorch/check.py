@@ -51,8 +51,8 @@ def export_entry(
     return Exported(module, args, load_model(proto.SerializeToString()))
 
 
-def graph_of(exported: Exported, mode: Mode, loss: Loss) -> Graph:
-    return model_graph(exported.model, mode=mode, loss=loss)
+def graph_of(exported: Exported, mode: Mode, loss: Loss, fuse_attention: bool = True) -> Graph:
+    return model_graph(exported.model, mode=mode, loss=loss, fuse_attention=fuse_attention)
 
 
 @dataclass(frozen=True)

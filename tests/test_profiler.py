@@ -171,7 +171,7 @@ def test_a_load_that_takes_the_computes_time_is_measured_as_a_slowdown(
     the probe's every operation: the probe runs far slower beside it than alone. The probe
     is made to last ten of the interpreter's switch intervals (5 ms), so that it cannot
     run through in one or two turns of the lock; on two cores a measurement can still see
-    none (the threads then barely meet), so the largest of three is asserted."""
+    none (the threads then barely meet), so one of three, measured until one does, must."""
     monkeypatch.setattr(profiler, "SLOWDOWN_PROBE_MS", 50.0)
 
     def hog(ready: threading.Event, stop: threading.Event) -> None:
@@ -179,8 +179,10 @@ def test_a_load_that_takes_the_computes_time_is_measured_as_a_slowdown(
         while not stop.is_set():
             sum(range(10_000))
 
-    measured = max(slowdown(runtime_of(CPU0), hog)["compute_slowdown"] for _ in range(3))
-    assert measured > 1.5
+    measured: list[float] = []
+    while len(measured) < 3 and max(measured, default=0.0) <= 1.5:
+        measured.append(slowdown(runtime_of(CPU0), hog)["compute_slowdown"])
+    assert max(measured) > 1.5, measured
     gpu = Runtime("cuda0", DeviceKind.CUDA, torch.device("cuda", 0), None, None)
     assert slowdown(gpu, hog) == {}  # copy engines beside the kernels: not measured
 

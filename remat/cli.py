@@ -23,7 +23,7 @@ from typing import TextIO, TypedDict
 import onnx
 
 from remat.budgets import reference
-from remat.costs import analytical_costs, load_cost_table
+from remat.costs import CostTable, analytical_costs, load_cost_table
 from remat.devices import (
     Device,
     DeviceKind,
@@ -49,7 +49,7 @@ from remat.max_batch import (
 from remat.objective import Objective, ObjectiveKind
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
 from remat.onnx_ingest import declared_inputs, load_model, parse_input_shape
-from remat.plan import FIXED_OPS, PAGE_OPS, load_plan, plan_to_json
+from remat.plan import FIXED_OPS, PAGE_OPS, Plan, load_plan, plan_to_json
 from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
 from remat.shape_range import (
     check_ranged_dims_symbolic,
@@ -771,10 +771,25 @@ def _check_command(args: argparse.Namespace) -> int:
     result = simulate(plan, graph, costs)
     if not result.valid:
         print(f"invalid: {result.violation}")
+        if _valid_unfused(args, plan, table):
+            print("it is valid for the graph with attention node by node: plans made before")
+            print("attention was fused by default are checked with --no-fuse-attention")
         return 1
     peaks = ", ".join(f"{d} {format_bytes(v)}" for d, v in result.peak_bytes.items())
     print(f"valid: predicted {result.total_ms:.3f} ms; peak {peaks}")
     return 0
+
+
+def _valid_unfused(args: argparse.Namespace, plan: Plan, table: CostTable | None) -> bool:
+    """Whether ``plan``, invalid on the graph with attention fused, is valid on the graph
+    without: a plan made before fusing was the default."""
+    if not args.fuse_attention:
+        return False
+    options = _model_options(args)
+    options["fuse_attention"] = False
+    graph = model_graph(**options)
+    devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
+    return simulate(plan, graph, cost_model(graph, devices, table)).valid
 
 
 def _demo_command(args: argparse.Namespace) -> int:

@@ -45,6 +45,21 @@ def test_attention_is_one_node_unless_asked_not_to(tmp_path):
     assert peak(fused.stdout) < peak(unfused.stdout)  # the weights are not held
 
 
+def test_a_plan_made_with_attention_node_by_node_is_checked_so(tmp_path):
+    """A plan made before fusing was the default fails the default check with a hint."""
+    model, plan = tmp_path / "block.onnx", tmp_path / "plan.json"
+    model.write_bytes(samples.transformer_block(batch=2).SerializeToString())
+    made = remat("plan", str(model), "--no-fuse-attention", "--strategy", "checkpoint_all",
+                 "-o", str(plan))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    fused, unfused = remat_all(
+        ["check", str(model), str(plan)], ["check", str(model), str(plan), "--no-fuse-attention"]
+    )
+    assert fused.returncode == 1 and "invalid" in fused.stdout
+    assert "checked with --no-fuse-attention" in fused.stdout
+    assert unfused.returncode == 0 and unfused.stdout.startswith("valid")
+
+
 def test_plan_then_check_round_trip(vgg, tmp_path):
     out = tmp_path / "plan.json"
     result = remat(

@@ -48,6 +48,7 @@ from remat.max_batch import (
 )
 from remat.objective import Objective, ObjectiveKind
 from remat.onnx_external import load_archive, model_in_directory, starts_like_zip
+from remat.onnx_fusion import ATTENTION
 from remat.onnx_ingest import declared_inputs, load_model, parse_input_shape
 from remat.plan import FIXED_OPS, PAGE_OPS, Plan, load_plan, plan_to_json
 from remat.problem import DEFAULT_DEVICE, build_problem, cost_model, model_graph
@@ -771,7 +772,7 @@ def _check_command(args: argparse.Namespace) -> int:
     result = simulate(plan, graph, costs)
     if not result.valid:
         print(f"invalid: {result.violation}")
-        if _valid_unfused(args, plan, table):
+        if _valid_unfused(args, graph, plan, table):
             print("it is valid for the graph with attention node by node: plans made before")
             print("attention was fused by default are checked with --no-fuse-attention")
         return 1
@@ -780,16 +781,21 @@ def _check_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _valid_unfused(args: argparse.Namespace, plan: Plan, table: CostTable | None) -> bool:
-    """Whether ``plan``, invalid on the graph with attention fused, is valid on the graph
-    without: a plan made before fusing was the default."""
-    if not args.fuse_attention:
+def _valid_unfused(
+    args: argparse.Namespace, fused: Graph, plan: Plan, table: CostTable | None
+) -> bool:
+    """Whether ``plan``, invalid on ``fused`` (the graph with attention fused), is valid on
+    the graph without: a plan made before fusing was the default."""
+    if not args.fuse_attention or not any(n.op == ATTENTION for n in fused.nodes):
         return False
     options = _model_options(args)
     options["fuse_attention"] = False
     graph = model_graph(**options)
     devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
-    return simulate(plan, graph, cost_model(graph, devices, table)).valid
+    try:
+        return simulate(plan, graph, cost_model(graph, devices, table)).valid
+    except RematError:  # e.g. a cost table of the fused graph
+        return False
 
 
 def _demo_command(args: argparse.Namespace) -> int:

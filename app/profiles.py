@@ -19,6 +19,7 @@ from remat.agent_protocol import AgentDevice, LossSpec, ModelRef, ProfilePayload
 from remat.costs import CostTable, profiled_costs
 from remat.errors import InvalidInputError
 from remat.graph import Graph
+from remat.onnx_fusion import ATTENTION
 from remat.onnx_ingest import load_model
 
 
@@ -35,8 +36,17 @@ def model_ref(spec: JobSpec, model: ModelRow) -> ModelRef:
         batch=spec.batch,
         inputs=spec.inputs,
         loss=spec.loss if spec.loss != LossSpec() else None,
-        fuse_attention=spec.fuse_attention,
+        fuse_attention=spec.fuse_attention and _may_fuse(model),
     )
+
+
+def _may_fuse(model: ModelRow) -> bool:
+    """Whether fusing attention can change the model's graph: only where its summary has a
+    Softmax (or, summarised fused, an attention node). Elsewhere the unfused reference is
+    the same graph, and it keeps the keys of the profiles made before fusing was the
+    default."""
+    operators = model.summary.get("operators") if isinstance(model.summary, dict) else None
+    return not isinstance(operators, dict) or bool({"Softmax", ATTENTION} & operators.keys())
 
 
 def node_devices(node: NodeRow) -> list[AgentDevice]:

@@ -305,6 +305,11 @@ def test_a_job_plans_attention_as_one_node_unless_asked_not_to(api: InProcessApi
     # a profile of one graph is not found for the other
     unfused_ref = model_ref(JobSpec.model_validate(jobs[1]["spec"]), ModelRow(id=model, sha256="0"))
     assert profile_key(ref, []) != profile_key(unfused_ref, [])
+    # a model without attention is the same graph either way: its profiles keep their key
+    cnn = ModelRow(id=model, sha256="0", summary={"operators": {"Conv": 3, "Relu": 3}})
+    cnn_ref = model_ref(spec, cnn)
+    assert spec.fuse_attention and not cnn_ref.fuse_attention
+    assert profile_key(cnn_ref, []) == profile_key(unfused_ref, [])
 
 
 def test_a_queued_job_is_cancelled_at_once(api: InProcessApi) -> None:

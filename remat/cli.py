@@ -58,7 +58,7 @@ from remat.shape_range import (
     parse_observed,
     shape_range,
 )
-from remat.simulator import simulate
+from remat.simulator import Simulation, simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 from remat.strategies import AUTO, STRATEGIES, Problem, SolverSettings, StrategyResult, run_strategy
@@ -766,10 +766,8 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
 def _check_command(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     plan = load_plan(args.plan)
-    devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
     table = None if args.costs is None else load_cost_table(args.costs)
-    costs = cost_model(graph, devices, table)
-    result = simulate(plan, graph, costs)
+    result = _simulated(plan, graph, table)
     if not result.valid:
         print(f"invalid: {result.violation}")
         if _valid_unfused(args, graph, plan, table):
@@ -779,6 +777,12 @@ def _check_command(args: argparse.Namespace) -> int:
     peaks = ", ".join(f"{d} {format_bytes(v)}" for d, v in result.peak_bytes.items())
     print(f"valid: predicted {result.total_ms:.3f} ms; peak {peaks}")
     return 0
+
+
+def _simulated(plan: Plan, graph: Graph, table: CostTable | None) -> Simulation:
+    """``plan`` on ``graph``, costed by ``table`` (analytical where None) on its devices."""
+    devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
+    return simulate(plan, graph, cost_model(graph, devices, table))
 
 
 def _valid_unfused(
@@ -791,9 +795,8 @@ def _valid_unfused(
     options = _model_options(args)
     options["fuse_attention"] = False
     graph = model_graph(**options)
-    devices = [Device(d.name, d.kind, d.options) for d in plan.devices]
     try:
-        return simulate(plan, graph, cost_model(graph, devices, table)).valid
+        return _simulated(plan, graph, table).valid
     except RematError:  # e.g. a cost table of the fused graph
         return False
 

@@ -477,6 +477,7 @@ def test_recomputing_a_stage_ahead_on_the_other_device_shortens_the_plan():
     assert verdict.valid and max(verdict.peak_bytes.values()) <= problem.budgets["cpu0"]
 
 
+@pytest.mark.alone  # a concurrent plan within a 4 s limit
 @pytest.mark.parametrize("strategy", ["port_m", "xengine"])
 def test_no_bound_is_reported_for_concurrent_plans(strategy):
     """The searches on a pool bound their own models (XEngine's stages one at a time),

@@ -11,8 +11,11 @@ read by a node it runs (see ``remat.simulator`` for the accounting rule).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 
 class Mode(StrEnum):
@@ -87,6 +90,21 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Fingerprint:
+    """What a plan records of the graph it was made for: its number of nodes and a digest
+    of its structure (each node's name, operator, kind, inputs, fixed tensors and forward
+    node; the outputs; the fixed tensors' names and kinds). Sizes are left out: a plan
+    holds for the same graph at other input sizes (a plan family replays plans across
+    sizes), where the simulator judges its memory."""
+
+    nodes: int
+    digest: str
+
+    def __str__(self) -> str:
+        return f"{self.nodes} nodes, {self.digest}"
+
+
+@dataclass(frozen=True)
 class Graph:
     """A forward graph (``mode`` inference) or a training graph (``mode`` training).
 
@@ -110,6 +128,20 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    @cached_property
+    def fingerprint(self) -> Fingerprint:
+        """The structure a plan's steps refer to (``Fingerprint``): two graphs with the
+        same fingerprint run each other's plans."""
+        structure = {
+            "mode": self.mode.value,
+            "nodes": [[n.name, n.op, n.kind.value, n.deps, n.fixed, n.forward] for n in self.nodes],
+            "outputs": self.outputs,
+            "fixed": sorted((t.name, t.kind.value) for t in self.fixed.values()),
+        }
+        text = json.dumps(structure, separators=(",", ":"))
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return Fingerprint(len(self.nodes), f"sha256:{digest}")
 
     @property
     def param_bytes(self) -> int:

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 from remat.devices import Device, DeviceKind, MemoryOptions, Tier
 from remat.errors import InvalidInputError
+from remat.graph import Fingerprint
 
 PLAN_VERSION = 5  # the latest; a plan is written as the lowest version that holds it
 VERSIONS = (1, 2, 3, 4, 5)
@@ -251,6 +252,10 @@ class Plan:
     section have been; a step of any other kind starts once every compute before it has
     ended. Memory after each step is as in plan order (a section only allocates), so the
     plan-order peak holds; the kernels' workspaces of a section may overlap."""
+    graph: Fingerprint | None = None
+    """The graph the plan was made for (``run_strategy`` records it): the simulator, and
+    so ``remat check`` and the agents, refuse the plan on a graph of another structure.
+    None in plans from before it was recorded, which are checked step by step alone."""
 
     def __post_init__(self) -> None:
         ops = {step.op for step in self.steps}
@@ -310,6 +315,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     }
     if plan.concurrent:
         document["concurrent"] = True
+    if plan.graph is not None:
+        document["graph"] = {"nodes": plan.graph.nodes, "digest": plan.graph.digest}
     if plan.predicted is not None:
         p = plan.predicted
         document["predicted"] = {
@@ -352,7 +359,20 @@ def plan_from_json(document: Any) -> Plan:
     predicted = _predicted(document.get("predicted"))
     solver = document.get("solver")
     solver_info = SolverInfo(**solver) if isinstance(solver, Mapping) else None
-    return Plan(strategy, devices, steps, predicted, solver_info, version, concurrent)
+    graph = _fingerprint(document.get("graph"))
+    return Plan(strategy, devices, steps, predicted, solver_info, version, concurrent, graph)
+
+
+def _fingerprint(raw: Any) -> Fingerprint | None:
+    if raw is None:
+        return None
+    nodes = raw.get("nodes") if isinstance(raw, Mapping) else None
+    digest = raw.get("digest") if isinstance(raw, Mapping) else None
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
+        raise InvalidInputError("plan: 'graph' must hold 'nodes', a count of nodes, and 'digest'")
+    if not isinstance(digest, str) or not digest:
+        raise InvalidInputError("plan: 'graph.digest' must be a non-empty string")
+    return Fingerprint(nodes, digest)
 
 
 def load_plan(path: str | Path) -> Plan:

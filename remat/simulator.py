@@ -117,13 +117,19 @@ Key = int | tuple[str, str]
 gradient buffer (``("grad", name)``)."""
 
 
+BEFORE_FIRST = -2
+"""A ``Violation``'s step where the plan is refused before its first step is replayed."""
+
+
 @dataclass(frozen=True)
 class Violation:
-    step: int  # index into plan.steps; -1 for a check made after the last step
+    step: int  # index into plan.steps; -1 for a check after the last step; BEFORE_FIRST
     message: str
     over_budget: bool = False  # the plan is correct but needs more memory
 
     def __str__(self) -> str:
+        if self.step == BEFORE_FIRST:
+            return self.message
         where = "after the last step" if self.step < 0 else f"step {self.step}"
         return f"{where}: {self.message}"
 
@@ -669,6 +675,14 @@ def simulate(
     ``reserve_at_issue``: a prefetch's, page-in's or fixed_in's memory counts from its step
     rather than from when its transfer starts, as the agent's executor accounts it (an
     upper bound of the memory of every instant)."""
+    if plan.graph is not None and plan.graph != graph.fingerprint:
+        other = Violation(
+            BEFORE_FIRST,
+            f"the plan was made for another graph ({plan.graph}; this one: "
+            f"{graph.fingerprint}): another model, other ingestion options (attention "
+            "fused or not), or a version of remat that builds the model's graph otherwise",
+        )
+        return Simulation(other, 0.0, 0.0, 0.0, {}, {}, {})
     budgets = dict(plan.budgets if budgets is None else budgets)
     names = [d.name for d in plan.devices]
     fixed = fixed_bytes(graph, plan)

@@ -447,6 +447,17 @@ def test_a_plan_the_simulator_rejects_is_refused() -> None:
         execute(model, graph, small, DEVICES)
 
 
+def test_a_plan_for_another_graph_is_refused_before_it_runs() -> None:
+    """An agent whose graph of the model is not the server's (another remat version's
+    ingestion, other options) refuses the plan by its recorded graph, not at the first step
+    that reads what this graph does not hold."""
+    _, graph, plan = _chain_plan()
+    assert plan.graph == graph.fingerprint
+    longer = samples.chain(5, batch=2)
+    with pytest.raises(PlanRejectedError, match=r"made for another graph \(\d+ nodes, sha256:"):
+        execute(longer, _graph(longer), plan, DEVICES)
+
+
 def _pooled_resnet() -> tuple[onnx.ModelProto, Graph, Plan, Plan]:
     """ResNet-18's checkpoint-all plan on cpu0, and the same steps with every other node
     on cpu1, both devices in one pool."""

@@ -7,7 +7,16 @@ from remat.compiler import compile_plan
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
 from remat.errors import InvalidInputError, ScheduleError
-from remat.plan import Compute, Copy, Free, PlanDevice, load_plan, plan_from_json, plan_to_json
+from remat.plan import (
+    Compute,
+    Copy,
+    Free,
+    Plan,
+    PlanDevice,
+    load_plan,
+    plan_from_json,
+    plan_to_json,
+)
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.training import training_graph
@@ -70,11 +79,27 @@ def test_plan_json_round_trip_uses_design_field_names(tmp_path):
             },
             "'node'",
         ),
+        ({"version": 1, "strategy": "x", "devices": [], "steps": [], "graph": 7}, "'graph'"),
+        (
+            {"version": 1, "strategy": "x", "devices": [], "steps": [], "graph": {"nodes": 3}},
+            "graph.digest",
+        ),
     ],
 )
 def test_malformed_plans_are_named(document, match):
     with pytest.raises(InvalidInputError, match=match):
         plan_from_json(document)
+
+
+def test_a_plan_records_its_graph_through_json_and_plans_before_it_still_load():
+    g = training_graph(chain(2))
+    steps = tuple(Compute(i, i, "cpu0") for i in range(len(g)))
+    stamped = Plan("x", tuple(_devices(CPU)), steps, graph=g.fingerprint)
+    document = plan_to_json(stamped)
+    assert document["graph"] == {"nodes": len(g), "digest": g.fingerprint.digest}
+    assert plan_from_json(document).graph == g.fingerprint
+    del document["graph"]
+    assert plan_from_json(document).graph is None
 
 
 def test_compiler_copies_a_dependency_from_the_cheapest_device():

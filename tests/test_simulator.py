@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -84,6 +86,20 @@ def test_unknown_device_and_node_are_violations_not_crashes():
     assert "unknown device" in result.violation.message
     result = simulate(_plan((Compute(0, 99, "cpu0"),)), g, costs)
     assert "unknown node 99" in result.violation.message
+
+
+def test_a_plan_is_refused_on_a_graph_of_another_structure_not_of_another_size():
+    g, costs = _setup(3)
+    plan = replace(_plan(tuple(_all_computes(g))), graph=g.fingerprint)
+    assert simulate(plan, g, costs).valid
+    wider = training_graph(chain(3, size=4000))  # the same nodes, larger values
+    wider_costs = analytical_costs(wider, [CPU])
+    assert wider.fingerprint == g.fingerprint and simulate(plan, wider, wider_costs).valid
+    longer, longer_costs = _setup(4)
+    refused = simulate(plan, longer, longer_costs)
+    assert not refused.valid and "made for another graph" in str(refused.violation)
+    assert str(g.fingerprint) in str(refused.violation)
+    assert str(longer.fingerprint) in str(refused.violation)
 
 
 def test_copy_allocates_on_the_destination_and_costs_link_time():

@@ -200,7 +200,16 @@ def run_strategy(name: str, problem: Problem, device: str | None = None) -> Stra
 
     Cheapest by the problem's objective (``remat.objective``): where it is not time alone,
     the strategy searches on the objective's costs, and its plan is judged on the true
-    ones: predicted time and energy, and the power caps."""
+    ones: predicted time and energy, and the power caps.
+
+    The plan records the graph it was made for (``Plan.graph``)."""
+    found = _by_objective(name, problem, device)
+    if found.plan is None:
+        return found
+    return replace(found, plan=replace(found.plan, graph=problem.graph.fingerprint))
+
+
+def _by_objective(name: str, problem: Problem, device: str | None) -> StrategyResult:
     if problem.objective.time_only:
         return _run(name, problem, device)
     info = REGISTRY.get(name)

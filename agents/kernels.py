@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
-from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, GELU, MATMUL_ADD
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -1455,6 +1455,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "HardSwish": _hard_swish,
     "PRelu": _prelu,
     "Gelu": _gelu,
+    GELU: _gelu,
     "Clip": _clip,
     "Cast": _cast,
     "Softmax": _softmax_like(torch.softmax),
@@ -2028,6 +2029,15 @@ def _gather_grad(call: VjpCall) -> Grads:
     )
 
 
+def _gelu_grad(call: VjpCall) -> Grads:
+    """PyTorch's ``gelu_backward``, from the input: ONNX's ``Gelu`` and
+    ``remat.onnx_fusion``'s ``FusedGelu``."""
+    approximate = call.spec.attr("approximate", "none")
+    return call.only(
+        lambda: torch.ops.aten.gelu_backward(call.g, call.arg(0), approximate=approximate)
+    )
+
+
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
     "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
@@ -2065,6 +2075,8 @@ VJP_RULES: dict[str, Rule] = {
     "ConvTranspose": _conv_grad(True),
     "BatchNormalization": _batch_norm_grad,
     "LayerNormalization": _layer_norm_grad,
+    "Gelu": _gelu_grad,
+    GELU: _gelu_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -229,6 +229,7 @@ def profile(
                 for r in runtimes
             },
             "handoff_ms": thread_handoff_ms(repeats=max(100, 20 * repeats)),
+            "graph": graph.fingerprint.digest,
         }
     )
 

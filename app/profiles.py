@@ -168,4 +168,11 @@ def checked_table(graph: Graph, document: object, devices: list[str]) -> CostTab
     if missing:
         raise InvalidInputError(f"the cost table has no times for device {missing[0]!r}")
     profiled_costs(graph, table)  # every node on every device, every copy: or it raises
+    stray = sorted(set(table.nodes) - {node.name for node in graph.nodes})
+    if stray:
+        raise InvalidInputError(
+            f"the cost table has nodes the model's graph lacks ({stray[0]!r}, {len(stray)} in "
+            "all): the agent builds another graph of the model than the server (another "
+            "version of remat: update the agent)"
+        )
     return table

@@ -432,6 +432,17 @@ class CostTable(BaseModel):
     # The host's thread hand-off (``CostModel.handoff_ms``): half an event's round trip
     # between two threads, measured by the agent's profiler.
     handoff_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
+    # The digest of the graph the profiler measured (``Graph.fingerprint``); None in tables
+    # from before it was recorded, and in tables written by hand.
+    graph: str | None = Field(default=None, max_length=100)
+
+    def measured_on(self, graph: Graph) -> bool:
+        """Whether the table was measured on ``graph``'s structure: its recorded digest,
+        or where it has none, exactly ``graph``'s node names (a graph that ingestion now
+        builds otherwise, e.g. with more operators fused, has other nodes)."""
+        if self.graph is not None:
+            return self.graph == graph.fingerprint.digest
+        return set(self.nodes) == {node.name for node in graph.nodes}
 
     def restricted(self, names: list[str]) -> CostTable:
         """The table's costs for the devices ``names`` only, in that order (a job may use
@@ -501,6 +512,11 @@ def profiled_costs(graph: Graph, table: CostTable) -> CostModel:
         Device(d.name, d.kind, {"threads": str(d.threads)} if d.threads else {})
         for d in table.devices
     )
+    if table.graph is not None and table.graph != graph.fingerprint.digest:
+        raise InvalidInputError(
+            f"the cost table was measured on another graph ({table.graph}; this one: "
+            f"{graph.fingerprint}): profile the model again"
+        )
     names = [d.name for d in devices]
     n, D = len(graph), len(devices)
     compute = np.zeros((n, D))

@@ -32,25 +32,43 @@ backward recomputes ``P`` from its inputs). Fused, the chain is one
 is fused when nothing else reads its intermediate values, ``A``, ``B`` and ``V`` have the
 same batch dimensions (three or more dimensions), the mask broadcasts to the scores, a
 scale is a constant scalar, and every tensor is a float.
+
+GELU, ``x * (1 + erf(x / sqrt 2)) / 2`` or its tanh approximation, is written by
+exporters of opsets before 20 (which has no ``Gelu``) as a chain of elementwise operators:
+PyTorch's ``F.gelu`` as ``Div``, ``Erf``, ``Add``, ``Mul``, ``Mul``, and a model's own
+formula (GPT-2's ``NewGELUActivation``) operator by operator, eight of them. Planned node by
+node, the chain's intermediate values, each the size of the layer's widest activation, are
+held for its backward nodes (two to four per layer), and an executor runs five to eight
+kernels forward and as many backward where PyTorch runs ``gelu`` and ``gelu_backward``.
+Fused, it is one ``FusedGelu`` node with input ``x`` and attribute ``approximate``
+(``none`` or ``tanh``, as PyTorch's); its gradient reads ``x`` alone. A chain is found by
+what it computes, not by how an exporter orders it: the elementwise operators (``Add``,
+``Sub``, ``Mul``, ``Div``, ``Pow``, ``Erf``, ``Tanh``, ``Sqrt``, ``Neg``) that read only
+``x``, constant scalars and each other, with an ``Erf`` or a ``Tanh`` among them, whose
+result equals GELU's on probe values of ``x``; nothing else may read their intermediate
+values, and the result has ``x``'s shape and a float type.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 from onnx import NodeProto, helper
 
 FUSED_DOMAIN = "ai.remat"
 DEFAULT_DOMAINS = ("", "ai.onnx")  # how a model may name ONNX's own domain
 MATMUL_ADD = "MatMulAdd"
 ATTENTION = "ScaledDotProductAttention"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION})
+GELU = "FusedGelu"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU})
 
 Shape = tuple[int, ...]
 
 
 def fused_node(
-    op: str, inputs: Sequence[str], output: str, name: str, **attributes: float
+    op: str, inputs: Sequence[str], output: str, name: str, **attributes: float | str
 ) -> NodeProto:
     """A node of one of ``FUSED_OPS``."""
     node = helper.make_node(op, inputs, [output], name=name, domain=FUSED_DOMAIN)
@@ -128,8 +146,16 @@ def fuse_attention_chains(
                 node, removed = chain
                 fused[proto.output[0]] = (node, node.name)
                 absorbed.update(removed)
-    if not fused:
-        return list(nodes)
+    return _with_fused(nodes, fused, absorbed)
+
+
+def _with_fused(
+    nodes: Sequence[tuple[NodeProto, str]],
+    fused: Mapping[str, tuple[NodeProto, str]],
+    absorbed: set[str],
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` with the node that makes each output of ``fused`` replaced by its fused
+    node, and the nodes whose outputs are ``absorbed`` (the rest of each chain) dropped."""
     result = []
     for proto, name in nodes:
         if proto.output and proto.output[0] in fused:
@@ -289,3 +315,153 @@ def _fusable(a: Shape | None, w: Shape | None, bias: Shape | None) -> bool:
     if a is None or w is None or bias is None:
         return False
     return len(a) >= 2 and len(w) == 2 and a[-1] == w[0] and bias == (w[1],)
+
+
+# --- GELU -------------------------------------------------------------------------------
+
+_ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": np.divide,
+    "Pow": np.power,
+    "Erf": np.vectorize(math.erf, otypes=[np.float64]),
+    "Tanh": np.tanh,
+    "Sqrt": np.sqrt,
+    "Neg": np.negative,
+}
+_GELU_CORES = ("Erf", "Tanh")
+_GELU_MAX_NODES = 12  # GPT-2's formula has 8, PyTorch's erf form 5
+_PROBE = np.linspace(-6.0, 6.0, 49)
+_GELU_TOLERANCE = 1e-5  # the tanh approximation is up to 5e-4 from the erf form
+
+
+def _gelu_values(approximate: str) -> np.ndarray:
+    x = _PROBE
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + _ELEMENTWISE["Erf"](x / math.sqrt(2.0)))
+
+
+def fuse_gelu_chains(
+    nodes: Sequence[tuple[NodeProto, str]],
+    readers: Mapping[str, int],
+    shape: Callable[[str], Shape | None],
+    is_float: Callable[[str], bool],
+    scalar: Callable[[str], float | None],
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every GELU written as a chain of
+    elementwise operators (the module docstring) replaced by one ``FusedGelu`` at the place
+    of the chain's last node, named as it."""
+    readers_of: dict[str, list[NodeProto]] = {}
+    for proto, _ in nodes:
+        for tensor in dict.fromkeys(proto.input):
+            readers_of.setdefault(tensor, []).append(proto)
+    names = {id(proto): name for proto, name in nodes}
+    fused: dict[str, tuple[NodeProto, str]] = {}  # the chain's output -> the fused node
+    absorbed: set[str] = set()  # outputs of the nodes a fused node replaces
+    tried: set[str] = set()
+    for proto, _ in nodes:
+        for x in dict.fromkeys(proto.input):
+            if x in tried or len(readers_of.get(x, [])) < 2 or not is_float(x):
+                continue
+            tried.add(x)
+            chain = _gelu_chain(x, readers_of, readers, shape, is_float, scalar)
+            if chain is None:
+                continue
+            members, approximate = chain
+            outputs = [n.output[0] for n in members]
+            if any(o in absorbed or o in fused for o in outputs):
+                continue
+            last = members[-1]
+            node = fused_node(GELU, [x], outputs[-1], names[id(last)], approximate=approximate)
+            fused[outputs[-1]] = (node, names[id(last)])
+            absorbed.update(outputs[:-1])
+    return _with_fused(nodes, fused, absorbed)
+
+
+def _gelu_chain(
+    x: str,
+    readers_of: Mapping[str, list[NodeProto]],
+    readers: Mapping[str, int],
+    shape: Callable[[str], Shape | None],
+    is_float: Callable[[str], bool],
+    scalar: Callable[[str], float | None],
+) -> tuple[list[NodeProto], str] | None:
+    """The nodes of the GELU of ``x`` in topological order (the last one's output is its
+    result) and its ``approximate``, or None: the elementwise nodes computed from ``x`` and
+    constant scalars alone are grown from ``x`` in order, and the first value among them
+    that is GELU's on the probe values, with nothing outside reading the values before it,
+    ends the chain."""
+    values: dict[str, np.ndarray] = {x: _PROBE}
+    members: list[NodeProto] = []
+    frontier = [x]
+    while frontier and len(members) < _GELU_MAX_NODES:
+        tensor = frontier.pop(0)
+        for node in readers_of.get(tensor, []):
+            if node.output[0] in values or not _computable(node, values, scalar):
+                continue
+            operands = [values[t] if t in values else scalar(t) for t in node.input]
+            with np.errstate(all="ignore"):
+                values[node.output[0]] = _ELEMENTWISE[node.op_type](*operands)
+            members.append(node)
+            frontier.append(node.output[0])
+            found = _gelu_ending(x, members, values, readers, shape, is_float)
+            if found is not None:
+                return found
+    return None
+
+
+def _computable(
+    node: NodeProto, values: Mapping[str, np.ndarray], scalar: Callable[[str], float | None]
+) -> bool:
+    """Whether ``node`` is an elementwise operator of ONNX's domain, with one output, whose
+    every input is a value of the chain or a constant scalar."""
+    if node.op_type not in _ELEMENTWISE or node.domain not in DEFAULT_DOMAINS:
+        return False
+    if len(node.output) != 1 or not node.input:
+        return False
+    return all(t in values or scalar(t) is not None for t in node.input)
+
+
+def _gelu_ending(
+    x: str,
+    members: Sequence[NodeProto],
+    values: Mapping[str, np.ndarray],
+    readers: Mapping[str, int],
+    shape: Callable[[str], Shape | None],
+    is_float: Callable[[str], bool],
+) -> tuple[list[NodeProto], str] | None:
+    """``members`` ending in its last node as a GELU of ``x`` with its ``approximate``,
+    where the last node's value is GELU's and the nodes it needs are the chain: each read
+    only inside it, an ``Erf`` or a ``Tanh`` among them."""
+    last = members[-1]
+    y = last.output[0]
+    result = values[y]
+    if np.shape(result) != _PROBE.shape or shape(y) is None or shape(y) != shape(x):
+        return None
+    approximate = next(
+        (a for a in ("none", "tanh") if np.allclose(result, _gelu_values(a), atol=_GELU_TOLERANCE)),
+        None,
+    )
+    if approximate is None or not is_float(y):
+        return None
+    producers = {m.output[0]: m for m in members}
+    needed: dict[int, NodeProto] = {}
+    stack = [last]
+    while stack:
+        node = stack.pop()
+        if id(node) not in needed:
+            needed[id(node)] = node
+            stack.extend(producers[t] for t in node.input if t in producers)
+    chain = [m for m in members if id(m) in needed]
+    if not any(m.op_type in _GELU_CORES for m in chain):
+        return None
+    reads_inside: dict[str, int] = {}
+    for node in chain:
+        for tensor in dict.fromkeys(node.input):  # as ``readers`` counts: once per node
+            reads_inside[tensor] = reads_inside.get(tensor, 0) + 1
+    for node in chain[:-1]:
+        if readers.get(node.output[0], 0) != reads_inside.get(node.output[0], 0):
+            return None
+    return chain, approximate

@@ -3,7 +3,8 @@
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
-``Add`` into one operator, and where asked each attention chain (``remat.onnx_fusion``);
+``Add`` into one operator, each GELU written as a chain of elementwise operators, and where
+asked each attention chain (``remat.onnx_fusion``);
 build one ``FORWARD`` node per remaining operator.
 
 Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
@@ -45,6 +46,7 @@ from remat.onnx_fusion import (
     DEFAULT_DOMAINS,
     FUSED_DOMAIN,
     fuse_attention_chains,
+    fuse_gelu_chains,
     fuse_linear_layers,
 )
 
@@ -960,6 +962,13 @@ def forward_graph(
         constant=folder.constants.__contains__,
         shape=folder.static_dims,
         is_float=folder.is_float,
+    )
+    linear = fuse_gelu_chains(
+        linear,
+        readers,
+        shape=folder.static_dims,
+        is_float=folder.is_float,
+        scalar=folder.scalar,
     )
     if fuse_attention:
         linear = fuse_attention_chains(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import ATTENTION, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, GELU, MATMUL_ADD
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -154,6 +154,7 @@ FLOPS: dict[str, FlopsFn] = {
     "Softmax": _per_output_elem(5),
     "LogSoftmax": _per_output_elem(5),
     "Gelu": _per_output_elem(8),
+    GELU: _per_output_elem(8),
     "MaxPool": _window,
     "AveragePool": _window,
     "LpPool": _window,

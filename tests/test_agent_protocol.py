@@ -13,6 +13,7 @@ from datetime import datetime
 import httpx
 import psycopg
 import pytest
+import sqlalchemy
 from service import (
     api_server,
     job_body,
@@ -23,8 +24,10 @@ from service import (
     wait,
     wait_job,
 )
+from sqlalchemy import select, update
 
 from app.migrate import upgrade
+from app.tables import ProfileRow
 from remat import samples
 
 ENROLL = "enroll-secret-for-tests"  # 16 characters at least, or the API refuses it
@@ -58,9 +61,11 @@ def server(request, tmp_path_factory):
 
 
 def _serve(settings, data, database):
+    """``database``: PostgreSQL's URL, None on SQLite (``store``: the URL either way)."""
     process, url = api_server(service_env(**settings), data / "api.log")
+    store = database or f"sqlite:///{data / 'remat.db'}"
     try:
-        yield {"url": url, "database": database}
+        yield {"url": url, "database": database, "store": store}
     finally:
         process.stop()
 
@@ -249,54 +254,62 @@ def test_bad_reports_are_refused_and_the_lease_stays(client, planned_job):
     assert execution["status"] == "failed" and execution["error"] == "no kernel"
 
 
-def test_a_profile_report_is_checked_against_the_graph(client):
-    """A job with costs from a node waits for a profile task; a cost table missing nodes
-    is refused, a complete one becomes the node's profile and the job is solved with it."""
+def test_a_profile_report_is_checked_against_the_graph(server, client):
+    """A job with costs from a node waits for a profile task; a cost table missing nodes,
+    with nodes the graph lacks (an agent whose remat fuses fewer operators), or recording
+    another graph's digest, is refused; a complete one becomes the node's profile and the
+    job is solved with it. A stored profile whose nodes are not the graph's (measured
+    before ingestion fused more operators) is measured again for the next job."""
     enrolled = register(client, "profiler")
     model = upload(client, samples.chain(n=3).SerializeToString()).json()["id"]
     devices = [{"name": "cpu0", "kind": "cpu"}, {"name": "cpu1", "kind": "cpu"}]
-    job = client.post(
-        "/v1/jobs",
-        json=job_body(
-            model,
-            batch=2,
-            devices=devices,
-            budgets={},
-            strategy="xengine",
-            costs={"node_id": enrolled["node_id"]},
-        ),
-    ).json()
+    body = job_body(
+        model,
+        batch=2,
+        devices=devices,
+        budgets={},
+        strategy="xengine",
+        costs={"node_id": enrolled["node_id"]},
+    )
+    stale = client.post("/v1/jobs", json=body).json()
     task = _lease(client, enrolled)
     assert task["kind"] == "profile" and task["payload"]["devices"] == ["cpu0", "cpu1"]
     graph = client.get(f"/v1/models/{model}/graph", params={"batch": 2}).json()
     names = [n["name"] for n in graph["nodes"]]
-    path = f"/v1/agent/tasks/{task['id']}/report"
-    partial = profiled_table(names[:-1])
-    refused = client.post(
-        path,
-        json={"lease_token": task["lease_token"], "status": "succeeded", "result": partial},
-        headers=bearer(enrolled),
-    )
-    assert "no entry for node" in _problem(refused, 422)
-    accepted = client.post(
-        path,
-        json={
-            "lease_token": task["lease_token"],
-            "status": "succeeded",
-            "result": profiled_table(names),
-        },
-        headers=bearer(enrolled),
-    )
+
+    def report(task: dict, table: dict) -> httpx.Response:
+        result = {"lease_token": task["lease_token"], "status": "succeeded", "result": table}
+        path = f"/v1/agent/tasks/{task['id']}/report"
+        return client.post(path, json=result, headers=bearer(enrolled))
+
+    assert "no entry for node" in _problem(report(task, profiled_table(names[:-1])), 422)
+    unfused = profiled_table([*names, "gelu/Erf"])
+    assert "update the agent" in _problem(report(task, unfused), 422)
+    other = profiled_table(names) | {"graph": "sha256:0123456789abcdef"}
+    assert "measured on another graph" in _problem(report(task, other), 422)
+    accepted = report(task, profiled_table(names))
     assert accepted.status_code == 200, accepted.text
+    assert wait_job(client, stale["id"])["status"] == "succeeded"
+    engine = sqlalchemy.create_engine(server["store"])
+    with engine.begin() as db:  # as a profile stored before ingestion fused more
+        mine = ProfileRow.node_id == enrolled["node_id"]
+        [(key, table)] = db.execute(select(ProfileRow.id, ProfileRow.table).where(mine)).all()
+        table["nodes"]["gelu/Erf"] = table["nodes"][names[0]]
+        db.execute(update(ProfileRow).where(ProfileRow.id == key).values(table=table))
+    engine.dispose()
+    job = client.post("/v1/jobs", json=body).json()
+    again = _lease(client, enrolled)
+    assert again is not None and again["kind"] == "profile"
+    assert report(again, profiled_table(names)).status_code == 200
     done = wait_job(client, job["id"])
     assert done["status"] == "succeeded", done
     plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
     # cpu1 is ten times faster in this table: the optimum computes everything there
     assert {s["device"] for s in plan["steps"] if s["op"] == "compute"} == {"cpu1"}
     profiles = client.get("/v1/profiles", params={"node_id": enrolled["node_id"]}).json()
-    [profile] = profiles["items"]
-    full = client.get(f"/v1/profiles/{profile['id']}").json()
-    assert full["table"]["source"] == "profiled" and set(full["table"]["nodes"]) == set(names)
+    tables = [client.get(f"/v1/profiles/{p['id']}").json()["table"] for p in profiles["items"]]
+    assert sorted(len(t["nodes"]) for t in tables) == [len(names), len(names) + 1]
+    assert all(t["source"] == "profiled" for t in tables)
 
 
 def test_executions_need_a_plan_and_a_node_with_the_plans_devices(client, planned_job):

@@ -130,6 +130,20 @@ def test_cost_table_errors_name_what_is_missing(tmp_path):
         load_cost_table(tmp_path / "missing.json")
 
 
+def test_a_cost_table_is_refused_on_a_graph_it_was_not_measured_on():
+    """A profile records its graph's digest; one without (older, or written by hand) is
+    of a graph with exactly its node names."""
+    g, longer = training_graph(chain(3)), training_graph(chain(4))
+    table = cost_table_of(g, analytical_costs(g, [CPU]))
+    assert table.measured_on(g) and not table.measured_on(longer)
+    stamped = table.model_copy(update={"graph": g.fingerprint.digest})
+    assert stamped.measured_on(g) and not stamped.measured_on(longer)
+    renamed = table.model_copy(update={"graph": longer.fingerprint.digest})
+    assert not renamed.measured_on(g)
+    with pytest.raises(InvalidInputError, match=r"measured on another graph.*profile the model"):
+        profiled_costs(g, renamed)
+
+
 def test_a_restricted_cost_table_keeps_only_the_named_devices_in_their_order():
     g = training_graph(chain(3))
     table = cost_table_of(g, analytical_costs(g, [CPU, GPU]))

@@ -730,7 +730,7 @@ def test_detect_devices_lists_the_host_and_each_gpu() -> None:
 
 class _Net(torch.nn.Module):
     """Conv, BatchNorm (folded by the exporter), a gated residual (Mul of two activations),
-    MaxPool, Flatten, Linear, Gelu (exported as Div/Erf/Add/Mul with Constant nodes),
+    MaxPool, Flatten, Linear, Gelu (exported as Div/Erf/Add/Mul with Constant nodes, fused),
     LayerNorm, Softmax."""
 
     def __init__(self) -> None:

@@ -27,7 +27,7 @@ from agents.program import GradientBuffers, Program, build_program, value_bytes
 from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
-from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, GELU, MATMUL_ADD
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
@@ -370,6 +370,10 @@ GRAD_CASES: dict[str, GradCase] = {
     "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
     "matmul_add": GradCase(MATMUL_ADD, [(2, 3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
     "matmul_add_matrix": GradCase(MATMUL_ADD, [(3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
+    "gelu": GradCase("Gelu", [(3, 4)], opset=20),
+    "gelu_tanh": GradCase("Gelu", [(3, 4)], {"approximate": "tanh"}, opset=20),
+    "fused_gelu": GradCase(GELU, [(2, 3, 4)], {"approximate": "none"}, domain=FUSED_DOMAIN),
+    "fused_gelu_tanh": GradCase(GELU, [(2, 3, 4)], {"approximate": "tanh"}, domain=FUSED_DOMAIN),
     "attention": GradCase(
         ATTENTION, [(2, 3, 4, 5), (2, 3, 5, 6), (2, 3, 6, 4)], {"scale": 0.4}, domain=FUSED_DOMAIN
     ),

@@ -650,6 +650,79 @@ def test_a_softmax_between_products_stays_apart_unless_it_is_attention(
     assert "Softmax" in ops_of(graph) and ops_of(graph).count("MatMul") == 2, case
 
 
+# --- GELU's chain fused -------------------------------------------------------------------
+
+GELU_SHAPE = (2, 3, 8)
+
+
+def _gelu_model(
+    form: str = "erf", *, half: float = 0.5, extra: Sequence[onnx.NodeProto] = (),
+    outputs: Sequence[str] = ("y",),
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu, then GELU as an exporter writes it, then Relu: ``erf``, PyTorch's ``F.gelu``
+    at opsets before 20 (``Div``, ``Erf``, ``Add``, ``Mul``, ``Mul``); ``tanh``, GPT-2's
+    ``NewGELUActivation`` operator by operator (``half``: the formula's 0.5)."""
+    nodes = [helper.make_node("Relu", ["x0"], ["x"], name="pre")]
+    if form == "erf":
+        params = [init("sqrt2", 2**0.5), init("one", 1.0), init("half", half)]
+        nodes += [
+            helper.make_node("Div", ["x", "sqrt2"], ["d"]),
+            helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["e", "one"], ["e1"]),
+            helper.make_node("Mul", ["x", "e1"], ["m"]),
+            helper.make_node("Mul", ["m", "half"], ["g"], name="act/Mul_1"),
+        ]
+    else:
+        params = [init("half", half), init("three", 3.0), init("kappa", 0.044715),
+                  init("beta", (2 / np.pi) ** 0.5), init("one", 1.0)]  # fmt: skip
+        nodes += [
+            helper.make_node("Mul", ["half", "x"], ["hx"]),
+            helper.make_node("Pow", ["x", "three"], ["cube"]),
+            helper.make_node("Mul", ["kappa", "cube"], ["kc"]),
+            helper.make_node("Add", ["x", "kc"], ["inner"]),
+            helper.make_node("Mul", ["beta", "inner"], ["scaled"]),
+            helper.make_node("Tanh", ["scaled"], ["t"]),
+            helper.make_node("Add", ["one", "t"], ["t1"]),
+            helper.make_node("Mul", ["hx", "t1"], ["g"], name="act/Mul_7"),
+        ]
+    nodes += [helper.make_node("Relu", ["g"], ["y"], name="post"), *extra]
+    return model(nodes, [vi("x0", GELU_SHAPE)], [out(o, 3) for o in outputs], params)
+
+
+@pytest.mark.parametrize(("form", "last"), [("erf", "act/Mul_1"), ("tanh", "act/Mul_7")])
+def test_a_gelu_written_as_elementwise_operators_is_one_node(form: str, last: str) -> None:
+    graph = ingest(_gelu_model(form))
+    assert ops_of(graph) == ["Relu", "FusedGelu", "Relu"]
+    gelu = graph.nodes[1]
+    assert gelu.name == last and gelu.deps == (0,)
+    assert gelu.attrs["onnx_inputs"] == ["x"] and gelu.attrs["onnx_outputs"] == ["g"]
+    approximate = gelu.attrs["fused_attributes"]["approximate"]
+    assert approximate == {"erf": b"none", "tanh": b"tanh"}[form]
+    # the backward reads the input alone: no value of the chain is held for it
+    training = training_graph(graph)
+    [backward] = [n for n in training.nodes if n.forward == 1]
+    assert backward.deps[0] == 0 and 1 not in backward.deps
+
+
+NEG_OF_ERF = helper.make_node("Neg", ["e"], ["z"])
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("intermediate_read_elsewhere", {"extra": [NEG_OF_ERF], "outputs": ["y", "z"]}),
+        ("intermediate_a_model_output", {"outputs": ["y", "e"]}),
+        ("another_function", {"half": 0.6}),
+    ],
+)  # fmt: skip
+def test_elementwise_operators_stay_apart_unless_they_are_a_gelu(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_gelu_model(**kwargs))
+    assert "FusedGelu" not in ops_of(graph), case
+    assert "Erf" in ops_of(graph), case
+
+
 # --- operators outside the table and shape failures ----------------------------------------
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from app.planning import build_problem
+from app.planning import build_problem, job_graph
 from app.profiles import (
     find_profile,
     job_devices_on,
@@ -63,9 +63,10 @@ def node_profiles(
     say: Say,
 ) -> dict[int, CostTable]:
     """The node's profiles for the jobs of one shape ``specs`` (a job; or a ranged job at
-    a few sizes), each measured by its agent first if not stored: one task for the one
-    shape, or one for every size missing, within the budgets of the largest (a ranged
-    job's budget is its largest size's)."""
+    a few sizes), each measured by its agent first if not stored, or stored for another
+    graph of the model (``CostTable.measured_on``: one ingestion built before it fused
+    more): one task for the one shape, or one for every size missing, within the budgets
+    of the largest (a ranged job's budget is its largest size's)."""
     largest = specs[max(specs)]
     assert isinstance(largest.costs, NodeCosts)
     node_id = largest.costs.node_id
@@ -78,10 +79,15 @@ def node_profiles(
             profile = find_profile(session, node_id, profile_key(ref, devices))
             if profile is not None:
                 tables[size] = CostTable.model_validate(profile.table)
+    path = ctx.store.path(model.sha256)
+    for size, table in list(tables.items()):  # outside: building a graph takes a while
+        if not table.measured_on(job_graph(specs[size], path)):
+            say("a stored profile is of another graph of the model (built otherwise then)")
+            del tables[size]
     missing = {size: ref for size, ref in refs.items() if size not in tables}
     if not missing:
         return tables
-    memory = profiling_memory(largest, ctx.store.path(model.sha256))  # outside: it takes a while
+    memory = profiling_memory(largest, path)  # outside: it takes a while
     with ctx.db.session() as session:
         node = _node(session, node_id)
         if len(specs) == 1:

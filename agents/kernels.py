@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
-from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, GELU, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, GELU, LAYER_NORM, MATMUL_ADD
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -734,6 +734,7 @@ def _normalised_shape(scale: Tensor | None, bias: Tensor | None, shape: list[int
 SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
     "LayerNormalization": _layer_norm_saved,
+    LAYER_NORM: _layer_norm_saved,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
 reads (``forward_and_saved``)."""
@@ -1476,6 +1477,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "BatchNormalization": _batch_norm,
     "InstanceNormalization": _instance_norm,
     "LayerNormalization": _layer_norm,
+    LAYER_NORM: _layer_norm,
     "LRN": _lrn,
     # shape, data movement
     "Reshape": _reshape,
@@ -2075,6 +2077,7 @@ VJP_RULES: dict[str, Rule] = {
     "ConvTranspose": _conv_grad(True),
     "BatchNormalization": _batch_norm_grad,
     "LayerNormalization": _layer_norm_grad,
+    LAYER_NORM: _layer_norm_grad,
     "Gelu": _gelu_grad,
     GELU: _gelu_grad,
 }

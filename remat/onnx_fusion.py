@@ -47,12 +47,25 @@ what it computes, not by how an exporter orders it: the elementwise operators (`
 ``x``, constant scalars and each other, with an ``Erf`` or a ``Tanh`` among them, whose
 result equals GELU's on probe values of ``x``; nothing else may read their intermediate
 values, and the result has ``x``'s shape and a float type.
+
+Layer normalization is written by exporters of opsets before 17 (which has no
+``LayerNormalization``) as ``ReduceMean`` of ``x``, ``Sub`` of the mean, ``Pow`` by 2,
+``ReduceMean``, ``Add`` of epsilon, ``Sqrt``, ``Div``, then ``Mul`` by the weight and
+``Add`` of the bias (PyTorch's ``native_layer_norm`` symbolic): nine nodes, the centred
+input, the standard deviation and the normalised value held for their backward nodes.
+Fused, it is one ``FusedLayerNorm`` node with inputs ``(x, weight[, bias])`` and the
+attributes ``axis`` and ``epsilon`` of ONNX's ``LayerNormalization``, run and
+differentiated as that operator is. A chain is fused when both means are over the same
+trailing axes and keep them, the square is ``Pow`` by 2 or ``Mul`` of the centred value by
+itself, epsilon is a constant scalar, the weight and the bias are constants of the
+normalised axes' shape, nothing else reads the chain's values, and every tensor is a float.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from onnx import NodeProto, helper
@@ -62,9 +75,24 @@ DEFAULT_DOMAINS = ("", "ai.onnx")  # how a model may name ONNX's own domain
 MATMUL_ADD = "MatMulAdd"
 ATTENTION = "ScaledDotProductAttention"
 GELU = "FusedGelu"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU})
+LAYER_NORM = "FusedLayerNorm"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, LAYER_NORM})
 
 Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """What ingestion found of a model's tensors, which the fusions ask: how many of the
+    model's operators read each (a model output counts as a reader), whether it is a
+    constant, its static shape (None where not static), whether it is a float, and the
+    value of a constant of one float element (None for anything else)."""
+
+    readers: Mapping[str, int]
+    constant: Callable[[str], bool]
+    shape: Callable[[str], Shape | None]
+    is_float: Callable[[str], bool]
+    scalar: Callable[[str], float | None]
 
 
 def fused_node(
@@ -78,20 +106,15 @@ def fused_node(
 
 def fuse_linear_layers(
     nodes: Sequence[tuple[NodeProto, str]],
-    readers: Mapping[str, int],
-    constant: Callable[[str], bool],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
+    tensors: Tensors,
 ) -> list[tuple[NodeProto, str]]:
     """``nodes`` (scheduled operators with their graph names, in topological order) with
     every fusable ``MatMul`` and bias ``Add`` replaced by one ``MatMulAdd`` at the ``Add``'s
-    place. ``readers[t]``: how many operators of the model read tensor ``t`` (a model
-    output counts as a reader); ``constant``, ``shape`` and ``is_float`` describe a tensor
-    as ingestion found it."""
+    place; ``tensors``: what ingestion found of the model's tensors."""
     products = {
         proto.output[0]: (proto, name)
         for proto, name in nodes
-        if _is_matmul(proto) and readers.get(proto.output[0], 0) == 1
+        if _is_matmul(proto) and tensors.readers.get(proto.output[0], 0) == 1
     }
     fused: dict[str, tuple[NodeProto, str]] = {}  # the MatMul's output -> the fused node
     for proto, _ in nodes:
@@ -100,11 +123,11 @@ def fuse_linear_layers(
         for position in (0, 1):
             product, bias = proto.input[position], proto.input[1 - position]
             matmul = products.get(product)
-            if matmul is None or product == bias or not constant(bias):
+            if matmul is None or product == bias or not tensors.constant(bias):
                 continue
             a, w = matmul[0].input
-            if _fusable(shape(a), shape(w), shape(bias)) and all(
-                is_float(t) for t in (a, w, bias, proto.output[0])
+            if _fusable(tensors.shape(a), tensors.shape(w), tensors.shape(bias)) and all(
+                tensors.is_float(t) for t in (a, w, bias, proto.output[0])
             ):
                 node = fused_node(MATMUL_ADD, [a, w, bias], proto.output[0], matmul[1])
                 fused[product] = (node, matmul[1])
@@ -126,22 +149,18 @@ def fuse_linear_layers(
 
 def fuse_attention_chains(
     nodes: Sequence[tuple[NodeProto, str]],
-    readers: Mapping[str, int],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
-    scalar: Callable[[str], float | None],
+    tensors: Tensors,
     opset: int,
 ) -> list[tuple[NodeProto, str]]:
     """``nodes`` (as for ``fuse_linear_layers``) with every fusable attention chain replaced
-    by one ``ScaledDotProductAttention`` at the place of its last ``MatMul``. ``scalar``
-    gives a constant scalar's value (None for anything else); ``opset`` is the model's
-    default-domain opset (``Softmax``'s default axis depends on it)."""
+    by one ``ScaledDotProductAttention`` at the place of its last ``MatMul``; ``opset`` is
+    the model's default-domain opset (``Softmax``'s default axis depends on it)."""
     producer = {out: entry for entry in nodes for out in entry[0].output if out}
     fused: dict[str, tuple[NodeProto, str]] = {}  # the last MatMul's output -> fused node
     absorbed: set[str] = set()  # outputs of the nodes a fused node replaces
     for proto, _ in nodes:
         if _is_matmul(proto):
-            chain = _attention_chain(proto, producer, readers, shape, is_float, scalar, opset)
+            chain = _attention_chain(proto, producer, tensors, opset)
             if chain is not None:
                 node, removed = chain
                 fused[proto.output[0]] = (node, node.name)
@@ -168,10 +187,7 @@ def _with_fused(
 def _attention_chain(
     last: NodeProto,
     producer: Mapping[str, tuple[NodeProto, str]],
-    readers: Mapping[str, int],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
-    scalar: Callable[[str], float | None],
+    tensors: Tensors,
     opset: int,
 ) -> tuple[NodeProto, list[str]] | None:
     """The fused node for the chain ending in ``last`` (``P @ V``) and the outputs of the
@@ -185,14 +201,16 @@ def _attention_chain(
         found = producer.get(tensor)
         if found is None or found[0].op_type not in ops or found[0].domain not in DEFAULT_DOMAINS:
             return None
-        return found[0] if readers.get(tensor, 0) == 1 and len(found[0].input) == 2 else None
+        return (
+            found[0] if tensors.readers.get(tensor, 0) == 1 and len(found[0].input) == 2 else None
+        )
 
     def scaled(tensor: str) -> tuple[str, float]:
         """``tensor`` without a ``Mul`` or ``Div`` by a constant scalar (the node is then
         removed with the chain), and that scalar; else ``tensor`` and 1."""
         node = step(tensor, ("Mul", "Div"))
         for position in (0, 1) if node is not None and node.op_type == "Mul" else (0,):
-            factor = scalar(node.input[1 - position]) if node is not None else None
+            factor = tensors.scalar(node.input[1 - position]) if node is not None else None
             if node is not None and factor is not None and factor != 0.0:
                 removed.append(tensor)
                 return node.input[position], factor if node.op_type == "Mul" else 1.0 / factor
@@ -200,7 +218,7 @@ def _attention_chain(
 
     p, v = last.input
     weights_readers = 1
-    zeroed = _nan_zeroed(p, producer, readers, scalar)
+    zeroed = _nan_zeroed(p, producer, tensors)
     if zeroed is not None:  # Where(IsNaN(P), 0, P): a fully masked row's weights zeroed
         removed.extend((p, zeroed[1]))
         p, weights_readers = zeroed[0], 2
@@ -211,7 +229,7 @@ def _attention_chain(
         or softmax[0].domain not in DEFAULT_DOMAINS
     ):
         return None
-    if readers.get(p, 0) != weights_readers:
+    if tensors.readers.get(p, 0) != weights_readers:
         return None
     removed.append(p)
     scores, mask = softmax[0].input[0], None
@@ -229,9 +247,9 @@ def _attention_chain(
     removed.append(product)
     (a, scale_a), (b, scale_b) = scaled(matmul.input[0]), scaled(matmul.input[1])
     inputs = [a, b, v] + ([mask] if mask is not None else [])
-    if not all(is_float(t) for t in [*inputs, last.output[0]]):
+    if not all(tensors.is_float(t) for t in [*inputs, last.output[0]]):
         return None
-    if not _attention_shapes([shape(t) for t in inputs], _softmax_axis(softmax[0], opset)):
+    if not _attention_shapes([tensors.shape(t) for t in inputs], _softmax_axis(softmax[0], opset)):
         return None
     node = fused_node(
         ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b
@@ -259,20 +277,19 @@ def _scores_side(add: NodeProto, producer: Mapping[str, tuple[NodeProto, str]]) 
 def _nan_zeroed(
     tensor: str,
     producer: Mapping[str, tuple[NodeProto, str]],
-    readers: Mapping[str, int],
-    scalar: Callable[[str], float | None],
+    tensors: Tensors,
 ) -> tuple[str, str] | None:
     """Where ``tensor`` is ``Where(IsNaN(P), 0, P)`` read once (PyTorch's dynamo exporter
     writes attention's weights so, as ``scaled_dot_product_attention`` zeroes a row whose
     every score is masked): ``P`` and the ``IsNaN``'s output; else None."""
     where = producer.get(tensor)
-    if where is None or where[0].op_type != "Where" or readers.get(tensor, 0) != 1:
+    if where is None or where[0].op_type != "Where" or tensors.readers.get(tensor, 0) != 1:
         return None
     condition, zero, weights = where[0].input
     isnan = producer.get(condition)
     if isnan is None or isnan[0].op_type != "IsNaN" or list(isnan[0].input) != [weights]:
         return None
-    if readers.get(condition, 0) != 1 or scalar(zero) != 0.0:
+    if tensors.readers.get(condition, 0) != 1 or tensors.scalar(zero) != 0.0:
         return None
     return weights, condition
 
@@ -345,10 +362,7 @@ def _gelu_values(approximate: str) -> np.ndarray:
 
 def fuse_gelu_chains(
     nodes: Sequence[tuple[NodeProto, str]],
-    readers: Mapping[str, int],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
-    scalar: Callable[[str], float | None],
+    tensors: Tensors,
 ) -> list[tuple[NodeProto, str]]:
     """``nodes`` (as for ``fuse_linear_layers``) with every GELU written as a chain of
     elementwise operators (the module docstring) replaced by one ``FusedGelu`` at the place
@@ -363,10 +377,10 @@ def fuse_gelu_chains(
     tried: set[str] = set()
     for proto, _ in nodes:
         for x in dict.fromkeys(proto.input):
-            if x in tried or len(readers_of.get(x, [])) < 2 or not is_float(x):
+            if x in tried or len(readers_of.get(x, [])) < 2 or not tensors.is_float(x):
                 continue
             tried.add(x)
-            chain = _gelu_chain(x, readers_of, readers, shape, is_float, scalar)
+            chain = _gelu_chain(x, readers_of, tensors)
             if chain is None:
                 continue
             members, approximate = chain
@@ -383,10 +397,7 @@ def fuse_gelu_chains(
 def _gelu_chain(
     x: str,
     readers_of: Mapping[str, list[NodeProto]],
-    readers: Mapping[str, int],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
-    scalar: Callable[[str], float | None],
+    tensors: Tensors,
 ) -> tuple[list[NodeProto], str] | None:
     """The nodes of the GELU of ``x`` in topological order (the last one's output is its
     result) and its ``approximate``, or None: the elementwise nodes computed from ``x`` and
@@ -399,38 +410,34 @@ def _gelu_chain(
     while frontier and len(members) < _GELU_MAX_NODES:
         tensor = frontier.pop(0)
         for node in readers_of.get(tensor, []):
-            if node.output[0] in values or not _computable(node, values, scalar):
+            if node.output[0] in values or not _computable(node, values, tensors):
                 continue
-            operands = [values[t] if t in values else scalar(t) for t in node.input]
+            operands = [values[t] if t in values else tensors.scalar(t) for t in node.input]
             with np.errstate(all="ignore"):
                 values[node.output[0]] = _ELEMENTWISE[node.op_type](*operands)
             members.append(node)
             frontier.append(node.output[0])
-            found = _gelu_ending(x, members, values, readers, shape, is_float)
+            found = _gelu_ending(x, members, values, tensors)
             if found is not None:
                 return found
     return None
 
 
-def _computable(
-    node: NodeProto, values: Mapping[str, np.ndarray], scalar: Callable[[str], float | None]
-) -> bool:
+def _computable(node: NodeProto, values: Mapping[str, np.ndarray], tensors: Tensors) -> bool:
     """Whether ``node`` is an elementwise operator of ONNX's domain, with one output, whose
     every input is a value of the chain or a constant scalar."""
     if node.op_type not in _ELEMENTWISE or node.domain not in DEFAULT_DOMAINS:
         return False
     if len(node.output) != 1 or not node.input:
         return False
-    return all(t in values or scalar(t) is not None for t in node.input)
+    return all(t in values or tensors.scalar(t) is not None for t in node.input)
 
 
 def _gelu_ending(
     x: str,
     members: Sequence[NodeProto],
     values: Mapping[str, np.ndarray],
-    readers: Mapping[str, int],
-    shape: Callable[[str], Shape | None],
-    is_float: Callable[[str], bool],
+    tensors: Tensors,
 ) -> tuple[list[NodeProto], str] | None:
     """``members`` ending in its last node as a GELU of ``x`` with its ``approximate``,
     where the last node's value is GELU's and the nodes it needs are the chain: each read
@@ -438,13 +445,17 @@ def _gelu_ending(
     last = members[-1]
     y = last.output[0]
     result = values[y]
-    if np.shape(result) != _PROBE.shape or shape(y) is None or shape(y) != shape(x):
+    if (
+        np.shape(result) != _PROBE.shape
+        or tensors.shape(y) is None
+        or tensors.shape(y) != tensors.shape(x)
+    ):
         return None
     approximate = next(
         (a for a in ("none", "tanh") if np.allclose(result, _gelu_values(a), atol=_GELU_TOLERANCE)),
         None,
     )
-    if approximate is None or not is_float(y):
+    if approximate is None or not tensors.is_float(y):
         return None
     producers = {m.output[0]: m for m in members}
     needed: dict[int, NodeProto] = {}
@@ -462,6 +473,143 @@ def _gelu_ending(
         for tensor in dict.fromkeys(node.input):  # as ``readers`` counts: once per node
             reads_inside[tensor] = reads_inside.get(tensor, 0) + 1
     for node in chain[:-1]:
-        if readers.get(node.output[0], 0) != reads_inside.get(node.output[0], 0):
+        if tensors.readers.get(node.output[0], 0) != reads_inside.get(node.output[0], 0):
             return None
     return chain, approximate
+
+
+# --- layer normalization ----------------------------------------------------------------
+
+
+def fuse_layer_norms(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every layer normalization written as
+    its formula (the module docstring) replaced by one ``FusedLayerNorm`` at the place of
+    its last node, named as it."""
+    producer = {out: entry for entry in nodes for out in entry[0].output if out}
+    readers_of: dict[str, list[NodeProto]] = {}
+    for proto, _ in nodes:
+        for tensor in dict.fromkeys(proto.input):
+            readers_of.setdefault(tensor, []).append(proto)
+
+    def only_reader(tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
+        """The one operator reading ``tensor`` where it is one of ``ops`` of ONNX's domain
+        and nothing else (no model output) reads ``tensor``."""
+        found = readers_of.get(tensor, [])
+        if len(found) != 1 or tensors.readers.get(tensor, 0) != 1:
+            return None
+        node = found[0]
+        return node if node.op_type in ops and node.domain in DEFAULT_DOMAINS else None
+
+    fused: dict[str, tuple[NodeProto, str]] = {}
+    absorbed: set[str] = set()
+    for proto, _ in nodes:
+        if proto.op_type != "ReduceMean" or proto.domain not in DEFAULT_DOMAINS:
+            continue
+        chain = _layer_norm_chain(proto, readers_of, only_reader, tensors)
+        if chain is None:
+            continue
+        members, inputs, axis, epsilon = chain
+        outputs = [m.output[0] for m in members]
+        if any(o in absorbed or o in fused for o in outputs):
+            continue
+        name = producer[outputs[-1]][1]
+        node = fused_node(LAYER_NORM, inputs, outputs[-1], name, axis=axis, epsilon=epsilon)
+        fused[outputs[-1]] = (node, name)
+        absorbed.update(outputs[:-1])
+    return _with_fused(nodes, fused, absorbed)
+
+
+def _layer_norm_chain(
+    mean: NodeProto,
+    readers_of: Mapping[str, list[NodeProto]],
+    only_reader: Callable[[str, tuple[str, ...]], NodeProto | None],
+    tensors: Tensors,
+) -> tuple[list[NodeProto], list[str], int, float] | None:
+    """The nodes of the layer normalization whose first mean is ``mean`` (in order; the
+    last one's output is its result), the fused node's inputs, its axis and epsilon; or
+    None where the chain is not one ``fuse_layer_norms`` fuses."""
+    x = mean.input[0] if len(mean.input) == 1 else ""
+    x_shape = tensors.shape(x) if x else None
+    axes = _trailing_axes(mean, x_shape)
+    if x_shape is None or axes is None or not tensors.is_float(x):
+        return None
+    centre = only_reader(mean.output[0], ("Sub",))
+    if centre is None or list(centre.input) != [x, mean.output[0]]:
+        return None
+    d = centre.output[0]
+    d_readers = readers_of.get(d, [])
+    square = next((n for n in d_readers if n.op_type in ("Pow", "Mul")), None)
+    divide = next((n for n in d_readers if n.op_type == "Div"), None)
+    if square is None or divide is None or len(d_readers) != 2:
+        return None
+    if square.op_type == "Pow" and not (
+        square.input[0] == d and tensors.scalar(square.input[1]) == 2.0
+    ):
+        return None
+    if square.op_type == "Mul" and list(square.input) != [d, d]:
+        return None
+    variance = only_reader(square.output[0], ("ReduceMean",))
+    if variance is None or _trailing_axes(variance, x_shape) != axes:
+        return None
+    shifted = only_reader(variance.output[0], ("Add",))
+    if shifted is None:
+        return None
+    epsilon = _other_scalar(shifted, variance.output[0], tensors)
+    std = only_reader(shifted.output[0], ("Sqrt",))
+    if epsilon is None or std is None or list(divide.input) != [d, std.output[0]]:
+        return None
+    if only_reader(std.output[0], ("Div",)) is not divide:
+        return None
+    normalised = (*x_shape[len(x_shape) - axes :],)
+    scaled = only_reader(divide.output[0], ("Mul",))
+    weight = None if scaled is None else _other(scaled, divide.output[0])
+    if (
+        scaled is None
+        or weight is None
+        or not tensors.constant(weight)
+        or tensors.shape(weight) != normalised
+    ):
+        return None
+    members = [mean, centre, square, variance, shifted, std, divide, scaled]
+    inputs = [x, weight]
+    shifted_by = only_reader(scaled.output[0], ("Add",))
+    bias = None if shifted_by is None else _other(shifted_by, scaled.output[0])
+    if (
+        shifted_by is not None
+        and bias is not None
+        and tensors.constant(bias)
+        and tensors.shape(bias) == normalised
+    ):
+        members.append(shifted_by)
+        inputs.append(bias)
+    if not all(tensors.is_float(t) for t in [*inputs, members[-1].output[0]]):
+        return None
+    return members, inputs, -axes, epsilon
+
+
+def _trailing_axes(mean: NodeProto, x_shape: Shape | None) -> int | None:
+    """How many trailing axes a ``ReduceMean`` with its ``axes`` attribute averages while
+    keeping them (None for any other reduction)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
+    if x_shape is None or len(mean.input) != 1 or int(attrs.get("keepdims", 1)) != 1:
+        return None
+    rank = len(x_shape)
+    axes = sorted(int(a) + rank if int(a) < 0 else int(a) for a in attrs.get("axes", []))
+    if not axes or axes != list(range(rank - len(axes), rank)):
+        return None
+    return len(axes)
+
+
+def _other(node: NodeProto, tensor: str) -> str | None:
+    """The other input of a two-input ``node`` that reads ``tensor``."""
+    if len(node.input) != 2 or tensor not in node.input or node.input[0] == node.input[1]:
+        return None
+    return node.input[1] if node.input[0] == tensor else node.input[0]
+
+
+def _other_scalar(node: NodeProto, tensor: str, tensors: Tensors) -> float | None:
+    other = _other(node, tensor)
+    return None if other is None else tensors.scalar(other)

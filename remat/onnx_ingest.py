@@ -3,8 +3,8 @@
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
-``Add`` into one operator, each GELU written as a chain of elementwise operators, and where
-asked each attention chain (``remat.onnx_fusion``);
+``Add`` into one operator, each GELU and each layer normalization written as its formula,
+and where asked each attention chain (``remat.onnx_fusion``);
 build one ``FORWARD`` node per remaining operator.
 
 Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
@@ -45,8 +45,10 @@ from remat.onnx_external import check_external_data
 from remat.onnx_fusion import (
     DEFAULT_DOMAINS,
     FUSED_DOMAIN,
+    Tensors,
     fuse_attention_chains,
     fuse_gelu_chains,
+    fuse_layer_norms,
     fuse_linear_layers,
 )
 
@@ -956,30 +958,18 @@ def forward_graph(
         )
     readers = Counter(name for names in reads for name in names)
     readers.update(v.name for v in model.graph.output)
-    linear = fuse_linear_layers(
-        [(nodes[i], names[i]) for i in scheduled],
+    tensors = Tensors(
         readers,
         constant=folder.constants.__contains__,
         shape=folder.static_dims,
         is_float=folder.is_float,
-    )
-    linear = fuse_gelu_chains(
-        linear,
-        readers,
-        shape=folder.static_dims,
-        is_float=folder.is_float,
         scalar=folder.scalar,
     )
+    fused = fuse_linear_layers([(nodes[i], names[i]) for i in scheduled], tensors)
+    fused = fuse_layer_norms(fuse_gelu_chains(fused, tensors), tensors)
     if fuse_attention:
-        linear = fuse_attention_chains(
-            linear,
-            readers,
-            shape=folder.static_dims,
-            is_float=folder.is_float,
-            scalar=folder.scalar,
-            opset=folder.opsets.get("", 0),
-        )
-    return _build(model, folder, input_infos, linear)
+        fused = fuse_attention_chains(fused, tensors, opset=folder.opsets.get("", 0))
+    return _build(model, folder, input_infos, fused)
 
 
 def _fold(

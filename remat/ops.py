@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import ATTENTION, GELU, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -150,6 +150,7 @@ FLOPS: dict[str, FlopsFn] = {
     # Instance/layer/group norm compute mean and variance on the fly.
     "InstanceNormalization": _per_output_elem(8),
     "LayerNormalization": _per_output_elem(8),
+    LAYER_NORM: _per_output_elem(8),
     "GroupNormalization": _per_output_elem(8),
     "Softmax": _per_output_elem(5),
     "LogSoftmax": _per_output_elem(5),

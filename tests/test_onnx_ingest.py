@@ -723,6 +723,71 @@ def test_elementwise_operators_stay_apart_unless_they_are_a_gelu(
     assert "Erf" in ops_of(graph), case
 
 
+# --- layer normalization's formula fused -------------------------------------------------
+
+
+def _layer_norm_model(
+    *, square: str = "Pow", bias: bool = True, axes: Sequence[int] = (-1,),
+    extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu, then layer normalization over the last axis as PyTorch exports it before
+    opset 17, then Relu (``square``: ``Pow`` by 2, or ``Mul`` of the centred value by
+    itself)."""
+    nodes = [
+        helper.make_node("Relu", ["x0"], ["x"], name="pre"),
+        helper.make_node("ReduceMean", ["x"], ["mean"], axes=list(axes)),
+        helper.make_node("Sub", ["x", "mean"], ["d"]),
+        helper.make_node("Pow", ["d", "two"], ["sq"])
+        if square == "Pow"
+        else helper.make_node("Mul", ["d", "d"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["var"], axes=list(axes)),
+        helper.make_node("Add", ["var", "eps"], ["ve"]),
+        helper.make_node("Sqrt", ["ve"], ["std"]),
+        helper.make_node("Div", ["d", "std"], ["n"]),
+        helper.make_node("Mul", ["n", "w"], ["nw"], name="ln/Mul"),
+    ]
+    last = "nw"
+    if bias:
+        nodes.append(helper.make_node("Add", ["nw", "b"], ["nb"], name="ln/Add_1"))
+        last = "nb"
+    nodes += [helper.make_node("Relu", [last], ["y"], name="post"), *extra]
+    params = [init("two", 2.0), init("eps", 1e-5), ones("w", (8,)), ones("b", (8,))]
+    return model(nodes, [vi("x0", GELU_SHAPE)], [out(o, 3) for o in outputs], params, opset=14)
+
+
+@pytest.mark.parametrize(
+    ("square", "bias", "last"),
+    [("Pow", True, "ln/Add_1"), ("Mul", True, "ln/Add_1"), ("Pow", False, "ln/Mul")],
+)
+def test_a_layer_norm_written_as_its_formula_is_one_node(
+    square: str, bias: bool, last: str
+) -> None:
+    graph = ingest(_layer_norm_model(square=square, bias=bias))
+    assert ops_of(graph) == ["Relu", "FusedLayerNorm", "Relu"]
+    norm = graph.nodes[1]
+    assert norm.name == last and norm.deps == (0,)
+    assert norm.attrs["onnx_inputs"] == ["x", "w", "b"][: 3 if bias else 2]
+    assert norm.attrs["fused_attributes"] == {"axis": -1, "epsilon": pytest.approx(1e-5)}
+    assert norm.fixed == ("w", "b")[: 2 if bias else 1]
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("centred_value_read_elsewhere", {"extra": [helper.make_node("Neg", ["d"], ["z"])],
+                                          "outputs": ["y", "z"]}),
+        ("a_mean_a_model_output", {"outputs": ["y", "mean"]}),
+        ("over_a_leading_axis", {"axes": (0,)}),
+    ],
+)  # fmt: skip
+def test_a_layer_norms_operators_stay_apart_unless_they_are_one(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_layer_norm_model(**kwargs))
+    assert "FusedLayerNorm" not in ops_of(graph), case
+    assert "ReduceMean" in ops_of(graph), case
+
+
 # --- operators outside the table and shape failures ----------------------------------------
 
 

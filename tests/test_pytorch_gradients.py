@@ -16,6 +16,7 @@ choose. The module side differentiates an ``Embedding`` with its ``padding_idx``
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 import pytest
 
@@ -26,7 +27,7 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -40,14 +41,15 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=3.0, threads=1), sea
 def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
     loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
-    folded: int = 0,
+    folded: int = 0, fused: Sequence[str] = (),
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
     the simulator and compare the executor's gradients with the module's (``folded``: how
     many of its weights the export folds into constants, so that they have no gradient).
     ``fuse_attention`` as in a job (the default); ``attention``: some attention chain must
-    have become one node."""
+    have become one node; ``fused``: operators ingestion must have made of the export's
+    (``remat.onnx_fusion``)."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
@@ -55,6 +57,7 @@ def _check(
         pytest.skip(str(error))
     graph = graph_of(exported, Mode.TRAINING, loss or entry.loss, fuse_attention)
     assert not attention or any(n.op == ATTENTION for n in graph.nodes)
+    assert set(fused) <= {n.op for n in graph.nodes}, fused
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)
@@ -82,9 +85,10 @@ def test_cnn_with_batch_norm_in_training_mode(opset: int, loss: Loss) -> None:
 
 @pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 14), ("dynamo", 18)])
 def test_transformer_encoder(exporter: Exporter, opset: int) -> None:
-    """Opset 14 has no LayerNormalization: the exporter writes ``x * weight + bias``, whose
-    weight's gradient needs the normalised activation; dynamo at 18 writes the operator."""
-    _check("transformer_encoder", exporter=exporter, opset=opset)
+    """Opset 14 has no LayerNormalization: the exporter writes its formula, which ingestion
+    makes one ``FusedLayerNorm``; dynamo at 18 writes the operator."""
+    fused = (LAYER_NORM,) if opset < 17 else ()
+    _check("transformer_encoder", exporter=exporter, opset=opset, fused=fused)
 
 
 @pytest.mark.parametrize("name", ["lstm", "gru"])
@@ -128,5 +132,7 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     ``scaled_dot_product_attention`` as each exporter writes it, GPT-2's causal mask, T5's
     learned position bias): the gradients still match the module's autograd. The dynamo
     exporter folds the position embeddings' lookup of constant positions into a constant:
-    that weight gets no gradient."""
-    _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"))
+    that weight gets no gradient. BERT's and GPT-2's GELU, written as elementwise
+    operators by both exporters, is one ``FusedGelu`` node too."""
+    fused = (GELU,) if name in ("bert", "gpt2") else ()
+    _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"), fused=fused)

@@ -42,7 +42,15 @@ import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from agents.errors import UnsupportedOpError
-from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, FUSED_OPS, GELU, LAYER_NORM, MATMUL_ADD
+from remat.onnx_fusion import (
+    ATTENTION,
+    FUSED_DOMAIN,
+    FUSED_OPS,
+    GELU,
+    LAYER_NORM,
+    MATMUL_ADD,
+    SILU,
+)
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -376,6 +384,11 @@ def _prelu(spec: OpSpec, args: Args) -> Outputs:
 def _gelu(spec: OpSpec, args: Args) -> Outputs:
     assert args[0] is not None
     return (F.gelu(args[0], approximate=spec.attr("approximate", "none")),)
+
+
+def _silu(spec: OpSpec, args: Args) -> Outputs:
+    assert args[0] is not None
+    return (F.silu(args[0]),)
 
 
 def _clip(spec: OpSpec, args: Args) -> Outputs:
@@ -1457,6 +1470,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "PRelu": _prelu,
     "Gelu": _gelu,
     GELU: _gelu,
+    SILU: _silu,
     "Clip": _clip,
     "Cast": _cast,
     "Softmax": _softmax_like(torch.softmax),
@@ -2040,6 +2054,11 @@ def _gelu_grad(call: VjpCall) -> Grads:
     )
 
 
+def _silu_grad(call: VjpCall) -> Grads:
+    """PyTorch's ``silu_backward``, from the input (``remat.onnx_fusion``'s ``FusedSilu``)."""
+    return call.only(lambda: torch.ops.aten.silu_backward(call.g, call.arg(0)))
+
+
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
     "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
@@ -2080,6 +2099,7 @@ VJP_RULES: dict[str, Rule] = {
     LAYER_NORM: _layer_norm_grad,
     "Gelu": _gelu_grad,
     GELU: _gelu_grad,
+    SILU: _silu_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

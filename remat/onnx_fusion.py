@@ -36,16 +36,18 @@ scale is a constant scalar, and every tensor is a float.
 GELU, ``x * (1 + erf(x / sqrt 2)) / 2`` or its tanh approximation, is written by
 exporters of opsets before 20 (which has no ``Gelu``) as a chain of elementwise operators:
 PyTorch's ``F.gelu`` as ``Div``, ``Erf``, ``Add``, ``Mul``, ``Mul``, and a model's own
-formula (GPT-2's ``NewGELUActivation``) operator by operator, eight of them. Planned node by
-node, the chain's intermediate values, each the size of the layer's widest activation, are
-held for its backward nodes (two to four per layer), and an executor runs five to eight
-kernels forward and as many backward where PyTorch runs ``gelu`` and ``gelu_backward``.
-Fused, it is one ``FusedGelu`` node with input ``x`` and attribute ``approximate``
-(``none`` or ``tanh``, as PyTorch's); its gradient reads ``x`` alone. A chain is found by
-what it computes, not by how an exporter orders it: the elementwise operators (``Add``,
-``Sub``, ``Mul``, ``Div``, ``Pow``, ``Erf``, ``Tanh``, ``Sqrt``, ``Neg``) that read only
-``x``, constant scalars and each other, with an ``Erf`` or a ``Tanh`` among them, whose
-result equals GELU's on probe values of ``x``; nothing else may read their intermediate
+formula (GPT-2's ``NewGELUActivation``) operator by operator, eight of them; SiLU (Swish,
+``x * sigmoid(x)``, which ONNX has no operator for) as ``Sigmoid`` and ``Mul``. Planned
+node by node, the chain's intermediate values, each the size of the layer's widest
+activation, are held for its backward nodes (one to four per layer), and an executor runs
+up to eight kernels forward and as many backward where PyTorch runs one each way. Fused,
+the chain is one ``FusedGelu`` node with input ``x`` and attribute ``approximate``
+(``none`` or ``tanh``, as PyTorch's), or one ``FusedSilu``; its gradient reads ``x``
+alone. A chain is found by what it computes, not by how an exporter orders it: the
+elementwise operators (``Add``, ``Sub``, ``Mul``, ``Div``, ``Pow``, ``Erf``, ``Tanh``,
+``Sigmoid``, ``Sqrt``, ``Neg``) that read only ``x``, constant scalars and each other,
+whose result equals the activation's on probe values of ``x``, with its core operator
+(``Erf``, ``Tanh`` or ``Sigmoid``) among them; nothing else may read their intermediate
 values, and the result has ``x``'s shape and a float type.
 
 Layer normalization is written by exporters of opsets before 17 (which has no
@@ -75,8 +77,9 @@ DEFAULT_DOMAINS = ("", "ai.onnx")  # how a model may name ONNX's own domain
 MATMUL_ADD = "MatMulAdd"
 ATTENTION = "ScaledDotProductAttention"
 GELU = "FusedGelu"
+SILU = "FusedSilu"
 LAYER_NORM = "FusedLayerNorm"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, LAYER_NORM})
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM})
 
 Shape = tuple[int, ...]
 
@@ -96,7 +99,7 @@ class Tensors:
 
 
 def fused_node(
-    op: str, inputs: Sequence[str], output: str, name: str, **attributes: float | str
+    op: str, inputs: Sequence[str], output: str, name: str, **attributes: object
 ) -> NodeProto:
     """A node of one of ``FUSED_OPS``."""
     node = helper.make_node(op, inputs, [output], name=name, domain=FUSED_DOMAIN)
@@ -334,7 +337,7 @@ def _fusable(a: Shape | None, w: Shape | None, bias: Shape | None) -> bool:
     return len(a) >= 2 and len(w) == 2 and a[-1] == w[0] and bias == (w[1],)
 
 
-# --- GELU -------------------------------------------------------------------------------
+# --- activations ------------------------------------------------------------------------
 
 _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "Add": np.add,
@@ -344,29 +347,51 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "Pow": np.power,
     "Erf": np.vectorize(math.erf, otypes=[np.float64]),
     "Tanh": np.tanh,
+    "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
     "Sqrt": np.sqrt,
     "Neg": np.negative,
 }
-_GELU_CORES = ("Erf", "Tanh")
-_GELU_MAX_NODES = 12  # GPT-2's formula has 8, PyTorch's erf form 5
+_CHAIN_MAX_NODES = 12  # GPT-2's GELU formula has 8, PyTorch's erf form 5, SiLU 2
 _PROBE = np.linspace(-6.0, 6.0, 49)
-_GELU_TOLERANCE = 1e-5  # the tanh approximation is up to 5e-4 from the erf form
+_TOLERANCE = 1e-5  # GELU's tanh approximation is up to 5e-4 from its erf form
 
 
-def _gelu_values(approximate: str) -> np.ndarray:
-    x = _PROBE
-    if approximate == "tanh":
-        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1.0 + _ELEMENTWISE["Erf"](x / math.sqrt(2.0)))
+@dataclass(frozen=True)
+class _Activation:
+    """A function that exporters write as elementwise operators: the fused operator that
+    computes it, with its attributes; one of the operators the chain must have; and its
+    values on ``_PROBE``."""
+
+    op: str
+    attributes: Mapping[str, str]
+    core: str
+    values: np.ndarray
 
 
-def fuse_gelu_chains(
+_ACTIVATIONS = (
+    _Activation(
+        GELU,
+        {"approximate": "none"},
+        "Erf",
+        0.5 * _PROBE * (1.0 + _ELEMENTWISE["Erf"](_PROBE / math.sqrt(2.0))),
+    ),
+    _Activation(
+        GELU,
+        {"approximate": "tanh"},
+        "Tanh",
+        0.5 * _PROBE * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (_PROBE + 0.044715 * _PROBE**3))),
+    ),
+    _Activation(SILU, {}, "Sigmoid", _PROBE / (1.0 + np.exp(-_PROBE))),
+)
+
+
+def fuse_activation_chains(
     nodes: Sequence[tuple[NodeProto, str]],
     tensors: Tensors,
 ) -> list[tuple[NodeProto, str]]:
-    """``nodes`` (as for ``fuse_linear_layers``) with every GELU written as a chain of
-    elementwise operators (the module docstring) replaced by one ``FusedGelu`` at the place
-    of the chain's last node, named as it."""
+    """``nodes`` (as for ``fuse_linear_layers``) with every GELU and SiLU written as a chain
+    of elementwise operators (the module docstring) replaced by one ``FusedGelu`` or
+    ``FusedSilu`` at the place of the chain's last node, named as it."""
     readers_of: dict[str, list[NodeProto]] = {}
     for proto, _ in nodes:
         for tensor in dict.fromkeys(proto.input):
@@ -380,34 +405,34 @@ def fuse_gelu_chains(
             if x in tried or len(readers_of.get(x, [])) < 2 or not tensors.is_float(x):
                 continue
             tried.add(x)
-            chain = _gelu_chain(x, readers_of, tensors)
+            chain = _activation_chain(x, readers_of, tensors)
             if chain is None:
                 continue
-            members, approximate = chain
+            members, activation = chain
             outputs = [n.output[0] for n in members]
             if any(o in absorbed or o in fused for o in outputs):
                 continue
-            last = members[-1]
-            node = fused_node(GELU, [x], outputs[-1], names[id(last)], approximate=approximate)
-            fused[outputs[-1]] = (node, names[id(last)])
+            name = names[id(members[-1])]
+            node = fused_node(activation.op, [x], outputs[-1], name, **activation.attributes)
+            fused[outputs[-1]] = (node, name)
             absorbed.update(outputs[:-1])
     return _with_fused(nodes, fused, absorbed)
 
 
-def _gelu_chain(
+def _activation_chain(
     x: str,
     readers_of: Mapping[str, list[NodeProto]],
     tensors: Tensors,
-) -> tuple[list[NodeProto], str] | None:
-    """The nodes of the GELU of ``x`` in topological order (the last one's output is its
-    result) and its ``approximate``, or None: the elementwise nodes computed from ``x`` and
+) -> tuple[list[NodeProto], _Activation] | None:
+    """The nodes of an activation of ``x`` in topological order (the last one's output is
+    its result) and which it is, or None: the elementwise nodes computed from ``x`` and
     constant scalars alone are grown from ``x`` in order, and the first value among them
-    that is GELU's on the probe values, with nothing outside reading the values before it,
-    ends the chain."""
+    that is an activation's on the probe values, with nothing outside reading the values
+    before it, ends the chain."""
     values: dict[str, np.ndarray] = {x: _PROBE}
     members: list[NodeProto] = []
     frontier = [x]
-    while frontier and len(members) < _GELU_MAX_NODES:
+    while frontier and len(members) < _CHAIN_MAX_NODES:
         tensor = frontier.pop(0)
         for node in readers_of.get(tensor, []):
             if node.output[0] in values or not _computable(node, values, tensors):
@@ -417,7 +442,7 @@ def _gelu_chain(
                 values[node.output[0]] = _ELEMENTWISE[node.op_type](*operands)
             members.append(node)
             frontier.append(node.output[0])
-            found = _gelu_ending(x, members, values, tensors)
+            found = _activation_ending(x, members, values, tensors)
             if found is not None:
                 return found
     return None
@@ -433,40 +458,36 @@ def _computable(node: NodeProto, values: Mapping[str, np.ndarray], tensors: Tens
     return all(t in values or tensors.scalar(t) is not None for t in node.input)
 
 
-def _gelu_ending(
+def _activation_ending(
     x: str,
     members: Sequence[NodeProto],
     values: Mapping[str, np.ndarray],
     tensors: Tensors,
-) -> tuple[list[NodeProto], str] | None:
-    """``members`` ending in its last node as a GELU of ``x`` with its ``approximate``,
-    where the last node's value is GELU's and the nodes it needs are the chain: each read
-    only inside it, an ``Erf`` or a ``Tanh`` among them."""
-    last = members[-1]
-    y = last.output[0]
+) -> tuple[list[NodeProto], _Activation] | None:
+    """``members`` ending in its last node as an activation of ``x``, and which, where the
+    last node's value is the activation's and the nodes it needs are the chain: each read
+    only inside it, the activation's core operator among them."""
+    y = members[-1].output[0]
     result = values[y]
-    if (
-        np.shape(result) != _PROBE.shape
-        or tensors.shape(y) is None
-        or tensors.shape(y) != tensors.shape(x)
-    ):
+    if np.shape(result) != _PROBE.shape or tensors.shape(y) is None:
         return None
-    approximate = next(
-        (a for a in ("none", "tanh") if np.allclose(result, _gelu_values(a), atol=_GELU_TOLERANCE)),
-        None,
+    if tensors.shape(y) != tensors.shape(x) or not tensors.is_float(y):
+        return None
+    activation = next(
+        (a for a in _ACTIVATIONS if np.allclose(result, a.values, atol=_TOLERANCE)), None
     )
-    if approximate is None or not tensors.is_float(y):
+    if activation is None:
         return None
     producers = {m.output[0]: m for m in members}
     needed: dict[int, NodeProto] = {}
-    stack = [last]
+    stack = [members[-1]]
     while stack:
         node = stack.pop()
         if id(node) not in needed:
             needed[id(node)] = node
             stack.extend(producers[t] for t in node.input if t in producers)
     chain = [m for m in members if id(m) in needed]
-    if not any(m.op_type in _GELU_CORES for m in chain):
+    if not any(m.op_type == activation.core for m in chain):
         return None
     reads_inside: dict[str, int] = {}
     for node in chain:
@@ -475,7 +496,7 @@ def _gelu_ending(
     for node in chain[:-1]:
         if tensors.readers.get(node.output[0], 0) != reads_inside.get(node.output[0], 0):
             return None
-    return chain, approximate
+    return chain, activation
 
 
 # --- layer normalization ----------------------------------------------------------------

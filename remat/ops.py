@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, SILU
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -156,6 +156,7 @@ FLOPS: dict[str, FlopsFn] = {
     "LogSoftmax": _per_output_elem(5),
     "Gelu": _per_output_elem(8),
     GELU: _per_output_elem(8),
+    SILU: _per_output_elem(5),  # a sigmoid and a product
     "MaxPool": _window,
     "AveragePool": _window,
     "LpPool": _window,

@@ -19,9 +19,9 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | argmax, kept with its output: below)                                 |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, MatMulAdd, BatchNormalization,    |
 |                  | InstanceNormalization, LayerNormalization, FusedLayerNorm,           |
-|                  | LeakyRelu, Gelu, FusedGelu, Elu, Log, Abs, Pow, Erf, HardSigmoid,    |
-|                  | Clip, HardSwish, RNN, GRU, LSTM, ScaledDotProductAttention (its      |
-|                  | weights recomputed, not held)                                        |
+|                  | LeakyRelu, Gelu, FusedGelu, FusedSilu, Elu, Log, Abs, Pow, Erf,      |
+|                  | HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM,                        |
+|                  | ScaledDotProductAttention (its weights recomputed, not held)         |
 | inputs + output  | LRN; any op not listed (conservative)                                |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
@@ -68,7 +68,7 @@ from enum import Enum
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, SILU
 
 
 class Needs(Enum):
@@ -107,8 +107,8 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
         f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} {ATTENTION} BatchNormalization "
-        f"InstanceNormalization LayerNormalization {LAYER_NORM} LeakyRelu Gelu {GELU} Elu Log "
-        "Abs Pow Erf "
+        f"InstanceNormalization LayerNormalization {LAYER_NORM} LeakyRelu Gelu {GELU} {SILU} "
+        "Elu Log Abs Pow Erf "
         "HardSigmoid Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),

@@ -704,6 +704,23 @@ def test_a_gelu_written_as_elementwise_operators_is_one_node(form: str, last: st
     assert backward.deps[0] == 0 and 1 not in backward.deps
 
 
+def test_x_times_its_sigmoid_is_one_silu_node_and_a_gate_is_not() -> None:
+    """SiLU (``x * sigmoid(x)``, as exporters write ``F.silu``) fuses; a squeeze-excitation
+    gate (``y * sigmoid(s)``, another tensor gated) does not."""
+    nodes = [
+        helper.make_node("Relu", ["x0"], ["x"], name="pre"),
+        helper.make_node("Sigmoid", ["x"], ["s"]),
+        helper.make_node("Mul", ["x", "s"], ["silu"], name="act/Mul"),
+        helper.make_node("Sigmoid", ["silu"], ["gate"]),
+        helper.make_node("Mul", ["x", "gate"], ["y"], name="gated"),
+    ]
+    graph = ingest(model(nodes, [vi("x0", GELU_SHAPE)], [out("y", 3)]))
+    assert ops_of(graph) == ["Relu", "FusedSilu", "Sigmoid", "Mul"]
+    silu = graph.nodes[1]
+    assert silu.name == "act/Mul" and silu.attrs["onnx_inputs"] == ["x"]
+    assert "fused_attributes" not in silu.attrs
+
+
 NEG_OF_ERF = helper.make_node("Neg", ["e"], ["z"])
 
 

@@ -27,7 +27,7 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, SILU
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -96,9 +96,11 @@ def test_recurrent_layers_with_packed_gates(name: str) -> None:
     _check(name)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "deeplabv3_mobilenet_v3_large"])
+@pytest.mark.parametrize("name", ["resnet18", "deeplabv3_mobilenet_v3_large", "efficientnet_b0"])
 def test_torchvision_models(name: str) -> None:
-    _check(name)
+    """EfficientNet's SiLU (``x * sigmoid(x)``) is one ``FusedSilu`` node; its
+    squeeze-excitation gates (another tensor times a sigmoid) stay apart."""
+    _check(name, fused=(SILU,) if name == "efficientnet_b0" else ())
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")

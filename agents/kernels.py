@@ -49,6 +49,7 @@ from remat.onnx_fusion import (
     GELU,
     LAYER_NORM,
     MATMUL_ADD,
+    RMS_NORM,
     SILU,
 )
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
@@ -783,6 +784,17 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
     return y, mean, inv_std
 
 
+def _rms_norm(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``FusedRMSNorm``: PyTorch's ``rms_norm`` over the axes from
+    ``axis`` on."""
+    x, weight = args[0], args[1]
+    assert x is not None and weight is not None
+    shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
+    # in the wider of the two types, as the chain's last Mul by the weight gives it
+    x = x.to(torch.promote_types(x.dtype, weight.dtype))
+    return (F.rms_norm(x, shape, weight.to(x.dtype), spec.attr("epsilon", 1e-6)),)
+
+
 def _lrn(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
@@ -1492,6 +1504,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "InstanceNormalization": _instance_norm,
     "LayerNormalization": _layer_norm,
     LAYER_NORM: _layer_norm,
+    RMS_NORM: _rms_norm,
     "LRN": _lrn,
     # shape, data movement
     "Reshape": _reshape,
@@ -2054,6 +2067,20 @@ def _gelu_grad(call: VjpCall) -> Grads:
     )
 
 
+def _rms_norm_grad(call: VjpCall) -> Grads:
+    """``y = x r w`` with ``r = (mean(x^2) + eps)^-1/2`` over the normalised axes:
+    ``dx = r g w - x r^3 mean(g w x)``, ``dw = g x r`` summed to the weight's shape."""
+    spec, x_in, weight, g = call.spec, call.arg(0), call.arg(1), call.g
+    x = x_in.to(g.dtype)  # the forward's wider type (``_rms_norm``)
+    dims = tuple(range(_axis(spec.attr("axis", -1), x.dim()), x.dim()))
+    r = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + spec.attr("epsilon", 1e-6))
+    gw = g * weight
+    return call.only(
+        lambda: (r * gw - x * r.pow(3) * (gw * x).mean(dim=dims, keepdim=True)).to(x_in.dtype),
+        lambda: (g * x * r).sum_to_size(weight.shape).to(weight.dtype),
+    )
+
+
 def _silu_grad(call: VjpCall) -> Grads:
     """PyTorch's ``silu_backward``, from the input (``remat.onnx_fusion``'s ``FusedSilu``)."""
     return call.only(lambda: torch.ops.aten.silu_backward(call.g, call.arg(0)))
@@ -2097,6 +2124,7 @@ VJP_RULES: dict[str, Rule] = {
     "BatchNormalization": _batch_norm_grad,
     "LayerNormalization": _layer_norm_grad,
     LAYER_NORM: _layer_norm_grad,
+    RMS_NORM: _rms_norm_grad,
     "Gelu": _gelu_grad,
     GELU: _gelu_grad,
     SILU: _silu_grad,

@@ -61,6 +61,14 @@ differentiated as that operator is. A chain is fused when both means are over th
 trailing axes and keep them, the square is ``Pow`` by 2 or ``Mul`` of the centred value by
 itself, epsilon is a constant scalar, the weight and the bias are constants of the
 normalised axes' shape, nothing else reads the chain's values, and every tensor is a float.
+
+RMS normalization (T5, LLaMA), ``x / sqrt(mean(x^2) + eps) * weight``, which ONNX has no
+operator for before opset 23, is written as ``Pow`` by 2 (or ``Mul`` of ``x`` by itself),
+``ReduceMean``, ``Add`` of epsilon, ``Sqrt``, ``Div`` of 1 by it (or ``Reciprocal``),
+``Mul`` by ``x`` and ``Mul`` by the weight, the normalised value held for the weight's
+gradient. Fused, it is one ``FusedRMSNorm`` node with inputs ``(x, weight)`` and the
+attributes ``axis`` and ``epsilon``, run as PyTorch's ``rms_norm``; the same conditions
+hold as for layer normalization.
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ ATTENTION = "ScaledDotProductAttention"
 GELU = "FusedGelu"
 SILU = "FusedSilu"
 LAYER_NORM = "FusedLayerNorm"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM})
+RMS_NORM = "FusedRMSNorm"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM})
 
 Shape = tuple[int, ...]
 
@@ -499,7 +508,7 @@ def _activation_ending(
     return chain, activation
 
 
-# --- layer normalization ----------------------------------------------------------------
+# --- normalizations ---------------------------------------------------------------------
 
 
 def fuse_layer_norms(
@@ -509,27 +518,50 @@ def fuse_layer_norms(
     """``nodes`` (as for ``fuse_linear_layers``) with every layer normalization written as
     its formula (the module docstring) replaced by one ``FusedLayerNorm`` at the place of
     its last node, named as it."""
-    producer = {out: entry for entry in nodes for out in entry[0].output if out}
-    readers_of: dict[str, list[NodeProto]] = {}
-    for proto, _ in nodes:
-        for tensor in dict.fromkeys(proto.input):
-            readers_of.setdefault(tensor, []).append(proto)
+    return _fuse_normalizations(nodes, tensors, LAYER_NORM, _layer_norm_chain)
 
-    def only_reader(tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
+
+@dataclass(frozen=True)
+class _Neighbours:
+    """Who makes and who reads each tensor among the scheduled operators."""
+
+    producer: Mapping[str, tuple[NodeProto, str]]
+    readers_of: Mapping[str, list[NodeProto]]
+    tensors: Tensors
+
+    def only_reader(self, tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
         """The one operator reading ``tensor`` where it is one of ``ops`` of ONNX's domain
         and nothing else (no model output) reads ``tensor``."""
-        found = readers_of.get(tensor, [])
-        if len(found) != 1 or tensors.readers.get(tensor, 0) != 1:
+        found = self.readers_of.get(tensor, [])
+        if len(found) != 1 or self.tensors.readers.get(tensor, 0) != 1:
             return None
         node = found[0]
         return node if node.op_type in ops and node.domain in DEFAULT_DOMAINS else None
 
+
+_NormChain = Callable[
+    [NodeProto, _Neighbours, Tensors], tuple[list[NodeProto], list[str], int, float] | None
+]
+
+
+def _fuse_normalizations(
+    nodes: Sequence[tuple[NodeProto, str]], tensors: Tensors, op: str, chain_of: _NormChain
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` with each normalization ``chain_of`` finds from a ``ReduceMean`` (its
+    nodes, the fused node's inputs, axis and epsilon) replaced by one ``op`` at the place
+    of its last node, named as it."""
+    readers_of: dict[str, list[NodeProto]] = {}
+    for proto, _ in nodes:
+        for tensor in dict.fromkeys(proto.input):
+            readers_of.setdefault(tensor, []).append(proto)
+    producer = {out: entry for entry in nodes for out in entry[0].output if out}
+    around = _Neighbours(producer, readers_of, tensors)
     fused: dict[str, tuple[NodeProto, str]] = {}
     absorbed: set[str] = set()
     for proto, _ in nodes:
         if proto.op_type != "ReduceMean" or proto.domain not in DEFAULT_DOMAINS:
             continue
-        chain = _layer_norm_chain(proto, readers_of, only_reader, tensors)
+        chain = chain_of(proto, around, tensors)
         if chain is None:
             continue
         members, inputs, axis, epsilon = chain
@@ -537,17 +569,14 @@ def fuse_layer_norms(
         if any(o in absorbed or o in fused for o in outputs):
             continue
         name = producer[outputs[-1]][1]
-        node = fused_node(LAYER_NORM, inputs, outputs[-1], name, axis=axis, epsilon=epsilon)
+        node = fused_node(op, inputs, outputs[-1], name, axis=axis, epsilon=epsilon)
         fused[outputs[-1]] = (node, name)
         absorbed.update(outputs[:-1])
     return _with_fused(nodes, fused, absorbed)
 
 
 def _layer_norm_chain(
-    mean: NodeProto,
-    readers_of: Mapping[str, list[NodeProto]],
-    only_reader: Callable[[str, tuple[str, ...]], NodeProto | None],
-    tensors: Tensors,
+    mean: NodeProto, around: _Neighbours, tensors: Tensors
 ) -> tuple[list[NodeProto], list[str], int, float] | None:
     """The nodes of the layer normalization whose first mean is ``mean`` (in order; the
     last one's output is its result), the fused node's inputs, its axis and epsilon; or
@@ -557,11 +586,11 @@ def _layer_norm_chain(
     axes = _trailing_axes(mean, x_shape)
     if x_shape is None or axes is None or not tensors.is_float(x):
         return None
-    centre = only_reader(mean.output[0], ("Sub",))
+    centre = around.only_reader(mean.output[0], ("Sub",))
     if centre is None or list(centre.input) != [x, mean.output[0]]:
         return None
     d = centre.output[0]
-    d_readers = readers_of.get(d, [])
+    d_readers = around.readers_of.get(d, [])
     square = next((n for n in d_readers if n.op_type in ("Pow", "Mul")), None)
     divide = next((n for n in d_readers if n.op_type == "Div"), None)
     if square is None or divide is None or len(d_readers) != 2:
@@ -572,20 +601,20 @@ def _layer_norm_chain(
         return None
     if square.op_type == "Mul" and list(square.input) != [d, d]:
         return None
-    variance = only_reader(square.output[0], ("ReduceMean",))
+    variance = around.only_reader(square.output[0], ("ReduceMean",))
     if variance is None or _trailing_axes(variance, x_shape) != axes:
         return None
-    shifted = only_reader(variance.output[0], ("Add",))
+    shifted = around.only_reader(variance.output[0], ("Add",))
     if shifted is None:
         return None
     epsilon = _other_scalar(shifted, variance.output[0], tensors)
-    std = only_reader(shifted.output[0], ("Sqrt",))
+    std = around.only_reader(shifted.output[0], ("Sqrt",))
     if epsilon is None or std is None or list(divide.input) != [d, std.output[0]]:
         return None
-    if only_reader(std.output[0], ("Div",)) is not divide:
+    if around.only_reader(std.output[0], ("Div",)) is not divide:
         return None
     normalised = (*x_shape[len(x_shape) - axes :],)
-    scaled = only_reader(divide.output[0], ("Mul",))
+    scaled = around.only_reader(divide.output[0], ("Mul",))
     weight = None if scaled is None else _other(scaled, divide.output[0])
     if (
         scaled is None
@@ -596,7 +625,7 @@ def _layer_norm_chain(
         return None
     members = [mean, centre, square, variance, shifted, std, divide, scaled]
     inputs = [x, weight]
-    shifted_by = only_reader(scaled.output[0], ("Add",))
+    shifted_by = around.only_reader(scaled.output[0], ("Add",))
     bias = None if shifted_by is None else _other(shifted_by, scaled.output[0])
     if (
         shifted_by is not None
@@ -634,3 +663,61 @@ def _other(node: NodeProto, tensor: str) -> str | None:
 def _other_scalar(node: NodeProto, tensor: str, tensors: Tensors) -> float | None:
     other = _other(node, tensor)
     return None if other is None else tensors.scalar(other)
+
+
+def fuse_rms_norms(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every RMS normalization written as
+    its formula (the module docstring) replaced by one ``FusedRMSNorm`` at the place of
+    its last node, named as it."""
+    return _fuse_normalizations(nodes, tensors, RMS_NORM, _rms_norm_chain)
+
+
+def _rms_norm_chain(
+    mean: NodeProto, around: _Neighbours, tensors: Tensors
+) -> tuple[list[NodeProto], list[str], int, float] | None:
+    """The nodes of the RMS normalization whose mean of squares is ``mean`` (in order; the
+    last one's output is its result), the fused node's inputs, its axis and epsilon; or
+    None where the chain is not one ``fuse_rms_norms`` fuses."""
+    found = around.producer.get(mean.input[0]) if len(mean.input) == 1 else None
+    square = found[0] if found is not None else None
+    if square is None or square.domain not in DEFAULT_DOMAINS:
+        return None
+    if around.only_reader(square.output[0], ("ReduceMean",)) is not mean:
+        return None
+    x = square.input[0]
+    if square.op_type == "Pow":
+        if tensors.scalar(square.input[1]) != 2.0:
+            return None
+    elif square.op_type != "Mul" or list(square.input) != [x, x]:
+        return None
+    x_shape = tensors.shape(x)
+    axes = _trailing_axes(mean, x_shape)
+    if x_shape is None or axes is None or not tensors.is_float(x):
+        return None
+    shifted = around.only_reader(mean.output[0], ("Add",))
+    epsilon = None if shifted is None else _other_scalar(shifted, mean.output[0], tensors)
+    root = None if shifted is None else around.only_reader(shifted.output[0], ("Sqrt",))
+    if shifted is None or epsilon is None or root is None:
+        return None
+    inverse = around.only_reader(root.output[0], ("Div", "Reciprocal"))
+    if inverse is None:
+        return None
+    if inverse.op_type == "Div" and (
+        inverse.input[1] != root.output[0] or tensors.scalar(inverse.input[0]) != 1.0
+    ):
+        return None
+    normalised = around.only_reader(inverse.output[0], ("Mul",))
+    if normalised is None or _other(normalised, inverse.output[0]) != x:
+        return None
+    scaled = around.only_reader(normalised.output[0], ("Mul",))
+    weight = None if scaled is None else _other(scaled, normalised.output[0])
+    shape = (*x_shape[len(x_shape) - axes :],)
+    if scaled is None or weight is None or not tensors.constant(weight):
+        return None
+    if tensors.shape(weight) != shape or not tensors.is_float(scaled.output[0]):
+        return None
+    members = [square, mean, shifted, root, inverse, normalised, scaled]
+    return members, [x, weight], -axes, epsilon

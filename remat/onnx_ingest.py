@@ -3,7 +3,7 @@
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
-``Add`` into one operator, each GELU, SiLU and layer normalization written as its formula,
+``Add`` into one operator, each GELU, SiLU, layer and RMS normalization written as its formula,
 and where asked each attention chain (``remat.onnx_fusion``);
 build one ``FORWARD`` node per remaining operator.
 
@@ -50,6 +50,7 @@ from remat.onnx_fusion import (
     fuse_attention_chains,
     fuse_layer_norms,
     fuse_linear_layers,
+    fuse_rms_norms,
 )
 
 if TYPE_CHECKING:
@@ -967,6 +968,7 @@ def forward_graph(
     )
     fused = fuse_linear_layers([(nodes[i], names[i]) for i in scheduled], tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)
+    fused = fuse_rms_norms(fused, tensors)
     if fuse_attention:
         fused = fuse_attention_chains(fused, tensors, opset=folder.opsets.get("", 0))
     return _build(model, folder, input_infos, fused)

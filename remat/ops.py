@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, SILU
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, RMS_NORM, SILU
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -151,6 +151,7 @@ FLOPS: dict[str, FlopsFn] = {
     "InstanceNormalization": _per_output_elem(8),
     "LayerNormalization": _per_output_elem(8),
     LAYER_NORM: _per_output_elem(8),
+    RMS_NORM: _per_output_elem(6),
     "GroupNormalization": _per_output_elem(8),
     "Softmax": _per_output_elem(5),
     "LogSoftmax": _per_output_elem(5),

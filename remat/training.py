@@ -19,7 +19,8 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | argmax, kept with its output: below)                                 |
 | inputs           | Conv, ConvTranspose, Gemm, MatMul, MatMulAdd, BatchNormalization,    |
 |                  | InstanceNormalization, LayerNormalization, FusedLayerNorm,           |
-|                  | LeakyRelu, Gelu, FusedGelu, FusedSilu, Elu, Log, Abs, Pow, Erf,      |
+|                  | FusedRMSNorm, LeakyRelu, Gelu, FusedGelu, FusedSilu, Elu, Log, Abs,  |
+|                  | Pow, Erf,                                                            |
 |                  | HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM,                        |
 |                  | ScaledDotProductAttention (its weights recomputed, not held)         |
 | inputs + output  | LRN; any op not listed (conservative)                                |
@@ -68,7 +69,7 @@ from enum import Enum
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, SILU
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, RMS_NORM, SILU
 
 
 class Needs(Enum):
@@ -107,8 +108,8 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
         f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} {ATTENTION} BatchNormalization "
-        f"InstanceNormalization LayerNormalization {LAYER_NORM} LeakyRelu Gelu {GELU} {SILU} "
-        "Elu Log Abs Pow Erf "
+        f"InstanceNormalization LayerNormalization {LAYER_NORM} {RMS_NORM} LeakyRelu Gelu "
+        f"{GELU} {SILU} Elu Log Abs Pow Erf "
         "HardSigmoid Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),

@@ -27,7 +27,15 @@ from agents.program import GradientBuffers, Program, build_program, value_bytes
 from agents.torch_devices import ieee_fp32
 from remat import samples
 from remat.graph import NodeKind
-from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN, GELU, LAYER_NORM, MATMUL_ADD, SILU
+from remat.onnx_fusion import (
+    ATTENTION,
+    FUSED_DOMAIN,
+    GELU,
+    LAYER_NORM,
+    MATMUL_ADD,
+    RMS_NORM,
+    SILU,
+)
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
@@ -375,6 +383,9 @@ GRAD_CASES: dict[str, GradCase] = {
     "fused_gelu": GradCase(GELU, [(2, 3, 4)], {"approximate": "none"}, domain=FUSED_DOMAIN),
     "fused_gelu_tanh": GradCase(GELU, [(2, 3, 4)], {"approximate": "tanh"}, domain=FUSED_DOMAIN),
     "fused_silu": GradCase(SILU, [(2, 3, 4)], domain=FUSED_DOMAIN),
+    "fused_rms_norm": GradCase(
+        RMS_NORM, [(2, 3, 4), (4,)], {"axis": -1, "epsilon": 1e-6}, domain=FUSED_DOMAIN
+    ),
     "fused_layer_norm": GradCase(
         LAYER_NORM, [(2, 3, 4), (4,), (4,)], {"axis": -1, "epsilon": 1e-5}, domain=FUSED_DOMAIN
     ),

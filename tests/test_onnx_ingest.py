@@ -805,6 +805,41 @@ def test_a_layer_norms_operators_stay_apart_unless_they_are_one(
     assert "ReduceMean" in ops_of(graph), case
 
 
+def _rms_norm_model(
+    *, inverse: str = "Div", extra: Sequence[onnx.NodeProto] = ()
+) -> onnx.ModelProto:
+    """Relu, then RMS normalization as T5's ``T5LayerNorm`` exports (``inverse``: ``Div``
+    of 1 by the root, or ``Reciprocal``), then Relu."""
+    nodes = [
+        helper.make_node("Relu", ["x0"], ["x"], name="pre"),
+        helper.make_node("Pow", ["x", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1]),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["root"]),
+        helper.make_node("Div", ["one", "root"], ["inv"])
+        if inverse == "Div"
+        else helper.make_node("Reciprocal", ["root"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["n"]),
+        helper.make_node("Mul", ["w", "n"], ["nw"], name="norm/Mul_1"),
+        helper.make_node("Relu", ["nw"], ["y"], name="post"),
+        *extra,
+    ]
+    params = [init("two", 2.0), init("eps", 1e-6), init("one", 1.0), ones("w", (8,))]
+    outputs = [out("y", 3)] + [out(o, 3) for n in extra for o in n.output]
+    return model(nodes, [vi("x0", GELU_SHAPE)], outputs, params)
+
+
+@pytest.mark.parametrize("inverse", ["Div", "Reciprocal"])
+def test_an_rms_norm_written_as_its_formula_is_one_node(inverse: str) -> None:
+    graph = ingest(_rms_norm_model(inverse=inverse))
+    assert ops_of(graph) == ["Relu", "FusedRMSNorm", "Relu"]
+    norm = graph.nodes[1]
+    assert norm.name == "norm/Mul_1" and norm.attrs["onnx_inputs"] == ["x", "w"]
+    assert norm.attrs["fused_attributes"] == {"axis": -1, "epsilon": pytest.approx(1e-6)}
+    kept = ingest(_rms_norm_model(extra=[helper.make_node("Neg", ["inv"], ["z"])]))
+    assert "FusedRMSNorm" not in ops_of(kept)  # its inverse root read elsewhere
+
+
 # --- operators outside the table and shape failures ----------------------------------------
 
 

@@ -27,7 +27,7 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, SILU
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, RMS_NORM, SILU
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -135,6 +135,7 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     learned position bias): the gradients still match the module's autograd. The dynamo
     exporter folds the position embeddings' lookup of constant positions into a constant:
     that weight gets no gradient. BERT's and GPT-2's GELU, written as elementwise
-    operators by both exporters, is one ``FusedGelu`` node too."""
-    fused = (GELU,) if name in ("bert", "gpt2") else ()
+    operators by both exporters, is one ``FusedGelu`` node too, T5's RMS normalization one
+    ``FusedRMSNorm``."""
+    fused = {"bert": (GELU,), "gpt2": (GELU,), "t5": (RMS_NORM,)}.get(name, ())
     _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"), fused=fused)

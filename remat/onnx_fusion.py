@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import NodeProto, helper
@@ -128,7 +128,7 @@ def fuse_linear_layers(
         for proto, name in nodes
         if _is_matmul(proto) and tensors.readers.get(proto.output[0], 0) == 1
     }
-    fused: dict[str, tuple[NodeProto, str]] = {}  # the MatMul's output -> the fused node
+    found = _Replacements()
     for proto, _ in nodes:
         if not _is_add(proto):
             continue
@@ -142,21 +142,9 @@ def fuse_linear_layers(
                 tensors.is_float(t) for t in (a, w, bias, proto.output[0])
             ):
                 node = fused_node(MATMUL_ADD, [a, w, bias], proto.output[0], matmul[1])
-                fused[product] = (node, matmul[1])
+                found.add(node, matmul[1], [product])  # at the Add's place
                 break
-    if not fused:
-        return list(nodes)
-    result = []
-    for proto, name in nodes:
-        if _is_matmul(proto) and proto.output[0] in fused:
-            continue  # computed by the fused node, at the Add's place
-        if _is_add(proto):
-            product = next((t for t in proto.input if t in fused), None)
-            if product is not None:
-                result.append(fused[product])
-                continue
-        result.append((proto, name))
-    return result
+    return found.applied(nodes)
 
 
 def fuse_attention_chains(
@@ -168,32 +156,70 @@ def fuse_attention_chains(
     by one ``ScaledDotProductAttention`` at the place of its last ``MatMul``; ``opset`` is
     the model's default-domain opset (``Softmax``'s default axis depends on it)."""
     producer = {out: entry for entry in nodes for out in entry[0].output if out}
-    fused: dict[str, tuple[NodeProto, str]] = {}  # the last MatMul's output -> fused node
-    absorbed: set[str] = set()  # outputs of the nodes a fused node replaces
+    found = _Replacements()
     for proto, _ in nodes:
         if _is_matmul(proto):
             chain = _attention_chain(proto, producer, tensors, opset)
             if chain is not None:
                 node, removed = chain
-                fused[proto.output[0]] = (node, node.name)
-                absorbed.update(removed)
-    return _with_fused(nodes, fused, absorbed)
+                found.add(node, node.name, removed)
+    return found.applied(nodes)
 
 
-def _with_fused(
-    nodes: Sequence[tuple[NodeProto, str]],
-    fused: Mapping[str, tuple[NodeProto, str]],
-    absorbed: set[str],
-) -> list[tuple[NodeProto, str]]:
-    """``nodes`` with the node that makes each output of ``fused`` replaced by its fused
-    node, and the nodes whose outputs are ``absorbed`` (the rest of each chain) dropped."""
-    result = []
-    for proto, name in nodes:
-        if proto.output and proto.output[0] in fused:
-            result.append(fused[proto.output[0]])
-        elif not (proto.output and proto.output[0] in absorbed):
-            result.append((proto, name))
-    return result
+@dataclass
+class _Replacements:
+    """The fused nodes a fusion found, each by the output it makes (that of the last node
+    it replaces), and the outputs of the other nodes they replace."""
+
+    fused: dict[str, tuple[NodeProto, str]] = field(default_factory=dict)
+    absorbed: set[str] = field(default_factory=set)
+
+    def add(self, node: NodeProto, name: str, replaced: Sequence[str]) -> None:
+        """``node`` (named ``name``) in place of the node making its output and of the
+        nodes making ``replaced``, unless one of those is another fused node's already."""
+        outputs = [*replaced, node.output[0]]
+        if not any(o in self.absorbed or o in self.fused for o in outputs):
+            self.fused[node.output[0]] = (node, name)
+            self.absorbed.update(replaced)
+
+    def applied(self, nodes: Sequence[tuple[NodeProto, str]]) -> list[tuple[NodeProto, str]]:
+        """``nodes`` with the node making each fused node's output replaced by it, and the
+        nodes making the outputs it absorbed dropped."""
+        result = []
+        for proto, name in nodes:
+            if proto.output and proto.output[0] in self.fused:
+                result.append(self.fused[proto.output[0]])
+            elif not (proto.output and proto.output[0] in self.absorbed):
+                result.append((proto, name))
+        return result
+
+
+@dataclass(frozen=True)
+class _Neighbours:
+    """Who makes and who reads each tensor among the scheduled operators, and what
+    ingestion found of the tensors."""
+
+    producer: Mapping[str, tuple[NodeProto, str]]
+    readers_of: Mapping[str, list[NodeProto]]
+    tensors: Tensors
+
+    @classmethod
+    def of(cls, nodes: Sequence[tuple[NodeProto, str]], tensors: Tensors) -> _Neighbours:
+        readers_of: dict[str, list[NodeProto]] = {}
+        for proto, _ in nodes:
+            for tensor in dict.fromkeys(proto.input):
+                readers_of.setdefault(tensor, []).append(proto)
+        producer = {out: entry for entry in nodes for out in entry[0].output if out}
+        return cls(producer, readers_of, tensors)
+
+    def only_reader(self, tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
+        """The one operator reading ``tensor`` where it is one of ``ops`` of ONNX's domain
+        and nothing else (no model output) reads ``tensor``."""
+        found = self.readers_of.get(tensor, [])
+        if len(found) != 1 or self.tensors.readers.get(tensor, 0) != 1:
+            return None
+        node = found[0]
+        return node if node.op_type in ops and node.domain in DEFAULT_DOMAINS else None
 
 
 def _attention_chain(
@@ -401,38 +427,26 @@ def fuse_activation_chains(
     """``nodes`` (as for ``fuse_linear_layers``) with every GELU and SiLU written as a chain
     of elementwise operators (the module docstring) replaced by one ``FusedGelu`` or
     ``FusedSilu`` at the place of the chain's last node, named as it."""
-    readers_of: dict[str, list[NodeProto]] = {}
-    for proto, _ in nodes:
-        for tensor in dict.fromkeys(proto.input):
-            readers_of.setdefault(tensor, []).append(proto)
-    names = {id(proto): name for proto, name in nodes}
-    fused: dict[str, tuple[NodeProto, str]] = {}  # the chain's output -> the fused node
-    absorbed: set[str] = set()  # outputs of the nodes a fused node replaces
+    around = _Neighbours.of(nodes, tensors)
+    found = _Replacements()
     tried: set[str] = set()
     for proto, _ in nodes:
         for x in dict.fromkeys(proto.input):
-            if x in tried or len(readers_of.get(x, [])) < 2 or not tensors.is_float(x):
+            if x in tried or len(around.readers_of.get(x, [])) < 2 or not tensors.is_float(x):
                 continue
             tried.add(x)
-            chain = _activation_chain(x, readers_of, tensors)
+            chain = _activation_chain(x, around)
             if chain is None:
                 continue
             members, activation = chain
             outputs = [n.output[0] for n in members]
-            if any(o in absorbed or o in fused for o in outputs):
-                continue
-            name = names[id(members[-1])]
+            name = around.producer[outputs[-1]][1]
             node = fused_node(activation.op, [x], outputs[-1], name, **activation.attributes)
-            fused[outputs[-1]] = (node, name)
-            absorbed.update(outputs[:-1])
-    return _with_fused(nodes, fused, absorbed)
+            found.add(node, name, outputs[:-1])
+    return found.applied(nodes)
 
 
-def _activation_chain(
-    x: str,
-    readers_of: Mapping[str, list[NodeProto]],
-    tensors: Tensors,
-) -> tuple[list[NodeProto], _Activation] | None:
+def _activation_chain(x: str, around: _Neighbours) -> tuple[list[NodeProto], _Activation] | None:
     """The nodes of an activation of ``x`` in topological order (the last one's output is
     its result) and which it is, or None: the elementwise nodes computed from ``x`` and
     constant scalars alone are grown from ``x`` in order, and the first value among them
@@ -443,15 +457,16 @@ def _activation_chain(
     frontier = [x]
     while frontier and len(members) < _CHAIN_MAX_NODES:
         tensor = frontier.pop(0)
-        for node in readers_of.get(tensor, []):
-            if node.output[0] in values or not _computable(node, values, tensors):
+        for node in around.readers_of.get(tensor, []):
+            if node.output[0] in values or not _computable(node, values, around.tensors):
                 continue
-            operands = [values[t] if t in values else tensors.scalar(t) for t in node.input]
+            scalar = around.tensors.scalar
+            operands = [values[t] if t in values else scalar(t) for t in node.input]
             with np.errstate(all="ignore"):
                 values[node.output[0]] = _ELEMENTWISE[node.op_type](*operands)
             members.append(node)
             frontier.append(node.output[0])
-            found = _activation_ending(x, members, values, tensors)
+            found = _activation_ending(x, members, values, around.tensors)
             if found is not None:
                 return found
     return None
@@ -521,26 +536,8 @@ def fuse_layer_norms(
     return _fuse_normalizations(nodes, tensors, LAYER_NORM, _layer_norm_chain)
 
 
-@dataclass(frozen=True)
-class _Neighbours:
-    """Who makes and who reads each tensor among the scheduled operators."""
-
-    producer: Mapping[str, tuple[NodeProto, str]]
-    readers_of: Mapping[str, list[NodeProto]]
-    tensors: Tensors
-
-    def only_reader(self, tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
-        """The one operator reading ``tensor`` where it is one of ``ops`` of ONNX's domain
-        and nothing else (no model output) reads ``tensor``."""
-        found = self.readers_of.get(tensor, [])
-        if len(found) != 1 or self.tensors.readers.get(tensor, 0) != 1:
-            return None
-        node = found[0]
-        return node if node.op_type in ops and node.domain in DEFAULT_DOMAINS else None
-
-
 _NormChain = Callable[
-    [NodeProto, _Neighbours, Tensors], tuple[list[NodeProto], list[str], int, float] | None
+    [NodeProto, _Neighbours], tuple[list[NodeProto], list[str], int, float] | None
 ]
 
 
@@ -550,37 +547,29 @@ def _fuse_normalizations(
     """``nodes`` with each normalization ``chain_of`` finds from a ``ReduceMean`` (its
     nodes, the fused node's inputs, axis and epsilon) replaced by one ``op`` at the place
     of its last node, named as it."""
-    readers_of: dict[str, list[NodeProto]] = {}
-    for proto, _ in nodes:
-        for tensor in dict.fromkeys(proto.input):
-            readers_of.setdefault(tensor, []).append(proto)
-    producer = {out: entry for entry in nodes for out in entry[0].output if out}
-    around = _Neighbours(producer, readers_of, tensors)
-    fused: dict[str, tuple[NodeProto, str]] = {}
-    absorbed: set[str] = set()
+    around = _Neighbours.of(nodes, tensors)
+    found = _Replacements()
     for proto, _ in nodes:
         if proto.op_type != "ReduceMean" or proto.domain not in DEFAULT_DOMAINS:
             continue
-        chain = chain_of(proto, around, tensors)
+        chain = chain_of(proto, around)
         if chain is None:
             continue
         members, inputs, axis, epsilon = chain
         outputs = [m.output[0] for m in members]
-        if any(o in absorbed or o in fused for o in outputs):
-            continue
-        name = producer[outputs[-1]][1]
+        name = around.producer[outputs[-1]][1]
         node = fused_node(op, inputs, outputs[-1], name, axis=axis, epsilon=epsilon)
-        fused[outputs[-1]] = (node, name)
-        absorbed.update(outputs[:-1])
-    return _with_fused(nodes, fused, absorbed)
+        found.add(node, name, outputs[:-1])
+    return found.applied(nodes)
 
 
 def _layer_norm_chain(
-    mean: NodeProto, around: _Neighbours, tensors: Tensors
+    mean: NodeProto, around: _Neighbours
 ) -> tuple[list[NodeProto], list[str], int, float] | None:
     """The nodes of the layer normalization whose first mean is ``mean`` (in order; the
     last one's output is its result), the fused node's inputs, its axis and epsilon; or
     None where the chain is not one ``fuse_layer_norms`` fuses."""
+    tensors = around.tensors
     x = mean.input[0] if len(mean.input) == 1 else ""
     x_shape = tensors.shape(x) if x else None
     axes = _trailing_axes(mean, x_shape)
@@ -676,11 +665,12 @@ def fuse_rms_norms(
 
 
 def _rms_norm_chain(
-    mean: NodeProto, around: _Neighbours, tensors: Tensors
+    mean: NodeProto, around: _Neighbours
 ) -> tuple[list[NodeProto], list[str], int, float] | None:
     """The nodes of the RMS normalization whose mean of squares is ``mean`` (in order; the
     last one's output is its result), the fused node's inputs, its axis and epsilon; or
     None where the chain is not one ``fuse_rms_norms`` fuses."""
+    tensors = around.tensors
     found = around.producer.get(mean.input[0]) if len(mean.input) == 1 else None
     square = found[0] if found is not None else None
     if square is None or square.domain not in DEFAULT_DOMAINS:

@@ -65,6 +65,10 @@ class SolverSpec(Strict):
     time_limit_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     gap: float = Field(default=1e-4, ge=0, lt=1, allow_inf_nan=False)
     threads: int = Field(default=1, ge=1, le=256)
+    reuse_plans: bool = True
+    """Start the exact strategies' search from the plans of this model's earlier jobs
+    made for the same graph (those the simulator accepts at this job's budgets and
+    costs): the plan is never dearer than any of them."""
 
 
 Watts = Annotated[float, Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False)]

@@ -148,6 +148,9 @@ class PlanRow(Base):
     baselines: Mapped[dict[str, Any] | None]  # the baselines on the same inputs
     # a job over ranges of sizes: its range, device and buckets (its plans: FamilyPlanRow)
     family: Mapped[dict[str, Any] | None]
+    # the digest of the graph the plan was made for (``Plan.graph``): later jobs of the
+    # same model and graph start from it (``services.jobs.earlier_plans``)
+    graph_digest: Mapped[str | None] = mapped_column(String(64), index=True)
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO, TypedDict
 
@@ -62,6 +63,7 @@ from remat.simulator import Simulation, simulate
 from remat.solvers.model import Progress, SolveOptions
 from remat.solvers.runner import BACKENDS, DEFAULT_BACKEND
 from remat.strategies import AUTO, STRATEGIES, Problem, SolverSettings, StrategyResult, run_strategy
+from remat.strategies.common.known import noted_if_known
 
 MAX_BATCH_TIME_LIMIT_S = 10.0  # per try: a search makes about 2 log2(B) tries
 AUTO_HELP = (
@@ -133,6 +135,15 @@ def _parser(extend: Callable[[Commands], None] | None = None) -> argparse.Argume
     )
     _objective_arguments(plan)
     _solver_arguments(plan)
+    plan.add_argument(
+        "--start-from",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PLAN",
+        help="a plan made before for this model's graph (a plan JSON, repeatable): the "
+        "optimal strategies start from it where it fits these budgets, and never end above it",
+    )
     output = plan.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the plan JSON")
     output.add_argument("-o", "--output", type=Path, help="write the plan JSON to this file")
@@ -656,7 +667,9 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 
 def _plan_command(args: argparse.Namespace) -> int:
     problem = _problem(args)
-    result = run_strategy(args.strategy, problem)
+    starts = tuple(_start(path, problem) for path in args.start_from)
+    problem = replace(problem, solver=replace(problem.solver, known_plans=starts))
+    result = noted_if_known(run_strategy(args.strategy, problem), starts)
     if result.plan is None:
         raise InvalidInputError(result.message)
     document = plan_to_json(result.plan)
@@ -668,6 +681,31 @@ def _plan_command(args: argparse.Namespace) -> int:
     else:
         _print_summary(problem, result)
     return 0
+
+
+def _start(path: Path, problem: Problem) -> Plan:
+    """The plan ``--start-from`` names, refused where it cannot start this problem's
+    search: made for another graph (or before plans recorded theirs), or on a device the
+    problem does not have."""
+    plan = load_plan(path)
+    fingerprint = problem.graph.fingerprint
+    if plan.graph is None:
+        raise InvalidInputError(
+            f"--start-from {path}: the plan does not record its graph (made by an earlier "
+            "Remat); plan again, or check it with remat check"
+        )
+    if plan.graph != fingerprint:
+        raise InvalidInputError(
+            f"--start-from {path}: the plan was made for another graph ({plan.graph}); "
+            f"this model's is {fingerprint}"
+        )
+    names = {d.name for d in problem.costs.devices}
+    if unknown := [d.name for d in plan.devices if d.name not in names]:
+        raise InvalidInputError(
+            f"--start-from {path}: the plan runs on {', '.join(unknown)}, not among "
+            f"the devices {', '.join(sorted(names))}"
+        )
+    return plan
 
 
 def _family_command(args: argparse.Namespace) -> int:

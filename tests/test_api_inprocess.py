@@ -637,3 +637,37 @@ def test_auto_plans_two_cpus_sharing_a_pool_concurrently(api: InProcessApi) -> N
     plan = client.get(f"/v1/jobs/{job['id']}/plan").json()
     assert plan["version"] == 4 and plan["concurrent"] is True and plan["strategy"] == "port_m"
     assert plan["predicted"]["peak_bytes"]["cpu0"] <= plan["devices"][0]["budget_bytes"]
+
+
+REGIME = [
+    {"name": "cpu0", "kind": "cpu", "options": {"threads": "12"}},
+    {"name": "cuda0", "kind": "cuda", "options": {"flops": "2e12", "bandwidth": "60e9"}},
+]
+
+
+def test_a_job_starts_from_the_plans_of_earlier_jobs_of_its_model(api: InProcessApi) -> None:
+    """XEngine on two devices with no time to search (0.05 s: its warm start alone) ends
+    at the plan an earlier one-device job of the model stored, and says so; with
+    ``reuse_plans`` off it ends above it."""
+    client = api.client
+    model_id = uploaded(client, samples.resnet18(batch=4).SerializeToString())
+    budgets = {"cpu0": "55%", "cuda0": "55%"}
+    regime: dict[str, Any] = {"devices": REGIME, "budgets": budgets}
+    earlier = submitted(client, model_id, strategy="greedy_evict", **regime)
+    api.dispatcher.run()
+    quick = {"backend": "highs", "time_limit_s": 0.05}
+    reused = submitted(client, model_id, strategy="xengine", solver=quick, **regime)
+    fresh = submitted(
+        client, model_id, strategy="xengine", solver=quick | {"reuse_plans": False}, **regime
+    )
+    api.dispatcher.run()
+    plans = {}
+    for name, job in {"earlier": earlier, "reused": reused, "fresh": fresh}.items():
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["status"] == "succeeded", done
+        plans[name] = client.get(f"/v1/jobs/{job['id']}/plan").json()
+    assert plans["reused"]["steps"] == plans["earlier"]["steps"]
+    total = {name: plan["predicted"]["total_ms"] for name, plan in plans.items()}
+    assert total["reused"] == pytest.approx(total["earlier"]) and total["fresh"] > total["earlier"]
+    message = client.get(f"/v1/jobs/{reused['id']}").json()["message"]
+    assert "no plan cheaper than an earlier one was found" in message

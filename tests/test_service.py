@@ -5,6 +5,7 @@ real connections (``tests/service.py`` starts them)."""
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import httpx
 import psycopg
@@ -400,21 +401,11 @@ def test_jobs_stored_before_attention_was_fused_stay_unfused():
     with postgres_database() as database:
         upgrade(database, "0005")
         with psycopg.connect(database.replace("+psycopg", "")) as db:
-            db.execute(
-                "INSERT INTO models (id, sha256, filename, size_bytes, summary, created_at) "
-                "VALUES ('m1', 'f00', 'model.onnx', 1, '{}', now())"
-            )
             stored = {
                 "old": '{"model_id": "m1"}',
                 "fused": '{"model_id": "m1", "fuse_attention": true}',
             }
-            for job_id, spec in stored.items():
-                db.execute(
-                    "INSERT INTO jobs (id, model_id, spec, status, cancel_requested, attempts, "
-                    "created_at, updated_at) VALUES (%s, 'm1', %s, 'succeeded', false, 1, now(), "
-                    "now())",
-                    (job_id, spec),
-                )
+            _stored_jobs(db, stored)
         upgrade(database)
         with psycopg.connect(database.replace("+psycopg", "")) as db:
             specs = dict(db.execute("SELECT id, spec FROM jobs").fetchall())
@@ -422,6 +413,44 @@ def test_jobs_stored_before_attention_was_fused_stay_unfused():
         "old": {"model_id": "m1", "fuse_attention": False},
         "fused": {"model_id": "m1", "fuse_attention": True},
     }
+
+
+def test_plans_stored_before_the_graph_digest_column_get_it_from_their_document():
+    """Migration 0007 fills ``plans.graph_digest`` from each stored plan's ``graph`` record,
+    so later jobs start from plans stored before it; a plan without one stays empty."""
+    with postgres_database() as database:
+        upgrade(database, "0006")
+        with psycopg.connect(database.replace("+psycopg", "")) as db:
+            documents = {
+                "recorded": '{"steps": [], "graph": {"nodes": 3, "digest": "sha256:0123abcd"}}',
+                "older": '{"steps": []}',
+            }
+            _stored_jobs(db, dict.fromkeys(documents, "{}"))
+            for job_id, document in documents.items():
+                db.execute(
+                    "INSERT INTO plans (job_id, document, schedule, created_at) "
+                    "VALUES (%s, %s, '{}', now())",
+                    (job_id, document),
+                )
+        upgrade(database)
+        with psycopg.connect(database.replace("+psycopg", "")) as db:
+            digests = dict(db.execute("SELECT job_id, graph_digest FROM plans").fetchall())
+    assert digests == {"recorded": "sha256:0123abcd", "older": None}
+
+
+def _stored_jobs(db: psycopg.Connection[Any], specs: dict[str, str]) -> None:
+    """Model ``m1`` and a succeeded job of it for each id of ``specs`` (its spec's JSON),
+    written as an earlier version of Remat stored them."""
+    db.execute(
+        "INSERT INTO models (id, sha256, filename, size_bytes, summary, created_at) "
+        "VALUES ('m1', 'f00', 'model.onnx', 1, '{}', now())"
+    )
+    for job_id, spec in specs.items():
+        db.execute(
+            "INSERT INTO jobs (id, model_id, spec, status, cancel_requested, attempts, "
+            "created_at, updated_at) VALUES (%s, 'm1', %s, 'succeeded', false, 1, now(), now())",
+            (job_id, spec),
+        )
 
 
 def _schema_drift(database: str) -> list[object]:

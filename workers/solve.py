@@ -37,6 +37,7 @@ from app.database import Database
 from app.families import family_result, family_row, family_summary
 from app.planning import at_size, build_problem, family_problems, job_range, solver_settings
 from app.schemas import BaselinesOut, JobSpec, ScheduleOut, TransferOut
+from app.services.jobs import earlier_plans
 from app.tables import JobRow, JobStatus, ModelRow, PlanRow, ProgressRow, now, utc
 from remat.comparison import baselines
 from remat.costs import CostTable
@@ -47,6 +48,7 @@ from remat.plan_view import stage_matrices, transfer_spans
 from remat.shape_range import ShapeRange
 from remat.solvers.model import Progress
 from remat.strategies import Problem, StrategyResult, run_strategy
+from remat.strategies.common.known import noted_if_known
 from workers.context import WorkerContext
 from workers.costs import Cancelled, job_costs, node_profiles
 
@@ -90,7 +92,10 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         if ranged is None:
             table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
             problem = build_problem(claim.spec, claim.model_path, settings, table)
+            if claim.spec.solver.reuse_plans:
+                problem = _from_earlier_plans(ctx, claim.model.id, problem, say)
             result = run_strategy(claim.spec.strategy, problem)
+            result = noted_if_known(result, problem.solver.known_plans)
         else:
             tables = _sized_tables(ctx, claim, ranged, cancel.is_set, say)
             problem_at = family_problems(claim.spec, claim.model_path, ranged, settings, tables)
@@ -122,6 +127,19 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         except Exception as exc:
             log.exception("job %s: storing its plan failed", job_id)
             _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
+
+
+def _from_earlier_plans(
+    ctx: WorkerContext, model_id: str, problem: Problem, say: Callable[[str], None]
+) -> Problem:
+    """``problem`` with the plans of the model's earlier jobs for its graph as known plans
+    (``SolverSettings.known_plans``): the exact strategies start from them."""
+    with ctx.db.session() as session:
+        plans = earlier_plans(session, model_id, problem.graph.fingerprint)
+    if not plans:
+        return problem
+    say(f"starting from {len(plans)} plan(s) of earlier jobs of this model")
+    return replace(problem, solver=replace(problem.solver, known_plans=tuple(plans)))
 
 
 def _sized_tables(
@@ -273,6 +291,7 @@ def _store_plan(
         row = PlanRow(
             job_id=job_id,
             document=strict_json(plan_to_json(plan), "plan"),
+            graph_digest=None if plan.graph is None else plan.graph.digest,
             schedule=strict_json(schedule.model_dump(), "schedule"),
             baselines=strict_json(compared.model_dump(), "baselines"),
             family=None if sized is None else strict_json(family_summary(*sized), "family"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
@@ -24,6 +25,13 @@ from app.services import Services, get_or_404
 from app.services.models import load_model
 from app.tables import JobRow, JobStatus, ModelRow, NodeRow, PlanRow, ProfileRow, ProgressRow, now
 from remat.costs import CostTable
+from remat.errors import RematError
+from remat.graph import Fingerprint
+from remat.plan import Plan, plan_from_json
+
+log = logging.getLogger(__name__)
+EARLIER_PLANS = 16
+"""At most this many of a model's stored plans (the newest) start a later job's search."""
 
 
 def request_hash(spec: JobSpec) -> str:
@@ -164,3 +172,28 @@ def progress_of(session: Session, job_id: str) -> list[ProgressRow]:
     load_job(session, job_id)
     query = select(ProgressRow).where(ProgressRow.job_id == job_id).order_by(ProgressRow.id)
     return list(session.scalars(query))
+
+
+def earlier_plans(
+    session: Session, model_id: str, graph: Fingerprint, limit: int = EARLIER_PLANS
+) -> list[Plan]:
+    """The plans of the model's earlier jobs made for ``graph``, newest first: a later
+    job's search starts from those the simulator accepts under its own costs and budgets
+    (``SolverSettings.known_plans``). A stored document that no longer reads is skipped."""
+    query = (
+        select(PlanRow.job_id, PlanRow.document)
+        .join(JobRow, JobRow.id == PlanRow.job_id)
+        .where(JobRow.model_id == model_id, PlanRow.graph_digest == graph.digest)
+        .order_by(PlanRow.created_at.desc())
+        .limit(limit)
+    )
+    plans = []
+    for job_id, document in session.execute(query).all():
+        try:
+            plan = plan_from_json(document)
+        except RematError as exc:
+            log.warning("the stored plan of job %s does not read: %s", job_id, exc)
+            continue
+        if plan.graph == graph:
+            plans.append(plan)
+    return plans

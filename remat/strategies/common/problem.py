@@ -30,6 +30,10 @@ class SolverSettings:
     ``on_plan`` gets each better plan an optimal strategy finds while it runs (its warm
     start, then the solver's incumbents the simulator accepts): a caller that runs the
     strategy on a derived problem (the coarse graph) uses them before the strategy returns.
+
+    ``known_plans``: plans made before for the same graph (earlier jobs', a file's), which
+    the exact strategies offer as incumbents where the simulator accepts them here
+    (``known.known_start``): their result is never dearer than any of them.
     """
 
     backend: str = "highs"
@@ -38,6 +42,7 @@ class SolverSettings:
     cancel: StopFlag | None = None
     on_plan: Callable[[StrategyResult], None] | None = None
     search: SearchConfig = field(default_factory=SearchConfig)
+    known_plans: tuple[Plan, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from remat.solvers import runner
 from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import shortfall
+from remat.strategies.common.known import known_start
 from remat.strategies.common.problem import (
     Evaluation,
     Problem,
@@ -198,8 +199,9 @@ class _Stalled:
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
-    """The best baseline on any of ``names`` and a heuristic's plans, offered to the search
-    as they are found (the first plan does not wait for the heuristic's local search).
+    """The best baseline on any of ``names``, the cheapest known plan (``known_start``) and
+    a heuristic's plans, offered to the search as they are found (the first plan does not
+    wait for the heuristic's local search).
 
     On one device greedy eviction, or where it finds no plan the multi-device heuristic's
     local search on Chen's checkpoints on this device: eviction's plans are the cheaper
@@ -217,6 +219,7 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     config = problem.solver.search
     logger.debug("warm start: best baseline on %s", ", ".join(names))
     search.offer(best_baseline(problem, names))
+    search.offer(known_start(problem, names))
     if variants.decomposes(problem):
         return
     limit = problem.solver.options.time_limit_s

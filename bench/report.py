@@ -181,7 +181,7 @@ def _solvers(rows: Rows) -> str:
     columns: list[Column] = [
         ("model (stages)", lambda r: _named(r, "model")),
         ("budget", lambda r: r["budget"]),
-        ("devices", lambda r: r["devices"]),
+        ("devices", _started_devices),
         ("backend", lambda r: solver_label(r.get("strategy", ""), r["backend"])),
         ("status", lambda r: r["status"]),
         ("first plan s", lambda r: _f(r, "first_plan_s", ".1f", "-")),
@@ -196,6 +196,12 @@ def _solvers(rows: Rows) -> str:
         columns[7:7] = [("5% gap s", lambda r: _f(r, "gap_5pct_s", ".1f", "-"))]
         columns.append(("peak MiB", lambda r: _f(r, "peak_mib", ".0f", "-")))
     return _table(rows, columns)
+
+
+def _started_devices(r: dict[str, str]) -> str:
+    """The row's devices, and the earlier rows' plans its search started from (``--reuse``)."""
+    started = int(r.get("reuse") or 0)
+    return r["devices"] + (f" from {started} plan{'s' if started > 1 else ''}" if started else "")
 
 
 def solver_label(strategy: str, backend: str) -> str:

@@ -15,7 +15,12 @@ measured (``bench/report.py`` renders them).
 
     .venv/bin/python bench/solvers.py [--time-limit 30] [--batch 4] [--models vgg16,unet,large8]
         [--budgets 100,50,25] [--setups one,two] [--backends highs,cpsat,scip,gurobi]
-        [--strategies checkmate_milp,moccasin] [--run LABEL]
+        [--strategies checkmate_milp,moccasin] [--reuse] [--run LABEL]
+
+``--reuse``: each row's search starts from the plans of the rows before it of the same
+model and budget (``SolverSettings.known_plans``), as a job of the service starts from its
+model's earlier jobs' plans: with ``--setups one,two`` the two-device search starts from
+the one-device plan.
 
 ``--models`` takes the sample zoo's names, ``large<blocks>`` and ``torch:NAME`` (a model of
 the PyTorch corpus, exported at its bench scale: ``torch:resnet50``, ``torch:densenet121``).
@@ -41,6 +46,7 @@ from remat.costs import CostModel, analytical_costs
 from remat.devices import Device, DeviceKind, Size
 from remat.graph import Graph
 from remat.onnx_ingest import forward_graph
+from remat.plan import Plan
 from remat.solvers import runner
 from remat.solvers.model import Progress, SolveOptions
 from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
@@ -146,6 +152,11 @@ def main() -> None:
         default="checkmate_milp",
         help="one-device strategies (moccasin solves with CP-SAT whatever the backend)",
     )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="start each row from the plans of the model's earlier rows at its budget",
+    )
     add_run_argument(parser)
     args = parser.parse_args()
     out = Writer("solvers", args.run)
@@ -161,19 +172,23 @@ def main() -> None:
         ref = reference(graph, costs)
         for percent in (float(p) for p in args.budgets.split(",")):
             budget = Size(percent=percent).resolve(ref.fixed_bytes, ref.peak_bytes)
+            known: list[Plan] = []  # the plans of this model and budget's rows (--reuse)
             for setup in args.setups.split(","):
                 devices = _devices(costs, setup)
                 problem = Problem(graph, costs, dict.fromkeys(devices, budget))
                 baseline = _best_baseline(problem, devices)
                 strategies = args.strategies.split(",") if len(devices) == 1 else ["xengine"]
                 for strategy, backend in _solvers(strategies, args.backends.split(",")):
-                    row, result = _run(
-                        problem, devices, strategy, backend, args.time_limit, baseline
+                    started = tuple(known) if args.reuse else ()
+                    row, result, plan = _run(
+                        problem, devices, strategy, backend, args.time_limit, baseline, started
                     )
+                    known += [] if plan is None else [plan]
                     print(f"| {name} ({len(graph)}) | {percent:.0f}% | {row}", flush=True)
                     what = {"model": name, "nodes": len(graph), "budget": f"{percent:.0f}%"}
                     setting = {"batch": args.batch, "time_limit_s": args.time_limit}
-                    out.add(what | result | setting)
+                    reused = {"reuse": len(started)} if args.reuse else {}
+                    out.add(what | result | setting | reused)
 
 
 def _solvers(strategies: list[str], backends: list[str]) -> list[tuple[str, str]]:
@@ -234,11 +249,16 @@ def _run(
     backend: str,
     limit: float,
     baseline: float | None,
-) -> tuple[str, dict[str, Any]]:
+    known: tuple[Plan, ...] = (),
+) -> tuple[str, dict[str, Any], Plan | None]:
+    """The row of ``strategy`` on ``problem`` started from ``known`` plans: its table text,
+    its result fields and its plan."""
     ideal = problem.costs.ideal_ms(devices[0] if len(devices) == 1 else None)
     clock = _Clock(time.monotonic(), ideal)
     options = SolveOptions(time_limit_s=limit, gap=1e-4, threads=2)
-    settings = SolverSettings(backend=backend, options=options, on_progress=clock)
+    settings = SolverSettings(
+        backend=backend, options=options, on_progress=clock, known_plans=known
+    )
     problem = Problem(problem.graph, problem.costs, problem.budgets, settings)
     with _MemoryPeak() as memory:
         if len(devices) == 1:
@@ -254,14 +274,14 @@ def _run(
     solver = result.plan.solver if result.feasible and result.plan is not None else None
     if solver is None:
         row["status"] = "infeasible" if "infeasible" in result.message else "no plan"
-        return text, row
+        return text, row, None
     row |= {"status": solver.status, "objective": solver.objective, "gap": solver.gap}
     row |= {"first_plan_s": clock.first_plan, "final_plan_s": clock.final_plan}
     row |= {"gap_5pct_s": clock.near_gap, "gap_1pct_s": clock.first_gap}
     if baseline is not None:
         row["vs_baseline"] = solver.objective / baseline - 1
     row["vs_ideal"] = solver.objective / ideal - 1
-    return text, row
+    return text, row, result.plan
 
 
 def _row(

@@ -7,6 +7,7 @@ cost table is taken only where it holds here."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -33,9 +34,10 @@ def known_start(problem: Problem, names: Sequence[str]) -> StrategyResult | None
     computations, copies and frees only (no transfers, no concurrent sections). Its
     schedule comes with it where its steps follow Checkmate's stage order on one device,
     so that it warm-starts the models too. None where no plan qualifies."""
-    candidates = [plan for plan in problem.solver.known_plans if _admissible(problem, names, plan)]
+    admissible = (p for p in problem.solver.known_plans if _admissible(problem, names, p))
+    candidates = list({plan.steps: plan for plan in admissible}.values())  # each plan once
     evaluations = [_evaluated(problem, plan) for plan in candidates]
-    fitting = [e for e in evaluations if e.fits]
+    fitting = [e for e in evaluations if e.fits and math.isfinite(e.cost_ms)]
     logger.debug(
         "known plans: %d given, %d for this graph and these devices, %d fit",
         len(problem.solver.known_plans),

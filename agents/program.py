@@ -146,7 +146,7 @@ class LossOf:
         labels = fixed[self.labels].to(device=y.device, dtype=torch.int64).unsqueeze(self.axis)
         grad = torch.softmax(y, dim=self.axis)
         grad.scatter_add_(self.axis, labels, torch.full_like(labels, -1, dtype=y.dtype))
-        return grad / (y.numel() // classes)
+        return grad.div_(y.numel() // classes)
 
 
 # Where one kernel argument comes from: a fixed tensor (its name), a node's output (node,

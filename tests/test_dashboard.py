@@ -339,6 +339,7 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     page.get_by_label("Strategy").select_option("xengine")
     page.get_by_label("Time limit (s)").fill("7")
     page.get_by_label("Stop at gap (%)").fill("0")  # run to the time limit: long enough to watch
+    page.get_by_label("Earlier plans").select_option("fresh")  # not ended by an earlier plan
     page.get_by_role("button", name="Submit job").click()
 
     page.wait_for_url("**/#/jobs/*")
@@ -348,7 +349,8 @@ def test_submit_a_job_from_the_form_and_watch_it_finish(ui, server):
     assert [d["name"] for d in spec["devices"]] == ["cpu0", "cpu1"]
     assert spec["budgets"] == {"cpu0": "40%", "cpu1": "40%"}
     assert spec["solver"]["time_limit_s"] == 7 and spec["solver"]["gap"] == 0
-    assert spec["fuse_attention"] is False
+    assert spec["fuse_attention"] is False and spec["solver"]["reuse_plans"] is False
+    expect(page.locator("#job-inputs")).to_contain_text("searched afresh")
     expect(page.locator("#job-status [data-status]")).to_have_text("running", timeout=WAIT_MS)
     page.wait_for_timeout(1000)  # a poll or two
     conditional = [tag for url, tag in polls if url.endswith(f"/v1/jobs/{job_id}") and tag]

@@ -55,7 +55,8 @@ function inputsFacts(job, model, nodes) {
   const shape = given.length ? given.join(", ") : `batch ${spec.batch ?? "from the model"}`;
   const budgets = spec.devices.map((d) => `${d.name}: ${spec.budgets[d.name] ?? "none"}`).join(", ");
   const solver = `${spec.solver.backend}, time limit ${seconds(spec.solver.time_limit_s)}, ` +
-    `gap ${percent(spec.solver.gap, 2)}, ${spec.solver.threads} thread${spec.solver.threads === 1 ? "" : "s"}`;
+    `gap ${percent(spec.solver.gap, 2)}, ${spec.solver.threads} thread${spec.solver.threads === 1 ? "" : "s"}, ` +
+    (spec.solver.reuse_plans === false ? "searched afresh" : "from the model's earlier plans");
   return facts([
     ["Model", h("a", { href: `#/models/${job.model_id}` }, model ? model.filename : shortId(job.model_id))],
     ["Mode", `${spec.mode}, ${shape}`],

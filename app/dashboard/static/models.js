@@ -220,6 +220,7 @@ function jobBody(form, model) {
       time_limit_s: Number(value("job-time-limit")),
       gap: Number(value("job-gap")) / 100,
       threads: Number(value("job-threads")),
+      reuse_plans: value("job-reuse") === "reuse",
     },
     costs: costs === "analytical" ? "analytical" : { node_id: costs },
   };
@@ -315,6 +316,10 @@ function jobForm(model, nodes, catalog) {
         field("job-time-limit", "Time limit (s)", h("input", { id: "job-time-limit", type: "number", min: "1", step: "any", value: "30" })),
         field("job-gap", "Stop at gap (%)", h("input", { id: "job-gap", type: "number", min: "0", max: "99", step: "any", value: "0.01" })),
         field("job-threads", "Solver threads", h("input", { id: "job-threads", type: "number", min: "1", step: "1", value: "1" })),
+        field("job-reuse", "Earlier plans", select("job-reuse", [
+          ["reuse", "start from this model's earlier plans"],
+          ["fresh", "search afresh"],
+        ], "reuse")),
         field("job-costs", "Costs", select("job-costs", [
           ["analytical", "analytical (FLOPs / bandwidth)"],
           ...nodes.map((n) => [n.id, `measured on node ${n.name} (${n.status})`]),

@@ -667,8 +667,8 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 
 def _plan_command(args: argparse.Namespace) -> int:
     problem = _problem(args)
-    starts = tuple(_start(path, problem) for path in args.start_from)
-    problem = replace(problem, solver=replace(problem.solver, known_plans=starts))
+    starts = {str(path): _start(path, problem) for path in args.start_from}
+    problem = replace(problem, solver=replace(problem.solver, known_plans=tuple(starts.values())))
     result = noted_if_known(run_strategy(args.strategy, problem), starts)
     if result.plan is None:
         raise InvalidInputError(result.message)

@@ -670,4 +670,4 @@ def test_a_job_starts_from_the_plans_of_earlier_jobs_of_its_model(api: InProcess
     total = {name: plan["predicted"]["total_ms"] for name, plan in plans.items()}
     assert total["reused"] == pytest.approx(total["earlier"]) and total["fresh"] > total["earlier"]
     message = client.get(f"/v1/jobs/{reused['id']}").json()["message"]
-    assert "no plan cheaper than an earlier one was found" in message
+    assert f"no plan cheaper than job {earlier['id']}'s was found" in message

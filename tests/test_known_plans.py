@@ -63,8 +63,8 @@ def test_two_devices_without_time_to_search_end_at_the_one_device_plan_they_were
     assert started.plan.steps == evicted.steps
     assert started.plan.strategy == "xengine" and started.plan.graph == resnet.fingerprint
     assert started.plan.solver.bound is not None and started.plan.solver.bound <= started.time_ms
-    noted = noted_if_known(started, (evicted,))
-    assert "no plan cheaper than an earlier one was found" in noted.message
+    noted = noted_if_known(started, {"job 1a2b": evicted})
+    assert "no plan cheaper than job 1a2b's was found" in noted.message
 
 
 def test_a_known_plan_starts_the_one_device_models_too(resnet: Graph, evicted: Plan) -> None:
@@ -110,4 +110,4 @@ def test_plans_the_search_could_not_have_made_are_not_offered(resnet: Graph, evi
 
 def test_a_result_of_the_search_itself_is_not_noted(evicted: Plan) -> None:
     result = StrategyResult("xengine", replace(evicted, steps=evicted.steps[:-1]), None, "m")
-    assert noted_if_known(result, (evicted,)).message == "m"
+    assert noted_if_known(result, {"job 1a2b": evicted}).message == "m"

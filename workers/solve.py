@@ -43,7 +43,7 @@ from remat.comparison import baselines
 from remat.costs import CostTable
 from remat.errors import RematError
 from remat.family import PlanFamily, fitted_sizes, plan_family
-from remat.plan import plan_to_json
+from remat.plan import Plan, plan_to_json
 from remat.plan_view import stage_matrices, transfer_spans
 from remat.shape_range import ShapeRange
 from remat.solvers.model import Progress
@@ -92,10 +92,10 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
         if ranged is None:
             table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
             problem = build_problem(claim.spec, claim.model_path, settings, table)
-            if claim.spec.solver.reuse_plans:
-                problem = _from_earlier_plans(ctx, claim.model.id, problem, say)
-            result = run_strategy(claim.spec.strategy, problem)
-            result = noted_if_known(result, problem.solver.known_plans)
+            earlier = _earlier_plans(ctx, claim, problem, say)
+            solver = replace(problem.solver, known_plans=tuple(earlier.values()))
+            problem = replace(problem, solver=solver)
+            result = noted_if_known(run_strategy(claim.spec.strategy, problem), earlier)
         else:
             tables = _sized_tables(ctx, claim, ranged, cancel.is_set, say)
             problem_at = family_problems(claim.spec, claim.model_path, ranged, settings, tables)
@@ -129,17 +129,18 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
             _finish(ctx, job_id, attempt, JobStatus.FAILED, error=_internal(exc))
 
 
-def _from_earlier_plans(
-    ctx: WorkerContext, model_id: str, problem: Problem, say: Callable[[str], None]
-) -> Problem:
-    """``problem`` with the plans of the model's earlier jobs for its graph as known plans
-    (``SolverSettings.known_plans``): the exact strategies start from them."""
+def _earlier_plans(
+    ctx: WorkerContext, claim: _Claim, problem: Problem, say: Callable[[str], None]
+) -> dict[str, Plan]:
+    """The plans of the model's earlier jobs for the problem's graph, by job, which the
+    exact strategies start from (none where the job asks to search afresh)."""
+    if not claim.spec.solver.reuse_plans:
+        return {}
     with ctx.db.session() as session:
-        plans = earlier_plans(session, model_id, problem.graph.fingerprint)
-    if not plans:
-        return problem
-    say(f"starting from {len(plans)} plan(s) of earlier jobs of this model")
-    return replace(problem, solver=replace(problem.solver, known_plans=tuple(plans)))
+        plans = earlier_plans(session, claim.model.id, problem.graph.fingerprint)
+    if plans:
+        say(f"starting from {len(plans)} plan(s) of earlier jobs of this model")
+    return plans
 
 
 def _sized_tables(

@@ -176,10 +176,11 @@ def progress_of(session: Session, job_id: str) -> list[ProgressRow]:
 
 def earlier_plans(
     session: Session, model_id: str, graph: Fingerprint, limit: int = EARLIER_PLANS
-) -> list[Plan]:
-    """The plans of the model's earlier jobs made for ``graph``, newest first: a later
-    job's search starts from those the simulator accepts under its own costs and budgets
-    (``SolverSettings.known_plans``). A stored document that no longer reads is skipped."""
+) -> dict[str, Plan]:
+    """The plans of the model's earlier jobs made for ``graph``, newest first, by job
+    ("job ID"): a later job's search starts from those the simulator accepts under its own
+    costs and budgets (``SolverSettings.known_plans``). A stored document that no longer
+    reads is skipped."""
     query = (
         select(PlanRow.job_id, PlanRow.document)
         .join(JobRow, JobRow.id == PlanRow.job_id)
@@ -187,7 +188,7 @@ def earlier_plans(
         .order_by(PlanRow.created_at.desc())
         .limit(limit)
     )
-    plans = []
+    plans = {}
     for job_id, document in session.execute(query).all():
         try:
             plan = plan_from_json(document)
@@ -195,5 +196,5 @@ def earlier_plans(
             log.warning("the stored plan of job %s does not read: %s", job_id, exc)
             continue
         if plan.graph == graph:
-            plans.append(plan)
+            plans[f"job {job_id}"] = plan
     return plans

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from remat.plan import Plan
@@ -67,11 +67,13 @@ def _evaluated(problem: Problem, plan: Plan) -> Evaluation:
     return evaluate_plan(problem, plan, schedule)
 
 
-def noted_if_known(result: StrategyResult, known: Sequence[Plan]) -> StrategyResult:
-    """``result``, its message saying so where its plan's steps are those of a known plan:
-    the search found nothing cheaper than a plan it was given."""
+def noted_if_known(result: StrategyResult, known: Mapping[str, Plan]) -> StrategyResult:
+    """``result``, its message saying so where its plan's steps are those of a known plan
+    (``known``: by where it came from, e.g. "job 1a2b3c4d" or a file's path): the search
+    found nothing cheaper than a plan it was given."""
     plan = result.plan
-    if plan is None or not any(k.steps == plan.steps for k in known):
+    origin = next((o for o, k in known.items() if plan is not None and k.steps == plan.steps), None)
+    if origin is None:
         return result
-    note = "no plan cheaper than an earlier one was found: this is that plan, costed here"
+    note = f"no plan cheaper than {origin}'s was found: this is that plan, costed here"
     return replace(result, message="; ".join(part for part in (result.message, note) if part))

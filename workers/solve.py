@@ -47,7 +47,7 @@ from remat.plan import Plan, plan_to_json
 from remat.plan_view import stage_matrices, transfer_spans
 from remat.shape_range import ShapeRange
 from remat.solvers.model import Progress
-from remat.strategies import Problem, StrategyResult, run_strategy
+from remat.strategies import AUTO, OPTIMAL, Problem, StrategyResult, run_strategy
 from remat.strategies.common.known import noted_if_known
 from workers.context import WorkerContext
 from workers.costs import Cancelled, job_costs, node_profiles
@@ -133,8 +133,9 @@ def _earlier_plans(
     ctx: WorkerContext, claim: _Claim, problem: Problem, say: Callable[[str], None]
 ) -> dict[str, Plan]:
     """The plans of the model's earlier jobs for the problem's graph, by job, which the
-    exact strategies start from (none where the job asks to search afresh)."""
-    if not claim.spec.solver.reuse_plans:
+    exact strategies (and ``auto``'s exact phase) start from; none where the job asks to
+    search afresh or names a strategy that does not search."""
+    if not claim.spec.solver.reuse_plans or claim.spec.strategy not in (AUTO, *OPTIMAL):
         return {}
     with ctx.db.session() as session:
         plans = earlier_plans(session, claim.model.id, problem.graph.fingerprint)

@@ -357,27 +357,23 @@ REGIME = ["--device", "cpu0:cpu:threads=12", "--device", "cuda0:cuda:flops=2e12,
 
 def test_a_plan_starts_from_a_plan_made_before_for_its_graph(tmp_path):
     """XEngine on two devices with no time to search (0.05 s) ends at the one-device plan
-    it is started from, and says so; a plan of another graph, or of a device the job does
-    not have, is refused."""
+    it is started from, and says so (its warm start alone is dearer:
+    tests/test_known_plans.py); a plan of another graph, or of a device the job does not
+    have, is refused."""
     resnet, chain, plan = tmp_path / "resnet.onnx", tmp_path / "chain.onnx", tmp_path / "p.json"
     resnet.write_bytes(samples.resnet18(batch=4).SerializeToString())
     chain.write_bytes(samples.chain().SerializeToString())
     made = remat("plan", str(resnet), *REGIME, "--strategy", "greedy_evict", "-o", str(plan))
     assert made.returncode == 0, made.stderr
     earlier = json.loads(plan.read_text())
-    quick = ["plan", str(resnet), *REGIME, "--strategy", "xengine", "--time-limit", "0.05"]
-    started, fresh, other, device = remat_all(
-        [*quick, "--start-from", str(plan), "--json"],
-        [*quick, "--json"],
+    started, other, device = remat_all(
+        ["plan", str(resnet), *REGIME, "--strategy", "xengine", "--time-limit", "0.05",
+         "--start-from", str(plan)],
         ["plan", str(chain), "--batch", "2", "--start-from", str(plan)],
         ["plan", str(resnet), "--device", "cuda0:cuda", "--start-from", str(plan)],
-    )
-    assert started.returncode == 0 and fresh.returncode == 0, started.stderr + fresh.stderr
-    total = json.loads(started.stdout)["predicted"]["total_ms"]
-    assert (
-        total
-        == earlier["predicted"]["total_ms"]
-        < json.loads(fresh.stdout)["predicted"]["total_ms"]
-    )
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert f"predicted:  {earlier['predicted']['total_ms']:.3f} ms" in started.stdout
+    assert f"no plan cheaper than {plan}'s was found" in started.stdout
     assert other.returncode == 2 and "the plan was made for another graph" in other.stderr
     assert device.returncode == 2 and "runs on cpu0, not among the devices cuda0" in device.stderr

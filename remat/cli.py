@@ -17,7 +17,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO, TypedDict
 
@@ -668,7 +667,7 @@ def graph_to_json(graph: Graph) -> dict[str, object]:
 def _plan_command(args: argparse.Namespace) -> int:
     problem = _problem(args)
     starts = {str(path): _start(path, problem) for path in args.start_from}
-    problem = replace(problem, solver=replace(problem.solver, known_plans=tuple(starts.values())))
+    problem = problem.starting_from(starts.values())
     result = noted_if_known(run_strategy(args.strategy, problem), starts)
     if result.plan is None:
         raise InvalidInputError(result.message)

@@ -101,11 +101,9 @@ def test_plans_the_search_could_not_have_made_are_not_offered(resnet: Graph, evi
     }
     for why, plan in cases.items():
         names = ["cuda0"] if why == "not among the devices" else list(BUDGETS)
-        with_plan = replace(problem, solver=replace(problem.solver, known_plans=(plan,)))
+        with_plan = problem.starting_from((plan,))
         assert known_start(with_plan, names) is None, why
-    assert known_start(
-        replace(problem, solver=replace(problem.solver, known_plans=(evicted,))), BUDGETS
-    )
+    assert known_start(problem.starting_from((evicted,)), BUDGETS)
 
 
 def test_a_result_of_the_search_itself_is_not_noted(evicted: Plan) -> None:

@@ -93,8 +93,7 @@ def _solve(ctx: WorkerContext, job_id: str, claim: _Claim, lease: Lease) -> None
             table = job_costs(ctx, claim.spec, claim.model, cancel.is_set, say)
             problem = build_problem(claim.spec, claim.model_path, settings, table)
             earlier = _earlier_plans(ctx, claim, problem, say)
-            solver = replace(problem.solver, known_plans=tuple(earlier.values()))
-            problem = replace(problem, solver=solver)
+            problem = problem.starting_from(earlier.values())
             result = noted_if_known(run_strategy(claim.spec.strategy, problem), earlier)
         else:
             tables = _sized_tables(ctx, claim, ranged, cancel.is_set, say)

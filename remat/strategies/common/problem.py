@@ -78,6 +78,10 @@ class Problem:
         options = replace(self.solver.options, time_limit_s=seconds)
         return replace(self, solver=replace(self.solver, options=options))
 
+    def starting_from(self, plans: Iterable[Plan]) -> Problem:
+        """This problem with ``plans`` as the solver settings' ``known_plans``."""
+        return replace(self, solver=replace(self.solver, known_plans=tuple(plans)))
+
     @property
     def shares_memory(self) -> bool:
         """Two or more of the cost model's devices share one memory pool: their plans may

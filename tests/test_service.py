@@ -233,10 +233,12 @@ def test_a_worker_killed_mid_solve_is_redelivered_and_the_job_completes_once(cli
     victim = celery_worker(stack["env"], stack["logs"] / "victim.log")
     stack["worker"] = victim  # stopped by the fixture if this test fails before the kill
     model = upload(client, sample_bytes("resnet18"), "resnet18.onnx").json()
+    # At 60% a baseline fits at once: on a loaded machine 3 s may end before any heuristic
+    # or solve finds a plan at a tighter budget, and this test is about redelivery.
     body = job_body(
         model["id"],
         strategy="checkmate_milp",
-        budgets={"cpu0": "50%"},
+        budgets={"cpu0": "60%"},
         solver={"backend": "highs", "time_limit_s": 3},
     )
     job = client.post("/v1/jobs", json=body).json()

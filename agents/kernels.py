@@ -1038,8 +1038,10 @@ def _dropout(spec: OpSpec, args: Args) -> Outputs:
     assert x is not None
     ratio = dropout_ratio(spec, args)
     if ratio is None or ratio == 0.0:
-        # Inference semantics (or nothing to drop): the identity, a mask of ones.
-        return x, torch.ones_like(x, dtype=torch.bool)
+        # Inference semantics (or nothing to drop): the identity, a mask of ones, of the
+        # data's type before Dropout-10 (ONNX's T there, as onnxruntime and the graph's
+        # bytes have it), bool from it on.
+        return x, torch.ones_like(x, dtype=torch.bool if spec.opset >= 10 else x.dtype)
     if not 0.0 < ratio < 1.0:
         raise spec.unsupported(f"Dropout ratio {ratio} outside [0, 1)")
     keep = random_mask(spec, x.shape, ratio, x.device)

@@ -1,0 +1,87 @@
+"""Networks that others exported: the ONNX model zoo's classic CNNs as the ``onnx`` package
+ships them (``onnx/backend/test/data/light``: AlexNet, DenseNet-121, Inception v1 and v2,
+ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512, converted from Caffe2 at opset 9, IR
+version 3, weights made by ``ConstantOfShape``). Remat ingests each, its forward kernels
+match onnxruntime operator by operator, and planned for training its plans run with the
+predicted peak to the byte and the gradients of checkpoint-all.
+
+Dropout-9's mask is of the data's type (bool only from Dropout-10), as onnxruntime and the
+graph's bytes have it. onnxruntime fills an inference Dropout's mask with zeros where
+ONNX's specification and reference evaluator give ones, so the comparison leaves out the
+masks that nothing reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from test_kernels import _assert_forward_matches
+
+from agents.executor import execute
+from agents.program import build_program, value_bytes
+from agents.pytorch.check import CPU, plan_for_check
+from remat.onnx_ingest import forward_graph
+from remat.problem import model_graph
+from remat.solvers.model import SolveOptions
+from remat.strategies import SearchConfig, SolverSettings
+
+ZOO = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+NAMES = sorted(p.stem.removeprefix("light_") for p in ZOO.glob("light_*.onnx"))
+SETTINGS = SolverSettings(
+    options=SolveOptions(time_limit_s=3.0, threads=1), search=SearchConfig(auto_exact_max_nodes=0)
+)
+
+
+def _zoo(name: str) -> onnx.ModelProto:
+    if not NAMES:
+        pytest.skip(f"this onnx package ships no zoo models under {ZOO}")
+    return onnx.load(ZOO / f"light_{name}.onnx")
+
+
+def _without_unread_masks(model: onnx.ModelProto) -> onnx.ModelProto:
+    read = {i for node in model.graph.node for i in node.input}
+    read |= {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.output) > 1 and node.output[1] not in read:
+            del node.output[1]
+    return model
+
+
+def test_the_onnx_package_ships_the_zoo_models() -> None:
+    assert len(NAMES) >= 9, NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_kernels_match_onnxruntime(name: str) -> None:
+    _assert_forward_matches(_without_unread_masks(_zoo(name)))
+
+
+def test_dropout_9s_mask_has_the_datas_type() -> None:
+    """SqueezeNet's Dropout before its last convolution: a float mask, as its graph
+    counts it."""
+    model = _zoo("squeezenet")
+    program = build_program(model, forward_graph(model))
+    dropouts = [n for n in program.graph.forward_nodes() if n.op == "Dropout"]
+    assert dropouts
+    values = program.forward_values()
+    for node in dropouts:
+        mask = values[node.id][1]
+        assert mask.dtype == torch.float32 and bool((mask == 1).all()), node.name
+        assert value_bytes(values[node.id]) == node.output_bytes, node.name
+
+
+@pytest.mark.parametrize("name", ["squeezenet", "shufflenet"])
+def test_training_plans_run_with_the_predicted_peak_and_gradients(name: str) -> None:
+    """Checkpoint-all and a plan at 50% (SqueezeNet's checkpoint-all peak is at its
+    Dropout, whose mask the executor held at a quarter of the graph's bytes before)."""
+    model = _zoo(name)
+    graph = model_graph(model)
+    for budget in (None, "50%"):
+        planned = plan_for_check(graph, budget, SETTINGS)
+        plan = planned.result.plan
+        assert plan is not None and planned.result.feasible, planned.result.message
+        report = execute(model, graph, plan, [CPU])
+        assert report.peak_bytes == report.predicted_peak_bytes, planned.budget
+        assert report.gradients_match, (planned.budget, report.max_rel_error)

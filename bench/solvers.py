@@ -22,8 +22,10 @@ model and budget (``SolverSettings.known_plans``), as a job of the service start
 model's earlier jobs' plans: with ``--setups one,two`` the two-device search starts from
 the one-device plan.
 
-``--models`` takes the sample zoo's names, ``large<blocks>`` and ``torch:NAME`` (a model of
-the PyTorch corpus, exported at its bench scale: ``torch:resnet50``, ``torch:densenet121``).
+``--models`` takes the sample zoo's names, ``large<blocks>``, ``torch:NAME`` (a model of
+the PyTorch corpus, exported at its bench scale: ``torch:resnet50``, ``torch:densenet121``)
+and ``onnx:NAME`` (a model of the ONNX model zoo as the onnx package ships it, converted
+from Caffe2 at opset 9: ``onnx:resnet50``, ``onnx:inception_v2``, ``onnx:densenet121``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onnx
 from report import solver_label
 from results import Writer, add_run_argument
 
@@ -45,7 +48,7 @@ from remat.budgets import reference
 from remat.costs import CostModel, analytical_costs
 from remat.devices import Device, DeviceKind, Size
 from remat.graph import Graph
-from remat.onnx_ingest import forward_graph
+from remat.onnx_ingest import forward_graph, load_model
 from remat.plan import Plan
 from remat.solvers import runner
 from remat.solvers.model import Progress, SolveOptions
@@ -55,6 +58,8 @@ from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
 IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
+# The ONNX model zoo's CNNs (Caffe2 exports, opset 9) that the onnx package ships
+ONNX_ZOO = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = ("vgg16", "resnet18", "unet", "mobilenet_v1", "transformer")
 TARGET_GAP = 0.01
 NEAR_GAP = 0.05
@@ -217,14 +222,18 @@ def bench_budgets(
 
 def bench_graph(name: str, batch: int) -> Graph:
     """The training graph of a zoo model, of ``large<blocks>`` (the deep transformer stack
-    that is decomposed), or of ``torch:NAME``: the PyTorch corpus's model (its ``bench``
-    scale, TorchScript export in training mode; ``agents/pytorch/corpus.py``)."""
+    that is decomposed), of ``torch:NAME``: the PyTorch corpus's model (its ``bench``
+    scale, TorchScript export in training mode; ``agents/pytorch/corpus.py``), or of
+    ``onnx:NAME``: the ONNX model zoo's, as the onnx package ships it (``ONNX_ZOO``)."""
     if name.startswith("torch:"):
         from agents.pytorch.check import export_entry
         from agents.pytorch.corpus import CORPUS
 
         entry = CORPUS[name.removeprefix("torch:")]
         return training_graph(forward_graph(export_entry(entry, "bench").model))
+    if name.startswith("onnx:"):
+        path = ONNX_ZOO / f"light_{name.removeprefix('onnx:')}.onnx"
+        return training_graph(forward_graph(load_model(path), batch=batch))
     if name.startswith("large"):
         blocks = int(name.removeprefix("large") or 8)
         return training_graph(forward_graph(samples.large(blocks=blocks), batch=batch))

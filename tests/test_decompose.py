@@ -11,11 +11,13 @@ import pytest
 from regime import budgeted
 
 from remat import samples
+from remat.budgets import reference
 from remat.graph import Mode, NodeKind
 from remat.onnx_ingest import forward_graph
+from remat.plan import Compute
 from remat.simulator import held_fixed_bytes, simulate
 from remat.solvers.model import Progress, SolveOptions
-from remat.strategies import Problem, SolverSettings, StrategyResult
+from remat.strategies import Problem, SearchConfig, SolverSettings, StrategyResult
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import device_fixed_bytes, shortfall
 from remat.strategies.exact import search as search_module
@@ -152,8 +154,9 @@ def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_ba
 
 def test_xengine_on_a_large_graph_says_when_no_device_holds_its_fixed_tensors_alone():
     """A part's plan holds every fixed tensor on each device: where no device holds them
-    alone, no part fits, and the message says why instead of a part's shortfall (at once:
-    the rest of the 2 s limit goes to the bound's solve beside it)."""
+    alone, no part fits; where the multi-device heuristic finds no plan either (this
+    stack's activations need several times its weights), the message says why instead of
+    a part's shortfall."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=2, gap=0.01, threads=2))
     problem = _problem(6, 50, devices=("cpu0", "cuda0"), settings=quick)
     budget = device_fixed_bytes(problem, "cuda0") - 1
@@ -163,6 +166,32 @@ def test_xengine_on_a_large_graph_says_when_no_device_holds_its_fixed_tensors_al
     result = xengine(problem)
     assert not result.feasible
     assert "no single device holds every fixed tensor" in result.message
+    assert "the multi-device heuristic found no plan" in result.message
+
+
+def test_xengine_on_a_large_graph_splits_the_fixed_tensors_no_device_holds_alone():
+    """VGG-16, decomposed here from 50 nodes, on two devices that each hold 80% of its
+    weights and gradients and a third of its activations: no part fits on either, and
+    the multi-device heuristic's placements, which split the weights, give the plan (then
+    the interval model on placements and node moves improve it)."""
+    graph = training_graph(forward_graph(samples.vgg16(), batch=4))
+    quick = SolverSettings(
+        options=SolveOptions(time_limit_s=6, gap=0.01, threads=2),
+        search=SearchConfig(decompose_min_nodes=50),
+    )
+    problem = budgeted(graph, 50, settings=quick)
+    ref = reference(graph, problem.costs)
+    budget = int(device_fixed_bytes(problem, "cuda0") * 0.8)
+    budget += (ref.peak_bytes - ref.fixed_bytes) // 3
+    problem = replace(problem, budgets={"cpu0": budget, "cuda0": budget})
+    assert is_large(problem.graph, quick.search)
+    assert all(shortfall(problem, (name,)) is not None for name in ("cpu0", "cuda0"))
+    result = xengine(problem)
+    assert result.feasible and result.plan is not None, result.message
+    assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
+    assert {s.device for s in result.plan.steps if isinstance(s, Compute)} == {"cpu0", "cuda0"}
+    assert "no single device holds every fixed tensor" in result.message
+    assert "multi-device heuristic's plan costs" in result.message
 
 
 def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone(monkeypatch):

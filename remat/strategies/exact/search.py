@@ -47,7 +47,13 @@ from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
-from remat.strategies.heuristics.evict import evict_placed, evict_pooled, greedy_evict
+from remat.strategies.heuristics.evict import (
+    evict_moves,
+    evict_placed,
+    evict_pooled,
+    greedy_evict,
+    home_of,
+)
 from remat.strategies.heuristics.placed import placed_greedy
 
 logger = logging.getLogger(__name__)
@@ -537,8 +543,8 @@ def _decomposed_on_devices(
     one-device search stops and the whole graph's interval model runs on that placement
     for the time left, from the incumbent moved onto it. The parts are not solved over
     several devices: a part's plan holds every fixed tensor on each device, so where no
-    device holds them alone, no part fits either, and where one does, the parts' plans
-    cost more than that device's. Returns what happened."""
+    device holds them alone, no part fits either (there ``_split_fixed``), and where one
+    does, the parts' plans cost more than that device's. Returns what happened."""
     if variants.one_device is None:
         return "decomposed: no strategy for one device"
     switch = _Switch(
@@ -546,18 +552,65 @@ def _decomposed_on_devices(
     )
     alone = _solve_on_one_device(problem, names, search, variants.one_device, switch)
     if alone is None:
-        fixed = format_bytes(held_fixed_bytes(problem.graph, range(len(problem.graph))))
-        return (
-            "decomposed: no single device holds every fixed tensor, and a part's plan holds "
-            f"them on each device: one device needs a budget for all of them ({fixed}) and "
-            "its largest operation"
-        )
+        return _split_fixed(problem, names, search, strategy)
     search.offer(alone)
     relaxed = switch.placement()
     if relaxed is None or search.time_left() < problem.solver.search.min_solve_s:
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
     return message + _polished(search, placed(problem, names, relaxed.home), strategy)
+
+
+def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strategy: str) -> str:
+    """A decomposed graph whose fixed tensors no single device holds alone (so no part's
+    plan fits either): the multi-device heuristic, whose placements split them, for
+    ``warm_start_share`` of the time left; then, while time is left and a placement not
+    yet tried (``_placement_of``), the whole graph's interval model on it, and node moves
+    from the incumbent's placement (``evict.evict_moves``) for half the time left. Returns
+    what happened."""
+    fixed = format_bytes(held_fixed_bytes(problem.graph, range(len(problem.graph))))
+    message = f"decomposed: no single device holds every fixed tensor ({fixed})"
+    config = problem.solver.search
+    seconds = min(config.placed_time_s, search.time_left() * config.warm_start_share)
+    logger.debug("decomposed: multi-device heuristic for %.3g s", seconds)
+    fit_s = search.time_left() * config.fit_share
+    search.offer(placed_greedy(problem, names, seconds, search.offer, fit_s))
+    if search.best is None:
+        return f"{message}, and the multi-device heuristic found no plan"
+    message += f"; the multi-device heuristic's plan costs {search.best_ms:.4g} ms"
+    tried: list[np.ndarray] = []
+    while (found := _placement_of(search, names, tried)) is not None:
+        if search.time_left() < config.min_solve_s or problem.cancelled:
+            break
+        home, whose = found
+        tried.append(home)
+        message += _polished(search, placed(problem, names, home), strategy, whose)
+        best = search.best
+        if best is None or best.schedule is None or best.simulation is None:
+            break
+        logger.debug("decomposed: node moves from the incumbent's placement")
+        deadline = time.monotonic() + search.time_left() / 2
+        start = home_of(best.schedule, names)
+        evict_moves(problem, names, start, best.simulation.total_ms, deadline, search.offer)
+    return message
+
+
+def _placement_of(
+    search: Search, names: Sequence[str], tried: list[np.ndarray]
+) -> tuple[np.ndarray, str] | None:
+    """The device cover's placement where it has one over several devices not yet
+    ``tried``, else the incumbent's: each node on a device, and whose it is; None where
+    both were tried."""
+    relaxed = search.placement
+    candidates = []
+    if relaxed is not None and len(set(relaxed.home.tolist())) > 1:
+        candidates.append((relaxed.home, "the device cover's"))
+    if search.best is not None and search.best.schedule is not None:
+        candidates.append((home_of(search.best.schedule, names), "its"))
+    for home, whose in candidates:
+        if not any(np.array_equal(home, h) for h in tried):
+            return home, whose
+    return None
 
 
 class _Switch:
@@ -609,15 +662,18 @@ def quick_part(part: Problem, device: str) -> StrategyResult:
     return greedy_evict(part, device, config.part_evict_s, config.part_fit_s)
 
 
-def _polished(search: Search, placement: Placement, strategy: str) -> str:
-    """The whole graph's interval model on ``placement`` for the time left, from the
-    incumbent (the stitched plan, or the warm start): the parts fix where the graph is cut
-    and what crosses each cut, the whole graph's model does not."""
+def _polished(
+    search: Search, placement: Placement, strategy: str, whose: str = "the device cover's"
+) -> str:
+    """The whole graph's interval model on ``placement`` (on several devices, ``whose``)
+    for the time left, from the incumbent (the stitched plan, or the warm start): the parts
+    fix where the graph is cut and what crosses each cut, the whole graph's model does
+    not."""
     warm = _incumbent_schedule(search)
     before = search.best_ms
     solve_intervals(search, placement, warm, strategy)
     after = search.best_ms
-    where = "" if len(placement.devices) == 1 else " on the device cover's placement"
+    where = "" if len(placement.devices) == 1 else f" on {whose} placement"
     if after is None or (before is not None and after >= before):
         return f"; the whole graph's interval model{where} found no better plan"
     return f"; the whole graph's interval model{where} improved it to {after:.4g} ms"

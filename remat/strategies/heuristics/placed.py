@@ -119,8 +119,10 @@ def placed_greedy(
     early: list[_Judged] = []  # judged while the placements are solved, until one fits
     cheapest_fit = np.inf  # by the estimates
     for place in placements(problem, names):
-        if problem.cancelled or (cheapest_fit < np.inf and _over(problem, deadline)):
-            break  # solving R for every candidate is most of the cost; one fit is enough
+        # solving R for every candidate is most of the cost: one fit is enough, and until
+        # one, placements are solved for as long as candidates are judged
+        if _over(problem, deadline if cheapest_fit < np.inf else until_fit):
+            break
         fixed = context.fixed(place)
         if context.compute_floor(place) >= cheapest_fit or not context.fixed_fits(fixed):
             continue  # no policy makes this placement cheaper than a fit already found

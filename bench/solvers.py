@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import onnx
 from report import solver_label
 from results import Writer, add_run_argument
 
@@ -58,8 +57,6 @@ from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
 IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
-# The ONNX model zoo's CNNs (Caffe2 exports, opset 9) that the onnx package ships
-ONNX_ZOO = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = ("vgg16", "resnet18", "unet", "mobilenet_v1", "transformer")
 TARGET_GAP = 0.01
 NEAR_GAP = 0.05
@@ -224,7 +221,8 @@ def bench_graph(name: str, batch: int) -> Graph:
     """The training graph of a zoo model, of ``large<blocks>`` (the deep transformer stack
     that is decomposed), of ``torch:NAME``: the PyTorch corpus's model (its ``bench``
     scale, TorchScript export in training mode; ``agents/pytorch/corpus.py``), or of
-    ``onnx:NAME``: the ONNX model zoo's, as the onnx package ships it (``ONNX_ZOO``)."""
+    ``onnx:NAME``: the ONNX model zoo's, as the onnx package ships it
+    (``samples.onnx_zoo``)."""
     if name.startswith("torch:"):
         from agents.pytorch.check import export_entry
         from agents.pytorch.corpus import CORPUS
@@ -232,7 +230,7 @@ def bench_graph(name: str, batch: int) -> Graph:
         entry = CORPUS[name.removeprefix("torch:")]
         return training_graph(forward_graph(export_entry(entry, "bench").model))
     if name.startswith("onnx:"):
-        path = ONNX_ZOO / f"light_{name.removeprefix('onnx:')}.onnx"
+        path = samples.onnx_zoo()[name.removeprefix("onnx:")]
         return training_graph(forward_graph(load_model(path), batch=batch))
     if name.startswith("large"):
         blocks = int(name.removeprefix("large") or 8)

@@ -10,13 +10,15 @@ chosen so that activations outweigh parameters at batch >= 4 (what memory-budget
 experiments need).
 
 Also here: inputs that ingestion must reject or treat specially (``truncated_bytes``,
-``checker_failing_model``, ``no_operator_model``, ``symbolic_model``).
+``checker_failing_model``, ``no_operator_model``, ``symbolic_model``), and networks that
+others exported: the ONNX model zoo's CNNs that the onnx package ships (``onnx_zoo``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ __all__ = [
     "mobilenet_v1",
     "no_operator_model",
     "old_style_model",
+    "onnx_zoo",
     "resnet18",
     "symbolic_model",
     "transformer_block",
@@ -583,6 +586,15 @@ ZOO: dict[str, Callable[..., onnx.ModelProto]] = {
 # --------------------------------------------------------------------------------------
 # Bad and special inputs
 # --------------------------------------------------------------------------------------
+
+
+def onnx_zoo() -> dict[str, Path]:
+    """The ONNX model zoo's classic CNNs as the onnx package ships them for its backend
+    tests, by name (``resnet50``, ``inception_v2``, ``densenet121``, ...): converted from
+    Caffe2 at opset 9 with IR version 3, their weights made by ``ConstantOfShape``. Empty
+    where the installed onnx ships none."""
+    light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+    return {p.stem.removeprefix("light_"): p for p in sorted(light.glob("light_*.onnx"))}
 
 
 def truncated_bytes() -> bytes:

@@ -101,7 +101,8 @@ def test_expanded_multi_device_plan_fits_where_no_single_device_does():
     problem = _problem("resnet18", 25)
     coarse = coarsen(problem.graph, problem.costs)
     names = ["cpu0", "cuda0"]
-    result = placed_greedy(Problem(coarse.graph, coarse.costs, problem.budgets), names)
+    coarse_problem = Problem(coarse.graph, coarse.costs, problem.budgets)
+    result = placed_greedy(coarse_problem, names, fit_budget_s=60.0)
     assert result.feasible
     fine = coarse.expand(result.schedule)
     fine.check(problem.graph)

@@ -283,7 +283,8 @@ def test_after_a_run_the_host_heap_keeps_large_tensors_and_their_pages() -> None
 def test_a_multi_device_heuristic_plan_matches() -> None:
     model = MODELS["resnet18"]()
     graph = _graph(model)
-    result = placed_greedy(_problem(graph, 40, ["cpu0", "cpu1"]), time_budget_s=2.0)
+    problem = _problem(graph, 40, ["cpu0", "cpu1"])
+    result = placed_greedy(problem, time_budget_s=2.0, fit_budget_s=60.0)
     assert result.plan is not None, result.message
     plan = result.plan
     assert {s.device for s in plan.steps if isinstance(s, Compute)} == {"cpu0", "cpu1"}

@@ -12,8 +12,6 @@ masks that nothing reads."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import onnx
 import pytest
 import torch
@@ -22,13 +20,14 @@ from test_kernels import _assert_forward_matches
 from agents.executor import execute
 from agents.program import build_program, value_bytes
 from agents.pytorch.check import CPU, plan_for_check
+from remat import samples
 from remat.onnx_ingest import forward_graph
 from remat.problem import model_graph
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
-ZOO = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
-NAMES = sorted(p.stem.removeprefix("light_") for p in ZOO.glob("light_*.onnx"))
+ZOO = samples.onnx_zoo()
+NAMES = sorted(ZOO)
 SETTINGS = SolverSettings(
     options=SolveOptions(time_limit_s=3.0, threads=1), search=SearchConfig(auto_exact_max_nodes=0)
 )
@@ -36,8 +35,8 @@ SETTINGS = SolverSettings(
 
 def _zoo(name: str) -> onnx.ModelProto:
     if not NAMES:
-        pytest.skip(f"this onnx package ships no zoo models under {ZOO}")
-    return onnx.load(ZOO / f"light_{name}.onnx")
+        pytest.skip("this onnx package ships no zoo models")
+    return onnx.load(ZOO[name])
 
 
 def _without_unread_masks(model: onnx.ModelProto) -> onnx.ModelProto:

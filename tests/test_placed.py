@@ -104,7 +104,7 @@ def _no_single_device_fits(problem):
 def test_placed_greedy_fits_where_no_single_device_does():
     problem = _split_problem("vgg16", 25)
     _no_single_device_fits(problem)
-    result = placed_greedy(problem)
+    result = placed_greedy(problem, fit_budget_s=60.0)
     assert result.feasible, result.message
     verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert verdict.valid
@@ -139,7 +139,7 @@ def test_placed_greedy_offers_its_first_plan_before_the_local_search(monkeypatch
         assert result.feasible and result.simulation.valid
         offered.append((time.monotonic(), result.simulation.total_ms))
 
-    result = placed_greedy(problem, time_budget_s=2.0, offer=offer)
+    result = placed_greedy(problem, time_budget_s=2.0, offer=offer, fit_budget_s=60.0)
     assert started and offered
     assert offered[0][0] < started[0]
     assert min(ms for _, ms in offered) == result.simulation.total_ms
@@ -227,7 +227,7 @@ def test_placed_greedy_splits_a_u_net_that_fits_no_single_device():
     local search, are enough.)"""
     problem = _split_problem("unet", 25)
     _no_single_device_fits(problem)
-    result = placed_greedy(problem, time_budget_s=2.0)
+    result = placed_greedy(problem, time_budget_s=2.0, fit_budget_s=60.0)
     assert result.feasible, result.message
     assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
     n = len(problem.graph)
@@ -263,7 +263,7 @@ def test_placed_greedy_also_searches_from_the_best_plan_on_one_device():
     plan on one device, so the local search also starts from the best one-device
     candidate: the result is no worse than any baseline on either device alone."""
     problem = _split_problem("unet", 50)
-    result = placed_greedy(problem)
+    result = placed_greedy(problem, fit_budget_s=60.0)
     assert result.feasible, result.message
     alone = best_baseline(problem, ("cpu0", "cuda0"))
     assert alone is not None

@@ -575,16 +575,19 @@ def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strateg
     logger.debug("decomposed: multi-device heuristic for %.3g s", seconds)
     fit_s = search.time_left() * config.fit_share
     search.offer(placed_greedy(problem, names, seconds, search.offer, fit_s))
-    if search.best is None:
+    heuristic_ms = search.best_ms
+    if heuristic_ms is None:
         return f"{message}, and the multi-device heuristic found no plan"
-    message += f"; the multi-device heuristic's plan costs {search.best_ms:.4g} ms"
+    message += f"; the multi-device heuristic's plan costs {heuristic_ms:.4g} ms"
     tried: list[np.ndarray] = []
     while (found := _placement_of(search, names, tried)) is not None:
         if search.time_left() < config.min_solve_s or problem.cancelled:
             break
         home, whose = found
         tried.append(home)
-        message += _polished(search, placed(problem, names, home), strategy, whose)
+        logger.debug(
+            "decomposed: %s", _polished(search, placed(problem, names, home), strategy, whose)
+        )
         best = search.best
         if best is None or best.schedule is None or best.simulation is None:
             break
@@ -592,6 +595,11 @@ def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strateg
         deadline = time.monotonic() + search.time_left() / 2
         start = home_of(best.schedule, names)
         evict_moves(problem, names, start, best.simulation.total_ms, deadline, search.offer)
+    if tried and search.best_ms is not None and search.best_ms < heuristic_ms:
+        improved = f"improved it to {search.best_ms:.4g} ms"
+        return (
+            f"{message}; the interval model on {len(tried)} placement(s) and node moves {improved}"
+        )
     return message
 
 

@@ -103,9 +103,9 @@ def placed_greedy(
     local search. Stops early when the problem is cancelled. ``offer`` gets each plan the
     simulator accepts as soon as it is judged (the search keeps the better ones): the first
     comes from the first placement with a candidate that fits, before the other placements
-    are solved. Until one fits, candidates are judged for up to ``fit_budget_s`` (if longer
-    than ``time_budget_s``): where no candidate is estimated to fit, the first that the
-    simulator accepts can come late."""
+    are solved. Until one fits, placements are solved and candidates judged for up to
+    ``fit_budget_s`` (if longer than ``time_budget_s``): where no candidate is estimated to
+    fit, the first that the simulator accepts can come late."""
     config = problem.solver.search
     if time_budget_s is None:
         time_budget_s = config.placed_time_s

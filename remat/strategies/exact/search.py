@@ -195,7 +195,7 @@ class _Stalled:
 
     def is_set(self) -> bool:
         relaxed = self.search.placement
-        if self.fired or (relaxed is not None and len(set(relaxed.home.tolist())) > 1):
+        if self.fired or (relaxed is not None and relaxed.spans_devices):
             return self.fired
         before = time.monotonic() - self.window
         earlier = [bound for at, bound in self.bounds if at <= before]
@@ -574,11 +574,13 @@ def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strateg
     seconds = min(config.placed_time_s, search.time_left() * config.warm_start_share)
     logger.debug("decomposed: multi-device heuristic for %.3g s", seconds)
     fit_s = search.time_left() * config.fit_share
-    search.offer(placed_greedy(problem, names, seconds, search.offer, fit_s))
-    heuristic_ms = search.best_ms
-    if heuristic_ms is None:
+    heuristic = placed_greedy(problem, names, seconds, search.offer, fit_s)
+    search.offer(heuristic)
+    start_ms = search.best_ms  # the heuristic's plan, or a known plan's if cheaper
+    if start_ms is None:
         return f"{message}, and the multi-device heuristic found no plan"
-    message += f"; the multi-device heuristic's plan costs {heuristic_ms:.4g} ms"
+    if heuristic.feasible:
+        message += f"; the multi-device heuristic's plan costs {heuristic.time_ms:.4g} ms"
     tried: list[np.ndarray] = []
     while (found := _placement_of(search, names, tried)) is not None:
         if search.time_left() < config.min_solve_s or problem.cancelled:
@@ -595,7 +597,7 @@ def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strateg
         deadline = time.monotonic() + search.time_left() / 2
         start = home_of(best.schedule, names)
         evict_moves(problem, names, start, best.simulation.total_ms, deadline, search.offer)
-    if tried and search.best_ms is not None and search.best_ms < heuristic_ms:
+    if tried and search.best_ms is not None and search.best_ms < start_ms:
         improved = f"improved it to {search.best_ms:.4g} ms"
         return (
             f"{message}; the interval model on {len(tried)} placement(s) and node moves {improved}"
@@ -611,7 +613,7 @@ def _placement_of(
     both were tried."""
     relaxed = search.placement
     candidates = []
-    if relaxed is not None and len(set(relaxed.home.tolist())) > 1:
+    if relaxed is not None and relaxed.spans_devices:
         candidates.append((relaxed.home, "the device cover's"))
     if search.best is not None and search.best.schedule is not None:
         candidates.append((home_of(search.best.schedule, names), "its"))
@@ -640,7 +642,7 @@ class _Switch:
 
     def placement(self) -> RelaxedPlacement | None:
         relaxed = self.search.placement
-        if relaxed is None or len(set(relaxed.home.tolist())) < 2:
+        if relaxed is None or not relaxed.spans_devices:
             return None
         return relaxed if relaxed.cost_ms < self.bound else None
 

@@ -55,6 +55,11 @@ class RelaxedPlacement:
     home: np.ndarray
     cost_ms: float
 
+    @property
+    def spans_devices(self) -> bool:
+        """Its nodes are placed on more than one device."""
+        return len(set(self.home.tolist())) > 1
+
 
 class Search:
     """The shared state of one strategy call (thread-safe)."""

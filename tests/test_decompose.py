@@ -292,6 +292,8 @@ def test_the_baselines_stitched_plan_is_offered_before_any_part_is_solved(large)
 
 
 def test_parts_no_baseline_fits_get_greedy_eviction_plans_offered_before_any_solve():
+    """Where no choice's judged plans fit, the first choice's quick plans (greedy
+    eviction) are offered before the other choices are judged and before any solve."""
     tight = _problem(8, 15)
     assert best_baseline(tight, ["cuda0"]) is None
     baselines = PartSolvers(_never_called, _baseline)
@@ -303,11 +305,19 @@ def test_parts_no_baseline_fits_get_greedy_eviction_plans_offered_before_any_sol
         assert offered, "the quick plans' stitched plan comes before any part's solve"
         return quick(part)
 
-    solvers = PartSolvers(exact, quick, judge=_baseline)  # no choice's baselines fit
+    offered_when_judged: list[int] = []
+
+    def judge(part):  # no choice's baselines fit
+        offered_when_judged.append(len(offered))
+        return _baseline(part)
+
+    solvers = PartSolvers(exact, quick, judge=judge)
     result = solve_parts(
         tight, "checkmate_milp", "cuda0", solvers, lambda: None, 60, offered.append
     )
     assert result.plan is not None and len(offered) == 1, result.message
+    # the first choice's quick plans are stitched and offered before the next is judged
+    assert offered_when_judged[0] == 0 and offered_when_judged[-1] == 1
     assert offered[0].feasible
     for plan in (offered[0].plan, result.plan):
         simulation = simulate(plan, tight.graph, tight.costs, tight.budgets)

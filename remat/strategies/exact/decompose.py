@@ -264,14 +264,18 @@ def _chosen(
 ) -> frozenset[int]:
     """The stored values whose stitched plan of judged part plans (``judged``) the simulator
     finds cheapest, each cheaper plan going to ``offer``; past ``deadline`` the choices left
-    are not tried once one has a plan. Where none has one, the first choice whose stitched
-    plan of quick part plans (``quick``) fits, that plan offered. A single choice is not
-    stitched."""
+    are not tried once one has a plan. Until a choice's judged plan fits, each choice whose
+    judged plan does not is stitched from quick part plans (``quick``) too, and the first
+    that fits is offered at once (at tight budgets no part's judged plan may fit, and the
+    first plan must not wait for every choice to be judged); where no judged plan fits,
+    that choice is returned. A single choice is not stitched."""
     if len(choices) == 1:
         return choices[0]
     best, best_ms = choices[0], float("inf")
+    fallback: frozenset[int] | None = None  # the first choice whose quick plans fit
     for stored in choices:
-        if best_ms < float("inf") and time.monotonic() > deadline:
+        planned = best_ms < float("inf") or fallback is not None
+        if planned and time.monotonic() > deadline:
             break
         result = judged(parts(graph, cuts, stored))
         cost = result.simulation.total_ms if result.feasible and result.simulation else None
@@ -279,14 +283,15 @@ def _chosen(
             best, best_ms = stored, cost
             if offer is not None:
                 offer(result)
-    if best_ms < float("inf"):
-        return best
-    for stored in choices:  # the first whose quick part plans fit
-        if (result := quick(parts(graph, cuts, stored))).feasible:
+        elif (
+            cost is None and not planned and (result := quick(parts(graph, cuts, stored))).feasible
+        ):
+            fallback = stored
             if offer is not None:
                 offer(result)
-            return stored
-    return best
+    if best_ms < float("inf") or fallback is None:
+        return best
+    return fallback
 
 
 def stored_choices(

@@ -3,6 +3,7 @@ it (``moccasin``) and its use after a decomposed graph's stitched plan: the mode
 the plans the compiler makes at their simulated cost, and its plans are valid."""
 
 import logging
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -23,7 +24,8 @@ from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import evaluate
 from remat.strategies.config import SearchConfig
 from remat.strategies.exact.cover import covers_extra_ms
-from remat.strategies.exact.intervals import placed
+from remat.strategies.exact.intervals import on_device, placed, solve_intervals
+from remat.strategies.exact.state import Search
 from remat.strategies.heuristics.evict import greedy_evict
 from remat.training import training_graph
 
@@ -187,3 +189,21 @@ def test_without_patience_for_the_hint_the_default_portfolio_plans(resnet, evict
     solves = _interval_solves(caplog)
     assert not any("by LNS" in m for m in solves), solves
     assert any("intervals model" in m for m in solves), solves
+
+
+def test_given_a_trial_time_the_interval_model_stops_then_without_a_cheaper_plan(resnet):
+    """The incumbent is a plan on cpu0 below cuda0's ideal, so the model on cuda0 alone has
+    no cheaper plan: given a trial of 1 s, its LNS from the incumbent's hint (which proves
+    nothing optimal) stops soon after, long before the 60 s limit, and the incumbent stays."""
+    long = replace(QUICK, options=replace(QUICK.options, time_limit_s=60))
+    problem = budgeted(resnet.graph, 50, ("cpu0", "cuda0"), long)
+    incumbent = greedy_evict(problem, "cpu0", 2)
+    assert incumbent.simulation is not None
+    assert incumbent.simulation.total_ms < problem.costs.ideal_ms("cuda0")
+    search = Search(problem, problem.costs.ideal_ms(None), time.monotonic())
+    search.offer(incumbent)
+    began = time.monotonic()
+    model = on_device(problem, "cuda0")
+    solve_intervals(search, model, incumbent.schedule, "moccasin", improve_by=began + 1)
+    assert time.monotonic() - began < 30
+    assert search.best is incumbent

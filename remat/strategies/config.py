@@ -123,6 +123,10 @@ class SearchConfig:
     """Of the time left on several devices: the least the one-device search takes before
     it stops for the whole graph's interval model on the device cover's placement (where
     one is worth it; otherwise it takes all the time)."""
+    placement_trial_share: float = 0.25
+    """Of the time left when that search stops for the device cover's placement: how long
+    the interval model on the placement runs without a plan below the incumbent before it
+    stops and the interval model on the one device resumes for the time left."""
     stall_share: float = 0.15
     stall_rise: float = 1e-3
     """On several devices, the device cover with closure rows beside the one-device search

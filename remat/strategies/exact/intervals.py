@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,11 @@ def placed(problem: Problem, names: Sequence[str], home: np.ndarray) -> Placemen
 
 
 def solve_intervals(
-    search: Search, placement: Placement, warm: Schedule | None, strategy: str
+    search: Search,
+    placement: Placement,
+    warm: Schedule | None,
+    strategy: str,
+    improve_by: float | None = None,
 ) -> SolveResult:
     """Moccasin's model of the search's problem on ``placement`` for the time the search
     has left, with ``SearchConfig.moccasin_computations`` computations per node at most
@@ -56,7 +60,8 @@ def solve_intervals(
     searches sequentially, LNS or not). LNS needs a first solution, which its
     first-solution workers complete from the hint; where they have none after
     ``SearchConfig.moccasin_hint_share`` of the time (none where it is 0), the default
-    portfolio takes the time left."""
+    portfolio takes the time left. Where ``improve_by`` (``time.monotonic()``) is given, it
+    stops then unless it has found a plan below the search's incumbent at its start."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -69,20 +74,28 @@ def solve_intervals(
     formulation = build_moccasin(problem.graph, problem.costs, placement, computations)
     began = time.monotonic()
     status, found = None, 0
+    before = search.best_ms
+
+    def given_up() -> bool:
+        if improve_by is None or time.monotonic() <= improve_by:
+            return False
+        return before is None or search.best_ms is None or search.best_ms >= before
+
     if warm is not None:
         formulation.hint(warm)
     threads = problem.solver.options.threads
     if warm is not None and config.moccasin_hint_share > 0 and threads > 1:
         patience = began + max(0.0, search.time_left()) * config.moccasin_hint_share
-        status, found = _solve(cp_model, formulation, search, strategy, patience)
+        status, found = _solve(cp_model, formulation, search, strategy, patience, given_up)
         logger.debug("%s: intervals model by LNS from the hint: %d plans", strategy, found)
     if (
         not found
         and status != cp_model.INFEASIBLE
         and not problem.cancelled
+        and not given_up()
         and search.time_left() > 0
     ):
-        status, found = _solve(cp_model, formulation, search, strategy, None)
+        status, found = _solve(cp_model, formulation, search, strategy, None, given_up)
     seconds = time.monotonic() - began
     name = "not run" if status is None else cp_model.CpSolver().status_name(status)
     logger.debug("%s: intervals model %s in %.3g s", strategy, name, seconds)
@@ -95,11 +108,12 @@ def _solve(
     search: Search,
     strategy: str,
     patience: float | None,
+    given_up: Callable[[], bool],
 ) -> tuple[Any, int]:
     """One CP-SAT solve of ``formulation`` for the time the search has left: by LNS alone
     where ``patience`` is given, stopped at that ``time.monotonic()`` if it has found no
-    solution by then; the default portfolio where it is None. Its status and the number
-    of solutions it found."""
+    solution by then; the default portfolio where it is None; stopped once ``given_up``.
+    Its status and the number of solutions it found."""
     problem = search.problem
 
     class _Incumbents(cp_model.CpSolverSolutionCallback):
@@ -110,7 +124,7 @@ def _solve(
             search.judge(formulation.decode(self.value), strategy)
 
     def stop() -> bool:
-        if problem.cancelled:
+        if problem.cancelled or given_up():
             return True
         return patience is not None and not incumbents.found and time.monotonic() > patience
 

@@ -550,15 +550,22 @@ def _decomposed_on_devices(
     switch = _Switch(
         search, time.monotonic() + search.time_left() * problem.solver.search.alone_share
     )
-    alone = _solve_on_one_device(problem, names, search, variants.one_device, switch)
-    if alone is None:
+    solved = _solve_on_one_device(problem, names, search, variants.one_device, switch)
+    if solved is None:
         return _split_fixed(problem, names, search, strategy)
+    device, alone = solved
     search.offer(alone)
     relaxed = switch.placement()
-    if relaxed is None or search.time_left() < problem.solver.search.min_solve_s:
+    config = problem.solver.search
+    if relaxed is None or search.time_left() < config.min_solve_s:
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
-    return message + _polished(search, placed(problem, names, relaxed.home), strategy)
+    trial = time.monotonic() + search.time_left() * config.placement_trial_share
+    before = search.best_ms
+    message += _polished(search, placed(problem, names, relaxed.home), strategy, trial=trial)
+    if search.best_ms != before or search.time_left() < config.min_solve_s:
+        return message
+    return message + f"; back on {device}" + _polished(search, on_device(problem, device), strategy)
 
 
 def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strategy: str) -> str:
@@ -673,15 +680,19 @@ def quick_part(part: Problem, device: str) -> StrategyResult:
 
 
 def _polished(
-    search: Search, placement: Placement, strategy: str, whose: str = "the device cover's"
+    search: Search,
+    placement: Placement,
+    strategy: str,
+    whose: str = "the device cover's",
+    trial: float | None = None,
 ) -> str:
     """The whole graph's interval model on ``placement`` (on several devices, ``whose``)
     for the time left, from the incumbent (the stitched plan, or the warm start): the parts
     fix where the graph is cut and what crosses each cut, the whole graph's model does
-    not."""
+    not. Stopped at ``trial`` (``time.monotonic()``) unless it has found a cheaper plan."""
     warm = _incumbent_schedule(search)
     before = search.best_ms
-    solve_intervals(search, placement, warm, strategy)
+    solve_intervals(search, placement, warm, strategy, improve_by=trial)
     after = search.best_ms
     where = "" if len(placement.devices) == 1 else f" on {whose} placement"
     if after is None or (before is not None and after >= before):
@@ -708,12 +719,13 @@ def _solve_on_one_device(
     search: Search,
     one_device: OneDevice,
     switch: _Switch,
-) -> StrategyResult | None:
+) -> tuple[str, StrategyResult] | None:
     """A large graph on several devices, solved by ``one_device`` (decomposed too) on the
     device with the lowest ideal that the memory floor admits alone, for the time left or
-    until ``switch`` is set, as that strategy would solve it on its own; None where no
-    device is admitted. Its plans are offered as found; its bound bounds one device only,
-    so its progress goes to ``switch``, not to the search's listener."""
+    until ``switch`` is set, as that strategy would solve it on its own: the device and its
+    result, or None where no device is admitted. Its plans are offered as found; its bound
+    bounds one device only, so its progress goes to ``switch``, not to the search's
+    listener."""
     admitted = [name for name in names if shortfall(problem, (name,)) is None]
     if not admitted:
         return None
@@ -729,7 +741,7 @@ def _solve_on_one_device(
         cancel=switch,
     )
     logger.debug("decomposed: solved on %s alone, for %.3g s", device, seconds)
-    return one_device(replace(problem, solver=quiet), device)
+    return device, one_device(replace(problem, solver=quiet), device)
 
 
 def _log_incumbent(search: Search, phase: str) -> None:

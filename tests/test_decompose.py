@@ -201,9 +201,10 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     decomposed too) until the device cover's placement takes over, and keeps its plan
     unless the interval model on that placement plans cheaper. Beside it the device
     cover with closure rows bounds the whole graph, its bound the result's where it is
-    the best. It is stopped with the solves beside it, so on a loaded machine it may end
-    before its root relaxation lifts it above the ideal: that it does lift it is
-    ``test_cover``'s to show."""
+    the best. Each device's best baseline is planned once: the one device's by its search,
+    the other's by the warm start. It is stopped with the solves beside it, so on a loaded
+    machine it may end before its root relaxation lifts it above the ideal: that it does
+    lift it is ``test_cover``'s to show."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=6, gap=0.01, threads=2))
     problem = _problem(6, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
@@ -221,9 +222,19 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
         bound_by_closure(search, names)
         closure_bounds.append(search.bound)
 
+    baselines_on: list[tuple[str, ...]] = []  # the whole graph's best baselines' devices
+    best_baseline = search_module.best_baseline
+
+    def recorded(p: Problem, names: list[str]) -> StrategyResult | None:
+        if p.graph is problem.graph:
+            baselines_on.append(tuple(names))
+        return best_baseline(p, names)
+
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
     monkeypatch.setattr(search_module, "bound_by_closure", bounded)
+    monkeypatch.setattr(search_module, "best_baseline", recorded)
     result = xengine(problem)
+    assert sorted(baselines_on) == [("cpu0",), ("cuda0",)]  # each device's once
     assert len(closure_bounds) == 1 and result.plan is not None and result.plan.solver
     assert result.plan.solver.bound >= closure_bounds[0] >= problem.costs.ideal_ms()
     [(device, first)] = alone  # the whole graph, once

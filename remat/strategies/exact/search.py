@@ -223,10 +223,18 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     and a heuristic cut short would leave the solvers without an incumbent."""
     problem = search.problem
     config = problem.solver.search
-    logger.debug("warm start: best baseline on %s", ", ".join(names))
-    search.offer(best_baseline(problem, names))
+    decomposed = variants.decomposes(problem)
+    if decomposed and len(names) > 1 and variants.one_device is not None:
+        # the one-device search of a decomposed graph starts from the best baseline on its
+        # device (``_solve_on_one_device``): here only the other devices'
+        alone = alone_device(problem, names)
+        baseline_on = [name for name in names if name != alone]
+    else:
+        baseline_on = list(names)
+    logger.debug("warm start: best baseline on %s", ", ".join(baseline_on))
+    search.offer(best_baseline(problem, baseline_on))
     search.offer(known_start(problem, names))
-    if variants.decomposes(problem):
+    if decomposed:
         return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
@@ -726,10 +734,9 @@ def _solve_on_one_device(
     result, or None where no device is admitted. Its plans are offered as found; its bound
     bounds one device only, so its progress goes to ``switch``, not to the search's
     listener."""
-    admitted = [name for name in names if shortfall(problem, (name,)) is None]
-    if not admitted:
+    device = alone_device(problem, names)
+    if device is None:
         return None
-    device = min(admitted, key=problem.costs.ideal_ms)
     settings = problem.solver
     seconds = search.time_left()
     options = replace(settings.options, time_limit_s=seconds)
@@ -742,6 +749,13 @@ def _solve_on_one_device(
     )
     logger.debug("decomposed: solved on %s alone, for %.3g s", device, seconds)
     return device, one_device(replace(problem, solver=quiet), device)
+
+
+def alone_device(problem: Problem, names: Sequence[str]) -> str | None:
+    """Where a decomposed graph on several devices is solved on one device: the device
+    with the lowest ideal that the memory floor admits alone; None where none is."""
+    admitted = [name for name in names if shortfall(problem, (name,)) is None]
+    return min(admitted, key=problem.costs.ideal_ms, default=None)
 
 
 def _log_incumbent(search: Search, phase: str) -> None:

@@ -568,11 +568,14 @@ def _decomposed_on_devices(
     if relaxed is None or search.time_left() < config.min_solve_s:
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
+    placement = placed(problem, names, relaxed.home)
     trial = time.monotonic() + search.time_left() * config.placement_trial_share
     before = search.best_ms
-    message += _polished(search, placed(problem, names, relaxed.home), strategy, trial=trial)
-    if search.best_ms != before or search.time_left() < config.min_solve_s:
+    message += _polished(search, placement, strategy, trial=trial)
+    if search.time_left() < config.min_solve_s or problem.cancelled:
         return message
+    if search.best_ms != before:  # its first cheaper plan came as the trial ended
+        return message + "; on for the time left" + _polished(search, placement, strategy)
     return message + f"; back on {device}" + _polished(search, on_device(problem, device), strategy)
 
 

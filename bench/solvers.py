@@ -277,7 +277,7 @@ def _run(
     text = _row(result, devices, solver_label(strategy, backend), clock, baseline, ideal)
     text += f" {_f(peak_mib, '.0f')} |"
     row: dict[str, Any] = {"devices": "+".join(devices), "backend": backend, "strategy": strategy}
-    row |= {"seconds": clock.elapsed, "peak_mib": peak_mib}
+    row |= {"seconds": clock.elapsed, "peak_mib": peak_mib, "message": result.message}
     solver = result.plan.solver if result.feasible and result.plan is not None else None
     if solver is None:
         row["status"] = "infeasible" if "infeasible" in result.message else "no plan"

@@ -298,7 +298,7 @@ def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
     positions = np.linspace(1, F, problem.solver.search.placed_cuts + 2)[1:-1]
     cuts = sorted({int(k) for k in positions})
     pairs = [(a, b) for a in range(D) for b in range(D) if a != b]
-    balanced = sorted(cuts, key=lambda k: abs(2 * k - F - 1))  # layers 0..F halved first
+    balanced = sorted(cuts, key=lambda k: abs(2 * k - F))  # the forward pass halved first
     for a, b in pairs:
         found.extend(np.where(layer < k, a, b) for k in balanced)
     for a, b in pairs:

@@ -79,7 +79,8 @@ def solve_intervals(
     def given_up() -> bool:
         if improve_by is None or time.monotonic() <= improve_by:
             return False
-        return before is None or search.best_ms is None or search.best_ms >= before
+        after = search.best_ms
+        return after is None or (before is not None and after >= before)
 
     if warm is not None:
         formulation.hint(warm)

@@ -555,16 +555,14 @@ def _decomposed_on_devices(
     does, the parts' plans cost more than that device's. Returns what happened."""
     if variants.one_device is None:
         return "decomposed: no strategy for one device"
-    switch = _Switch(
-        search, time.monotonic() + search.time_left() * problem.solver.search.alone_share
-    )
+    config = problem.solver.search
+    switch = _Switch(search, time.monotonic() + search.time_left() * config.alone_share)
     solved = _solve_on_one_device(problem, names, search, variants.one_device, switch)
     if solved is None:
         return _split_fixed(problem, names, search, strategy)
     device, alone = solved
     search.offer(alone)
     relaxed = switch.placement()
-    config = problem.solver.search
     if relaxed is None or search.time_left() < config.min_solve_s:
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"

@@ -289,3 +289,21 @@ def test_placed_on_keeps_every_node_on_its_home_and_tunes_checkpoints():
     assert simulate(result.plan, problem.graph, problem.costs, problem.budgets).valid
     nowhere = placed_on(problem, names, np.ones(n, dtype=np.int64))
     assert not nowhere.feasible and "fits" in nowhere.message
+
+
+def test_one_cut_placements_start_from_the_most_even_split():
+    """After the fastest and the single-device placements come the one-cut placements of
+    each pair of devices, the most even split of the forward layers first: at tight
+    budgets the candidates that fit split the activations (U-Net at 25%)."""
+    problem = _split_problem("unet", 25)
+    names = ("cpu0", "cuda0")
+    layer = forward_layer(problem)
+    forward = layer[: int(layer.max()) + 1]
+    cuts = placements(problem, names)[
+        1 + len(names) : 1 + len(names) + problem.solver.search.placed_cuts
+    ]
+    unevenness = [abs(float((place[: len(forward)] == 1).mean()) - 0.5) for place in cuts]
+    assert all(len(set(place.tolist())) == 2 for place in cuts)  # each a split in two
+    assert unevenness[0] == min(unevenness) < 0.1
+    result = placed_greedy(problem, time_budget_s=0.0, fit_budget_s=60.0)
+    assert result.feasible, result.message

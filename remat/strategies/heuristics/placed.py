@@ -288,8 +288,9 @@ def _over(problem: Problem, deadline: float) -> bool:
 
 
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
-    """Home device per node (indices into ``names``): fastest, each single device, cuts,
-    bands."""
+    """Home device per node (indices into ``names``): fastest, each single device, cuts
+    (the most even split of the forward layers first: at tight budgets the plans that fit
+    split the activations), bands."""
     n, D = len(problem.graph), len(names)
     found = [_fastest(problem, names)] + [np.full(n, d) for d in range(D)]
     layer = forward_layer(problem)
@@ -297,8 +298,9 @@ def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:
     positions = np.linspace(1, F, problem.solver.search.placed_cuts + 2)[1:-1]
     cuts = sorted({int(k) for k in positions})
     pairs = [(a, b) for a in range(D) for b in range(D) if a != b]
+    balanced = sorted(cuts, key=lambda k: abs(2 * k - F - 1))  # layers 0..F halved first
     for a, b in pairs:
-        found.extend(np.where(layer < k, a, b) for k in cuts)
+        found.extend(np.where(layer < k, a, b) for k in balanced)
     for a, b in pairs:
         for first, k in enumerate(cuts):
             found.extend(np.where((layer >= k) & (layer < end), b, a) for end in cuts[first + 1 :])

@@ -92,47 +92,72 @@ class MoccasinModel:
 
     def decode(self, value: Any) -> Schedule:
         """R and S of a solution; ``value(var)`` reads a variable (a solver's ``Value``)."""
-        n, placement = self.n, self.placement
-        shape = (len(placement.devices), n, n)
-        R = np.zeros(shape, dtype=bool)
-        S = np.zeros(shape, dtype=bool)
-        for i, computations in enumerate(self.computations):
-            d = int(placement.home[i])
-            for c in computations:
-                if not _read(value, c.present):
-                    continue
-                t = int(_read(value, c.stage))
-                R[d, t, i] = True
-                end = int(_read(value, c.end))
-                # kept into stage u when the interval covers the slot n u, u > t
-                last = min(n - 1, (end - 1) // n)
-                S[d, t + 1 : last + 1, i] = True
-        return Schedule(placement.devices, R, S)
+        retained: list[list[tuple[int, int]]] = [
+            [
+                (int(_read(value, c.stage)), int(_read(value, c.end)))
+                for c in computations
+                if _read(value, c.present)
+            ]
+            for computations in self.computations
+        ]
+        return schedule_of_retained(retained, self.placement)
 
     def hint(self, schedule: Schedule) -> None:
         """Hint the solver with ``schedule`` (a warm start): each node's computations in
         stage order with the retention the schedule's S gives them; computations beyond
         C_i are left out of the hint. A node's computations and retention are read on
         any device of ``schedule``."""
-        R, S = np.asarray(schedule.R.any(axis=0)), np.asarray(schedule.S.any(axis=0))
-        n = self.n
-        users = [sorted(set(u)) for u in self.graph.users()]
-        for i, computations in enumerate(self.computations):
-            stages = [int(t) for t in np.flatnonzero(R[:, i])]
+        retained = retained_of(schedule, self.graph)
+        for computations, own in zip(self.computations, retained, strict=True):
             for j, c in enumerate(computations):
-                if j >= len(stages):
+                if j >= len(own):
                     _hint(self.model, c.present, 0)
                     continue
-                t = stages[j]
-                last = t
-                while last + 1 < n and S[last + 1, i] and not R[last + 1, i]:
-                    last += 1
-                # retained to its last reader in stage ``last`` (after its own slot in t)
-                readers = [k for k in users[i] if R[last, k] and (last > t or k > i)]
-                end = n * last + max(readers, default=i) + 1
+                stage, end = own[j]
                 _hint(self.model, c.present, 1)
-                _hint(self.model, c.stage, t)
+                _hint(self.model, c.stage, stage)
                 _hint(self.model, c.end, end)
+
+
+def retained_of(schedule: Schedule, graph: Graph) -> list[list[tuple[int, int]]]:
+    """Each node's computations in ``schedule`` as (t_ij, e_ij) in stage order: computed in
+    stage t_ij, retained while S keeps it, to its last reader in the last stage that does
+    (an output to the horizon). Read on any device of ``schedule``."""
+    R, S = np.asarray(schedule.R.any(axis=0)), np.asarray(schedule.S.any(axis=0))
+    n = R.shape[1]
+    outputs = set(graph.outputs)
+    users = [sorted(set(u)) for u in graph.users()]
+    retained: list[list[tuple[int, int]]] = []
+    for i in range(n):
+        own = []
+        for t in (int(t) for t in np.flatnonzero(R[:, i])):
+            last = t
+            while last + 1 < n and S[last + 1, i] and not R[last + 1, i]:
+                last += 1
+            if i in outputs and last == n - 1:
+                own.append((t, n * n))
+                continue
+            # retained to its last reader in stage ``last`` (after its own slot in t)
+            readers = [k for k in users[i] if R[last, k] and (last > t or k > i)]
+            own.append((t, n * last + max(readers, default=i) + 1))
+        retained.append(own)
+    return retained
+
+
+def schedule_of_retained(retained: list[list[tuple[int, int]]], placement: Placement) -> Schedule:
+    """The schedule of each node's computations (t_ij, e_ij) on its device: R[t_ij, i] = 1,
+    and S[u, i] = 1 where an interval of i covers the start of stage u > t_ij."""
+    n = len(retained)
+    shape = (len(placement.devices), n, n)
+    R = np.zeros(shape, dtype=bool)
+    S = np.zeros(shape, dtype=bool)
+    for i, own in enumerate(retained):
+        d = int(placement.home[i])
+        for t, end in own:
+            R[d, t, i] = True
+            last = min(n - 1, (end - 1) // n)  # kept into stage u when it covers slot n u
+            S[d, t + 1 : last + 1, i] = True
+    return Schedule(placement.devices, R, S)
 
 
 def build_moccasin(

@@ -93,6 +93,18 @@ class SearchConfig:
     no solution from the hint after this share of the time left, the default portfolio
     (with a full-problem worker) takes the rest; 0: the default portfolio from the start."""
 
+    # --- window neighbourhoods (``remat.strategies.exact.windows``) -----------------------
+    window_stages: int = 100
+    """Stages in a window neighbourhood, on average: a single window takes from half to one
+    and a half times as many, a mirrored pair half as many in its forward range."""
+    window_solve_s: float = 5.0
+    """The most one window neighbourhood's CP-SAT solve may take."""
+    window_seed: int = 0
+    """The seed of the windows' random choice (the same windows for the same incumbents)."""
+    windows_share: float = 0.6
+    """Of the time left for the whole graph's interval model where the incumbent is on its
+    placement: the window neighbourhoods take this share first."""
+
     # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
     coarse_min_nodes: int = 40
     """Graphs with fewer nodes are not coarsened: they solve well as they are."""

@@ -47,6 +47,7 @@ from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
+from remat.strategies.exact.windows import improve_by_windows
 from remat.strategies.heuristics.evict import (
     evict_moves,
     evict_placed,
@@ -698,15 +699,25 @@ def _polished(
     """The whole graph's interval model on ``placement`` (on several devices, ``whose``)
     for the time left, from the incumbent (the stitched plan, or the warm start): the parts
     fix where the graph is cut and what crosses each cut, the whole graph's model does
-    not. Stopped at ``trial`` (``time.monotonic()``) unless it has found a cheaper plan."""
-    warm = _incumbent_schedule(search)
-    before = search.best_ms
-    solve_intervals(search, placement, warm, strategy, improve_by=trial)
-    after = search.best_ms
+    not. Where the incumbent is on ``placement``, window neighbourhoods
+    (``windows.improve_by_windows``) take ``SearchConfig.windows_share`` of the time
+    first. Stopped at ``trial`` (``time.monotonic()``) unless it has found a cheaper plan;
+    no windows then."""
     where = "" if len(placement.devices) == 1 else f" on {whose} placement"
-    if after is None or (before is not None and after >= before):
-        return f"; the whole graph's interval model{where} found no better plan"
-    return f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
+    improved = 0
+    if trial is None:
+        until = time.monotonic() + search.time_left() * search.problem.solver.search.windows_share
+        incumbent = partial(_incumbent_schedule, search)
+        improved = improve_by_windows(search, placement, strategy, incumbent, until)
+    windowed = search.best_ms
+    solve_intervals(search, placement, _incumbent_schedule(search), strategy, improve_by=trial)
+    after = search.best_ms
+    message = ""
+    if improved:
+        message = f"; {improved} window neighbourhoods{where} improved it to {windowed:.4g} ms"
+    if after is None or (windowed is not None and after >= windowed):
+        return message + f"; the whole graph's interval model{where} found no better plan"
+    return message + f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
 
 
 def _incumbent_schedule(search: Search) -> Schedule | None:

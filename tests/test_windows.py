@@ -1,0 +1,169 @@
+"""Window neighbourhoods of the interval model (``remat.formulations.moccasin_windows``,
+``remat.strategies.exact.windows``): the model holds its incumbent at the incumbent's
+recomputation cost, every solution of it is a plan that the simulator accepts within
+the budget, and the search over windows improves a plan."""
+
+import random
+import time
+
+import numpy as np
+import pytest
+from ortools.sat.python import cp_model
+from regime import budgeted
+
+from remat import samples
+from remat.formulations.moccasin import COST_SCALE, retained_of
+from remat.formulations.moccasin_windows import build_windows, merged_windows, recomputation_ms
+from remat.onnx_ingest import forward_graph
+from remat.solvers.model import SolveOptions
+from remat.strategies import SolverSettings
+from remat.strategies.baselines import best_baseline
+from remat.strategies.common.problem import evaluate
+from remat.strategies.exact.intervals import on_device, placed
+from remat.strategies.exact.state import Search
+from remat.strategies.exact.windows import improve_by_windows
+from remat.strategies.heuristics.evict import greedy_evict, home_of
+from remat.strategies.heuristics.placed import placed_greedy
+from remat.training import training_graph
+
+# CP-SAT's searches within limits of seconds: what they find depends on the CPU they get
+pytestmark = pytest.mark.alone
+
+QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2))
+WINDOWS = [
+    [(40, 90)],  # one window in the forward pass
+    [(100, 139)],  # one window to the graph's end (its outputs)
+    [(0, 30)],  # from the first stage
+    [(30, 60), (80, 110)],  # a forward range and the backward stages that read it
+    [(10, 30), (50, 70), (100, 120)],  # three windows, two gaps
+]
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
+    return budgeted(graph, 50, ("cuda0",), QUICK)
+
+
+@pytest.fixture(scope="module")
+def evicted(resnet):
+    result = greedy_evict(resnet, "cuda0", 5)
+    assert result.feasible and result.schedule is not None
+    assert result.schedule.R[0].sum() > len(resnet.graph)  # it recomputes
+    return result
+
+
+@pytest.mark.parametrize("windows", WINDOWS)
+def test_the_model_holds_its_incumbent_at_its_recomputation_cost(resnet, evicted, windows):
+    """The incumbent fixed as the solution (every hinted variable): feasible, its objective
+    the incumbent's recomputation time in the windows, and decoded back to the same
+    schedule."""
+    retained = retained_of(evicted.schedule, resnet.graph)
+    placement = on_device(resnet, "cuda0")
+    model = build_windows(resnet.graph, resnet.costs, placement, retained, windows)
+    assert model.incumbent_cost_ms == pytest.approx(
+        recomputation_ms(resnet.costs, placement, retained, windows)
+    )
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = 30
+    status = solver.solve(model.model)
+    assert status == cp_model.OPTIMAL, solver.status_name(status)
+    rounding = len(resnet.graph) / COST_SCALE  # each weight rounded to an integer
+    assert solver.objective_value / COST_SCALE == pytest.approx(
+        model.incumbent_cost_ms, abs=rounding
+    )
+    decoded = model.decode(solver.value)
+    assert (decoded.R == evicted.schedule.R).all()
+
+
+@pytest.mark.parametrize("windows", WINDOWS)
+def test_every_solution_is_a_plan_within_the_budget_no_dearer_in_the_windows(
+    resnet, evicted, windows
+):
+    """Each solution CP-SAT finds, decoded into the whole plan, is valid and within the
+    budget by the simulator, and no solution's simulated compute time exceeds the
+    incumbent's by more than its objective does."""
+    retained = retained_of(evicted.schedule, resnet.graph)
+    placement = on_device(resnet, "cuda0")
+    model = build_windows(resnet.graph, resnet.costs, placement, retained, windows)
+    found = []
+
+    class _Plans(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            found.append((self.objective_value, model.decode(self.value)))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 10
+    solver.parameters.num_workers = 2
+    solver.solve(model.model, _Plans())
+    assert found, "a solution within 10 s (the incumbent is one)"
+    incumbent = evicted.simulation.compute_ms
+    for objective, schedule in found:
+        evaluation = evaluate(resnet, schedule, "windows")
+        assert evaluation.fits, evaluation.simulation.violation
+        saved = model.incumbent_cost_ms - objective / COST_SCALE
+        assert evaluation.simulation.compute_ms <= incumbent - saved + 1e-6
+
+
+def test_on_a_placement_every_solution_keeps_each_node_on_its_device(resnet):
+    """On two devices, from the multi-device heuristic's plan: every solution of random
+    windows is a plan within both budgets (copies charged on the reader's device), with
+    each node computed where the incumbent computes it."""
+    names = ("cpu0", "cuda0")
+    problem = budgeted(resnet.graph, 30, names, QUICK)
+    start = placed_greedy(problem, names, 2.0)
+    assert start.feasible and start.schedule is not None
+    home = home_of(start.schedule, names)
+    assert len(set(home.tolist())) == 2, "a plan over both devices"
+    placement = placed(problem, names, home)
+    retained = retained_of(start.schedule, problem.graph)
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(6):
+        a = rng.randrange(len(problem.graph) - 20)
+        windows = [(a, a + rng.randint(10, 60))]
+        model = build_windows(problem.graph, problem.costs, placement, retained, windows)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = 5
+        solver.parameters.num_workers = 2
+        status = solver.solve(model.model)
+        assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+        evaluation = evaluate(problem, model.decode(solver.value), "windows")
+        assert evaluation.fits, evaluation.simulation.violation
+        assert np.array_equal(home_of(evaluation.schedule, names), home)
+        checked += 1
+    assert checked == 6
+
+
+def test_windows_are_sorted_and_merged():
+    assert merged_windows([(50, 60), (0, 10), (8, 20), (20, 25), (70, 200)], 100) == [
+        (0, 25),
+        (50, 60),
+        (70, 100),
+    ]
+    assert merged_windows([(5, 5), (-3, 2)], 10) == [(0, 2)]
+
+
+def test_the_search_over_windows_improves_the_best_baseline(resnet):
+    """From the best baseline's plan at 70% (a segment policy's), window neighbourhoods
+    find a cheaper plan that the simulator accepts within the budget, and stop at their
+    deadline."""
+    problem = budgeted(resnet.graph, 70, ("cuda0",), QUICK)
+    baseline = best_baseline(problem, ["cuda0"])
+    assert baseline is not None and baseline.simulation is not None
+    search = Search(problem, problem.costs.ideal_ms("cuda0"), time.monotonic())
+    search.offer(baseline)
+    placement = on_device(problem, "cuda0")
+
+    def incumbent():
+        return search.best.schedule if search.best is not None else None
+
+    began = time.monotonic()
+    improved = improve_by_windows(search, placement, "windows", incumbent, began + 10)
+    assert time.monotonic() - began < 10 + 6  # one neighbourhood's solve may end late
+    assert improved >= 1
+    best = search.best
+    assert best is not baseline and best.simulation is not None
+    assert best.simulation.total_ms < baseline.simulation.total_ms
+    assert best.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]

@@ -3,6 +3,7 @@
 recomputation cost, every solution of it is a plan that the simulator accepts within
 the budget, and the search over windows improves a plan."""
 
+import logging
 import random
 import time
 
@@ -15,10 +16,12 @@ from remat import samples
 from remat.formulations.moccasin import COST_SCALE, retained_of
 from remat.formulations.moccasin_windows import build_windows, merged_windows, recomputation_ms
 from remat.onnx_ingest import forward_graph
+from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies import SolverSettings
+from remat.strategies import SolverSettings, run_strategy
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.problem import evaluate
+from remat.strategies.config import SearchConfig
 from remat.strategies.exact.intervals import on_device, placed
 from remat.strategies.exact.state import Search
 from remat.strategies.exact.windows import improve_by_windows
@@ -167,3 +170,26 @@ def test_the_search_over_windows_improves_the_best_baseline(resnet):
     assert best is not baseline and best.simulation is not None
     assert best.simulation.total_ms < baseline.simulation.total_ms
     assert best.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+
+
+@pytest.mark.parametrize("min_nodes", [100, 600])
+def test_a_decomposed_graph_gets_window_neighbourhoods_from_their_size_on(
+    resnet, caplog, min_nodes
+):
+    """After the parts' stitched plan, windows run before the whole interval model on a
+    graph of at least ``windows_min_nodes`` nodes (ResNet-18's 139 here), not below; the
+    plan stays valid and within the budget."""
+    caplog.set_level(logging.DEBUG, logger="remat.strategies.exact.windows")
+    settings = SolverSettings(
+        options=SolveOptions(time_limit_s=8, gap=1e-4, threads=2),
+        search=SearchConfig(decompose_min_nodes=100, windows_min_nodes=min_nodes),
+    )
+    problem = budgeted(resnet.graph, 50, ("cuda0",), settings)
+    result = run_strategy("checkmate_milp", problem, "cuda0")
+    assert result.feasible and result.plan is not None
+    assert "decomposed: stitched plan" in result.message
+    searched = [r.getMessage() for r in caplog.records if "window neighbourhoods" in r.getMessage()]
+    assert len(searched) == (1 if min_nodes <= len(problem.graph) else 0), searched
+    simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
+    assert simulation.valid
+    assert simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]

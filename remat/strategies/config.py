@@ -95,8 +95,9 @@ class SearchConfig:
 
     # --- window neighbourhoods (``remat.strategies.exact.windows``) -----------------------
     window_stages: int = 100
-    """Stages in a window neighbourhood, on average: a single window takes from half to one
-    and a half times as many, a mirrored pair half as many in its forward range."""
+    """Stages in the first window neighbourhood, on average: a single window takes from
+    half to one and a half times as many, a mirrored pair half as many in its forward
+    range; the size then adapts to the solves' times."""
     window_solve_s: float = 5.0
     """The most one window neighbourhood's CP-SAT solve may take."""
     window_seed: int = 0
@@ -104,6 +105,9 @@ class SearchConfig:
     windows_share: float = 0.6
     """Of the time left for the whole graph's interval model where the incumbent is on its
     placement: the window neighbourhoods take this share first."""
+    windows_min_nodes: int = 600
+    """Graphs with fewer nodes go straight to CP-SAT's search on the whole interval model,
+    which improves them faster than window neighbourhoods do."""
 
     # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
     coarse_min_nodes: int = 40

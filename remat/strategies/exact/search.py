@@ -699,14 +699,16 @@ def _polished(
     """The whole graph's interval model on ``placement`` (on several devices, ``whose``)
     for the time left, from the incumbent (the stitched plan, or the warm start): the parts
     fix where the graph is cut and what crosses each cut, the whole graph's model does
-    not. Where the incumbent is on ``placement``, window neighbourhoods
+    not. Where the incumbent is on ``placement`` and the graph has at least
+    ``SearchConfig.windows_min_nodes`` nodes, window neighbourhoods
     (``windows.improve_by_windows``) take ``SearchConfig.windows_share`` of the time
     first. Stopped at ``trial`` (``time.monotonic()``) unless it has found a cheaper plan;
     no windows then."""
     where = "" if len(placement.devices) == 1 else f" on {whose} placement"
     improved = 0
-    if trial is None:
-        until = time.monotonic() + search.time_left() * search.problem.solver.search.windows_share
+    config = search.problem.solver.search
+    if trial is None and len(search.problem.graph) >= config.windows_min_nodes:
+        until = time.monotonic() + search.time_left() * config.windows_share
         incumbent = partial(_incumbent_schedule, search)
         improved = improve_by_windows(search, placement, strategy, incumbent, until)
     windowed = search.best_ms

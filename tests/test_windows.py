@@ -29,9 +29,6 @@ from remat.strategies.heuristics.evict import greedy_evict, home_of
 from remat.strategies.heuristics.placed import placed_greedy
 from remat.training import training_graph
 
-# CP-SAT's searches within limits of seconds: what they find depends on the CPU they get
-pytestmark = pytest.mark.alone
-
 QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2))
 WINDOWS = [
     [(40, 90)],  # one window in the forward pass
@@ -148,6 +145,7 @@ def test_windows_are_sorted_and_merged():
     assert merged_windows([(5, 5), (-3, 2)], 10) == [(0, 2)]
 
 
+@pytest.mark.alone  # a search within seconds: what it finds depends on the CPU it gets
 def test_the_search_over_windows_improves_the_best_baseline(resnet):
     """From the best baseline's plan at 70% (a segment policy's), window neighbourhoods
     find a cheaper plan that the simulator accepts within the budget, and stop at their
@@ -172,6 +170,7 @@ def test_the_search_over_windows_improves_the_best_baseline(resnet):
     assert best.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("min_nodes", [100, 600])
 def test_a_decomposed_graph_gets_window_neighbourhoods_from_their_size_on(
     resnet, caplog, min_nodes

@@ -13,9 +13,12 @@ import numpy as np
 from remat import samples
 from remat.devices import Device, DeviceKind, Size
 from remat.graph import Graph, NodeKind
+from remat.onnx_ingest import forward_graph
 from remat.problem import build_problem, problem_from_graph
 from remat.solvers.model import SolveOptions
-from remat.strategies import Problem, SolverSettings
+from remat.strategies import Problem, SolverSettings, StrategyResult
+from remat.strategies.heuristics.evict import greedy_evict
+from remat.training import training_graph
 
 CPU = Device("cpu0", DeviceKind.CPU, {"threads": "12"})
 IGPU = Device("cuda0", DeviceKind.CUDA, {"flops": "2e12", "bandwidth": "60e9", "launch_us": "10"})
@@ -51,3 +54,17 @@ def split_pool(devices: Sequence[Device], seconds: float) -> Problem:
     compute[backward, 0] *= 3
     compute[~backward, 1] *= 3
     return replace(problem, costs=replace(problem.costs, compute_ms=compute))
+
+
+def resnet18_at_half(settings: SolverSettings) -> Problem:
+    """ResNet-18's training graph (batch 4) at 50% on cuda0: the interval models' tests'."""
+    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
+    return budgeted(graph, 50, ("cuda0",), settings)
+
+
+def recomputing_eviction(problem: Problem) -> StrategyResult:
+    """Greedy eviction's plan on cuda0 (5 s), checked to fit and to recompute."""
+    result = greedy_evict(problem, "cuda0", 5)
+    assert result.feasible and result.schedule is not None
+    assert result.schedule.R[0].sum() > len(problem.graph)  # it recomputes
+    return result

@@ -9,12 +9,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from ortools.sat.python import cp_model
-from regime import budgeted
+from regime import budgeted, recomputing_eviction, resnet18_at_half
 
-from remat import samples
 from remat.compiler import compile_plan
 from remat.formulations.moccasin import COST_SCALE, Placement, build_moccasin
-from remat.onnx_ingest import forward_graph
 from remat.plan import Compute, Copy, Free
 from remat.schedule import schedule_of_steps
 from remat.simulator import simulate
@@ -27,7 +25,6 @@ from remat.strategies.exact.cover import covers_extra_ms
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.state import Search
 from remat.strategies.heuristics.evict import greedy_evict
-from remat.training import training_graph
 
 # CP-SAT's searches within limits of seconds: what they find depends on the CPU they get
 pytestmark = pytest.mark.alone
@@ -37,16 +34,12 @@ QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2)
 
 @pytest.fixture(scope="module")
 def resnet():
-    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
-    return budgeted(graph, 50, ("cuda0",), QUICK)
+    return resnet18_at_half(QUICK)
 
 
 @pytest.fixture(scope="module")
 def evicted(resnet):
-    result = greedy_evict(resnet, "cuda0", 5)
-    assert result.feasible and result.schedule is not None
-    assert result.schedule.R[0].sum() > len(resnet.graph)  # it recomputes
-    return result
+    return recomputing_eviction(resnet)
 
 
 def test_a_compiled_plan_gives_back_its_schedule(resnet, evicted):

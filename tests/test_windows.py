@@ -10,12 +10,10 @@ import time
 import numpy as np
 import pytest
 from ortools.sat.python import cp_model
-from regime import budgeted
+from regime import budgeted, recomputing_eviction, resnet18_at_half
 
-from remat import samples
 from remat.formulations.moccasin import COST_SCALE, retained_of
 from remat.formulations.moccasin_windows import build_windows, merged_windows, recomputation_ms
-from remat.onnx_ingest import forward_graph
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, run_strategy
@@ -25,9 +23,8 @@ from remat.strategies.config import SearchConfig
 from remat.strategies.exact.intervals import on_device, placed
 from remat.strategies.exact.state import Search
 from remat.strategies.exact.windows import improve_by_windows
-from remat.strategies.heuristics.evict import greedy_evict, home_of
+from remat.strategies.heuristics.evict import home_of
 from remat.strategies.heuristics.placed import placed_greedy
-from remat.training import training_graph
 
 QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2))
 WINDOWS = [
@@ -41,16 +38,12 @@ WINDOWS = [
 
 @pytest.fixture(scope="module")
 def resnet():
-    graph = training_graph(forward_graph(samples.resnet18(batch=4)))
-    return budgeted(graph, 50, ("cuda0",), QUICK)
+    return resnet18_at_half(QUICK)
 
 
 @pytest.fixture(scope="module")
 def evicted(resnet):
-    result = greedy_evict(resnet, "cuda0", 5)
-    assert result.feasible and result.schedule is not None
-    assert result.schedule.R[0].sum() > len(resnet.graph)  # it recomputes
-    return result
+    return recomputing_eviction(resnet)
 
 
 @pytest.mark.parametrize("windows", WINDOWS)

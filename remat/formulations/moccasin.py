@@ -175,14 +175,7 @@ def build_moccasin(
     n = st.n
     home = placement.home
     C_v = np.broadcast_to(np.asarray(computations, dtype=np.int64), (n,))
-    columns = np.array([costs.device_index(name) for name in placement.devices])
-    C = np.asarray(costs.compute_ms[np.arange(n), columns[home]], dtype=float)
-    M = np.asarray(costs.output_bytes, dtype=np.int64)
-    unit = memory_unit(M)
-    m = M // unit
-    w = np.zeros(n, dtype=np.int64)  # each node's workspace on its device, units rounded up
-    if costs.workspace_bytes is not None:
-        w = -(-costs.workspace_bytes[np.arange(n), columns[home]] // unit)
+    C, m, w, unit = node_costs(costs, placement)
     model = cp_model.CpModel()
     horizon = n * n
     nodes: list[tuple[Computation, ...]] = []
@@ -237,6 +230,22 @@ def build_moccasin(
     weights = np.rint(C * COST_SCALE).astype(np.int64)
     model.minimize(sum(int(weights[c.node]) * c.present for own in nodes for c in own[1:]))
     return MoccasinModel(model, graph, placement, n, tuple(nodes), float(C.sum()))
+
+
+def node_costs(
+    costs: CostModel, placement: Placement
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Per node on its device: the compute time C (ms), the output m and the workspace w
+    in memory units (the workspace rounded up), and the unit in bytes."""
+    n = len(placement.home)
+    columns = np.array([costs.device_index(name) for name in placement.devices])[placement.home]
+    C = np.asarray(costs.compute_ms[np.arange(n), columns], dtype=float)
+    M = np.asarray(costs.output_bytes, dtype=np.int64)
+    unit = memory_unit(M)
+    w = np.zeros(n, dtype=np.int64)
+    if costs.workspace_bytes is not None:
+        w = -(-costs.workspace_bytes[np.arange(n), columns] // unit)
+    return C, M // unit, w, unit
 
 
 def _copies(

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from remat.costs import CostModel
-from remat.formulations.common import Structure, memory_unit
-from remat.formulations.moccasin import COST_SCALE, Placement, schedule_of_retained
+from remat.formulations.common import Structure
+from remat.formulations.moccasin import COST_SCALE, Placement, node_costs, schedule_of_retained
 from remat.graph import Graph
 from remat.schedule import Schedule
 
@@ -150,15 +150,7 @@ def build_windows(
     n = st.n
     stages = merged_windows(windows, n)
     axis = _Axis(n, [(n * a, n * b) for a, b in stages])
-    home = placement.home
-    C = _compute_ms(costs, placement)
-    M = np.asarray(costs.output_bytes, dtype=np.int64)
-    unit = memory_unit(M)
-    m = M // unit
-    w = np.zeros(n, dtype=np.int64)
-    if costs.workspace_bytes is not None:
-        columns = np.array([costs.device_index(name) for name in placement.devices])
-        w = -(-costs.workspace_bytes[np.arange(n), columns[home]] // unit)
+    C, m, w, unit = node_costs(costs, placement)
     deps = [sorted(set(node.deps)) for node in graph.nodes]
 
     kept: dict[int, list[tuple[int, int]]] = {}
@@ -260,7 +252,7 @@ def recomputation_ms(
 ) -> float:
     """The incumbent's recomputation time in ``windows``: what a neighbourhood can save
     (a window without any is its own optimum)."""
-    C = _compute_ms(costs, placement)
+    C = node_costs(costs, placement)[0]
     ranges = merged_windows(windows, len(retained))
     return float(
         sum(
@@ -270,13 +262,6 @@ def recomputation_ms(
             if t != i and any(a <= t < b for a, b in ranges)
         )
     )
-
-
-def _compute_ms(costs: CostModel, placement: Placement) -> np.ndarray:
-    """Each node's compute time on its device."""
-    n = len(placement.home)
-    columns = np.array([costs.device_index(name) for name in placement.devices])
-    return np.asarray(costs.compute_ms[np.arange(n), columns[placement.home]], dtype=float)
 
 
 def _end_var(model: Any, cp_model: Any, axis: _Axis, k: int, low: int, name: str) -> Any:

@@ -47,6 +47,9 @@ LAYERS: dict[str, set[str]] = {
     },
     # the dashboard in Chromium, against ``remat serve``
     "browser": {"test_dashboard"},
+    # the command line in subprocesses, no server or database: in-process layers, but CI
+    # runs them beside the service layers (whose tests mostly wait on their processes)
+    "cli": {"test_cli"},
     # in-process, but optimal solves, searches or CLI subprocesses of seconds per test
     "slow": {
         "test_cli",

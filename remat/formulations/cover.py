@@ -112,8 +112,8 @@ def build_closure(
     DEPS[t], present at stage t). (N) holds for every plan in the frontier order: v computed
     at tau after stage t reads u at tau, so u was present throughout [t, tau] or computed
     again within it. Rows (N) follow inputs ``depth`` steps back from L_t; the stages are
-    every k-th binding one, k the smallest keeping the y columns under ``cells`` (fewer
-    rows only weaken a relaxation)."""
+    the binding ones that need most, as many as keep the y columns under ``cells``
+    (``Stages.thinned``: fewer rows only weaken a relaxation)."""
     stages = Stages.of(graph, output_bytes, budget_bytes, fixed_bytes)
     if stages.infeasible_at is not None or stages.binding.size == 0:
         return None
@@ -192,11 +192,20 @@ class Stages:
         return np.setdiff1d(earlier[self.last[:t] > t], self.deps[t])
 
     def thinned(self, cells: int) -> list[tuple[int, np.ndarray]]:
-        """Every k-th binding stage with its dropped values, k the smallest that leaves at
-        most ``cells`` of them in all (fewer rows only weaken a relaxation)."""
+        """The binding stages with their dropped values, in stage order: by decreasing
+        ``need`` (the bytes a stage's row must free), each taken while the dropped values
+        stay at most ``cells`` in all (one that would pass it is skipped). Fewer rows only
+        weaken a relaxation, and the stages that need most bind its optimum most."""
         dropped = [(int(t), self.dropped(t)) for t in self.binding]
-        total = sum(values.size for _, values in dropped)
-        return dropped[:: max(1, -(-total // max(cells, 1)))]
+        kept: list[int] = []
+        total = 0
+        for i in sorted(range(len(dropped)), key=lambda i: -self.need[dropped[i][0]]):
+            size = dropped[i][1].size
+            if kept and total + size > cells:
+                continue
+            kept.append(i)
+            total += size
+        return [dropped[i] for i in sorted(kept)]
 
 
 class Rows:

@@ -34,8 +34,8 @@ v arrives on d after t:
 so its optimum is a lower bound on every such plan's compute and copy time. The graph's
 outputs are present at some device at every later stage, or arrive later. x, c, f and a2
 are binaries; h, a, e and k are continuous (their rows only force them up). Stages are
-thinned as the closure cover's are (every k-th binding stage, at most ``cells`` columns
-of h per device), which only weakens the bound.
+thinned as the closure cover's are (the binding stages that need most, at most ``cells``
+columns of h per device), which only weakens the bound.
 
 It charges a recomputation nothing for its inputs. The closure rows (``depth`` > 0) add
 the closure cover's (``cover.build_closure``) on each device: with w_vtd = 1 if v is
@@ -176,7 +176,7 @@ def _stage_rows(
     depth: int,
     rows: Rows,
 ) -> None:
-    """Rows (D_td) and what forces h and a, at every k-th binding stage of ``stages``."""
+    """Rows (D_td) and what forces h and a, at the binding stages ``stages.thinned`` keeps."""
     users, outputs, M, var = graph.users(), set(graph.outputs), stages.M, rows.var
     D = len(budgets)
     for t, dropped in stages.thinned(cells):

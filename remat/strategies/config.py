@@ -80,8 +80,8 @@ class SearchConfig:
     closure_cells: int = 3000
     closure_depth: int = 8
     """The closure cover's LP (``exact.cover.closure_extra_ms``, beside the cover): its
-    binding stages are thinned until their dropped-value columns number at most
-    ``closure_cells``, and rows follow a value's inputs ``closure_depth`` steps back."""
+    binding stages that need most are kept while their dropped-value columns number at
+    most ``closure_cells``, and rows follow a value's inputs ``closure_depth`` steps back."""
 
     # --- Moccasin (``remat.strategies.exact.moccasin``) -----------------------------------
     moccasin_computations: int = 2

@@ -10,7 +10,7 @@ import pytest
 from regime import budgeted
 
 from remat import samples
-from remat.formulations.cover import build_cover
+from remat.formulations.cover import Stages, build_cover
 from remat.onnx_ingest import forward_graph
 from remat.simulator import held_fixed_bytes
 from remat.solvers.model import SolveOptions
@@ -107,3 +107,23 @@ def test_no_budget_or_ample_memory_leaves_the_ideal_and_a_node_over_it_is_named(
     assert build_cover(graph, times, costs.output_bytes, 10 * fixed + 10**12, fixed).trivial
     tiny = build_cover(graph, times, costs.output_bytes, fixed, fixed)
     assert tiny.model is None and tiny.infeasible_at == 0  # the first node's output alone
+
+
+def test_the_closure_keeps_the_stages_that_need_most_within_its_columns() -> None:
+    """``Stages.thinned``: the kept stages' dropped values fit ``cells``, the stage that
+    needs most is kept, and no stage left out would still fit beside the kept ones (so each
+    was left out for its size, after every stage that needs more); with room for all, all
+    are kept."""
+    problem = budgeted(_graph("unet"), 25, ("cuda0",), QUICK)
+    graph, costs = problem.graph, problem.costs
+    fixed = held_fixed_bytes(graph, range(len(graph)))
+    stages = Stages.of(graph, costs.output_bytes, problem.budgets["cuda0"], fixed)
+    sizes = {int(t): stages.dropped(int(t)).size for t in stages.binding}
+    cells = sum(sizes.values()) // 3
+    kept = [t for t, _ in stages.thinned(cells)]
+    assert kept == sorted(kept) and 0 < sum(sizes[t] for t in kept) <= cells
+    assert max(sizes, key=lambda t: stages.need[t]) in kept
+    room = cells - sum(sizes[t] for t in kept)
+    assert all(sizes[t] > room for t in sizes if t not in kept)
+    everything = [t for t, _ in stages.thinned(sum(sizes.values()))]
+    assert everything == sorted(sizes)

@@ -366,6 +366,7 @@ def _xengine_and_port_m(devices, seconds):
     return problem, apart, result
 
 
+@pytest.mark.alone  # what PORT-M's MILP finds within 6 s
 def test_port_m_hides_recomputation_on_the_pools_other_device():
     """The chain sample at 70% on two equal CPUs sharing their memory: XEngine's plan
     recomputes on the way back and pays for part of it; PORT-M recomputes on one CPU while

@@ -12,8 +12,14 @@ import pytest
 from ortools.sat.python import cp_model
 from regime import budgeted, recomputing_eviction, resnet18_at_half
 
-from remat.formulations.moccasin import COST_SCALE, retained_of
+from remat.formulations.moccasin import (
+    COST_SCALE,
+    node_costs,
+    retained_of,
+    schedule_of_retained,
+)
 from remat.formulations.moccasin_windows import build_windows, merged_windows, recomputation_ms
+from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import SolverSettings, run_strategy
@@ -97,6 +103,63 @@ def test_every_solution_is_a_plan_within_the_budget_no_dearer_in_the_windows(
         assert evaluation.fits, evaluation.simulation.violation
         saved = model.incumbent_cost_ms - objective / COST_SCALE
         assert evaluation.simulation.compute_ms <= incumbent - saved + 1e-6
+
+
+def test_a_value_carried_out_of_both_windows_of_a_pair_is_held(resnet, evicted):
+    """A value the forward window carries into the gap and, recomputed, the backward window
+    carries past the last window: the model holds the incumbent (it had room for one
+    carried-out end per value and excluded it)."""
+    n = len(resnet.graph)
+    retained = [list(own) for own in retained_of(evicted.schedule, resnet.graph)]
+    first, recomputed, again = retained[0]
+    assert first[1] < n * 2 and recomputed[0] + 1 == again[0], "the premise's recomputations"
+    retained[0] = [first, (recomputed[0], again[1])]  # kept to its reader, not recomputed
+    problem = budgeted(resnet.graph, 75, ("cuda0",), QUICK)
+    placement = on_device(problem, "cuda0")
+    schedule = schedule_of_retained(retained, placement)
+    assert evaluate(problem, schedule, "kept").fits
+    windows = [(0, 1), (recomputed[0], recomputed[0] + 1)]
+    model = build_windows(problem.graph, problem.costs, placement, retained, windows)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = 30
+    status = solver.solve(model.model)
+    assert status == cp_model.OPTIMAL, solver.status_name(status)
+    assert (model.decode(solver.value).R == schedule.R).all()
+
+
+def test_a_checkpoint_kept_into_a_stage_that_does_not_read_it_is_read_as_the_compiler_frees_it(
+    resnet, evicted
+):
+    """S may keep a value into a stage where no node reads it (a solver's solution, free to
+    keep it longer): the compiler frees it before that stage's first step, and the
+    incumbent's reading (``retained_of``) ends it there, so its memory over time peaks
+    where the simulator's does (read to a slot in that stage, it exceeded the budget in a
+    window model's gap, which then excluded its own incumbent)."""
+    graph, n = resnet.graph, len(resnet.graph)
+    before = evicted.schedule
+    schedule = Schedule(before.devices, before.R.copy(), before.S.copy())
+    users = graph.users()
+    extended = 0
+    for i, own in enumerate(retained_of(before, graph)):
+        for _, end in own:
+            after = (end - 1) // n + 1  # the stage after the last that holds it
+            unread = not any(before.R[0, after, k] for k in [i, *users[i]]) if after < n else False
+            if end < n * n and unread:
+                schedule.S[0, after, i] = True
+                extended += 1
+    assert extended > 10
+    simulated = evaluate(resnet, schedule, "kept longer").simulation
+    placement = on_device(resnet, "cuda0")
+    m, w, unit = node_costs(resnet.costs, placement)[1:]
+    events = sorted(
+        (slot, units)
+        for i, own in enumerate(retained_of(schedule, graph))
+        for t, end in own
+        for slot, units in ((n * t + i, m[i] + w[i]), (n * t + i + 1, -w[i]), (end, -m[i]))
+    )
+    level = np.cumsum([units for _, units in events])
+    assert placement.fixed_bytes[0] + int(level.max()) * unit == simulated.peak_bytes["cuda0"]
 
 
 def test_on_a_placement_every_solution_keeps_each_node_on_its_device(resnet):

@@ -122,7 +122,9 @@ class MoccasinModel:
 def retained_of(schedule: Schedule, graph: Graph) -> list[list[tuple[int, int]]]:
     """Each node's computations in ``schedule`` as (t_ij, e_ij) in stage order: computed in
     stage t_ij, retained while S keeps it, to its last reader in the last stage that does
-    (an output to the horizon). Read on any device of ``schedule``."""
+    (an output to the horizon), or to that stage's start where no node reads it there (the
+    compiler frees such a checkpoint before the stage's first step). Read on any device of
+    ``schedule``."""
     R, S = np.asarray(schedule.R.any(axis=0)), np.asarray(schedule.S.any(axis=0))
     n = R.shape[1]
     outputs = set(graph.outputs)
@@ -139,6 +141,9 @@ def retained_of(schedule: Schedule, graph: Graph) -> list[list[tuple[int, int]]]
                 continue
             # retained to its last reader in stage ``last`` (after its own slot in t)
             readers = [k for k in users[i] if R[last, k] and (last > t or k > i)]
+            if last > t and not readers:
+                own.append((t, n * last))
+                continue
             own.append((t, n * last + max(readers, default=i) + 1))
         retained.append(own)
     return retained

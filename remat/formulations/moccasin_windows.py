@@ -17,7 +17,9 @@ whole model (``moccasin.retained_of``). A window is a range of stages [a, b), th
 
 Everything else is the incumbent's. A value the incumbent computes in a window and
 retains past the windows into a gap, or past the last window, is *carried out*: exactly
-one of its computations in the windows is retained to the incumbent's end. So outside
+one of its computations in the windows before that end (and after the value's previous
+carried-out end, where a mirrored pair's forward window carries it into the gap and the
+backward window past the last) is retained to the incumbent's end. So outside
 the windows the memory over time is the incumbent's, except for the retention intervals
 that the model itself runs across a gap between two windows. The memory constraint
 charges, in each window and each gap, the incumbent's largest memory there of what the
@@ -55,7 +57,7 @@ class _Item:
     its slot, its end, whether it is present (True or a BoolVar), the window it lies in
     (a crossing-in: the window it ends in), the end the memory constraint charges it to
     (a value carried out: the last window's end before its end) and whether it carries
-    the value out (False, or a BoolVar)."""
+    the value out (False, or a BoolVar) to ``carried_to``."""
 
     node: int
     stage: Any
@@ -79,7 +81,6 @@ class WindowModel:
     retained: Retained  # the incumbent's computations of every node
     items: dict[int, list[_Item]]  # the decided computations of each node in the model
     kept: dict[int, list[tuple[int, int]]]  # of those nodes, the incumbent's other ones
-    carried_end: dict[int, int]  # where a value carried out of the windows is freed
     incumbent_cost_ms: float  # the incumbent's recomputation time in the windows
     intervals: int  # in the cumulative constraints
 
@@ -93,7 +94,7 @@ class WindowModel:
                     continue
                 stage = _value(value, item.stage)
                 carried = _value(value, item.carried)
-                own.append((stage, self.carried_end[i] if carried else _value(value, item.end)))
+                own.append((stage, item.carried_to if carried else _value(value, item.end)))
             retained[i] = sorted(own)
         return schedule_of_retained(retained, self.placement)
 
@@ -155,7 +156,7 @@ def build_windows(
 
     kept: dict[int, list[tuple[int, int]]] = {}
     inside: dict[int, list[tuple[int, int, int]]] = {}  # node -> (window, t, e)
-    carried_end: dict[int, int] = {}
+    carried_ends: dict[int, set[int]] = {}  # node -> where its values carried out are freed
     crossing: dict[int, list[tuple[int, int, int]]] = {}  # node -> (window, t, e)
     for i, computations in enumerate(retained):
         for t, e in computations:
@@ -163,7 +164,7 @@ def build_windows(
             if k >= 0:
                 inside.setdefault(i, []).append((k, t, e))
                 if e > axis.slots[k][1] and axis.of_end(e) < 0:
-                    carried_end.setdefault(i, e)
+                    carried_ends.setdefault(i, set()).add(e)
                 continue
             into = axis.of_end(e)
             if into >= 0 and n * t + i < axis.slots[into][0]:
@@ -186,7 +187,7 @@ def build_windows(
             end = model.new_int_var(lo, hi, f"e[{i},in{k}]")
             model.add_hint(end, e)
             own.append(_Item(i, t, n * t + i, end, True, k, crossing=True, charged=end))
-        carried = carried_end.get(i)
+        carried = carried_ends.get(i, set())
         last = int(st.last_desc[i])
         for k, (a, b) in enumerate(stages):
             here = [(t, e) for kk, t, e in sorted(inside.get(i, [])) if kk == k]
@@ -196,9 +197,9 @@ def build_windows(
                 end = n * n  # an output is retained to the end
                 if not st.is_output[i]:
                     end = _end_var(model, cp_model, axis, k, n * i + i + 1, f"e[{i},0]")
-                    if e != carried:
+                    if e not in carried:
                         model.add_hint(end, e)
-                own.append(_Item(i, i, n * i + i, end, True, k, carried_hint=e == carried))
+                own.append(_Item(i, i, n * i + i, end, True, k, carried_hint=e in carried))
             low, high = max(a, i + 1), min(b - 1, last)
             count = min(len(recomputed) + extra, high - low + 1) if high >= low else 0
             previous: _Item | None = None
@@ -216,15 +217,15 @@ def build_windows(
                 if hinted:
                     t, e = recomputed[j]
                     model.add_hint(stage, t)
-                    if e != carried:
+                    if e not in carried:
                         model.add_hint(end, e)
                     incumbent_cost += C[i]
                 item = _Item(i, stage, start, end, present, k)
-                item.carried_hint = hinted and recomputed[j][1] == carried
+                item.carried_hint = hinted and recomputed[j][1] in carried
                 own.append(item)
                 objective.append((i, present))
                 previous = item
-        _carry_out(model, own, i, carried, axis)
+        _carry_out(model, own, i, sorted(carried), axis)
         items[i] = own
         kept.setdefault(i, [])
 
@@ -238,7 +239,6 @@ def build_windows(
         [list(own) for own in retained],
         items,
         kept,
-        carried_end,
         incumbent_cost,
         count,
     )
@@ -271,27 +271,30 @@ def _end_var(model: Any, cp_model: Any, axis: _Axis, k: int, low: int, name: str
     return model.new_int_var_from_domain(cp_model.Domain.from_intervals(pieces), name)
 
 
-def _carry_out(model: Any, own: list[_Item], i: int, carried: int | None, axis: _Axis) -> None:
-    """Where node i's value is carried out of the windows (freed at ``carried``), exactly
-    one of its computations in the windows before then carries it, charged to the last
-    window's end before ``carried``; every other one is charged to its end."""
-    flags = []
+def _carry_out(model: Any, own: list[_Item], i: int, carried: list[int], axis: _Axis) -> None:
+    """For each end in ``carried`` (sorted) where node i's value is carried out of the
+    windows, exactly one of its computations in the windows between the previous such end
+    and it carries the value there, charged to the last window's end before it; every other
+    computation is charged to its end."""
+    flags: dict[int, list[Any]] = {}
     for item in own:
         item.charged = item.end
-        if carried is None or item.crossing or axis.slots[item.window][1] >= carried:
+        hi = axis.slots[item.window][1]
+        to = next((e for e in carried if e > hi), None)
+        if to is None or item.crossing:
             continue
         flag = model.new_bool_var(f"out[{i},{item.window}]")
         if item.present is not True:
             model.add_implication(flag, item.present)
-        stop = axis.charged_end(carried)
+        stop = axis.charged_end(to)
         charged = model.new_int_var(0, stop, f"c[{i},{item.window}]")
         model.add(charged == stop).only_enforce_if(flag)
         model.add(charged == item.end).only_enforce_if(~flag)
         model.add_hint(flag, item.carried_hint)
-        item.charged, item.carried, item.carried_to = charged, flag, carried
-        flags.append(flag)
-    if flags:
-        model.add_exactly_one(flags)
+        item.charged, item.carried, item.carried_to = charged, flag, to
+        flags.setdefault(to, []).append(flag)
+    for group in flags.values():
+        model.add_exactly_one(group)
 
 
 def _precedence(

@@ -100,6 +100,10 @@ class SearchConfig:
     range; the size then adapts to the solves' times."""
     window_solve_s: float = 5.0
     """The most one window neighbourhood's CP-SAT solve may take."""
+    window_stall_s: float = 1.0
+    """A window neighbourhood's solve stops once it has found no better solution for this
+    long: a neighbourhood's improvements come early, and proving the last one optimal
+    can take the rest of ``window_solve_s``."""
     window_seed: int = 0
     """The seed of the windows' random choice (the same windows for the same incumbents)."""
     windows_share: float = 0.6

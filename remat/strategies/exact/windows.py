@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -76,9 +77,10 @@ def improve_by_windows(
             0.0, min(config.window_solve_s, until - time.monotonic())
         )
         solver.parameters.num_workers = max(1, problem.solver.options.threads)
-        status = solve_watched(
-            solver, model.model, None, lambda: problem.cancelled, search.heartbeat
-        )
+        found = _Improvements(cp_model, config.window_stall_s, lambda: problem.cancelled)
+        status = solve_watched(solver, model.model, found, found.should_stop, search.heartbeat)
+        if status == cp_model.INFEASIBLE:  # the incumbent is a solution: a model error
+            logger.warning("windows %s: the neighbourhood excludes the incumbent", windows)
         tried += 1
         solved = time.monotonic()
         pick.solved(status == cp_model.OPTIMAL, solved - built, config.window_solve_s)
@@ -105,6 +107,24 @@ def improve_by_windows(
         )
     logger.debug("%s: %d window neighbourhoods, %d improved the plan", strategy, tried, improved)
     return improved
+
+
+def _Improvements(cp_model: Any, stall_s: float, cancelled: Callable[[], bool]) -> Any:
+    """A solution callback whose ``should_stop`` says the solve is cancelled or has found
+    no better solution for ``stall_s`` (since its start, before the first)."""
+
+    class Improvements(cp_model.CpSolverSolutionCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = time.monotonic()
+
+        def on_solution_callback(self) -> None:
+            self.last = time.monotonic()
+
+        def should_stop(self) -> bool:
+            return cancelled() or time.monotonic() - self.last > stall_s
+
+    return Improvements()
 
 
 def _on(schedule: Schedule, placement: Placement) -> bool:

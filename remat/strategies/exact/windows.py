@@ -77,7 +77,7 @@ def improve_by_windows(
             0.0, min(config.window_solve_s, until - time.monotonic())
         )
         solver.parameters.num_workers = max(1, problem.solver.options.threads)
-        found = _Improvements(cp_model, config.window_stall_s, lambda: problem.cancelled)
+        found = _stall_watch(cp_model, config.window_stall_s, lambda: problem.cancelled)
         status = solve_watched(solver, model.model, found, found.should_stop, search.heartbeat)
         if status == cp_model.INFEASIBLE:  # the incumbent is a solution: a model error
             logger.warning("windows %s: the neighbourhood excludes the incumbent", windows)
@@ -109,7 +109,7 @@ def improve_by_windows(
     return improved
 
 
-def _Improvements(cp_model: Any, stall_s: float, cancelled: Callable[[], bool]) -> Any:
+def _stall_watch(cp_model: Any, stall_s: float, cancelled: Callable[[], bool]) -> Any:
     """A solution callback whose ``should_stop`` says the solve is cancelled or has found
     no better solution for ``stall_s`` (since its start, before the first)."""
 

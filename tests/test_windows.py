@@ -144,8 +144,9 @@ def test_a_checkpoint_kept_into_a_stage_that_does_not_read_it_is_read_as_the_com
     for i, own in enumerate(retained_of(before, graph)):
         for _, end in own:
             after = (end - 1) // n + 1  # the stage after the last that holds it
-            unread = not any(before.R[0, after, k] for k in [i, *users[i]]) if after < n else False
-            if end < n * n and unread:
+            if end >= n * n or after >= n:
+                continue
+            if not any(before.R[0, after, k] for k in [i, *users[i]]):
                 schedule.S[0, after, i] = True
                 extended += 1
     assert extended > 10

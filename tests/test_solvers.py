@@ -147,6 +147,14 @@ def test_quadratic_on_binaries_with_a_warm_start(backend: str) -> None:
     assert_consistent(model, result)
 
 
+def test_the_lp_relaxation_drops_integrality_and_the_start() -> None:
+    relaxed = quadratic().lp_relaxation()
+    assert not relaxed.integer.any() and relaxed.start is None
+    result = runner.solve(infeasible().lp_relaxation(), "highs", fallback=None)
+    assert result.status == SolveStatus.OPTIMAL  # x0 + x1 = 1.5, which no binaries meet
+    assert result.objective == pytest.approx(1.5, abs=1e-6)
+
+
 @pytest.mark.parametrize("backend", ALL)
 def test_infeasible_is_proven(backend: str) -> None:
     result = runner.solve(infeasible(), backend, fallback=None)

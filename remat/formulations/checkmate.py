@@ -59,7 +59,7 @@ here, once there. So the simulated memory never exceeds U at any step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -125,7 +125,7 @@ class CheckmateModel:
 
     def lp_relaxation(self) -> MILPModel:
         """The same model with integrality dropped (Checkmate section 5.1)."""
-        return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
+        return self.model.lp_relaxation()
 
     def decode(self, x: np.ndarray) -> Schedule:
         """R and S of a (possibly fractional) solution, rounded at 0.5 (Algorithm 2)."""

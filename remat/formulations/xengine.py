@@ -177,7 +177,7 @@ class XEngineModel:
         return read_binary(pg.OFF, x), read_binary(pg.PRE, x), read_binary(pg.LATE, x)
 
     def lp_relaxation(self) -> MILPModel:
-        return replace(self.model, integer=np.zeros(self.model.n_vars, dtype=bool), start=None)
+        return self.model.lp_relaxation()
 
     def keep_all(self) -> MILPModel:
         """The model restricted to placement: no recomputation (R[d,t,i] = 0 for i < t), and

@@ -9,7 +9,7 @@ use them as written, the others solve ``linearized()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
@@ -51,6 +51,10 @@ class MILPModel:
     @property
     def n_rows(self) -> int:
         return int(self.A.shape[0])
+
+    def lp_relaxation(self) -> MILPModel:
+        """The same model with integrality dropped, without the warm start."""
+        return replace(self, integer=np.zeros(self.n_vars, dtype=bool), start=None)
 
     def objective(self, x: np.ndarray) -> float:
         return float(self.c @ x) + self.offset + self.quadratic_value(x)

@@ -201,7 +201,8 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     decomposed too) until the device cover's placement takes over, and keeps its plan
     unless the interval model on that placement plans cheaper. Beside it the device
     cover with closure rows bounds the whole graph, its bound the result's where it is
-    the best. Each device's best baseline is planned once: the one device's by its search,
+    the best (solved without presolve). Each device's best baseline is planned once: the
+    one device's by its search,
     the other's by the warm start. It is stopped with the solves beside it, so on a loaded
     machine it may end before its root relaxation lifts it above the ideal: that it does
     lift it is ``test_cover``'s to show."""
@@ -230,10 +231,20 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
             baselines_on.append(tuple(names))
         return best_baseline(p, names)
 
+    presolved: list[bool] = []  # the closure cover's solves: without presolve
+    solve = search_module.runner.solve
+
+    def solve_recorded(model, *args, **kwargs):
+        if kwargs.get("on_incumbent") is not None:  # the cover, whose placements are kept
+            presolved.append(kwargs["options"].presolve)
+        return solve(model, *args, **kwargs)
+
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
     monkeypatch.setattr(search_module, "bound_by_closure", bounded)
     monkeypatch.setattr(search_module, "best_baseline", recorded)
+    monkeypatch.setattr(search_module.runner, "solve", solve_recorded)
     result = xengine(problem)
+    assert presolved == [False]
     assert sorted(baselines_on) == [("cpu0",), ("cuda0",)]  # each device's once
     assert len(closure_bounds) == 1 and result.plan is not None and result.plan.solver
     assert result.plan.solver.bound >= closure_bounds[0] >= problem.costs.ideal_ms()

@@ -147,6 +147,46 @@ def test_quadratic_on_binaries_with_a_warm_start(backend: str) -> None:
     assert_consistent(model, result)
 
 
+PRESOLVE_SETTING = {  # each backend's setting once presolve=False, read in a fresh process
+    "highs": (
+        "import highspy\nfrom remat.solvers.highs import _set_options\n"
+        "h = highspy.Highs()\n_set_options(h, OFF)\nprint(h.getOptionValue('presolve')[-1])",
+        "off",
+    ),
+    "gurobi": (
+        "import gurobipy as gp\nfrom remat.solvers.gurobi import _set_options\n"
+        "env = gp.Env(params={'OutputFlag': 0})\nm = gp.Model(env=env)\n"
+        "_set_options(m, OFF)\nprint(m.Params.Presolve)",
+        "0",
+    ),
+    "scip": (
+        "import pyscipopt\nfrom remat.solvers.scip import _set_options\n"
+        "m = pyscipopt.Model()\n_set_options(m, OFF)\n"
+        "print(m.getParam('presolving/maxrounds'))",
+        "0",
+    ),
+    "cpsat": (
+        "from ortools.sat.python import cp_model\nfrom remat.solvers.cpsat import _solver\n"
+        "print(_solver(cp_model, OFF).parameters.cp_model_presolve)",
+        "False",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_presolve_off_reaches_the_backend_and_the_same_optimum(backend: str) -> None:
+    result = runner.solve(knapsack(), backend, SolveOptions(presolve=False), fallback=None)
+    assert result.objective == pytest.approx(-10.75, abs=1e-6)
+    assert_consistent(knapsack(), result)
+    code, expected = PRESOLVE_SETTING[backend]
+    setup = "from remat.solvers.model import SolveOptions\nOFF = SolveOptions(presolve=False)\n"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", setup + code], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert out.stdout.strip().splitlines()[-1] == expected
+
+
 def test_the_lp_relaxation_drops_integrality_and_the_start() -> None:
     relaxed = quadratic().lp_relaxation()
     assert not relaxed.integer.any() and relaxed.start is None

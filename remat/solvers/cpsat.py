@@ -371,6 +371,7 @@ def _solver(cp_model: Any, options: SolveOptions) -> Any:
     solver.parameters.num_workers = max(1, int(options.threads))
     solver.parameters.relative_gap_limit = float(options.gap)
     solver.parameters.log_search_progress = False
+    solver.parameters.cp_model_presolve = options.presolve
     return solver
 
 

@@ -96,6 +96,8 @@ def _set_options(grb: Any, options: SolveOptions) -> None:
     grb.Params.TimeLimit = float(options.time_limit_s)
     grb.Params.MIPGap = float(options.gap)
     grb.Params.Threads = int(options.threads)
+    if not options.presolve:
+        grb.Params.Presolve = 0
 
 
 def _callback(

@@ -70,6 +70,8 @@ def _set_options(h: Any, options: SolveOptions) -> None:
     # HiGHS's thread pool is process-global and fixed at the first solve; each solve runs
     # in a fresh process, so setting it here takes effect.
     h.setOptionValue("threads", int(options.threads))
+    if not options.presolve:
+        h.setOptionValue("presolve", "off")
 
 
 def _lp(milp: MILPModel, highspy: Any) -> Any:

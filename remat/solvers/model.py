@@ -130,6 +130,7 @@ class SolveOptions:
     time_limit_s: float = 60.0
     gap: float = 1e-4  # relative gap target
     threads: int = 1
+    presolve: bool = True  # the solver's own model reductions before its search
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,8 @@ def _set_options(scip: Any, options: SolveOptions) -> None:
     # SCIP's branch and bound is sequential; threads only matter for its concurrent mode,
     # which this backend does not use.
     scip.setParam("misc/catchctrlc", False)  # the runner owns signals
+    if not options.presolve:
+        scip.setParam("presolving/maxrounds", 0)
 
 
 def _build(scip: Any, model: MILPModel, pyscipopt: Any) -> tuple[list[Any], Any]:

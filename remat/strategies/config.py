@@ -147,6 +147,10 @@ class SearchConfig:
     """Of the time left when that search stops for the device cover's placement: how long
     the interval model on the placement runs without a plan below the incumbent before it
     stops and the interval model on the one device resumes for the time left."""
+    closure_presolve: bool = False
+    """Whether the solver presolves the device cover with closure rows: HiGHS's MIP
+    presolve leaves it a root LP that takes longer to solve, so its bound and its first
+    placements come later (docs/benchmarks.md)."""
     stall_share: float = 0.15
     stall_rise: float = 1e-3
     """On several devices, the device cover with closure rows beside the one-device search

@@ -159,7 +159,12 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     def on_incumbent(x: np.ndarray, objective: float) -> None:
         search.on_placement(RelaxedPlacement(cover.placement(x), objective))
 
-    options = replace(search.problem.solver.options, time_limit_s=seconds, threads=1)
+    options = replace(
+        search.problem.solver.options,
+        time_limit_s=seconds,
+        threads=1,
+        presolve=config.closure_presolve,
+    )
     solved = runner.solve(
         model,
         backend=config.lp_backend,

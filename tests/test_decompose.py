@@ -202,10 +202,9 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     unless the interval model on that placement plans cheaper. Beside it the device
     cover with closure rows bounds the whole graph, its bound the result's where it is
     the best (solved without presolve). Each device's best baseline is planned once: the
-    one device's by its search,
-    the other's by the warm start. It is stopped with the solves beside it, so on a loaded
-    machine it may end before its root relaxation lifts it above the ideal: that it does
-    lift it is ``test_cover``'s to show."""
+    one device's by its search, the other's by the warm start. It is stopped with the
+    solves beside it, so on a loaded machine it may end before its root relaxation lifts
+    it above the ideal: that it does lift it is ``test_cover``'s to show."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=6, gap=0.01, threads=2))
     problem = _problem(6, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []

@@ -180,11 +180,7 @@ def test_presolve_off_reaches_the_backend_and_the_same_optimum(backend: str) -> 
     assert_consistent(knapsack(), result)
     code, expected = PRESOLVE_SETTING[backend]
     setup = "from remat.solvers.model import SolveOptions\nOFF = SolveOptions(presolve=False)\n"
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-c", setup + code], capture_output=True, text=True, check=True, cwd=root
-    )
-    assert out.stdout.strip().splitlines()[-1] == expected
+    assert _python(setup + code).splitlines()[-1] == expected
 
 
 def test_the_lp_relaxation_drops_integrality_and_the_start() -> None:
@@ -519,11 +515,17 @@ def test_backend_modules_import_no_solver_library() -> None:
         f"assert all(name in sys.modules for name in {modules!r})\n"
         f"print(sorted(n for n in sys.modules if n.split('.')[0] in {SOLVER_LIBS!r}))\n"
     )
+    assert _python(code) == "[]"
+
+
+def _python(code: str) -> str:
+    """What ``code`` prints, run by this interpreter in a fresh process at the repository's
+    root (so that no solver library it imports enters this process)."""
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
-    assert out.stdout.strip() == "[]"
+    return out.stdout.strip()
 
 
 # ---------------------------------------------------------------- CP-SAT integer scaling

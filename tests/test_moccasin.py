@@ -200,3 +200,18 @@ def test_given_a_trial_time_the_interval_model_stops_then_without_a_cheaper_plan
     solve_intervals(search, model, incumbent.schedule, "moccasin", improve_by=began + 1)
     assert time.monotonic() - began < 30
     assert search.best is incumbent
+
+
+def test_until_better_the_interval_model_stops_at_its_first_cheaper_plan(resnet, evicted):
+    """A search without an incumbent: every plan is cheaper, so with ``until_better`` the
+    model's LNS from the hint (which never proves a plan optimal, and would search to the
+    limit) stops at its first plan, long before the 60 s limit."""
+    long = replace(QUICK, options=replace(QUICK.options, time_limit_s=60))
+    problem = replace(resnet, solver=long)
+    search = Search(problem, problem.costs.ideal_ms("cuda0"), time.monotonic())
+    began = time.monotonic()
+    model = on_device(problem, "cuda0")
+    solve_intervals(search, model, evicted.schedule, "moccasin", until_better=True)
+    assert time.monotonic() - began < 30
+    assert search.best is not None and search.best.simulation is not None
+    assert search.best.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]

@@ -26,10 +26,11 @@ from remat.strategies import SolverSettings, run_strategy
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.problem import evaluate
 from remat.strategies.config import SearchConfig
+from remat.strategies.exact import search as search_module
 from remat.strategies.exact.intervals import on_device, placed
 from remat.strategies.exact.state import Search
 from remat.strategies.exact.windows import improve_by_windows
-from remat.strategies.heuristics.evict import home_of
+from remat.strategies.heuristics.evict import greedy_evict, home_of
 from remat.strategies.heuristics.placed import placed_greedy
 
 QUICK = SolverSettings(options=SolveOptions(time_limit_s=5, gap=1e-4, threads=2))
@@ -249,3 +250,38 @@ def test_a_decomposed_graph_gets_window_neighbourhoods_from_their_size_on(
     simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert simulation.valid
     assert simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+
+
+@pytest.mark.alone
+def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, monkeypatch):
+    """On the device cover's placement of a graph that windows improve, the interval model
+    runs to its first plan there, and window neighbourhoods then improve that plan in a
+    search of its own (``Search.beside``) whether or not it costs more than the search's
+    one-device incumbent; the search keeps the cheaper of the two."""
+    config = SearchConfig(windows_min_nodes=100)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=10, threads=2), search=config)
+    problem = budgeted(resnet.graph, 50, ("cpu0", "cuda0"), settings)
+    names = ("cpu0", "cuda0")
+    incumbent = greedy_evict(problem, "cuda0", 2)
+    assert incumbent.simulation is not None
+    search = Search(problem, problem.costs.ideal_ms(None), time.monotonic())
+    search.offer(incumbent)
+    home = np.ones(len(problem.graph), dtype=np.int64)
+    home[:12] = 0  # the first forward nodes on cpu0
+    seen: list[tuple[Search, np.ndarray, float | None]] = []
+    windows = search_module.improve_by_windows
+
+    def recorded(own, placement, strategy, incumbent_of, until):
+        seen.append((own, home_of(incumbent_of(), names), own.best_ms))
+        return windows(own, placement, strategy, incumbent_of, until)
+
+    monkeypatch.setattr(search_module, "improve_by_windows", recorded)
+    message = search_module._placement_by_windows(search, placed(problem, names, home), "x")
+    assert "found a plan on the device cover's placement" in message, message
+    [(own, on, first_ms)] = seen
+    assert own is not search and np.array_equal(on, home)  # from the placement's own plan
+    assert first_ms is not None and own.best_ms is not None and own.best_ms <= first_ms
+    assert search.best_ms == min(incumbent.simulation.total_ms, own.best_ms)
+    best = search.best
+    assert best is not None and best.plan is not None
+    assert simulate(best.plan, problem.graph, problem.costs, problem.budgets).valid

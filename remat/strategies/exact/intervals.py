@@ -48,6 +48,7 @@ def solve_intervals(
     warm: Schedule | None,
     strategy: str,
     improve_by: float | None = None,
+    until_better: bool = False,
 ) -> SolveResult:
     """Moccasin's model of the search's problem on ``placement`` for the time the search
     has left, with ``SearchConfig.moccasin_computations`` computations per node at most
@@ -61,7 +62,8 @@ def solve_intervals(
     first-solution workers complete from the hint; where they have none after
     ``SearchConfig.moccasin_hint_share`` of the time (none where it is 0), the default
     portfolio takes the time left. Where ``improve_by`` (``time.monotonic()``) is given, it
-    stops then unless it has found a plan below the search's incumbent at its start."""
+    stops then unless it has found a plan below the search's incumbent at its start; with
+    ``until_better``, it stops at its first such plan."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -77,10 +79,11 @@ def solve_intervals(
     before = search.best_ms
 
     def given_up() -> bool:
-        if improve_by is None or time.monotonic() <= improve_by:
-            return False
         after = search.best_ms
-        return after is None or (before is not None and after >= before)
+        better = after is not None and (before is None or after < before)
+        if until_better and better:
+            return True
+        return improve_by is not None and time.monotonic() > improve_by and not better
 
     if warm is not None:
         formulation.hint(warm)

@@ -555,7 +555,9 @@ def _decomposed_on_devices(
     cover with closure rows (``bound_by_closure``) finds placements. Once ``alone_share``
     of the time left has passed and it has found one worth it (``_Switch``), the
     one-device search stops and the whole graph's interval model runs on that placement
-    for the time left, from the incumbent moved onto it. The parts are not solved over
+    for the time left, from the incumbent moved onto it: with window neighbourhoods from
+    its first plan there (``_placement_by_windows``) on a graph they improve, else on
+    trial (``placement_trial_share``). The parts are not solved over
     several devices: a part's plan holds every fixed tensor on each device, so where no
     device holds them alone, no part fits either (there ``_split_fixed``), and where one
     does, the parts' plans cost more than that device's. Returns what happened."""
@@ -573,6 +575,8 @@ def _decomposed_on_devices(
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
     placement = placed(problem, names, relaxed.home)
+    if len(problem.graph) >= config.windows_min_nodes:
+        return message + _placement_by_windows(search, placement, strategy)
     trial = time.monotonic() + search.time_left() * config.placement_trial_share
     before = search.best_ms
     message += _polished(search, placement, strategy, trial=trial)
@@ -725,6 +729,23 @@ def _polished(
     if after is None or (windowed is not None and after >= windowed):
         return message + f"; the whole graph's interval model{where} found no better plan"
     return message + f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
+
+
+def _placement_by_windows(search: Search, placement: Placement, strategy: str) -> str:
+    """The device cover's ``placement`` on a graph that window neighbourhoods improve, for
+    the time left: the whole graph's interval model on it, from the search's incumbent, to
+    its first plan there, then ``_polished`` from that plan, in a search of its own
+    (``Search.beside``) whose plans pass to ``search``. A placement's first plans cost
+    more than the one-device incumbent, and windows improve them where only the search's
+    incumbent would be improved otherwise. Returns what happened."""
+    own = search.beside()
+    warm = _incumbent_schedule(search)
+    solve_intervals(own, placement, warm, strategy, until_better=True)
+    first = own.best_ms
+    if first is None:
+        return "; the whole graph's interval model found no plan on the device cover's placement"
+    found = "; the whole graph's interval model found a plan on the device cover's placement"
+    return f"{found} ({first:.4g} ms)" + _polished(own, placement, strategy)
 
 
 def _incumbent_schedule(search: Search) -> Schedule | None:

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -81,6 +81,16 @@ class Search:
         self.full_held = threading.Event()  # suspends the full solve's process while set
         self.placement: RelaxedPlacement | None = None  # the device cover's best
         self._lock = threading.Lock()
+
+    def beside(self) -> Search:
+        """A search of the same problem and time limit with an incumbent of its own, for a
+        phase that improves its own plans before they beat this search's (on a placement
+        of their own): its plans pass to this search, which keeps the cheaper, and its
+        progress is this search's heartbeat."""
+        settings = replace(
+            self.problem.solver, on_plan=self.offer, on_progress=lambda _: self.heartbeat()
+        )
+        return Search(replace(self.problem, solver=settings), self.ideal, self.start)
 
     @property
     def best_ms(self) -> float | None:

@@ -6,6 +6,7 @@ the budget, and the search over windows improves a plan."""
 import logging
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -276,8 +277,10 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
         return windows(own, placement, strategy, incumbent_of, until)
 
     monkeypatch.setattr(search_module, "improve_by_windows", recorded)
-    message = search_module._placement_by_windows(search, placed(problem, names, home), "x")
-    assert "found a plan on the device cover's placement" in message, message
+    placement = placed(problem, names, home)
+    trial = time.monotonic() + 10
+    message = search_module._placement_by_windows(search, placement, "x", trial)
+    assert message is not None and "found a plan on the device cover's placement" in message
     [(own, on, first_ms)] = seen
     assert own is not search and np.array_equal(on, home)  # from the placement's own plan
     assert first_ms is not None and own.best_ms is not None and own.best_ms <= first_ms
@@ -285,3 +288,23 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
     best = search.best
     assert best is not None and best.plan is not None
     assert simulate(best.plan, problem.graph, problem.costs, problem.budgets).valid
+
+
+@pytest.mark.alone
+def test_a_placement_without_a_plan_by_its_trial_gives_the_search_back(resnet):
+    """Where the interval model finds no plan on the device cover's placement by the trial
+    (here none exists: cpu0's budget is below what its nodes need), nothing is offered
+    and the one-device search resumes (``None``)."""
+    settings = SolverSettings(options=SolveOptions(time_limit_s=10, threads=2))
+    problem = budgeted(resnet.graph, 50, ("cpu0", "cuda0"), settings)
+    problem = replace(problem, budgets={**problem.budgets, "cpu0": 1})
+    incumbent = greedy_evict(problem, "cuda0", 2)
+    assert incumbent.simulation is not None
+    search = Search(problem, problem.costs.ideal_ms(None), time.monotonic())
+    search.offer(incumbent)
+    home = np.ones(len(problem.graph), dtype=np.int64)
+    home[:12] = 0
+    placement = placed(problem, ("cpu0", "cuda0"), home)
+    trial = time.monotonic() + 5
+    assert search_module._placement_by_windows(search, placement, "x", trial) is None
+    assert search.best is incumbent

@@ -575,16 +575,26 @@ def _decomposed_on_devices(
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
     placement = placed(problem, names, relaxed.home)
-    if len(problem.graph) >= config.windows_min_nodes:
-        return message + _placement_by_windows(search, placement, strategy)
     trial = time.monotonic() + search.time_left() * config.placement_trial_share
-    before = search.best_ms
-    message += _polished(search, placement, strategy, trial=trial)
-    if search.time_left() < config.min_solve_s or problem.cancelled:
+    if len(problem.graph) >= config.windows_min_nodes:
+        windowed = _placement_by_windows(search, placement, strategy, trial)
+        if windowed is not None:
+            return message + windowed
+        message += "; the whole graph's interval model found no plan on it in its trial"
+    else:
+        before = search.best_ms
+        message += _polished(search, placement, strategy, trial=trial)
+        if search.best_ms != before and not _out_of_time(search):
+            # its first cheaper plan came as the trial ended
+            return message + "; on for the time left" + _polished(search, placement, strategy)
+    if _out_of_time(search):
         return message
-    if search.best_ms != before:  # its first cheaper plan came as the trial ended
-        return message + "; on for the time left" + _polished(search, placement, strategy)
     return message + f"; back on {device}" + _polished(search, on_device(problem, device), strategy)
+
+
+def _out_of_time(search: Search) -> bool:
+    """Too little time is left for another solve, or the search is cancelled."""
+    return search.time_left() < search.problem.solver.search.min_solve_s or search.problem.cancelled
 
 
 def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strategy: str) -> str:
@@ -609,7 +619,7 @@ def _split_fixed(problem: Problem, names: Sequence[str], search: Search, strateg
         message += f"; the multi-device heuristic's plan costs {heuristic.time_ms:.4g} ms"
     tried: list[np.ndarray] = []
     while (found := _placement_of(search, names, tried)) is not None:
-        if search.time_left() < config.min_solve_s or problem.cancelled:
+        if _out_of_time(search):
             break
         home, whose = found
         tried.append(home)
@@ -731,19 +741,22 @@ def _polished(
     return message + f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
 
 
-def _placement_by_windows(search: Search, placement: Placement, strategy: str) -> str:
-    """The device cover's ``placement`` on a graph that window neighbourhoods improve, for
-    the time left: the whole graph's interval model on it, from the search's incumbent, to
-    its first plan there, then ``_polished`` from that plan, in a search of its own
+def _placement_by_windows(
+    search: Search, placement: Placement, strategy: str, trial: float
+) -> str | None:
+    """The device cover's ``placement`` on a graph that window neighbourhoods improve: the
+    whole graph's interval model on it, from the search's incumbent, to its first plan
+    there, then ``_polished`` from that plan for the time left, in a search of its own
     (``Search.beside``) whose plans pass to ``search``. A placement's first plans cost
     more than the one-device incumbent, and windows improve them where only the search's
-    incumbent would be improved otherwise. Returns what happened."""
+    incumbent would be improved otherwise. Returns what happened, or None where the model
+    found no plan on the placement by ``trial`` (``time.monotonic()``)."""
     own = search.beside()
     warm = _incumbent_schedule(search)
-    solve_intervals(own, placement, warm, strategy, until_better=True)
+    solve_intervals(own, placement, warm, strategy, improve_by=trial, until_better=True)
     first = own.best_ms
     if first is None:
-        return "; the whole graph's interval model found no plan on the device cover's placement"
+        return None
     found = "; the whole graph's interval model found a plan on the device cover's placement"
     return f"{found} ({first:.4g} ms)" + _polished(own, placement, strategy)
 

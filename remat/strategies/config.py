@@ -144,11 +144,11 @@ class SearchConfig:
     it stops for the whole graph's interval model on the device cover's placement (where
     one is worth it; otherwise it takes all the time)."""
     placement_trial_share: float = 0.25
-    """Of the time left when that search stops for the device cover's placement, on a graph
-    below ``windows_min_nodes``: how long the interval model on the placement runs without
-    a plan below the incumbent before it stops and the interval model on the one device
-    resumes for the time left. A larger graph stays on the placement (window neighbourhoods
-    improve its first plans there)."""
+    """Of the time left when that search stops for the device cover's placement: how long
+    the interval model on the placement runs without a plan below the incumbent (from
+    ``windows_min_nodes`` on, without any plan on it; window neighbourhoods improve its
+    first plans there) before it stops and the interval model on the one device resumes
+    for the time left."""
     closure_presolve: bool = False
     """Whether the solver presolves the device cover with closure rows: HiGHS's MIP
     presolve leaves it a root LP that takes longer to solve, so its bound and its first

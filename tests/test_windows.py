@@ -15,6 +15,7 @@ from regime import budgeted, recomputing_eviction, resnet18_at_half
 
 from remat.formulations.moccasin import (
     COST_SCALE,
+    Placement,
     node_costs,
     retained_of,
     schedule_of_retained,
@@ -23,7 +24,7 @@ from remat.formulations.moccasin_windows import build_windows, merged_windows, r
 from remat.schedule import Schedule
 from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
-from remat.strategies import SolverSettings, run_strategy
+from remat.strategies import Problem, SolverSettings, StrategyResult, run_strategy
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.problem import evaluate
 from remat.strategies.config import SearchConfig
@@ -261,28 +262,21 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
     one-device incumbent; the search keeps the cheaper of the two."""
     config = SearchConfig(windows_min_nodes=100)
     settings = SolverSettings(options=SolveOptions(time_limit_s=10, threads=2), search=config)
-    problem = budgeted(resnet.graph, 50, ("cpu0", "cuda0"), settings)
-    names = ("cpu0", "cuda0")
-    incumbent = greedy_evict(problem, "cuda0", 2)
-    assert incumbent.simulation is not None
-    search = Search(problem, problem.costs.ideal_ms(None), time.monotonic())
-    search.offer(incumbent)
-    home = np.ones(len(problem.graph), dtype=np.int64)
-    home[:12] = 0  # the first forward nodes on cpu0
+    problem = budgeted(resnet.graph, 50, NAMES, settings)
+    search, incumbent, placement = _split_after_one_device(problem)
     seen: list[tuple[Search, np.ndarray, float | None]] = []
     windows = search_module.improve_by_windows
 
     def recorded(own, placement, strategy, incumbent_of, until):
-        seen.append((own, home_of(incumbent_of(), names), own.best_ms))
+        seen.append((own, home_of(incumbent_of(), NAMES), own.best_ms))
         return windows(own, placement, strategy, incumbent_of, until)
 
     monkeypatch.setattr(search_module, "improve_by_windows", recorded)
-    placement = placed(problem, names, home)
     trial = time.monotonic() + 10
     message = search_module._placement_by_windows(search, placement, "x", trial)
     assert message is not None and "found a plan on the device cover's placement" in message
     [(own, on, first_ms)] = seen
-    assert own is not search and np.array_equal(on, home)  # from the placement's own plan
+    assert own is not search and np.array_equal(on, placement.home)  # the placement's plan
     assert first_ms is not None and own.best_ms is not None and own.best_ms <= first_ms
     assert search.best_ms == min(incumbent.simulation.total_ms, own.best_ms)
     best = search.best
@@ -296,15 +290,24 @@ def test_a_placement_without_a_plan_by_its_trial_gives_the_search_back(resnet):
     (here none exists: cpu0's budget is below what its nodes need), nothing is offered
     and the one-device search resumes (``None``)."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=10, threads=2))
-    problem = budgeted(resnet.graph, 50, ("cpu0", "cuda0"), settings)
+    problem = budgeted(resnet.graph, 50, NAMES, settings)
     problem = replace(problem, budgets={**problem.budgets, "cpu0": 1})
+    search, incumbent, placement = _split_after_one_device(problem)
+    trial = time.monotonic() + 5
+    assert search_module._placement_by_windows(search, placement, "x", trial) is None
+    assert search.best is incumbent
+
+
+NAMES = ("cpu0", "cuda0")
+
+
+def _split_after_one_device(problem: Problem) -> tuple[Search, StrategyResult, Placement]:
+    """A search whose incumbent is greedy eviction's plan on cuda0, and a placement over
+    both devices (the first forward nodes on cpu0), as the device cover's would be."""
     incumbent = greedy_evict(problem, "cuda0", 2)
     assert incumbent.simulation is not None
     search = Search(problem, problem.costs.ideal_ms(None), time.monotonic())
     search.offer(incumbent)
     home = np.ones(len(problem.graph), dtype=np.int64)
     home[:12] = 0
-    placement = placed(problem, ("cpu0", "cuda0"), home)
-    trial = time.monotonic() + 5
-    assert search_module._placement_by_windows(search, placement, "x", trial) is None
-    assert search.best is incumbent
+    return search, incumbent, placed(problem, NAMES, home)

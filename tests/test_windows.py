@@ -3,10 +3,12 @@
 recomputation cost, every solution of it is a plan that the simulator accepts within
 the budget, and the search over windows improves a plan."""
 
+import itertools
 import logging
 import random
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,7 +32,7 @@ from remat.strategies.common.problem import evaluate
 from remat.strategies.config import SearchConfig
 from remat.strategies.exact import search as search_module
 from remat.strategies.exact.intervals import on_device, placed
-from remat.strategies.exact.state import Search
+from remat.strategies.exact.state import IncumbentStall, Search
 from remat.strategies.exact.windows import improve_by_windows
 from remat.strategies.heuristics.evict import greedy_evict, home_of
 from remat.strategies.heuristics.placed import placed_greedy
@@ -232,13 +234,13 @@ def test_the_search_over_windows_improves_the_best_baseline(resnet):
 
 @pytest.mark.alone
 @pytest.mark.parametrize("min_nodes", [100, 600])
-def test_a_decomposed_graph_gets_window_neighbourhoods_from_their_size_on(
+def test_a_decomposed_graph_gets_window_neighbourhoods_first_from_their_size_on(
     resnet, caplog, min_nodes
 ):
     """After the parts' stitched plan, windows run before the whole interval model on a
-    graph of at least ``windows_min_nodes`` nodes (ResNet-18's 139 here), not below; the
-    plan stays valid and within the budget."""
-    caplog.set_level(logging.DEBUG, logger="remat.strategies.exact.windows")
+    graph of at least ``windows_min_nodes`` nodes (ResNet-18's 139 here), and after it
+    below; the plan stays valid and within the budget."""
+    caplog.set_level(logging.DEBUG, logger="remat.strategies.exact")
     settings = SolverSettings(
         options=SolveOptions(time_limit_s=8, gap=1e-4, threads=2),
         search=SearchConfig(decompose_min_nodes=100, windows_min_nodes=min_nodes),
@@ -247,8 +249,10 @@ def test_a_decomposed_graph_gets_window_neighbourhoods_from_their_size_on(
     result = run_strategy("checkmate_milp", problem, "cuda0")
     assert result.feasible and result.plan is not None
     assert "decomposed: stitched plan" in result.message
-    searched = [r.getMessage() for r in caplog.records if "window neighbourhoods" in r.getMessage()]
-    assert len(searched) == (1 if min_nodes <= len(problem.graph) else 0), searched
+    phases = [_phase(r.getMessage()) for r in caplog.records]
+    phases = [phase for phase in phases if phase is not None]
+    assert phases, "no interval phase"
+    assert phases[0] == ("windows" if min_nodes <= len(problem.graph) else "intervals"), phases
     simulation = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert simulation.valid
     assert simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
@@ -267,15 +271,15 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
     seen: list[tuple[Search, np.ndarray, float | None]] = []
     windows = search_module.improve_by_windows
 
-    def recorded(own, placement, strategy, incumbent_of, until):
+    def recorded(own, placement, strategy, incumbent_of, until, stall_s=None):
         seen.append((own, home_of(incumbent_of(), NAMES), own.best_ms))
-        return windows(own, placement, strategy, incumbent_of, until)
+        return windows(own, placement, strategy, incumbent_of, until, stall_s)
 
     monkeypatch.setattr(search_module, "improve_by_windows", recorded)
     trial = time.monotonic() + 10
     message = search_module._placement_by_windows(search, placement, "x", trial)
     assert message is not None and "found a plan on the device cover's placement" in message
-    [(own, on, first_ms)] = seen
+    own, on, first_ms = seen[0]
     assert own is not search and np.array_equal(on, placement.home)  # the placement's plan
     assert first_ms is not None and own.best_ms is not None and own.best_ms <= first_ms
     assert search.best_ms == min(incumbent.simulation.total_ms, own.best_ms)
@@ -296,6 +300,77 @@ def test_a_placement_without_a_plan_by_its_trial_gives_the_search_back(resnet):
     trial = time.monotonic() + 5
     assert search_module._placement_by_windows(search, placement, "x", trial) is None
     assert search.best is incumbent
+
+
+@pytest.mark.alone
+def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls(
+    resnet, monkeypatch
+):
+    """Below ``windows_min_nodes``, CP-SAT's search on the whole interval model runs first,
+    until the incumbent has not improved for ``neighbourhood_stall_share`` of the limit,
+    then the window neighbourhoods from its plan, by turns; after a round of both without
+    a cheaper plan, the whole model takes the time left. The plan stays within the
+    budget and no dearer than greedy eviction's, where it started."""
+    config = SearchConfig(neighbourhood_stall_share=0.05)
+    settings = SolverSettings(options=SolveOptions(time_limit_s=6, threads=2), search=config)
+    problem = budgeted(resnet.graph, 50, ("cuda0",), settings)
+    start = greedy_evict(problem, "cuda0", 2)
+    assert start.simulation is not None
+    search = Search(problem, problem.costs.ideal_ms("cuda0"), time.monotonic())
+    search.offer(start)
+    calls: list[tuple[str, float | None]] = []
+    intervals, windows = search_module.solve_intervals, search_module.improve_by_windows
+
+    def solve_intervals(search, placement, warm, strategy, stall_s=None):
+        calls.append(("intervals", stall_s))
+        return intervals(search, placement, warm, strategy, stall_s=stall_s)
+
+    def improve_by_windows(search, placement, strategy, incumbent, until, stall_s=None):
+        calls.append(("windows", stall_s))
+        return windows(search, placement, strategy, incumbent, until, stall_s)
+
+    monkeypatch.setattr(search_module, "solve_intervals", solve_intervals)
+    monkeypatch.setattr(search_module, "improve_by_windows", improve_by_windows)
+    search_module._alternated(search, on_device(problem, "cuda0"), "x")
+    kinds = [kind for kind, _ in calls]
+    assert kinds[:2] == ["intervals", "windows"], calls
+    assert all(a != b for a, b in itertools.pairwise(kinds)), calls  # by turns
+    assert all(stall == pytest.approx(0.3) for _, stall in calls[:-1]), calls
+    assert calls[-1][1] is not None or calls[-1][0] == "intervals", calls  # the time left
+    best = search.best
+    assert best is not None and best.simulation is not None and best.plan is not None
+    assert best.simulation.total_ms <= start.simulation.total_ms
+    assert simulate(best.plan, problem.graph, problem.costs, problem.budgets).valid
+
+
+def test_an_incumbent_stall_is_set_once_no_better_plan_has_come_for_its_time():
+    """``IncumbentStall`` counts from its making, restarts at each cheaper incumbent, is
+    never set without a time, and a dearer or equal incumbent does not restart it."""
+    search = SimpleNamespace(best_ms=None)
+    stall = IncumbentStall(search, 0.05)
+    assert not stall.is_set()
+    time.sleep(0.06)
+    assert stall.is_set()  # no plan at all for its time
+    search.best_ms = 10.0
+    assert not stall.is_set()  # the first plan restarts it
+    time.sleep(0.03)
+    search.best_ms = 9.0
+    assert not stall.is_set()
+    time.sleep(0.03)
+    search.best_ms = 9.5  # dearer: not an improvement
+    assert not stall.is_set()  # 0.03 s since 9.0
+    time.sleep(0.03)
+    assert stall.is_set()
+    assert not IncumbentStall(search, None).is_set()
+
+
+def _phase(message: str) -> str | None:
+    """Which neighbourhood search a debug record of the exact search ends, if any."""
+    if "window neighbourhoods" in message:
+        return "windows"
+    if "intervals model" in message and " in " in message:
+        return "intervals"
+    return None
 
 
 NAMES = ("cpu0", "cuda0")

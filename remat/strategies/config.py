@@ -112,6 +112,9 @@ class SearchConfig:
     windows_min_nodes: int = 600
     """Graphs with fewer nodes go straight to CP-SAT's search on the whole interval model,
     which improves them faster than window neighbourhoods do."""
+    neighbourhood_stall_share: float = 0.1
+    """Of the time limit: CP-SAT's search on the whole interval model and the window
+    neighbourhoods take turns, each until the incumbent has not improved for this long."""
 
     # --- coarsening (``remat.strategies.exact.coarsen``) ----------------------------------
     coarse_min_nodes: int = 40

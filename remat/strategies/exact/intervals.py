@@ -23,7 +23,7 @@ from remat.solvers.cpsat import solve_watched
 from remat.solvers.model import SolveResult, SolveStatus
 from remat.strategies.common.policy import device_fixed_bytes
 from remat.strategies.common.problem import Problem
-from remat.strategies.exact.state import Search
+from remat.strategies.exact.state import IncumbentStall, Search
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def solve_intervals(
     strategy: str,
     improve_by: float | None = None,
     until_better: bool = False,
+    stall_s: float | None = None,
 ) -> SolveResult:
     """Moccasin's model of the search's problem on ``placement`` for the time the search
     has left, with ``SearchConfig.moccasin_computations`` computations per node at most
@@ -63,7 +64,8 @@ def solve_intervals(
     ``SearchConfig.moccasin_hint_share`` of the time (none where it is 0), the default
     portfolio takes the time left. Where ``improve_by`` (``time.monotonic()``) is given, it
     stops then unless it has found a plan below the search's incumbent at its start; with
-    ``until_better``, it stops at its first such plan."""
+    ``until_better``, it stops at its first such plan; with ``stall_s``, once the search's
+    incumbent has not improved for that long (``IncumbentStall``)."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -77,11 +79,12 @@ def solve_intervals(
     began = time.monotonic()
     status, found = None, 0
     before = search.best_ms
+    stalled = IncumbentStall(search, stall_s)
 
     def given_up() -> bool:
         after = search.best_ms
         better = after is not None and (before is None or after < before)
-        if until_better and better:
+        if (until_better and better) or stalled.is_set():
             return True
         return improve_by is not None and time.monotonic() > improve_by and not better
 

@@ -571,7 +571,7 @@ def _decomposed_on_devices(
     device, alone = solved
     search.offer(alone)
     relaxed = switch.placement()
-    if relaxed is None or search.time_left() < config.min_solve_s:
+    if relaxed is None or _out_of_time(search):
         return alone.message
     message = f"{alone.message}; stopped for the device cover's placement"
     placement = placed(problem, names, relaxed.home)
@@ -718,27 +718,51 @@ def _polished(
     """The whole graph's interval model on ``placement`` (on several devices, ``whose``)
     for the time left, from the incumbent (the stitched plan, or the warm start): the parts
     fix where the graph is cut and what crosses each cut, the whole graph's model does
-    not. Where the incumbent is on ``placement`` and the graph has at least
-    ``SearchConfig.windows_min_nodes`` nodes, window neighbourhoods
-    (``windows.improve_by_windows``) take ``SearchConfig.windows_share`` of the time
-    first. Stopped at ``trial`` (``time.monotonic()``) unless it has found a cheaper plan;
-    no windows then."""
+    not. With window neighbourhoods by turns (``_alternated``), or, where ``trial``
+    (``time.monotonic()``) is given, CP-SAT's search alone, stopped then unless it has
+    found a cheaper plan."""
     where = "" if len(placement.devices) == 1 else f" on {whose} placement"
+    before = search.best_ms
     improved = 0
-    config = search.problem.solver.search
-    if trial is None and len(search.problem.graph) >= config.windows_min_nodes:
-        until = time.monotonic() + search.time_left() * config.windows_share
-        incumbent = partial(_incumbent_schedule, search)
-        improved = improve_by_windows(search, placement, strategy, incumbent, until)
-    windowed = search.best_ms
-    solve_intervals(search, placement, _incumbent_schedule(search), strategy, improve_by=trial)
+    if trial is None:
+        improved = _alternated(search, placement, strategy)
+    else:
+        solve_intervals(search, placement, _incumbent_schedule(search), strategy, improve_by=trial)
     after = search.best_ms
-    message = ""
-    if improved:
-        message = f"; {improved} window neighbourhoods{where} improved it to {windowed:.4g} ms"
-    if after is None or (windowed is not None and after >= windowed):
-        return message + f"; the whole graph's interval model{where} found no better plan"
-    return message + f"; the whole graph's interval model{where} improved it to {after:.4g} ms"
+    if after is None or (before is not None and after >= before):
+        return f"; the whole graph's interval model{where} found no better plan"
+    windows = f" and {improved} window neighbourhoods" if improved else ""
+    return f"; the whole graph's interval model{windows}{where} improved it to {after:.4g} ms"
+
+
+def _alternated(search: Search, placement: Placement, strategy: str) -> int:
+    """CP-SAT's large neighbourhood search on the whole graph's interval model and window
+    neighbourhoods (``windows.improve_by_windows``) by turns on ``placement`` for the time
+    left, from the search's incumbent, each until the incumbent has not improved for
+    ``SearchConfig.neighbourhood_stall_share`` of the time limit: each reaches plans that
+    the other's neighbourhoods improve. On graphs of at least ``windows_min_nodes`` nodes
+    the windows go first, for ``windows_share`` of the time left; on smaller ones the
+    whole model, whose search is quick enough there. After a round of both without a
+    cheaper plan, the whole model takes the time left. Returns the number of window
+    neighbourhoods that improved the plan."""
+    config = search.problem.solver.search
+    stall = search.problem.solver.options.time_limit_s * config.neighbourhood_stall_share
+    incumbent = partial(_incumbent_schedule, search)
+    improved = 0
+    if len(search.problem.graph) >= config.windows_min_nodes:
+        until = time.monotonic() + search.time_left() * config.windows_share
+        improved += improve_by_windows(search, placement, strategy, incumbent, until)
+    while not _out_of_time(search):
+        before = search.best_ms
+        solve_intervals(search, placement, incumbent(), strategy, stall_s=stall)
+        if _out_of_time(search):
+            break
+        end = time.monotonic() + search.time_left()
+        improved += improve_by_windows(search, placement, strategy, incumbent, end, stall)
+        if search.best_ms == before and not _out_of_time(search):
+            solve_intervals(search, placement, incumbent(), strategy)
+            break
+    return improved
 
 
 def _placement_by_windows(

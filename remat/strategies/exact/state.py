@@ -46,6 +46,26 @@ class AnyOf:
         return any(flag is not None and flag.is_set() for flag in self.flags)
 
 
+class IncumbentStall:
+    """Set once ``search``'s incumbent has not improved for ``seconds`` (counted from the
+    flag's making until its first improvement); never where ``seconds`` is None. Polled:
+    an improvement counts from the first poll that sees it."""
+
+    def __init__(self, search: Search, seconds: float | None) -> None:
+        self.search = search
+        self.seconds = seconds
+        self.best_ms = search.best_ms
+        self.since = time.monotonic()
+
+    def is_set(self) -> bool:
+        if self.seconds is None:
+            return False
+        now, best = time.monotonic(), self.search.best_ms
+        if best is not None and (self.best_ms is None or best < self.best_ms):
+            self.best_ms, self.since = best, now
+        return now - self.since > self.seconds
+
+
 @dataclass(frozen=True)
 class RelaxedPlacement:
     """A solution of the device cover with closure rows: the device of each node's first

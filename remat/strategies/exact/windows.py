@@ -31,7 +31,7 @@ from remat.graph import Graph, NodeKind
 from remat.schedule import Schedule
 from remat.solvers.backend import SolverUnavailable
 from remat.solvers.cpsat import solve_watched
-from remat.strategies.exact.state import Search
+from remat.strategies.exact.state import IncumbentStall, Search
 from remat.strategies.heuristics.evict import home_of
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,13 @@ def improve_by_windows(
     strategy: str,
     incumbent: Callable[[], Schedule | None],
     until: float,
+    stall_s: float | None = None,
 ) -> int:
     """Window neighbourhoods of ``incumbent()`` (the search's incumbent schedule) on
-    ``placement`` until ``until`` (``time.monotonic()``), cancellation, or an incumbent
-    not on ``placement``; improvements are offered under ``strategy``'s name. Returns the
-    number of neighbourhoods that improved the incumbent."""
+    ``placement`` until ``until`` (``time.monotonic()``), cancellation, an incumbent not
+    on ``placement``, or, with ``stall_s``, once the search's incumbent has not improved
+    for that long; improvements are offered under ``strategy``'s name. Returns the number
+    of neighbourhoods that improved the incumbent."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -60,7 +62,8 @@ def improve_by_windows(
     structure = Structure.of(graph)
     pick = _Picker(graph, config.window_stages, random.Random(config.window_seed))
     improved = tried = 0
-    while time.monotonic() < until and not problem.cancelled:
+    stalled = IncumbentStall(search, stall_s)
+    while time.monotonic() < until and not problem.cancelled and not stalled.is_set():
         began = time.monotonic()
         schedule = incumbent()
         if schedule is None or not _on(schedule, placement):

@@ -344,8 +344,8 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
 
 
 def test_an_incumbent_stall_is_set_once_no_better_plan_has_come_for_its_time():
-    """``IncumbentStall`` counts from its making, restarts at each cheaper incumbent, is
-    never set without a time, and a dearer or equal incumbent does not restart it."""
+    """``IncumbentStall`` counts from its making (or its start), restarts at each cheaper
+    incumbent, is never set without a time, and a dearer incumbent does not restart it."""
     search = SimpleNamespace(best_ms=None)
     stall = IncumbentStall(search, 0.05)
     assert not stall.is_set()
@@ -362,6 +362,13 @@ def test_an_incumbent_stall_is_set_once_no_better_plan_has_come_for_its_time():
     time.sleep(0.03)
     assert stall.is_set()
     assert not IncumbentStall(search, None).is_set()
+    waiting = IncumbentStall(search, 0.01, started=False)
+    time.sleep(0.02)
+    assert not waiting.is_set()  # not started: CP-SAT has no first solution yet
+    waiting.start()
+    assert not waiting.is_set()
+    time.sleep(0.02)
+    assert waiting.is_set()
 
 
 def _phase(message: str) -> str | None:

@@ -65,7 +65,8 @@ def solve_intervals(
     portfolio takes the time left. Where ``improve_by`` (``time.monotonic()``) is given, it
     stops then unless it has found a plan below the search's incumbent at its start; with
     ``until_better``, it stops at its first such plan; with ``stall_s``, once the search's
-    incumbent has not improved for that long (``IncumbentStall``)."""
+    incumbent has not improved for that long since CP-SAT's first solution
+    (``IncumbentStall``): completing the hint on a large graph takes seconds."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -79,12 +80,12 @@ def solve_intervals(
     began = time.monotonic()
     status, found = None, 0
     before = search.best_ms
-    stalled = IncumbentStall(search, stall_s)
+    stalled = IncumbentStall(search, stall_s, started=False)
 
     def given_up() -> bool:
         after = search.best_ms
         better = after is not None and (before is None or after < before)
-        if (until_better and better) or stalled.is_set():
+        if until_better and better:
             return True
         return improve_by is not None and time.monotonic() > improve_by and not better
 
@@ -93,7 +94,7 @@ def solve_intervals(
     threads = problem.solver.options.threads
     if warm is not None and config.moccasin_hint_share > 0 and threads > 1:
         patience = began + max(0.0, search.time_left()) * config.moccasin_hint_share
-        status, found = _solve(cp_model, formulation, search, strategy, patience, given_up)
+        status, found = _solve(cp_model, formulation, search, strategy, patience, given_up, stalled)
         logger.debug("%s: intervals model by LNS from the hint: %d plans", strategy, found)
     if (
         not found
@@ -102,7 +103,7 @@ def solve_intervals(
         and not given_up()
         and search.time_left() > 0
     ):
-        status, found = _solve(cp_model, formulation, search, strategy, None, given_up)
+        status, found = _solve(cp_model, formulation, search, strategy, None, given_up, stalled)
     seconds = time.monotonic() - began
     name = "not run" if status is None else cp_model.CpSolver().status_name(status)
     logger.debug("%s: intervals model %s in %.3g s", strategy, name, seconds)
@@ -116,11 +117,13 @@ def _solve(
     strategy: str,
     patience: float | None,
     given_up: Callable[[], bool],
+    stalled: IncumbentStall,
 ) -> tuple[Any, int]:
     """One CP-SAT solve of ``formulation`` for the time the search has left: by LNS alone
     where ``patience`` is given, stopped at that ``time.monotonic()`` if it has found no
-    solution by then; the default portfolio where it is None; stopped once ``given_up``.
-    Its status and the number of solutions it found."""
+    solution by then; the default portfolio where it is None; stopped once ``given_up``,
+    or ``stalled`` (started at its first solution). Its status and the number of solutions
+    it found."""
     problem = search.problem
 
     class _Incumbents(cp_model.CpSolverSolutionCallback):
@@ -128,10 +131,11 @@ def _solve(
 
         def on_solution_callback(self) -> None:
             self.found += 1
+            stalled.start()
             search.judge(formulation.decode(self.value), strategy)
 
     def stop() -> bool:
-        if problem.cancelled or given_up():
+        if problem.cancelled or given_up() or stalled.is_set():
             return True
         return patience is not None and not incumbents.found and time.monotonic() > patience
 

@@ -47,18 +47,24 @@ class AnyOf:
 
 
 class IncumbentStall:
-    """Set once ``search``'s incumbent has not improved for ``seconds`` (counted from the
-    flag's making until its first improvement); never where ``seconds`` is None. Polled:
-    an improvement counts from the first poll that sees it."""
+    """Set once ``search``'s incumbent has not improved for ``seconds``, counted from the
+    flag's start (its making, or with ``started`` False its ``start()``) until the first
+    improvement; never where ``seconds`` is None or before its start. Polled: an
+    improvement counts from the first poll that sees it."""
 
-    def __init__(self, search: Search, seconds: float | None) -> None:
+    def __init__(self, search: Search, seconds: float | None, started: bool = True) -> None:
         self.search = search
         self.seconds = seconds
         self.best_ms = search.best_ms
-        self.since = time.monotonic()
+        self.since: float | None = time.monotonic() if started else None
+
+    def start(self) -> None:
+        """Start counting, if not yet started."""
+        if self.since is None:
+            self.since = time.monotonic()
 
     def is_set(self) -> bool:
-        if self.seconds is None:
+        if self.seconds is None or self.since is None:
             return False
         now, best = time.monotonic(), self.search.best_ms
         if best is not None and (self.best_ms is None or best < self.best_ms):

@@ -347,27 +347,27 @@ def test_an_incumbent_stall_is_set_once_no_better_plan_has_come_for_its_time():
     """``IncumbentStall`` counts from its making (or its start), restarts at each cheaper
     incumbent, is never set without a time, and a dearer incumbent does not restart it."""
     search = SimpleNamespace(best_ms=None)
-    stall = IncumbentStall(search, 0.05)
+    stall = IncumbentStall(search, 0.2)
     assert not stall.is_set()
-    time.sleep(0.06)
+    time.sleep(0.25)
     assert stall.is_set()  # no plan at all for its time
     search.best_ms = 10.0
     assert not stall.is_set()  # the first plan restarts it
-    time.sleep(0.03)
+    time.sleep(0.1)
     search.best_ms = 9.0
     assert not stall.is_set()
-    time.sleep(0.03)
+    time.sleep(0.1)
     search.best_ms = 9.5  # dearer: not an improvement
-    assert not stall.is_set()  # 0.03 s since 9.0
-    time.sleep(0.03)
+    assert not stall.is_set()  # 0.1 s since 9.0
+    time.sleep(0.15)
     assert stall.is_set()
     assert not IncumbentStall(search, None).is_set()
-    waiting = IncumbentStall(search, 0.01, started=False)
-    time.sleep(0.02)
+    waiting = IncumbentStall(search, 0.2, started=False)
+    time.sleep(0.25)
     assert not waiting.is_set()  # not started: CP-SAT has no first solution yet
     waiting.start()
     assert not waiting.is_set()
-    time.sleep(0.02)
+    time.sleep(0.25)
     assert waiting.is_set()
 
 

@@ -371,10 +371,11 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
     assert not switch.is_set()  # every node on one device
     search.on_placement(RelaxedPlacement(np.arange(n) % 2, 1.5))
     assert switch.placement() is not None and switch.is_set()
+    assert search.alone_bound == 3.0  # the one-device search's bound, for the cover's stop
     later = _Switch(search, after=now + 3600)
-    later.on_progress(Progress(1.0, 4.0, 3.0, 0.25))
     assert not later.is_set()  # its share of the time has not passed
-    dearer = _Switch(search, after=now - 1)
+    dearer = _Switch(Search(problem, problem.costs.ideal_ms(), now), after=now - 1)
+    dearer.search.on_placement(RelaxedPlacement(np.arange(n) % 2, 1.5))
     dearer.on_progress(Progress(1.0, 4.0, 1.2, 0.7))
     assert dearer.placement() is None and not dearer.is_set()  # one device may reach it
 
@@ -382,10 +383,11 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
 def test_the_closure_cover_stops_once_its_bound_stalls_on_a_one_device_placement(large):
     """Beside a decomposed graph's one-device search, the device cover with closure rows
     stops once its bound has risen by less than the tolerance over the window, unless its
-    placement uses several devices (the search may still switch to it)."""
+    placement uses several devices and may still make the search switch: it is cheaper
+    than the one-device search's bound, or its bound leaves room below that bound."""
     n, now = len(large.graph), time.monotonic()
     search = Search(large, large.costs.ideal_ms(), now)
-    stalled = _Stalled(search, window=0.05, rise=1e-3)
+    stalled = _Stalled(search, window=0.05, rise=1e-3, room=0.01)
     assert not stalled.is_set()  # no bound yet
     stalled.on_bound(100.0)
     assert not stalled.is_set()  # no bound a window old
@@ -396,9 +398,21 @@ def test_the_closure_cover_stops_once_its_bound_stalls_on_a_one_device_placement
     stalled.on_bound(102.05)
     search.on_placement(RelaxedPlacement(np.zeros(n, dtype=np.int64), 90.0))
     assert stalled.is_set() and stalled.fired  # 0.05% over the last window, one device
-    on_both = _Stalled(search, window=0.05, rise=1e-3)
+    on_both = _Stalled(search, window=0.05, rise=1e-3, room=0.01)
     on_both.on_bound(100.0)
     time.sleep(0.06)
     on_both.on_bound(100.0)
     search.on_placement(RelaxedPlacement(np.arange(n) % 2, 80.0))
-    assert not on_both.is_set()  # a placement on both devices: it goes on
+    assert not on_both.is_set()  # a placement on both devices, no one-device bound yet
+    search.alone_bound = 100.5
+    assert not on_both.is_set()  # cheaper than one device's bound: the search may switch
+    dear = Search(large, large.costs.ideal_ms(), now)
+    dear.on_placement(RelaxedPlacement(np.arange(n) % 2, 130.0))
+    dear.alone_bound = 103.0
+    roomy = _Stalled(dear, window=0.05, rise=1e-3, room=0.01)
+    roomy.on_bound(100.0)
+    time.sleep(0.06)
+    roomy.on_bound(100.0)
+    assert not roomy.is_set()  # 3% below one device's bound: a cheaper placement may come
+    dear.alone_bound = 100.5
+    assert roomy.is_set()  # within 1% of it: no placement gains more than that

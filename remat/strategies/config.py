@@ -158,10 +158,12 @@ class SearchConfig:
     placements come later (docs/benchmarks.md)."""
     stall_share: float = 0.15
     stall_rise: float = 1e-3
+    stall_room: float = 0.01
     """On several devices, the device cover with closure rows beside the one-device search
     stops once its bound has risen by less than ``stall_rise`` (relative) over the last
-    ``stall_share`` of the time limit, where its placement is on one device
-    (``search._Stalled``)."""
+    ``stall_share`` of the time limit, where its placement is on one device, or on several
+    at a relaxed cost no lower than the one-device search's bound while its bound is
+    within ``stall_room`` (relative) of that bound (``search._Stalled``)."""
 
     # --- restrictions, LP relaxation and RINS (``restrict``, ``rins``) --------------------
     restricted_share: float = 0.25

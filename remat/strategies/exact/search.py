@@ -47,7 +47,7 @@ from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
-from remat.strategies.exact.windows import improve_by_windows
+from remat.strategies.exact.windows import WindowPicker, improve_by_windows
 from remat.strategies.heuristics.evict import (
     evict_moves,
     evict_placed,
@@ -149,7 +149,7 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     model = cover.model
     logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
     limit = search.problem.solver.options.time_limit_s
-    stalled = _Stalled(search, limit * config.stall_share, config.stall_rise)
+    stalled = _Stalled(search, limit * config.stall_share, config.stall_rise, config.stall_room)
 
     def on_progress(progress: Progress) -> None:
         if progress.bound is not None and math.isfinite(progress.bound):
@@ -185,14 +185,18 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
 class _Stalled:
     """The stop flag of the device cover with closure rows beside a one-device search: set
     once its bound has risen by less than ``rise`` (relative) over the last ``window``
-    seconds while its placement is on one device. From then on it raises the bound by
-    little, and no placement of it makes the search switch (``_Switch``), while on a busy
-    machine its core is worth more to the one-device search beside it."""
+    seconds while none of its placements may still make the search switch (``_Switch``):
+    its placement is on one device, or it is on several at a relaxed cost no lower than
+    the one-device search's bound while its own bound is within ``room`` (relative) of
+    that bound, so that no plan on several devices can cost less than one device's
+    optimum by more. From then on it raises the bound by little, while on a busy machine
+    its core is worth more to the one-device search beside it."""
 
-    def __init__(self, search: Search, window: float, rise: float) -> None:
+    def __init__(self, search: Search, window: float, rise: float, room: float) -> None:
         self.search = search
         self.window = window
         self.rise = rise
+        self.room = room
         self.bounds: list[tuple[float, float]] = []  # (time.monotonic(), bound)
         self.fired = False  # it stopped the solve
 
@@ -200,14 +204,21 @@ class _Stalled:
         self.bounds.append((time.monotonic(), bound))
 
     def is_set(self) -> bool:
-        relaxed = self.search.placement
-        if self.fired or (relaxed is not None and relaxed.spans_devices):
+        if self.fired or self._may_switch():
             return self.fired
         before = time.monotonic() - self.window
         earlier = [bound for at, bound in self.bounds if at <= before]
         if earlier and self.bounds[-1][1] <= earlier[-1] * (1 + self.rise):
             self.fired = True
         return self.fired
+
+    def _may_switch(self) -> bool:
+        relaxed, alone = self.search.placement, self.search.alone_bound
+        if relaxed is None or not relaxed.spans_devices:
+            return False
+        if relaxed.cost_ms < alone or not self.bounds or not math.isfinite(alone):
+            return True
+        return self.bounds[-1][1] < alone * (1 - self.room)
 
 
 def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
@@ -669,18 +680,18 @@ class _Switch:
     def __init__(self, search: Search, after: float) -> None:
         self.search = search
         self.after = after
-        self.bound = 0.0  # the one-device search's
 
     def on_progress(self, progress: Progress) -> None:
+        """The one-device search's progress: its bound is ``Search.alone_bound``."""
         if progress.bound is not None:
-            self.bound = max(self.bound, progress.bound)
+            self.search.alone_bound = max(self.search.alone_bound, progress.bound)
         self.search.heartbeat()
 
     def placement(self) -> RelaxedPlacement | None:
         relaxed = self.search.placement
         if relaxed is None or not relaxed.spans_devices:
             return None
-        return relaxed if relaxed.cost_ms < self.bound else None
+        return relaxed if relaxed.cost_ms < self.search.alone_bound else None
 
     def is_set(self) -> bool:
         if self.search.problem.cancelled:
@@ -748,17 +759,20 @@ def _alternated(search: Search, placement: Placement, strategy: str) -> int:
     config = search.problem.solver.search
     stall = search.problem.solver.options.time_limit_s * config.neighbourhood_stall_share
     incumbent = partial(_incumbent_schedule, search)
+    pick = WindowPicker.of(search.problem)  # one for every turn
     improved = 0
     if len(search.problem.graph) >= config.windows_min_nodes:
         until = time.monotonic() + search.time_left() * config.windows_share
-        improved += improve_by_windows(search, placement, strategy, incumbent, until)
+        improved += improve_by_windows(search, placement, strategy, incumbent, until, pick=pick)
     while not _out_of_time(search):
         before = search.best_ms
         solve_intervals(search, placement, incumbent(), strategy, stall_s=stall)
         if _out_of_time(search):
             break
         end = time.monotonic() + search.time_left()
-        improved += improve_by_windows(search, placement, strategy, incumbent, end, stall)
+        improved += improve_by_windows(
+            search, placement, strategy, incumbent, end, stall, pick=pick
+        )
         if search.best_ms == before and not _out_of_time(search):
             solve_intervals(search, placement, incumbent(), strategy)
             break

@@ -106,6 +106,9 @@ class Search:
         self.full_done = threading.Event()  # the full solve ended: stops the solves beside it
         self.full_held = threading.Event()  # suspends the full solve's process while set
         self.placement: RelaxedPlacement | None = None  # the device cover's best
+        # on a decomposed graph on several devices, the bound of the one-device search
+        # beside (no plan on that device costs less); -inf until it reports one
+        self.alone_bound = -math.inf
         self._lock = threading.Lock()
 
     def beside(self) -> Search:

@@ -106,9 +106,6 @@ class SearchConfig:
     can take the rest of ``window_solve_s``."""
     window_seed: int = 0
     """The seed of the windows' random choice (the same windows for the same incumbents)."""
-    window_draws: int = 3
-    """Windows drawn for each neighbourhood; the one in which the incumbent spends the most
-    time recomputing is solved (what a neighbourhood can save is at most that)."""
     windows_share: float = 0.6
     """Of the time left for the whole graph's interval model where the incumbent is on its
     placement: the window neighbourhoods take this share first."""

@@ -144,18 +144,15 @@ def _on(schedule: Schedule, placement: Placement) -> bool:
 class WindowPicker:
     """The windows of the next neighbourhood: by turns one window of about ``stages``
     stages (from half to one and a half times), and a forward range of about half that
-    with the stages of its backward nodes (where the graph has them). Of ``draws`` windows
-    of a turn's kind, the one in which the incumbent spends the most time recomputing
-    (what its neighbourhood can save at most); windows in which it recomputes nothing are
-    passed over: their optimum is the incumbent's. The size adapts: a quarter smaller
-    after a solve stopped by its time limit, a tenth larger after one proven optimal in
-    under a fifth of it."""
+    with the stages of its backward nodes (where the graph has them). Windows in which the
+    incumbent recomputes nothing are passed over: their optimum is the incumbent's. The
+    size adapts: a quarter smaller after a solve stopped by its time limit, a tenth larger
+    after one proven optimal in under a fifth of it."""
 
-    def __init__(self, graph: Graph, stages: int, rng: random.Random, draws: int = 1) -> None:
+    def __init__(self, graph: Graph, stages: int, rng: random.Random) -> None:
         self.n = len(graph)
         self.size = float(min(max(8, stages), self.n))
         self.rng = rng
-        self.draws = max(1, draws)
         self.turn = 0
         self.backward: dict[int, list[int]] = {}
         for node in graph.nodes:
@@ -165,32 +162,22 @@ class WindowPicker:
 
     @classmethod
     def of(cls, problem: Problem) -> WindowPicker:
-        """A picker of ``problem``'s windows from ``SearchConfig.window_stages``,
-        ``window_seed`` and ``window_draws``."""
+        """A picker of ``problem``'s windows from ``SearchConfig.window_stages`` and
+        ``window_seed``."""
         config = problem.solver.search
-        rng = random.Random(config.window_seed)
-        return cls(problem.graph, config.window_stages, rng, config.window_draws)
+        return cls(problem.graph, config.window_stages, random.Random(config.window_seed))
 
     def next(
         self, costs: CostModel, placement: Placement, retained: list[list[tuple[int, int]]]
     ) -> Windows | None:
-        """The next windows, or None where 100 draws (the other kind after 50) found none
-        with a recomputation."""
-        self.turn += 1
-        best: tuple[float, Windows] | None = None
-        drawn = 0
-        for attempt in range(100):
-            mirrored = (self.turn + attempt // 50) % 2 == 0 and bool(self.forward)
+        """The next windows, or None where 100 draws found none with a recomputation."""
+        for _ in range(100):
+            self.turn += 1
+            mirrored = self.turn % 2 == 0 and bool(self.forward)
             windows = self._mirrored() if mirrored else self._single()
-            saved = recomputation_ms(costs, placement, retained, windows)
-            if saved <= 0:
-                continue
-            drawn += 1
-            if best is None or saved > best[0]:
-                best = (saved, windows)
-            if drawn == self.draws:
-                break
-        return None if best is None else best[1]
+            if recomputation_ms(costs, placement, retained, windows) > 0:
+                return windows
+        return None
 
     def solved(self, optimal: bool, seconds: float, limit: float) -> None:
         """Adapt the size to the last solve: ``optimal`` or not, in ``seconds`` of

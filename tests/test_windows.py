@@ -271,9 +271,9 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
     seen: list[tuple[Search, np.ndarray, float | None]] = []
     windows = search_module.improve_by_windows
 
-    def recorded(own, placement, strategy, incumbent_of, until, stall_s=None, pick=None):
+    def recorded(own, placement, strategy, incumbent_of, until, stall_s=None):
         seen.append((own, home_of(incumbent_of(), NAMES), own.best_ms))
-        return windows(own, placement, strategy, incumbent_of, until, stall_s, pick=pick)
+        return windows(own, placement, strategy, incumbent_of, until, stall_s)
 
     monkeypatch.setattr(search_module, "improve_by_windows", recorded)
     trial = time.monotonic() + 10
@@ -308,10 +308,9 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
 ):
     """Below ``windows_min_nodes``, CP-SAT's search on the whole interval model runs first,
     until the incumbent has not improved for ``neighbourhood_stall_share`` of the limit,
-    then the window neighbourhoods from its plan (one picker for every turn), by turns;
-    after a round of both without a cheaper plan, the whole model takes the time left.
-    The plan stays within the budget and no dearer than greedy eviction's, where it
-    started."""
+    then the window neighbourhoods from its plan, by turns; after a round of both without
+    a cheaper plan, the whole model takes the time left. The plan stays within the
+    budget and no dearer than greedy eviction's, where it started."""
     config = SearchConfig(neighbourhood_stall_share=0.05)
     settings = SolverSettings(options=SolveOptions(time_limit_s=6, threads=2), search=config)
     problem = budgeted(resnet.graph, 50, ("cuda0",), settings)
@@ -320,17 +319,15 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
     search = Search(problem, problem.costs.ideal_ms("cuda0"), time.monotonic())
     search.offer(start)
     calls: list[tuple[str, float | None]] = []
-    picks: list[object] = []
     intervals, windows = search_module.solve_intervals, search_module.improve_by_windows
 
     def solve_intervals(search, placement, warm, strategy, stall_s=None):
         calls.append(("intervals", stall_s))
         return intervals(search, placement, warm, strategy, stall_s=stall_s)
 
-    def improve_by_windows(search, placement, strategy, incumbent, until, stall_s=None, pick=None):
+    def improve_by_windows(search, placement, strategy, incumbent, until, stall_s=None):
         calls.append(("windows", stall_s))
-        picks.append(pick)
-        return windows(search, placement, strategy, incumbent, until, stall_s, pick=pick)
+        return windows(search, placement, strategy, incumbent, until, stall_s)
 
     monkeypatch.setattr(search_module, "solve_intervals", solve_intervals)
     monkeypatch.setattr(search_module, "improve_by_windows", improve_by_windows)
@@ -340,7 +337,6 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
     assert all(a != b for a, b in itertools.pairwise(kinds)), calls  # by turns
     assert all(stall == pytest.approx(0.3) for _, stall in calls[:-1]), calls
     assert calls[-1][1] is not None or calls[-1][0] == "intervals", calls  # the time left
-    assert picks[0] is not None and all(pick is picks[0] for pick in picks)  # windows go on
     best = search.best
     assert best is not None and best.simulation is not None and best.plan is not None
     assert best.simulation.total_ms <= start.simulation.total_ms

@@ -31,7 +31,6 @@ from remat.graph import Graph, NodeKind
 from remat.schedule import Schedule
 from remat.solvers.backend import SolverUnavailable
 from remat.solvers.cpsat import solve_watched
-from remat.strategies.common.problem import Problem
 from remat.strategies.exact.state import IncumbentStall, Search
 from remat.strategies.heuristics.evict import home_of
 
@@ -47,15 +46,12 @@ def improve_by_windows(
     incumbent: Callable[[], Schedule | None],
     until: float,
     stall_s: float | None = None,
-    pick: WindowPicker | None = None,
 ) -> int:
     """Window neighbourhoods of ``incumbent()`` (the search's incumbent schedule) on
     ``placement`` until ``until`` (``time.monotonic()``), cancellation, an incumbent not
     on ``placement``, or, with ``stall_s``, once the search's incumbent has not improved
-    for that long; improvements are offered under ``strategy``'s name. The windows are
-    ``pick``'s (a new picker where it is None): a search that returns to the windows
-    passes the picker of its earlier turns, so that it draws other windows than those it
-    has solved. Returns the number of neighbourhoods that improved the incumbent."""
+    for that long; improvements are offered under ``strategy``'s name. Returns the number
+    of neighbourhoods that improved the incumbent."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -64,7 +60,7 @@ def improve_by_windows(
     config = problem.solver.search
     graph, costs = problem.graph, problem.costs
     structure = Structure.of(graph)
-    pick = pick or WindowPicker.of(problem)
+    pick = _Picker(graph, config.window_stages, random.Random(config.window_seed))
     improved = tried = 0
     stalled = IncumbentStall(search, stall_s)
     while time.monotonic() < until and not problem.cancelled and not stalled.is_set():
@@ -141,7 +137,7 @@ def _on(schedule: Schedule, placement: Placement) -> bool:
     return bool(np.array_equal(home_of(schedule, placement.devices), placement.home))
 
 
-class WindowPicker:
+class _Picker:
     """The windows of the next neighbourhood: by turns one window of about ``stages``
     stages (from half to one and a half times), and a forward range of about half that
     with the stages of its backward nodes (where the graph has them). Windows in which the
@@ -159,13 +155,6 @@ class WindowPicker:
             if node.kind is not NodeKind.FORWARD and node.forward is not None:
                 self.backward.setdefault(node.forward, []).append(node.id)
         self.forward = sorted(self.backward)
-
-    @classmethod
-    def of(cls, problem: Problem) -> WindowPicker:
-        """A picker of ``problem``'s windows from ``SearchConfig.window_stages`` and
-        ``window_seed``."""
-        config = problem.solver.search
-        return cls(problem.graph, config.window_stages, random.Random(config.window_seed))
 
     def next(
         self, costs: CostModel, placement: Placement, retained: list[list[tuple[int, int]]]

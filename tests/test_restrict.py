@@ -314,28 +314,6 @@ def test_rins_fixes_the_integer_variables_on_which_the_plan_and_the_lp_agree() -
     assert (sub.A != model.A).nnz == 0 and (sub.c == model.c).all()
 
 
-def test_rens_fixes_the_integer_variables_the_lp_sets_to_integers() -> None:
-    """RENS's sub-MIP fixes each integer variable the LP optimum sets to an integer and
-    bounds every other one by the integers around its LP value; continuous variables keep
-    their bounds; no start."""
-    model = MILPModel(
-        c=np.ones(4),
-        A=sp.csr_array(np.ones((1, 4))),
-        row_lb=np.array([1.0]),
-        row_ub=np.array([np.inf]),
-        lb=np.zeros(4),
-        ub=np.array([1.0, 3.0, 1.0, 5.0]),
-        integer=np.array([True, True, True, False]),
-        start=np.array([1.0, 0.0, 1.0, 2.0]),
-    )
-    relaxed = np.array([1.0 - 1e-9, 1.5, 0.0, 2.5])
-    sub = rins.rens_neighbourhood(model, relaxed)
-    assert sub.lb.tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert sub.ub.tolist() == [1.0, 2.0, 0.0, 5.0]
-    assert sub.start is None
-    assert (sub.A != model.A).nnz == 0 and (sub.c == model.c).all()
-
-
 def _one_device(percent: float, seconds: float) -> tuple[Problem, Search]:
     """The transformer on cpu0 with eviction's plan as the incumbent."""
     settings = SolverSettings(options=SolveOptions(time_limit_s=seconds))

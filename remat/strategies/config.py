@@ -152,9 +152,6 @@ class SearchConfig:
     ``windows_min_nodes`` on, without any plan on it; window neighbourhoods improve its
     first plans there) before it stops and the interval model on the one device resumes
     for the time left."""
-    closure_rens_s: float = 20.0
-    """At most this long for RENS's sub-MIP from the LP relaxation of the device cover with
-    closure rows, before that MILP (``search._closure_rens``)."""
     closure_presolve: bool = False
     """Whether the solver presolves the device cover with closure rows: HiGHS's MIP
     presolve leaves it a root LP that takes longer to solve, so its bound and its first

@@ -2,9 +2,7 @@
 solve: the relaxation's optimum is a bound of the whole problem, reported to the search;
 RINS (Danna, Rothberg and Le Pape, 2005) solves the model restricted to where the
 incumbent and the relaxation agree, a restriction whose plans are plans of the whole
-problem; RENS (``rens_neighbourhood``; Berthold, 2009) restricts it to where the
-relaxation is integral, without an incumbent. Also the solve that every phase beside the
-full solve uses (``solve_beside``).
+problem. Also the solve that every phase beside the full solve uses (``solve_beside``).
 
 On one device these are the only phases beside the full solve (``relax_and_improve``);
 on several they follow XEngine's restrictions (``restrict.solve_restrictions``).
@@ -108,21 +106,6 @@ def rins_neighbourhood(
     lb, ub = model.lb.copy(), model.ub.copy()
     lb[fixed] = ub[fixed] = np.round(incumbent[fixed])
     return replace(model, lb=lb, ub=ub, start=incumbent)
-
-
-def rens_neighbourhood(model: MILPModel, relaxed: np.ndarray, integral: float = 1e-6) -> MILPModel:
-    """RENS's sub-MIP: ``model`` with each integer variable that the LP optimum ``relaxed``
-    sets to an integer (within ``integral``) fixed there, and every other one between the
-    integers around its LP value. A restriction: its solutions are the model's."""
-    x = relaxed[: model.n_vars]
-    near = np.round(x)
-    fixed = model.integer & (np.abs(x - near) <= integral)
-    free = model.integer & ~fixed
-    lb, ub = model.lb.astype(float).copy(), model.ub.astype(float).copy()
-    lb[fixed] = ub[fixed] = near[fixed]
-    lb[free] = np.maximum(lb[free], np.floor(x[free]))
-    ub[free] = np.minimum(ub[free], np.ceil(x[free]))
-    return replace(model, lb=lb, ub=ub, start=None)
 
 
 def solve_beside(

@@ -30,7 +30,7 @@ from remat.plan import SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
 from remat.simulator import held_fixed_bytes
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
+from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.known import known_start
@@ -45,7 +45,7 @@ from remat.strategies.common.problem import (
 from remat.strategies.exact.cover import covers_extra_ms, device_closure_model, device_cover
 from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
-from remat.strategies.exact.rins import Offer, rens_neighbourhood
+from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
 from remat.strategies.exact.windows import improve_by_windows
 from remat.strategies.heuristics.evict import (
@@ -139,15 +139,15 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
 def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     """The dual bound of the device cover with closure rows (``cover.device_closure_model``)
     on ``names``, each rise reported as found, and its incumbents' placements kept
-    (``Search.on_placement``): first its LP relaxation and RENS from it
-    (``_closure_rens``), then the MILP from RENS's solution, solved with ``lp_backend`` on
-    one thread in a subprocess for the time left, stopped with the solves beside the full
-    one (its root relaxation alone can take a quarter of a 120 s limit on 900 nodes) or
-    once its bound stalls where no placement of it may make the search switch
-    (``_Stalled``)."""
+    (``Search.on_placement``): solved with ``lp_backend`` on one thread in a subprocess for
+    the time left, stopped with the solves beside the full one (its root relaxation alone
+    can take a quarter of a 120 s limit on 900 nodes) or once its bound stalls where no
+    placement of it may make the search switch (``_Stalled``)."""
     config = search.problem.solver.search
+    seconds = search.remaining()
     cover = device_closure_model(search.problem, names)
     model = cover.model
+    logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
     limit = search.problem.solver.options.time_limit_s
     stalled = _Stalled(search, limit * config.stall_share, config.stall_rise, config.stall_room)
 
@@ -159,16 +159,16 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     def on_incumbent(x: np.ndarray, objective: float) -> None:
         search.on_placement(RelaxedPlacement(cover.placement(x), objective))
 
-    options = replace(search.problem.solver.options, threads=1, presolve=config.closure_presolve)
-    start = _closure_rens(search, model, options, on_incumbent)
-    if start is not None:
-        model = replace(model, start=start)
-    seconds = search.remaining()
-    logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
+    options = replace(
+        search.problem.solver.options,
+        time_limit_s=seconds,
+        threads=1,
+        presolve=config.closure_presolve,
+    )
     solved = runner.solve(
         model,
         backend=config.lp_backend,
-        options=replace(options, time_limit_s=seconds),
+        options=options,
         on_progress=on_progress,
         cancel=AnyOf((search.side_stop(), stalled)),
         grace_s=config.solve_grace_s,
@@ -180,50 +180,6 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         on_incumbent(solved.x, solved.objective)
     why = "its bound stalled" if stalled.fired else solved.message
     logger.debug("device closure cover: bound %s (%s)", solved.bound, why)
-
-
-def _closure_rens(
-    search: Search, model: MILPModel, options: SolveOptions, on_incumbent: runner.Incumbent
-) -> np.ndarray | None:
-    """The device cover's LP relaxation (its optimum a bound of the whole problem,
-    reported) and RENS's sub-MIP from it (``rins.rens_neighbourhood``), presolved, for at
-    most ``SearchConfig.closure_rens_s``, each incumbent passed to ``on_incumbent`` as
-    found: the MILP's own heuristics find a placement over several devices only after its
-    cuts, where RENS from the root relaxation finds one in seconds. RENS's best solution
-    (the MILP's start), or None."""
-    config = search.problem.solver.search
-    cancel, grace = search.side_stop(), config.solve_grace_s
-    relaxed = runner.solve(
-        model.lp_relaxation(),
-        backend=config.lp_backend,
-        options=replace(options, time_limit_s=search.remaining()),
-        on_progress=lambda _: search.heartbeat(),
-        cancel=cancel,
-        grace_s=grace,
-    )
-    if relaxed.status is not SolveStatus.OPTIMAL or relaxed.x is None or relaxed.objective is None:
-        logger.debug("device closure cover: no LP optimum (%s)", relaxed.status.value)
-        return None
-    search.on_bound(relaxed.objective)
-    seconds = min(config.closure_rens_s, search.remaining())
-    logger.debug(
-        "device closure cover: LP bound %.6g ms; RENS for %.3g s", relaxed.objective, seconds
-    )
-    solved = runner.solve(
-        rens_neighbourhood(model, relaxed.x),
-        backend=config.lp_backend,
-        options=replace(options, time_limit_s=seconds, presolve=True),
-        on_progress=lambda _: search.heartbeat(),
-        cancel=cancel,
-        grace_s=grace,
-        on_incumbent=on_incumbent,
-    )
-    if solved.x is None or solved.objective is None:
-        logger.debug("device closure cover: RENS found no solution (%s)", solved.message)
-        return None
-    on_incumbent(solved.x, solved.objective)
-    logger.debug("device closure cover: RENS %.6g ms", solved.objective)
-    return solved.x
 
 
 class _Stalled:

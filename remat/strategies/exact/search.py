@@ -216,7 +216,9 @@ class _Stalled:
         relaxed, alone = self.search.placement, self.search.alone_bound
         if relaxed is None or not relaxed.spans_devices:
             return False
-        if relaxed.cost_ms < alone or not self.bounds or not math.isfinite(alone):
+        if self.search.placement_worth_switching() is not None:
+            return True
+        if not self.bounds or not math.isfinite(alone):
             return True
         return self.bounds[-1][1] < alone * (1 - self.room)
 
@@ -688,10 +690,7 @@ class _Switch:
         self.search.heartbeat()
 
     def placement(self) -> RelaxedPlacement | None:
-        relaxed = self.search.placement
-        if relaxed is None or not relaxed.spans_devices:
-            return None
-        return relaxed if relaxed.cost_ms < self.search.alone_bound else None
+        return self.search.placement_worth_switching()
 
     def is_set(self) -> bool:
         if self.search.problem.cancelled:

@@ -219,6 +219,15 @@ class Search:
             if self.placement is None or placement.cost_ms < self.placement.cost_ms:
                 self.placement = placement
 
+    def placement_worth_switching(self) -> RelaxedPlacement | None:
+        """The device cover's best placement where it uses several devices at a relaxed
+        cost below the one-device search's bound (``alone_bound``), so that no plan on one
+        device can reach it; None otherwise."""
+        relaxed = self.placement
+        if relaxed is None or not relaxed.spans_devices:
+            return None
+        return relaxed if relaxed.cost_ms < self.alone_bound else None
+
     def _stop_full_if_met(self) -> None:
         if self.meets_gap():
             self.gap_met.set()

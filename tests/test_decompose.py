@@ -32,7 +32,7 @@ from remat.strategies.exact.decompose import (
     parts,
     segments,
     solve_parts,
-    stored_choices,
+    stored_orders,
 )
 from remat.strategies.exact.search import _Stalled, _Switch, quick_part
 from remat.strategies.exact.state import RelaxedPlacement, Search
@@ -69,7 +69,7 @@ def test_segments_are_contiguous_bounded_and_cut_where_little_crosses(large):
 def test_parts_compute_each_backward_node_once_and_read_only_what_is_resident(large):
     graph = large.graph
     cuts = segments(graph, large.costs)
-    for stored in (frozenset(), stored_choices(graph, large.costs, cuts, None)[0]):
+    for stored in (frozenset(), stored_orders(graph, large.costs, cuts, None)[0][0]):
         plan_parts = parts(graph, cuts, stored)
         seen = [0] * len(graph)
         resident: frozenset[int] = frozenset()
@@ -88,7 +88,7 @@ def test_parts_compute_each_backward_node_once_and_read_only_what_is_resident(la
 def test_storing_every_value_computes_each_forward_node_once(large):
     graph = large.graph
     cuts = segments(graph, large.costs)
-    plan_parts = parts(graph, cuts, stored_choices(graph, large.costs, cuts, None)[0])
+    plan_parts = parts(graph, cuts, stored_orders(graph, large.costs, cuts, None)[0][0])
     counts = [0] * len(graph)
     for part in plan_parts:
         for i in part.nodes:
@@ -104,11 +104,13 @@ def test_stored_choices_are_distinct_and_each_fits_the_memory_estimate(large):
     cuts = segments(graph, costs)
     reserved = held_fixed_bytes(graph, range(len(graph)))
     room = large.budgets["cuda0"] - reserved
-    choices = stored_choices(graph, costs, cuts, room)
+    orders = stored_orders(graph, costs, cuts, room)
+    choices = [stored for order in orders for stored in order]
+    assert all(len(order[0]) > len(order[-1]) for order in orders)  # the longest first
     assert len(choices) >= 2 and len(set(choices)) == len(choices)
     assert all(choices) and frozenset() not in choices  # room for some values
     assert all(_fits(graph, costs, parts(graph, cuts, stored), room) for stored in choices)
-    everything = stored_choices(graph, costs, cuts, None)[0]
+    everything = stored_orders(graph, costs, cuts, None)[0][0]
     assert not _fits(graph, costs, parts(graph, cuts, everything), room)  # a real choice
 
 
@@ -277,7 +279,7 @@ def test_inference_graphs_decompose_into_forward_parts_and_keep_the_outputs():
 def test_an_impossible_budget_is_reported_not_stitched(large):
     tight = Problem(large.graph, large.costs, {"cuda0": 1}, large.solver)
     cuts = segments(tight.graph, tight.costs)
-    assert stored_choices(tight.graph, tight.costs, cuts, 0) == [frozenset()]
+    assert stored_orders(tight.graph, tight.costs, cuts, 0) == [[frozenset()]]
     solvers = PartSolvers(_never_called, _never_called)
     result = solve_parts(tight, "checkmate_milp", "cuda0", solvers, lambda: None, 60)
     assert result.plan is None

@@ -142,6 +142,10 @@ class SearchConfig:
     parts_share: float = 0.3
     """Of the time left on one device: the most the parts may take; the whole graph's
     interval model has the rest."""
+    judge_share: float = 0.4
+    """Of the parts' time: the most that judging which forward values the segments keep
+    may take once one choice has a plan (``decompose._chosen``); the parts' solves have the
+    rest."""
     alone_share: float = 0.5
     """Of the time left on several devices: the least the one-device search takes before
     it stops for the whole graph's interval model on the device cover's placement (where

@@ -32,6 +32,7 @@ bound stays the whole problem's (the covers'): a part's bound is not a bound of 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -231,22 +232,25 @@ def solve_parts(
     """Each part solved on ``device`` in plan order (a part's budget depends on what the
     earlier parts left resident), for a share of ``seconds`` proportional to its size; the
     stitched plan judged by the simulator. Which forward values the segments keep is chosen among
-    ``stored_choices`` by the stitched plans of their parts' ``judge`` plans (``_chosen``),
-    each cheaper one going to ``offer`` as found (a plan within a second or two, where the
-    parts' solves take most of the limit); if a part then finds no plan, every segment is
-    recomputed instead, in the time left."""
+    ``stored_orders`` by the stitched plans of their parts' ``judge`` plans (``_chosen``, in
+    ``judge_share`` of ``seconds``: the parts' solves have the rest), each cheaper one going
+    to ``offer`` as found (a plan within a second or two, where the parts' solves take most
+    of the limit); if a part then finds no plan, every segment is recomputed instead, in
+    the time left."""
     graph, costs = problem.graph, problem.costs
     cuts = segments(graph, costs, problem.solver.search.segment_forward_nodes)
     reserved = held_fixed_bytes(graph, range(len(graph)))  # every fixed tensor, everywhere
     budget = problem.budgets.get(device)
     room = None if budget is None else budget - reserved
-    deadline = time.monotonic() + seconds
+    now = time.monotonic()
+    deadline = now + seconds
     stitch = partial(_stitch, problem, strategy, device, reserved, heartbeat, deadline)
-    choices = stored_choices(graph, costs, cuts, room)
+    orders = stored_orders(graph, costs, cuts, room)
     judge = solvers.judge or solvers.quick
     judged = partial(stitch, replace(solvers, exact=judge, quick=judge))
     quick = partial(stitch, replace(solvers, exact=solvers.quick))
-    stored = _chosen(graph, choices, cuts, judged, quick, offer, deadline)
+    judged_by = now + seconds * problem.solver.search.judge_share
+    stored = _chosen(graph, orders, cuts, judged, quick, offer, judged_by)
     result = stitch(solvers, parts(graph, cuts, stored))
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(solvers, parts(graph, cuts))
@@ -255,7 +259,7 @@ def solve_parts(
 
 def _chosen(
     graph: Graph,
-    choices: list[frozenset[int]],
+    orders: list[list[frozenset[int]]],
     cuts: Sequence[range],
     judged: Callable[[list[Part]], StrategyResult],
     quick: Callable[[list[Part]], StrategyResult],
@@ -263,48 +267,65 @@ def _chosen(
     deadline: float,
 ) -> frozenset[int]:
     """The stored values whose stitched plan of judged part plans (``judged``) the simulator
-    finds cheapest, each cheaper plan going to ``offer``; past ``deadline`` the choices left
-    are not tried once one has a plan. Until a choice's judged plan fits, each choice whose
-    judged plan does not is stitched from quick part plans (``quick``) too, and the first
-    that fits is offered at once (at tight budgets no part's judged plan may fit, and the
-    first plan must not wait for every choice to be judged); where no judged plan fits,
-    that choice is returned. A single choice is not stitched."""
-    if len(choices) == 1:
-        return choices[0]
-    best, best_ms = choices[0], float("inf")
+    finds cheapest, each cheaper plan going to ``offer``. The orders' choices are judged by
+    turns, each order's from the longest down, until one whose plan costs more than the
+    order's choice before it (a shorter prefix recomputes more; it pays only where the
+    longer one left a part too little room); past ``deadline`` no more are judged once one
+    has a plan. Until a choice's judged plan fits, each choice whose judged plan does not is
+    stitched from quick part plans (``quick``) too, and the first that fits is offered at
+    once (at tight budgets no part's judged plan may fit, and the first plan must not wait
+    for every choice to be judged); where no judged plan fits, that choice is returned. A
+    single choice is not stitched."""
+    if sum(len(order) for order in orders) == 1:
+        return orders[0][0]
+    best, best_ms = orders[0][0], float("inf")
     fallback: frozenset[int] | None = None  # the first choice whose quick plans fit
-    for stored in choices:
-        planned = best_ms < float("inf") or fallback is not None
-        if planned and time.monotonic() > deadline:
-            break
-        result = judged(parts(graph, cuts, stored))
-        cost = result.simulation.total_ms if result.feasible and result.simulation else None
-        if cost is not None and cost < best_ms:
-            best, best_ms = stored, cost
-            if offer is not None:
-                offer(result)
-        elif (
-            cost is None and not planned and (result := quick(parts(graph, cuts, stored))).feasible
-        ):
-            fallback = stored
-            if offer is not None:
-                offer(result)
+    queues = [deque(order) for order in orders]
+    last_ms = [float("inf")] * len(orders)  # each order's last choice with a plan
+    while any(queues):
+        for k, queue in enumerate(queues):
+            if not queue:
+                continue
+            planned = best_ms < float("inf") or fallback is not None
+            if planned and time.monotonic() > deadline:
+                queues = []
+                break
+            stored = queue.popleft()
+            result = judged(parts(graph, cuts, stored))
+            cost = result.simulation.total_ms if result.feasible and result.simulation else None
+            if cost is not None and cost < best_ms:
+                best, best_ms = stored, cost
+                if offer is not None:
+                    offer(result)
+            elif (
+                cost is None
+                and not planned
+                and (result := quick(parts(graph, cuts, stored))).feasible
+            ):
+                fallback = stored
+                if offer is not None:
+                    offer(result)
+            if cost is not None:
+                if cost > last_ms[k]:
+                    queue.clear()  # its shorter prefixes recompute more still
+                last_ms[k] = cost
     if best_ms < float("inf") or fallback is None:
         return best
     return fallback
 
 
-def stored_choices(
+def stored_orders(
     graph: Graph, costs: CostModel, cuts: Sequence[range], room: int | None
-) -> list[frozenset[int]]:
-    """Sets of forward values to keep from their F part for their B part: of two orders of the
-    candidates, the longest prefix that the memory estimate admits (``_fits``: every part's
-    resident values, outputs and largest operation within ``room``, the bytes the device
-    has for values), and its 3/4, 1/2 and 1/4. The estimate ignores the parts' working
-    memory: a part left little room recomputes inside it, which can cost more than
-    recomputing the segment. The orders: segment by segment from the loss back (the later a
-    segment, the shorter its values are held), and across segments by recomputation cost per
-    byte (a transformer's matrix products before its activations)."""
+) -> list[list[frozenset[int]]]:
+    """Sets of forward values to keep from their F part for their B part, by order of the
+    candidates: the longest prefix of the order that the memory estimate admits (``_fits``:
+    every part's resident values, outputs and largest operation within ``room``, the bytes
+    the device has for values), then its 3/4, 1/2 and 1/4; a set that an earlier order has
+    is left out. The estimate ignores the parts' working memory: a part left little room
+    recomputes inside it, which can cost more than recomputing the segment. The orders:
+    segment by segment from the loss back (the later a segment, the shorter its values are
+    held), and across segments by recomputation cost per byte (a transformer's matrix
+    products before its activations). Without a budget, one set: every candidate."""
     users = graph.users()
     fastest = costs.compute_ms.min(axis=1)
     segment = {i: k for k, cut in enumerate(cuts[:-1]) for i in cut}
@@ -313,19 +334,24 @@ def stored_choices(
         return -float(fastest[i]) / max(int(costs.output_bytes[i]), 1)
 
     kept = [i for i in segment if any(graph.nodes[u].kind is NodeKind.BACKWARD for u in users[i])]
-    orders = [
+    candidates = [
         sorted(kept, key=lambda i: (-segment[i], per_byte(i))),
         sorted(kept, key=lambda i: (per_byte(i), -segment[i])),
     ]
     if room is None:
-        return [frozenset(kept)]
-    choices: list[frozenset[int]] = []
-    for order in orders:
-        longest = _longest_fitting(graph, costs, cuts, order, room)
+        return [[frozenset(kept)]]
+    seen: set[frozenset[int]] = set()
+    orders: list[list[frozenset[int]]] = []
+    for candidate in candidates:
+        longest = _longest_fitting(graph, costs, cuts, candidate, room)
+        order = []
         for length in (longest, longest * 3 // 4, longest // 2, longest // 4):
-            if (choice := frozenset(order[:length])) not in choices:
-                choices.append(choice)
-    return choices
+            if (choice := frozenset(candidate[:length])) not in seen:
+                seen.add(choice)
+                order.append(choice)
+        if order:
+            orders.append(order)
+    return orders
 
 
 def _longest_fitting(

@@ -2,9 +2,11 @@
 graph as the plan order needs, held values carry no gradient buffer, and the exact
 strategies stitch the parts' plans into one plan the simulator accepts."""
 
+import math
 import time
 from dataclasses import replace
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.cover import covers_extra_ms
 from remat.strategies.exact.decompose import (
     PartSolvers,
+    _chosen,
     _fits,
     crossing_bytes,
     is_large,
@@ -114,6 +117,50 @@ def test_stored_choices_are_distinct_and_each_fits_the_memory_estimate(large):
     assert not _fits(graph, costs, parts(graph, cuts, everything), room)  # a real choice
 
 
+def _judged_by_cost(graph, cuts, costs_of):
+    """A judge that plans each choice at ``costs_of[choice]`` ms (None: no plan that
+    fits), recording the choices it is asked for."""
+    by_parts = {tuple(parts(graph, cuts, stored)): stored for stored in costs_of}
+    asked: list[frozenset[int]] = []
+
+    def judged(plan_parts):
+        stored = by_parts[tuple(plan_parts)]
+        asked.append(stored)
+        cost = costs_of[stored]
+        if cost is None:
+            return StrategyResult("judge", None, None, "does not fit")
+        return StrategyResult("judge", object(), SimpleNamespace(total_ms=cost))
+
+    return judged, asked
+
+
+def test_choices_are_judged_by_turns_each_order_until_a_shorter_prefix_costs_more(large):
+    graph, costs = large.graph, large.costs
+    cuts = segments(graph, costs)
+    kept = sorted(stored_orders(graph, costs, cuts, None)[0][0])
+    a1, a2, a3, a4, b1, b2, b3 = (frozenset(kept[: k + 1]) for k in range(7))
+    orders = [[a1, a2, a3, a4], [b1, b2, b3]]
+    costs_of = {a1: 10.0, a2: 8.0, a3: 9.0, a4: 7.0, b1: None, b2: 12.0, b3: 7.5}
+    judged, asked = _judged_by_cost(graph, cuts, costs_of)
+    offered: list[StrategyResult] = []
+    chosen = _chosen(graph, orders, cuts, judged, _never_called, offered.append, math.inf)
+    # a3 costs more than a2, so a4 is never judged; b1 has no plan, so b2 follows it
+    assert asked == [a1, b1, a2, b2, a3, b3]
+    assert chosen == b3
+    assert [r.simulation.total_ms for r in offered] == [10.0, 8.0, 7.5]
+
+
+def test_past_its_deadline_judging_stops_once_a_choice_has_a_plan(large):
+    graph, costs = large.graph, large.costs
+    cuts = segments(graph, costs)
+    kept = sorted(stored_orders(graph, costs, cuts, None)[0][0])
+    a1, a2, b1, b2 = (frozenset(kept[: k + 1]) for k in range(4))
+    judged, asked = _judged_by_cost(graph, cuts, {a1: None, b1: 9.0, a2: 8.0, b2: 7.0})
+    quick, _ = _judged_by_cost(graph, cuts, {a1: None})
+    chosen = _chosen(graph, [[a1, a2], [b1, b2]], cuts, judged, quick, None, 0.0)
+    assert asked == [a1, b1] and chosen == b1
+
+
 def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
     graph, costs = large.graph, large.costs
     part = parts(graph, segments(graph, costs))[-1]  # B_1: reads checkpoints and gradients
@@ -196,6 +243,32 @@ def test_xengine_on_a_large_graph_splits_the_fixed_tensors_no_device_holds_alone
     assert "multi-device heuristic's plan costs" in result.message
 
 
+def test_a_decomposed_graphs_baseline_and_bound_come_from_a_process_beside_its_parts(
+    large, monkeypatch
+):
+    """The parts start at once: the best baseline and the covers' bound are computed in a
+    process beside them, and both still reach the result."""
+    started: list[str] = []
+    beside, solve = search_module.Beside, search_module.solve_parts
+
+    def recorded_beside(work, *args):
+        started.append(work.__name__)
+        return beside(work, *args)
+
+    def recorded_parts(*args, **kwargs):
+        started.append("parts")
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "Beside", recorded_beside)
+    monkeypatch.setattr(search_module, "solve_parts", recorded_parts)
+    result = checkmate_milp(large, "cuda0")
+    assert started == ["_baseline_and_covers", "parts"]
+    assert result.plan is not None and result.plan.solver is not None, result.message
+    baseline = best_baseline(large, ["cuda0"])
+    assert baseline is not None and result.time_ms <= baseline.time_ms
+    assert result.plan.solver.bound > large.costs.ideal_ms("cuda0")  # the covers' bound
+
+
 def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone(monkeypatch):
     """The parts' plans on several devices reserve every fixed tensor on each device and
     copy between parts, so the stitched plan can cost more than one device's. ``xengine``
@@ -225,12 +298,12 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
         closure_bounds.append(search.bound)
 
     baselines_on: list[tuple[str, ...]] = []  # the whole graph's best baselines' devices
-    best_baseline = search_module.best_baseline
+    beside = search_module.Beside
 
-    def recorded(p: Problem, names: list[str]) -> StrategyResult | None:
+    def recorded(work, p: Problem, devices: list[str], *args):  # the warm starts beside
         if p.graph is problem.graph:
-            baselines_on.append(tuple(names))
-        return best_baseline(p, names)
+            baselines_on.append(tuple(devices))
+        return beside(work, p, devices, *args)
 
     presolved: list[bool] = []  # the closure cover's solves: without presolve
     solve = search_module.runner.solve
@@ -242,7 +315,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
 
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
     monkeypatch.setattr(search_module, "bound_by_closure", bounded)
-    monkeypatch.setattr(search_module, "best_baseline", recorded)
+    monkeypatch.setattr(search_module, "Beside", recorded)
     monkeypatch.setattr(search_module.runner, "solve", solve_recorded)
     result = xengine(problem)
     assert presolved == [False]

@@ -49,6 +49,14 @@ class Beside(Generic[T]):
     def running(self) -> bool:
         return self._process.is_alive()
 
+    def ready(self, timeout: float) -> bool:
+        """Whether the result (or the process's end) has arrived, waiting ``timeout`` s at
+        most."""
+        try:
+            return self._receiver.poll(timeout)
+        except (EOFError, OSError):
+            return True
+
     def result(self, deadline: float) -> tuple[T | None, str]:
         """The work's result, waiting until ``deadline`` (a ``time.monotonic()``) at most,
         and "" ; or None and why (not done by then: the process is terminated; failed)."""

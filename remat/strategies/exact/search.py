@@ -32,6 +32,7 @@ from remat.simulator import held_fixed_bytes
 from remat.solvers import runner
 from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
+from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.known import known_start
 from remat.strategies.common.problem import (
@@ -101,16 +102,69 @@ def start_search(
     """The search of a strategy called at ``start`` on ``names``: its warm start
     (``warm_start``), then the larger of the recomputation cover's and the closure cover's
     bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is left, so that the first
-    plan does not wait for the bound."""
+    plan does not wait for the bound. On a graph to be decomposed the known plans, with
+    the best baseline and the covers in a process beside the parts (``_start_beside``): the
+    heuristics are slow on large graphs, and the parts' plans come as soon."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
-    warm_start(search, names, variants)
+    if variants.decomposes(problem):
+        search.offer(known_start(problem, names))
+        work = partial(_start_beside, search, names, variants)
+        search.starting = SideTask(work, "remat-start")
+        return search
+    warm_start(search, names)
     config = problem.solver.search
     if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
         extra = covers_extra_ms(problem, names, min(config.cover_s, search.time_left() / 4))
         if extra is not None:
             search.start_from_cover(ideal + extra)
     return search
+
+
+def _start_beside(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
+    """A decomposed graph's warm start and covers (``_baseline_and_covers``) in a process
+    beside its parts, whose judging of stored-value choices holds this process's core for
+    seconds; its baseline offered and its bound taken when they arrive, unless the search
+    has ended by then."""
+    problem = search.problem
+    seconds = min(problem.solver.search.cover_s, search.time_left() / 4)
+    if search.time_left() < problem.solver.search.min_solve_s:
+        seconds = 0.0  # no covers: the baseline only
+    devices = _baseline_devices(problem, names, variants)
+    work = Beside(_baseline_and_covers, picklable(problem), devices, tuple(names), seconds)
+    while not work.ready(0.1):
+        if search.full_done.is_set() or problem.cancelled:
+            work.result(time.monotonic())  # stops it
+            return
+    found, why = work.result(time.monotonic())
+    if found is None:
+        logger.debug("warm start and covers beside: none (%s)", why)
+        return
+    baseline, extra = found
+    search.offer(baseline)
+    if extra is not None:
+        search.start_from_cover(search.ideal + extra)
+
+
+def _baseline_and_covers(
+    problem: Problem, devices: Sequence[str], names: Sequence[str], seconds: float
+) -> tuple[StrategyResult | None, float | None]:
+    """The best baseline on ``devices``, and the covers' bound beyond the ideal on
+    ``names`` (``covers_extra_ms``, each cover for at most ``seconds``; none at 0)."""
+    baseline = best_baseline(problem, devices)
+    return baseline, covers_extra_ms(problem, names, seconds) if seconds > 0 else None
+
+
+def _baseline_devices(
+    problem: Problem, names: Sequence[str], variants: StrategyVariants
+) -> list[str]:
+    """Where a decomposed graph's best baseline is sought: every device of ``names`` but,
+    on several, the one its one-device search starts from (``_solve_on_one_device``: its
+    own warm start has that device's)."""
+    if len(names) > 1 and variants.one_device is not None:
+        alone = alone_device(problem, names)
+        return [name for name in names if name != alone]
+    return list(names)
 
 
 def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> None:
@@ -223,7 +277,7 @@ class _Stalled:
         return self.bounds[-1][1] < alone * (1 - self.room)
 
 
-def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
+def warm_start(search: Search, names: Sequence[str]) -> None:
     """The best baseline on any of ``names``, the cheapest known plan (``known_start``) and
     a heuristic's plans, offered to the search as they are found (the first plan does not
     wait for the heuristic's local search).
@@ -233,28 +287,17 @@ def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants)
     where both fit. On several devices the multi-device heuristic: its plans are the
     cheaper there and come sooner; eviction on its placement runs later, beside the full
     solve (``restrict.solve_restrictions``); on devices that share one memory pool greedy
-    eviction on the pool's memory first (``evict_pooled``). On a graph to be decomposed
-    the best baseline only: the heuristics are slow on large graphs, and the parts'
-    quick plans (``quick_part``) come sooner.
+    eviction on the pool's memory first (``evict_pooled``). (A graph to be decomposed
+    gets the best baseline only, beside its parts: ``start_search``.)
 
     The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
     up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
     and a heuristic cut short would leave the solvers without an incumbent."""
     problem = search.problem
     config = problem.solver.search
-    decomposed = variants.decomposes(problem)
-    if decomposed and len(names) > 1 and variants.one_device is not None:
-        # the one-device search of a decomposed graph starts from the best baseline on its
-        # device (``_solve_on_one_device``): here only the other devices'
-        alone = alone_device(problem, names)
-        baseline_on = [name for name in names if name != alone]
-    else:
-        baseline_on = list(names)
-    logger.debug("warm start: best baseline on %s", ", ".join(baseline_on))
-    search.offer(best_baseline(problem, baseline_on))
+    logger.debug("warm start: best baseline on %s", ", ".join(names))
+    search.offer(best_baseline(problem, names))
     search.offer(known_start(problem, names))
-    if decomposed:
-        return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
     spaces = {problem.costs.devices[problem.costs.device_index(n)].memory_space for n in names}
@@ -304,9 +347,10 @@ def optimize(
         else:
             solved, evaluation = _solved_whole(search, strategy, names, build, variants)
     finally:
-        if beside is not None:
-            search.full_done.set()  # on a decomposed graph too: what is beside it stops
-            beside.finish()
+        search.full_done.set()  # on a decomposed graph too: what is beside it stops
+        for task in (beside, search.starting):
+            if task is not None:
+                task.finish()
     return finish(problem, strategy, solved, evaluation, search.best, search.bound)
 
 

@@ -243,11 +243,9 @@ def test_xengine_on_a_large_graph_splits_the_fixed_tensors_no_device_holds_alone
     assert "multi-device heuristic's plan costs" in result.message
 
 
-def test_a_decomposed_graphs_baseline_and_bound_come_from_a_process_beside_its_parts(
-    large, monkeypatch
-):
-    """The parts start at once: the best baseline and the covers' bound are computed in a
-    process beside them, and both still reach the result."""
+def test_a_decomposed_graphs_covers_bound_comes_from_a_process_beside_its_parts(large, monkeypatch):
+    """The parts start right after the best baseline: the covers' bound is computed in a
+    process beside them, and still reaches the result."""
     started: list[str] = []
     beside, solve = search_module.Beside, search_module.solve_parts
 
@@ -262,7 +260,7 @@ def test_a_decomposed_graphs_baseline_and_bound_come_from_a_process_beside_its_p
     monkeypatch.setattr(search_module, "Beside", recorded_beside)
     monkeypatch.setattr(search_module, "solve_parts", recorded_parts)
     result = checkmate_milp(large, "cuda0")
-    assert started == ["_baseline_and_covers", "parts"]
+    assert started == ["covers_extra_ms", "parts"]
     assert result.plan is not None and result.plan.solver is not None, result.message
     baseline = best_baseline(large, ["cuda0"])
     assert baseline is not None and result.time_ms <= baseline.time_ms
@@ -298,12 +296,12 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
         closure_bounds.append(search.bound)
 
     baselines_on: list[tuple[str, ...]] = []  # the whole graph's best baselines' devices
-    beside = search_module.Beside
+    best_baseline = search_module.best_baseline
 
-    def recorded(work, p: Problem, devices: list[str], *args):  # the warm starts beside
+    def recorded(p: Problem, names: list[str]) -> StrategyResult | None:
         if p.graph is problem.graph:
-            baselines_on.append(tuple(devices))
-        return beside(work, p, devices, *args)
+            baselines_on.append(tuple(names))
+        return best_baseline(p, names)
 
     presolved: list[bool] = []  # the closure cover's solves: without presolve
     solve = search_module.runner.solve
@@ -315,7 +313,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
 
     monkeypatch.setattr(xengine_module, "checkmate_milp", watched)
     monkeypatch.setattr(search_module, "bound_by_closure", bounded)
-    monkeypatch.setattr(search_module, "Beside", recorded)
+    monkeypatch.setattr(search_module, "best_baseline", recorded)
     monkeypatch.setattr(search_module.runner, "solve", solve_recorded)
     result = xengine(problem)
     assert presolved == [False]

@@ -102,69 +102,39 @@ def start_search(
     """The search of a strategy called at ``start`` on ``names``: its warm start
     (``warm_start``), then the larger of the recomputation cover's and the closure cover's
     bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is left, so that the first
-    plan does not wait for the bound. On a graph to be decomposed the known plans, with
-    the best baseline and the covers in a process beside the parts (``_start_beside``): the
-    heuristics are slow on large graphs, and the parts' plans come as soon."""
+    plan does not wait for the bound; on a graph to be decomposed the covers run in a
+    process beside the parts (``_covers_beside``), so that the parts do not wait either."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
-    if variants.decomposes(problem):
-        search.offer(known_start(problem, names))
-        work = partial(_start_beside, search, names, variants)
-        search.starting = SideTask(work, "remat-start")
-        return search
-    warm_start(search, names)
+    warm_start(search, names, variants)
     config = problem.solver.search
     if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
-        extra = covers_extra_ms(problem, names, min(config.cover_s, search.time_left() / 4))
+        seconds = min(config.cover_s, search.time_left() / 4)
+        if variants.decomposes(problem):
+            work = partial(_covers_beside, search, names, seconds)
+            search.starting = SideTask(work, "remat-covers")
+            return search
+        extra = covers_extra_ms(problem, names, seconds)
         if extra is not None:
             search.start_from_cover(ideal + extra)
     return search
 
 
-def _start_beside(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
-    """A decomposed graph's warm start and covers (``_baseline_and_covers``) in a process
-    beside its parts, whose judging of stored-value choices holds this process's core for
-    seconds; its baseline offered and its bound taken when they arrive, unless the search
-    has ended by then."""
+def _covers_beside(search: Search, names: Sequence[str], seconds: float) -> None:
+    """The covers' bound (``covers_extra_ms``, each for at most ``seconds``) computed in a
+    process beside a decomposed graph's parts, whose judging of stored-value choices holds
+    this process's core for seconds; taken when it arrives, unless the search has ended."""
     problem = search.problem
-    seconds = min(problem.solver.search.cover_s, search.time_left() / 4)
-    if search.time_left() < problem.solver.search.min_solve_s:
-        seconds = 0.0  # no covers: the baseline only
-    devices = _baseline_devices(problem, names, variants)
-    work = Beside(_baseline_and_covers, picklable(problem), devices, tuple(names), seconds)
+    work = Beside(covers_extra_ms, picklable(problem), tuple(names), seconds)
     while not work.ready(0.1):
         if search.full_done.is_set() or problem.cancelled:
             work.result(time.monotonic())  # stops it
             return
-    found, why = work.result(time.monotonic())
-    if found is None:
-        logger.debug("warm start and covers beside: none (%s)", why)
+    extra, why = work.result(time.monotonic())
+    if extra is None:
+        logger.debug("covers beside: no bound (%s)", why or "none binds")
         return
-    baseline, extra = found
-    search.offer(baseline)
-    if extra is not None:
-        search.start_from_cover(search.ideal + extra)
-
-
-def _baseline_and_covers(
-    problem: Problem, devices: Sequence[str], names: Sequence[str], seconds: float
-) -> tuple[StrategyResult | None, float | None]:
-    """The best baseline on ``devices``, and the covers' bound beyond the ideal on
-    ``names`` (``covers_extra_ms``, each cover for at most ``seconds``; none at 0)."""
-    baseline = best_baseline(problem, devices)
-    return baseline, covers_extra_ms(problem, names, seconds) if seconds > 0 else None
-
-
-def _baseline_devices(
-    problem: Problem, names: Sequence[str], variants: StrategyVariants
-) -> list[str]:
-    """Where a decomposed graph's best baseline is sought: every device of ``names`` but,
-    on several, the one its one-device search starts from (``_solve_on_one_device``: its
-    own warm start has that device's)."""
-    if len(names) > 1 and variants.one_device is not None:
-        alone = alone_device(problem, names)
-        return [name for name in names if name != alone]
-    return list(names)
+    search.start_from_cover(search.ideal + extra)
 
 
 def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> None:
@@ -277,7 +247,7 @@ class _Stalled:
         return self.bounds[-1][1] < alone * (1 - self.room)
 
 
-def warm_start(search: Search, names: Sequence[str]) -> None:
+def warm_start(search: Search, names: Sequence[str], variants: StrategyVariants) -> None:
     """The best baseline on any of ``names``, the cheapest known plan (``known_start``) and
     a heuristic's plans, offered to the search as they are found (the first plan does not
     wait for the heuristic's local search).
@@ -287,17 +257,28 @@ def warm_start(search: Search, names: Sequence[str]) -> None:
     where both fit. On several devices the multi-device heuristic: its plans are the
     cheaper there and come sooner; eviction on its placement runs later, beside the full
     solve (``restrict.solve_restrictions``); on devices that share one memory pool greedy
-    eviction on the pool's memory first (``evict_pooled``). (A graph to be decomposed
-    gets the best baseline only, beside its parts: ``start_search``.)
+    eviction on the pool's memory first (``evict_pooled``). On a graph to be decomposed
+    the best baseline only: the heuristics are slow on large graphs, and the parts'
+    quick plans (``quick_part``) come sooner.
 
     The heuristics get ``warm_start_share`` of the limit (at most ``placed_time_s``), and
     up to ``fit_share`` of it until a first plan fits: at tight budgets no baseline fits,
     and a heuristic cut short would leave the solvers without an incumbent."""
     problem = search.problem
     config = problem.solver.search
-    logger.debug("warm start: best baseline on %s", ", ".join(names))
-    search.offer(best_baseline(problem, names))
+    decomposed = variants.decomposes(problem)
+    if decomposed and len(names) > 1 and variants.one_device is not None:
+        # the one-device search of a decomposed graph starts from the best baseline on its
+        # device (``_solve_on_one_device``): here only the other devices'
+        alone = alone_device(problem, names)
+        baseline_on = [name for name in names if name != alone]
+    else:
+        baseline_on = list(names)
+    logger.debug("warm start: best baseline on %s", ", ".join(baseline_on))
+    search.offer(best_baseline(problem, baseline_on))
     search.offer(known_start(problem, names))
+    if decomposed:
+        return
     limit = problem.solver.options.time_limit_s
     seconds = min(config.placed_time_s, limit * config.warm_start_share)
     spaces = {problem.costs.devices[problem.costs.device_index(n)].memory_space for n in names}
@@ -334,6 +315,9 @@ def optimize(
     problem, warm = search.problem, search.best
     if _reaches(warm, search.bound, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the bound, no solve", strategy)
+        search.full_done.set()
+        if search.starting is not None:
+            search.starting.finish()
         return finish(problem, strategy, _no_solve(), None, warm, search.bound)
     beside, decomposed = None, variants.decomposes(problem)
     if len(names) > 1:

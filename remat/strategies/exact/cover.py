@@ -7,7 +7,9 @@ each device on its own, where the covers pool them.
 
 The pooled covers are solved in this process by SciPy's HiGHS (``scipy.optimize.milp``),
 not in a solver subprocess (``remat.solvers.runner``): they take a fraction of a second,
-less than a subprocess takes to start, and every exact search on every graph runs them.
+less than a subprocess takes to start, and every exact search on every graph runs them
+(a decomposed graph's search runs them in a process beside its parts, whose Python holds
+this process meanwhile: ``search._covers_beside``).
 The device cover's MILP takes up to half a minute: it is solved in a subprocess, which a
 cancelled search stops. The device cover with closure rows (``device_closure_model``) is
 only built here."""

@@ -315,9 +315,7 @@ def optimize(
     problem, warm = search.problem, search.best
     if _reaches(warm, search.bound, problem.solver.search.proven_gap):
         logger.debug("%s: the warm start costs the bound, no solve", strategy)
-        search.full_done.set()
-        if search.starting is not None:
-            search.starting.finish()
+        _end_beside(search, None)
         return finish(problem, strategy, _no_solve(), None, warm, search.bound)
     beside, decomposed = None, variants.decomposes(problem)
     if len(names) > 1:
@@ -331,11 +329,17 @@ def optimize(
         else:
             solved, evaluation = _solved_whole(search, strategy, names, build, variants)
     finally:
-        search.full_done.set()  # on a decomposed graph too: what is beside it stops
-        for task in (beside, search.starting):
-            if task is not None:
-                task.finish()
+        _end_beside(search, beside)
     return finish(problem, strategy, solved, evaluation, search.best, search.bound)
+
+
+def _end_beside(search: Search, beside: SideTask | None) -> None:
+    """Stop what runs beside the search (``beside``, the device cover; ``search.starting``,
+    a decomposed graph's covers) and wait for it."""
+    search.full_done.set()  # on a decomposed graph too: what is beside it stops
+    for task in (beside, search.starting):
+        if task is not None:
+            task.finish()
 
 
 def _await_bound(search: Search, beside: SideTask) -> None:

@@ -109,7 +109,7 @@ class Search:
         # on a decomposed graph on several devices, the bound of the one-device search
         # beside (no plan on that device costs less); -inf until it reports one
         self.alone_bound = -math.inf
-        self.starting: SideTask | None = None  # a decomposed graph's warm start and covers
+        self.starting: SideTask | None = None  # a decomposed graph's covers (``start_search``)
         self._lock = threading.Lock()
 
     def beside(self) -> Search:

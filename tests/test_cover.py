@@ -33,7 +33,11 @@ def _bound(problem, names: tuple[str, ...], extra_ms=cover_extra_ms) -> float:
 
 
 def _one_device_costs(problem, device: str) -> list[float]:
-    """The simulated cost of each ``ONE_DEVICE`` strategy's plan on ``device`` that fits."""
+    """The simulated cost of each ``ONE_DEVICE`` strategy's plan on ``device`` that fits:
+    greedy eviction (alone and as the warm start) has a minute to reach its first plan that
+    fits, which a busy machine may need (it stops sooner where it converges)."""
+    search = replace(problem.solver.search, evict_time_s=60.0)
+    problem = replace(problem, solver=replace(problem.solver, search=search))
     results = [run_strategy(strategy, problem, device) for strategy in ONE_DEVICE]
     return [r.simulation.total_ms for r in results if r.feasible and r.simulation is not None]
 

@@ -120,7 +120,7 @@ def test_its_placement_plans_below_every_single_device_plan() -> None:
     an 80 s limit xengine's is solved to optimality also on a busy machine, and the search
     is cancelled once it has both that bound and a plan below one device's."""
     quick = _problem("resnet18", 50)
-    found = device_cover(quick, NAMES, 10.0)
+    found = device_cover(quick, NAMES, 60.0)  # optimal in 4 s on an idle machine
     assert found is not None and found.home is not None and len(set(found.home.tolist())) == 2
     placed = _cost(evict_placed(quick, NAMES, found.home, 5.0))
     assert placed is not None and placed >= found.bound_ms * (1 - 1e-9)

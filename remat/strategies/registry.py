@@ -226,10 +226,12 @@ def _within_caps(problem: Problem, searched: Problem, broken: StrategyResult) ->
     """Where a search over every device found no plan within the power caps: ``auto`` on
     each device that every node may run on, the cheapest by the objective, or ``broken``.
     A one-device plan keeps the caps by construction, so a capped multi-device search is
-    never worse than one."""
+    never worse than one: auto gets a quarter of the limit there, and at least greedy
+    eviction's own budget (``evict_time_s``), so that a busy machine leaves it a plan."""
     over = forbidden(problem.costs, problem.objective)
     free = [d.name for j, d in enumerate(problem.costs.devices) if not over[:, j].any()]
-    seconds = max(searched.solver.search.min_solve_s, searched.solver.options.time_limit_s / 4)
+    config = searched.solver.search
+    seconds = max(config.min_solve_s, config.evict_time_s, searched.solver.options.time_limit_s / 4)
     found = [judged(problem, auto(searched.within(seconds), name)) for name in free]
     plans = [r for r in found if r.feasible and r.simulation is not None]
     if not plans:

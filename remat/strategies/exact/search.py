@@ -102,18 +102,21 @@ def start_search(
     """The search of a strategy called at ``start`` on ``names``: its warm start
     (``warm_start``), then the larger of the recomputation cover's and the closure cover's
     bounds (``cover.covers_extra_ms``) where ``min_solve_s`` is left, so that the first
-    plan does not wait for the bound; on a graph to be decomposed the covers run in a
-    process beside the parts (``_covers_beside``), so that the parts do not wait either."""
+    plan does not wait for the bound. On a graph to be decomposed the covers run from the
+    start in a process beside the warm start and the parts (``_covers_beside``), so that
+    neither waits and the bound has the whole search to arrive, also on a busy machine."""
     ideal = problem.costs.ideal_ms(names[0] if len(names) == 1 else None)
     search = Search(problem, ideal, start)
-    warm_start(search, names, variants)
     config = problem.solver.search
+    if variants.decomposes(problem) and search.time_left() >= config.min_solve_s:
+        seconds = min(config.cover_s, search.time_left() / 4)
+        work = partial(_covers_beside, search, names, seconds)
+        search.starting = SideTask(work, "remat-covers")
+    warm_start(search, names, variants)
+    if search.starting is not None:
+        return search
     if search.time_left() >= config.min_solve_s and not _reaches(search.best, ideal, 0.0):
         seconds = min(config.cover_s, search.time_left() / 4)
-        if variants.decomposes(problem):
-            work = partial(_covers_beside, search, names, seconds)
-            search.starting = SideTask(work, "remat-covers")
-            return search
         extra = covers_extra_ms(problem, names, seconds)
         if extra is not None:
             search.start_from_cover(ideal + extra)
@@ -122,18 +125,21 @@ def start_search(
 
 def _covers_beside(search: Search, names: Sequence[str], seconds: float) -> None:
     """The covers' bound (``covers_extra_ms``, each for at most ``seconds``) computed in a
-    process beside a decomposed graph's parts, whose judging of stored-value choices holds
-    this process's core for seconds; taken when it arrives, unless the search has ended."""
+    process beside a decomposed graph's warm start and parts, whose judging of stored-value
+    choices holds this process's core for seconds; taken when it arrives, unless the search
+    has ended."""
     problem = search.problem
     work = Beside(covers_extra_ms, picklable(problem), tuple(names), seconds)
     while not work.ready(0.1):
         if search.full_done.is_set() or problem.cancelled:
             work.result(time.monotonic())  # stops it
+            logger.debug("covers beside: stopped with the search, before their bound")
             return
     extra, why = work.result(time.monotonic())
     if extra is None:
         logger.debug("covers beside: no bound (%s)", why or "none binds")
         return
+    logger.debug("covers beside: bound +%.6g ms", extra)
     search.start_from_cover(search.ideal + extra)
 
 
@@ -324,8 +330,9 @@ def optimize(
     try:
         if decomposed:
             solved, evaluation = _decomposed(problem, strategy, names, variants, search), None
-            if beside is not None:
-                _await_bound(search, beside)
+            for bounding in (beside, search.starting):
+                if bounding is not None:
+                    _await_bound(search, bounding)
         else:
             solved, evaluation = _solved_whole(search, strategy, names, build, variants)
     finally:
@@ -343,9 +350,10 @@ def _end_beside(search: Search, beside: SideTask | None) -> None:
 
 
 def _await_bound(search: Search, beside: SideTask) -> None:
-    """On a decomposed graph the bound's solve beside (the device cover with closure rows)
-    is the only one that raises the bound: when the plans' search ends early, it keeps the
-    time left, unless the gap target is met or the search is cancelled."""
+    """On a decomposed graph the bounds' solves beside (the covers, and on several devices
+    the device cover with closure rows) are the only ones that raise the bound: when the
+    plans' search ends early, they keep the time left, unless the gap target is met or the
+    search is cancelled."""
     while beside.thread.is_alive() and search.time_left() > 0:
         if search.meets_gap() or search.problem.cancelled:
             return

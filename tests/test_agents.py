@@ -227,7 +227,7 @@ def stack(tmp_path_factory):
             data_dir=str(data),
             enroll_token=ENROLL,
             heartbeat_s="1",
-            lease_s="3",
+            lease_s="6",  # five missed heartbeats: an agent busy profiling on a busy machine
         )
         worker = celery_worker(env, logs / "worker.log")
         server, url = api_server(env, logs / "api.log")
@@ -323,7 +323,7 @@ def _slow_to_profile() -> bytes:
 
 
 def test_an_agent_killed_mid_task_loses_its_lease_and_another_finishes(stack, client):
-    """SIGKILL while profiling: no release, no report. The lease expires (3 s) and a new
+    """SIGKILL while profiling: no release, no report. The lease expires (6 s) and a new
     agent process for the node takes the task (attempt 2) and the job completes."""
     first = start_agent(stack, "fragile", "agent-killed.log")
     node = online_node(client, "fragile")

@@ -53,10 +53,11 @@ from workers.dispatch import CeleryDispatcher
 from workers.embedded import EmbeddedDispatcher
 from workers.sweeper import Sweeper
 
-# small intervals, so that the fault tests take seconds (production: 5 s, 30 s, 10 s, 30 s)
+# small intervals, so that the fault tests take seconds (production: 5 s, 30 s, 10 s, 30 s);
+# a worker is stale after twelve missed heartbeats, which a busy CI machine may delay
 FAST = {
     "job_heartbeat_s": "0.5",
-    "job_stale_s": "3",
+    "job_stale_s": "6",
     "sweep_interval_s": "1",
     "queued_grace_s": "2",
 }

@@ -161,6 +161,29 @@ def test_past_its_deadline_judging_stops_once_a_choice_has_a_plan(large):
     assert asked == [a1, b1] and chosen == b1
 
 
+def test_a_part_that_several_choices_share_is_judged_once(large):
+    """The stored-value choices share parts (the same nodes, held values and budget): each
+    such part's judge plan is made once and reused, and the stitched plans still fit."""
+    graph, costs = large.graph, large.costs
+    cuts = segments(graph, costs)
+    room = large.budgets["cuda0"] - held_fixed_bytes(graph, range(len(graph)))
+    choices = [stored for order in stored_orders(graph, costs, cuts, room) for stored in order]
+    shapes = [(p.nodes, p.held) for stored in choices for p in parts(graph, cuts, stored)]
+    assert len(set(shapes)) < len(shapes)  # some part recurs across the choices
+    judged: list[tuple[object, ...]] = []
+
+    def judge(part):
+        judged.append((part.graph.fingerprint, *sorted(part.budgets.items())))
+        return _baseline(part)
+
+    solvers = PartSolvers(_baseline, _baseline, judge=judge)
+    result = solve_parts(large, "checkmate_milp", "cuda0", solvers, lambda: None, 60)
+    assert judged and len(set(judged)) == len(judged)
+    assert result.plan is not None, result.message
+    simulation = simulate(result.plan, graph, costs, large.budgets)
+    assert simulation.valid and simulation.peak_bytes["cuda0"] <= large.budgets["cuda0"]
+
+
 def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
     graph, costs = large.graph, large.costs
     part = parts(graph, segments(graph, costs))[-1]  # B_1: reads checkpoints and gradients

@@ -213,7 +213,9 @@ class PartSolvers:
     limit; ``quick``, a plan without a solve (a baseline, a heuristic) once that share is
     under ``SearchConfig.min_part_s`` (the limit is spent), so that a stitched plan still
     arrives near the limit; ``judge`` (by default ``quick``), how the parts of each
-    stored-value choice are planned to compare the choices (``_chosen``)."""
+    stored-value choice are planned to compare the choices (``_chosen``): its plan depends
+    on the part's problem alone, not on the time left, so a part that several choices
+    share (the same nodes, held values and budget) is planned once."""
 
     exact: Callable[[Problem], StrategyResult]
     quick: Callable[[Problem], StrategyResult]
@@ -246,7 +248,7 @@ def solve_parts(
     deadline = now + seconds
     stitch = partial(_stitch, problem, strategy, device, reserved, heartbeat, deadline)
     orders = stored_orders(graph, costs, cuts, room)
-    judge = solvers.judge or solvers.quick
+    judge = _remembered(solvers.judge or solvers.quick)
     judged = partial(stitch, replace(solvers, exact=judge, quick=judge))
     quick = partial(stitch, replace(solvers, exact=solvers.quick))
     judged_by = now + seconds * problem.solver.search.judge_share
@@ -255,6 +257,20 @@ def solve_parts(
     if result.plan is None and stored and not problem.cancelled:
         result = stitch(solvers, parts(graph, cuts))
     return result
+
+
+def _remembered(solve: Callable[[Problem], StrategyResult]) -> Callable[[Problem], StrategyResult]:
+    """``solve`` with its result kept per part problem (its graph's fingerprint and its
+    budget): the stored-value choices share many of their parts."""
+    known: dict[tuple[object, ...], StrategyResult] = {}
+
+    def remembered(part: Problem) -> StrategyResult:
+        key = (part.graph.fingerprint, *sorted(part.budgets.items()))
+        if key not in known:
+            known[key] = solve(part)
+        return known[key]
+
+    return remembered
 
 
 def _chosen(

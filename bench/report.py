@@ -437,6 +437,24 @@ def _eager(rows: Rows) -> str:
     return _table(rows, columns, right)
 
 
+def _judging(rows: Rows) -> str:
+    def saved(r: dict[str, str]) -> str:
+        return f"{1 - float(r['seconds_shared_once']) / float(r['seconds_each_part']):.0%}"
+
+    columns: list[Column] = [
+        ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
+        ("budget", lambda r: r["budget"]),
+        ("choices", lambda r: r["choices"]),
+        ("judge plans, each part", lambda r: r["plans_each_part"]),
+        ("seconds, each part", lambda r: _f(r, "seconds_each_part", ".2f")),
+        ("judge plans, shared parts once", lambda r: r["plans_shared_once"]),
+        ("seconds, shared parts once", lambda r: _f(r, "seconds_shared_once", ".2f")),
+        ("time saved", saved),
+    ]
+    right = ("choices", "seconds, each part", "seconds, shared parts once", "time saved")
+    return _table(rows, columns, right)
+
+
 def _ratio_range(row: dict[str, str]) -> str:
     """The ratio's range over the bench's processes (rows from before it ran several: none)."""
     if not row.get("ratio_min"):
@@ -485,6 +503,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "port": _port,
     "port_m": _port_m,
     "eager": _eager,
+    "judging": _judging,
     "profiling": _profiling,
     "energy": _energy,
 }

@@ -476,6 +476,29 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
     assert dearer.placement() is None and not dearer.is_set()  # one device may reach it
 
 
+def test_a_rounded_placement_gives_way_to_an_integral_one_worth_switching_to(large):
+    """The device cover's LP solution, rounded, is a placement the search may switch to
+    before its MILP has an incumbent; its cost (the LP's optimum) only bounds the
+    placement's, so an integral placement replaces it once that is worth switching to
+    (cheaper than the one-device search's bound), whatever the LP's cost, and a rounded
+    one never replaces an integral one."""
+    n, now = len(large.graph), time.monotonic()
+    search = Search(large, large.costs.ideal_ms(), now)
+    search.alone_bound = 100.0
+    rounded = RelaxedPlacement(np.arange(n) % 2, 90.0, rounded=True)
+    search.on_placement(rounded)
+    assert search.placement_worth_switching() is rounded
+    search.on_placement(RelaxedPlacement(np.ones(n, dtype=np.int64), 120.0))
+    assert search.placement is rounded  # the MILP's first incumbent: not worth a switch
+    integral = RelaxedPlacement((np.arange(n) // 2) % 2, 95.0)
+    search.on_placement(integral)
+    assert search.placement is integral  # dearer than the LP's optimum, but its cost known
+    search.on_placement(RelaxedPlacement(np.arange(n) % 2, 80.0, rounded=True))
+    assert search.placement is integral
+    search.on_placement(cheaper := RelaxedPlacement(np.arange(n) % 2, 92.0))
+    assert search.placement is cheaper
+
+
 def test_the_closure_cover_stops_once_its_bound_stalls_on_a_one_device_placement(large):
     """Beside a decomposed graph's one-device search, the device cover with closure rows
     stops once its bound has risen by less than the tolerance over the window, unless its

@@ -156,6 +156,11 @@ class SearchConfig:
     ``windows_min_nodes`` on, without any plan on it; window neighbourhoods improve its
     first plans there) before it stops and the interval model on the one device resumes
     for the time left."""
+    device_closure_cells: int = 800
+    """The device cover with closure rows keeps binding stages as the closure cover's LP
+    does (``closure_cells``), to this many dropped-value columns per device: on the bench's
+    networks fewer stages left its LP optimum as it was and let its MILP prove a higher
+    bound in less time (docs/benchmarks.md)."""
     closure_presolve: bool = False
     """Whether the solver presolves the device cover with closure rows: HiGHS's MIP
     presolve leaves it a root LP that takes longer to solve, so its bound and its first

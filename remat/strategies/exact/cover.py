@@ -98,8 +98,8 @@ def device_cover(
     devices ``names``, solved with ``lp_backend`` on one thread in a solver subprocess for
     at most ``seconds``, or until ``cancel``: its dual bound (a stopped solve's still
     bounds) and its incumbent's placement, if it has one."""
-    cover = _device_cover_model(problem, names, depth=0)
     config = problem.solver.search
+    cover = _device_cover_model(problem, names, depth=0, cells=config.closure_cells)
     options = SolveOptions(time_limit_s=seconds, gap=config.proven_gap, threads=1)
     solved = runner.solve(cover.model, backend=config.lp_backend, options=options, cancel=cancel)
     if solved.bound is None or not math.isfinite(solved.bound):
@@ -119,11 +119,15 @@ def device_closure_model(problem: Problem, names: Sequence[str]) -> DeviceCoverM
     subprocess takes to start, and is solved in one (``search.bound_by_closure``). Its
     incumbents' placements are where the interval model on several devices runs
     (``search._decomposed_on_devices``)."""
-    return _device_cover_model(problem, names, problem.solver.search.closure_depth)
+    config = problem.solver.search
+    return _device_cover_model(problem, names, config.closure_depth, config.device_closure_cells)
 
 
-def _device_cover_model(problem: Problem, names: Sequence[str], depth: int) -> DeviceCoverModel:
-    """The device cover of ``problem`` on ``names``, its closure rows ``depth`` steps deep."""
+def _device_cover_model(
+    problem: Problem, names: Sequence[str], depth: int, cells: int
+) -> DeviceCoverModel:
+    """The device cover of ``problem`` on ``names``, its closure rows ``depth`` steps deep,
+    its binding stages thinned to ``cells`` dropped-value columns."""
     costs, graph = problem.costs, problem.graph
     columns = [costs.device_index(name) for name in names]
     copies = costs.copy_ms[:, columns][:, :, columns]
@@ -136,7 +140,7 @@ def _device_cover_model(problem: Problem, names: Sequence[str], depth: int) -> D
         costs.output_bytes,
         [problem.budgets.get(name) for name in names],
         held_fixed_bytes(graph, range(len(graph))),
-        problem.solver.search.closure_cells,
+        cells,
         depth,
     )
 

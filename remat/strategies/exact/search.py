@@ -25,12 +25,13 @@ import numpy as np
 from remat.devices import format_bytes
 from remat.errors import ScheduleError
 from remat.formulations import Formulation
+from remat.formulations.device_cover import DeviceCoverModel
 from remat.formulations.moccasin import Placement
 from remat.plan import SolverInfo
 from remat.schedule import Schedule, schedule_of_steps
 from remat.simulator import held_fixed_bytes
 from remat.solvers import runner
-from remat.solvers.model import MILPModel, Progress, SolveResult, SolveStatus
+from remat.solvers.model import MILPModel, Progress, SolveOptions, SolveResult, SolveStatus
 from remat.strategies.baselines import best_baseline
 from remat.strategies.common.beside import Beside, picklable
 from remat.strategies.common.floor import shortfall
@@ -168,16 +169,23 @@ def start_from_devices(search: Search, names: Sequence[str], closure: bool) -> N
 
 def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     """The dual bound of the device cover with closure rows (``cover.device_closure_model``)
-    on ``names``, each rise reported as found, and its incumbents' placements kept
-    (``Search.on_placement``): solved with ``lp_backend`` on one thread in a subprocess for
-    the time left, stopped with the solves beside the full one (its root relaxation alone
-    can take a quarter of a 120 s limit on 900 nodes) or once its bound stalls where no
-    placement of it may make the search switch (``_Stalled``)."""
+    on ``names``, each rise reported as found, and its placements kept
+    (``Search.on_placement``): first its LP relaxation's, rounded (``_rounded_placement``),
+    then its MILP's incumbents'. Each solved with ``lp_backend`` on one thread in a
+    subprocess for the time left, stopped with the solves beside the full one, the MILP
+    also once its bound stalls where no placement of it may make the search switch
+    (``_Stalled``)."""
     config = search.problem.solver.search
-    seconds = search.remaining()
     cover = device_closure_model(search.problem, names)
     model = cover.model
-    logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, seconds)
+    logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, search.remaining())
+    options = replace(
+        search.problem.solver.options,
+        time_limit_s=search.remaining(),
+        threads=1,
+        presolve=config.closure_presolve,
+    )
+    _rounded_placement(search, cover, options)
     limit = search.problem.solver.options.time_limit_s
     stalled = _Stalled(search, limit * config.stall_share, config.stall_rise, config.stall_room)
 
@@ -189,16 +197,10 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     def on_incumbent(x: np.ndarray, objective: float) -> None:
         search.on_placement(RelaxedPlacement(cover.placement(x), objective))
 
-    options = replace(
-        search.problem.solver.options,
-        time_limit_s=seconds,
-        threads=1,
-        presolve=config.closure_presolve,
-    )
     solved = runner.solve(
         model,
         backend=config.lp_backend,
-        options=options,
+        options=replace(options, time_limit_s=search.remaining()),
         on_progress=on_progress,
         cancel=AnyOf((search.side_stop(), stalled)),
         grace_s=config.solve_grace_s,
@@ -210,6 +212,27 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
         on_incumbent(solved.x, solved.objective)
     why = "its bound stalled" if stalled.fired else solved.message
     logger.debug("device closure cover: bound %s (%s)", solved.bound, why)
+
+
+def _rounded_placement(search: Search, cover: DeviceCoverModel, options: SolveOptions) -> None:
+    """The device cover's LP relaxation: its optimum as a bound, and its solution rounded
+    to a placement (each node first computed on the device of its largest share), kept as
+    a rounded one. On graphs of a thousand nodes the MILP's first incumbent that a search
+    may switch to comes long after its root relaxation; the rounded placement lets the
+    search switch once the one-device search has had its share (``alone_share``)."""
+    relaxed = runner.solve(
+        cover.model.lp_relaxation(),
+        backend=search.problem.solver.search.lp_backend,
+        options=options,
+        cancel=search.side_stop(),
+        grace_s=search.problem.solver.search.solve_grace_s,
+    )
+    if relaxed.x is None or relaxed.objective is None:
+        logger.debug("device closure cover: no LP solution (%s)", relaxed.message)
+        return
+    search.on_bound(relaxed.objective)
+    search.on_placement(RelaxedPlacement(cover.placement(relaxed.x), relaxed.objective, True))
+    logger.debug("device closure cover: LP %.6g ms, its solution rounded", relaxed.objective)
 
 
 class _Stalled:

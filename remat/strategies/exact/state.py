@@ -76,10 +76,13 @@ class IncumbentStall:
 class RelaxedPlacement:
     """A solution of the device cover with closure rows: the device of each node's first
     computation (``home[v]``, an index into the search's devices) and the solution's cost
-    in that relaxation."""
+    in that relaxation. ``rounded``: from its LP relaxation's solution, each node on the
+    device of its largest first-computation share; ``cost_ms`` is then the LP's optimum,
+    a lower bound on the placement's cost in the relaxation, not its cost."""
 
     home: np.ndarray
     cost_ms: float
+    rounded: bool = False
 
     @property
     def spans_devices(self) -> bool:
@@ -215,9 +218,16 @@ class Search:
 
     def on_placement(self, placement: RelaxedPlacement) -> None:
         """A placement of the device cover with closure rows, kept if its relaxed cost is
-        the lowest so far."""
+        the lowest so far. An integral solution replaces a rounded one (whose cost is only
+        bounded) once it is worth switching to (``placement_worth_switching``); a rounded
+        one never replaces an integral one."""
         with self._lock:
-            if self.placement is None or placement.cost_ms < self.placement.cost_ms:
+            kept = self.placement
+            if kept is None or kept.rounded == placement.rounded:
+                better = kept is None or placement.cost_ms < kept.cost_ms
+            else:
+                better = kept.rounded and placement.cost_ms < self.alone_bound
+            if better:
                 self.placement = placement
 
     def placement_worth_switching(self) -> RelaxedPlacement | None:

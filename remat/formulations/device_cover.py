@@ -63,7 +63,7 @@ Without the closure rows they raised no bound on the bench graphs, and slowed th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -83,6 +83,16 @@ class DeviceCoverModel:
     def placement(self, x: np.ndarray) -> np.ndarray:
         """The device of each node's first computation in solution ``x``."""
         return np.argmax(x[self.first], axis=1)
+
+    def placed(self, home: np.ndarray) -> MILPModel:
+        """The model with each node first computed on ``home[v]`` (f fixed): its optimum is
+        the placement's cost in the relaxation, and its LP relaxation's a bound on it, far
+        closer than the whole model's LP (which splits nodes over devices)."""
+        lb, ub = self.model.lb.copy(), self.model.ub.copy()
+        chosen = self.first[np.arange(len(home)), home]
+        lb[self.first], ub[self.first] = 0.0, 0.0
+        lb[chosen], ub[chosen] = 1.0, 1.0
+        return replace(self.model, lb=lb, ub=ub, start=None)
 
 
 def build_device_cover(

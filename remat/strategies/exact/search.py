@@ -217,22 +217,38 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
 def _rounded_placement(search: Search, cover: DeviceCoverModel, options: SolveOptions) -> None:
     """The device cover's LP relaxation: its optimum as a bound, and its solution rounded
     to a placement (each node first computed on the device of its largest share), kept as
-    a rounded one. On graphs of a thousand nodes the MILP's first incumbent that a search
-    may switch to comes long after its root relaxation; the rounded placement lets the
-    search switch once the one-device search has had its share (``alone_share``)."""
-    relaxed = runner.solve(
-        cover.model.lp_relaxation(),
-        backend=search.problem.solver.search.lp_backend,
-        options=options,
-        cancel=search.side_stop(),
-        grace_s=search.problem.solver.search.solve_grace_s,
-    )
+    a rounded one at the cost of the LP relaxation of the model placed so
+    (``DeviceCoverModel.placed``), a bound on its cost in the relaxation. On graphs of a
+    thousand nodes the MILP's first incumbent that a search may switch to comes long after
+    its root relaxation; the rounded placement lets the search switch once the one-device
+    search has had its share (``alone_share``), where it may be worth it."""
+    config = search.problem.solver.search
+
+    def relaxation(model: MILPModel) -> SolveResult:
+        return runner.solve(
+            model.lp_relaxation(),
+            backend=config.lp_backend,
+            options=replace(options, time_limit_s=search.remaining()),
+            cancel=search.side_stop(),
+            grace_s=config.solve_grace_s,
+        )
+
+    relaxed = relaxation(cover.model)
     if relaxed.x is None or relaxed.objective is None:
         logger.debug("device closure cover: no LP solution (%s)", relaxed.message)
         return
     search.on_bound(relaxed.objective)
-    search.on_placement(RelaxedPlacement(cover.placement(relaxed.x), relaxed.objective, True))
-    logger.debug("device closure cover: LP %.6g ms, its solution rounded", relaxed.objective)
+    home = cover.placement(relaxed.x)
+    placed = relaxation(cover.placed(home))
+    if placed.objective is None:
+        logger.debug("device closure cover: its LP solution rounded fits no budget")
+        return
+    search.on_placement(RelaxedPlacement(home, placed.objective, rounded=True))
+    logger.debug(
+        "device closure cover: LP %.6g ms, its solution rounded %.6g ms",
+        relaxed.objective,
+        placed.objective,
+    )
 
 
 class _Stalled:

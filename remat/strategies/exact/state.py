@@ -77,8 +77,8 @@ class RelaxedPlacement:
     """A solution of the device cover with closure rows: the device of each node's first
     computation (``home[v]``, an index into the search's devices) and the solution's cost
     in that relaxation. ``rounded``: from its LP relaxation's solution, each node on the
-    device of its largest first-computation share; ``cost_ms`` is then the LP's optimum,
-    a lower bound on the placement's cost in the relaxation, not its cost."""
+    device of its largest first-computation share; ``cost_ms`` is then the optimum of the
+    LP relaxation with that placement fixed, a lower bound on its cost, not its cost."""
 
     home: np.ndarray
     cost_ms: float
@@ -226,18 +226,24 @@ class Search:
             if kept is None or kept.rounded == placement.rounded:
                 better = kept is None or placement.cost_ms < kept.cost_ms
             else:
-                better = kept.rounded and placement.cost_ms < self.alone_bound
+                better = kept.rounded and self._worth_switching(placement.cost_ms)
             if better:
                 self.placement = placement
 
     def placement_worth_switching(self) -> RelaxedPlacement | None:
         """The device cover's best placement where it uses several devices at a relaxed
-        cost below the one-device search's bound (``alone_bound``), so that no plan on one
-        device can reach it; None otherwise."""
+        cost below the one-device search's bound (``alone_bound``) by more than
+        ``SearchConfig.switch_room``, so that no plan on one device can reach it and the
+        placement's plans, which cost more than its relaxed cost, have room to beat the
+        one-device incumbent; None otherwise."""
         relaxed = self.placement
         if relaxed is None or not relaxed.spans_devices:
             return None
-        return relaxed if relaxed.cost_ms < self.alone_bound else None
+        return relaxed if self._worth_switching(relaxed.cost_ms) else None
+
+    def _worth_switching(self, cost_ms: float) -> bool:
+        room = self.problem.solver.search.switch_room
+        return cost_ms < self.alone_bound * (1 - room)
 
     def _stop_full_if_met(self) -> None:
         if self.meets_gap():

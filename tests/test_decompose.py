@@ -474,12 +474,6 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
     dearer.search.on_placement(RelaxedPlacement(np.arange(n) % 2, 1.5))
     dearer.on_progress(Progress(1.0, 4.0, 1.2, 0.7))
     assert dearer.placement() is None and not dearer.is_set()  # one device may reach it
-    close = Search(problem, problem.costs.ideal_ms(), now)
-    close.on_placement(RelaxedPlacement(np.arange(n) % 2, 2.98))
-    close.alone_bound = 3.0
-    assert close.placement_worth_switching() is None  # within switch_room of one device's
-    close.alone_bound = 3.1
-    assert close.placement_worth_switching() is not None
 
 
 def test_a_rounded_placement_gives_way_to_an_integral_one_worth_switching_to(large):

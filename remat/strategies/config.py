@@ -156,12 +156,6 @@ class SearchConfig:
     ``windows_min_nodes`` on, without any plan on it; window neighbourhoods improve its
     first plans there) before it stops and the interval model on the one device resumes
     for the time left."""
-    switch_room: float = 0.01
-    """A decomposed graph's one-device search stops for the device cover's placement only
-    where its relaxed cost is below the one-device search's bound by more than this
-    (relative): the relaxation's cost only bounds the placement's plans from below, and
-    on the transformers, placements just below that bound planned worse than one device
-    (docs/benchmarks.md)."""
     device_closure_cells: int = 800
     """The device cover with closure rows keeps binding stages as the closure cover's LP
     does (``closure_cells``), to this many dropped-value columns per device: on the bench's

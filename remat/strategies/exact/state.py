@@ -232,18 +232,15 @@ class Search:
 
     def placement_worth_switching(self) -> RelaxedPlacement | None:
         """The device cover's best placement where it uses several devices at a relaxed
-        cost below the one-device search's bound (``alone_bound``) by more than
-        ``SearchConfig.switch_room``, so that no plan on one device can reach it and the
-        placement's plans, which cost more than its relaxed cost, have room to beat the
-        one-device incumbent; None otherwise."""
+        cost below the one-device search's bound (``alone_bound``), so that no plan on one
+        device can reach it; None otherwise."""
         relaxed = self.placement
         if relaxed is None or not relaxed.spans_devices:
             return None
         return relaxed if self._worth_switching(relaxed.cost_ms) else None
 
     def _worth_switching(self, cost_ms: float) -> bool:
-        room = self.problem.solver.search.switch_room
-        return cost_ms < self.alone_bound * (1 - room)
+        return cost_ms < self.alone_bound
 
     def _stop_full_if_met(self) -> None:
         if self.meets_gap():

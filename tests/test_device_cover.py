@@ -110,6 +110,29 @@ def test_a_copy_needs_a_source_elsewhere_and_a_reader_there(
     assert bound_with > bound_without * 1.01
 
 
+def test_a_placement_fixed_bounds_its_cost_closer_than_the_whole_lp(
+    transformer_closures: tuple[Future[SolveResult], Future[SolveResult]],
+) -> None:
+    """The cover with a placement fixed (``DeviceCoverModel.placed``, how the search costs
+    the LP's rounded placement): each node first on its device of the placement only,
+    and its LP relaxation's optimum between the whole LP's and the placement's cost in the
+    MILP (the optimum's placement, solved to optimality by the fixture)."""
+    cover = device_closure_model(_problem("transformer", 32), NAMES)
+    optimum = transformer_closures[0].result()
+    assert optimum.x is not None and optimum.objective is not None
+    home = cover.placement(optimum.x)
+    placed = cover.placed(home)
+    n = len(home)
+    assert placed.lb[cover.first].sum() == n and placed.ub[cover.first].sum() == n
+    assert (placed.lb[cover.first[range(n), home]] == 1).all()
+    options = replace(OPTIMAL, time_limit_s=60)
+    whole = runner.solve(cover.model.lp_relaxation(), options=options)
+    fixed = runner.solve(placed.lp_relaxation(), options=options)
+    assert whole.objective is not None and fixed.objective is not None
+    assert whole.objective - 1e-6 <= fixed.objective <= optimum.objective + 1e-6
+    assert fixed.objective > whole.objective * 1.01  # the whole LP splits nodes over devices
+
+
 def test_its_placement_plans_below_every_single_device_plan() -> None:
     """On ResNet-18 at 50% the cover runs the nodes that read the largest weights on the
     host, which frees the accelerator of them: greedy eviction on that placement beats

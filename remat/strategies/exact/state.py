@@ -226,7 +226,7 @@ class Search:
             if kept is None or kept.rounded == placement.rounded:
                 better = kept is None or placement.cost_ms < kept.cost_ms
             else:
-                better = kept.rounded and self._worth_switching(placement.cost_ms)
+                better = kept.rounded and placement.cost_ms < self.alone_bound
             if better:
                 self.placement = placement
 
@@ -237,10 +237,7 @@ class Search:
         relaxed = self.placement
         if relaxed is None or not relaxed.spans_devices:
             return None
-        return relaxed if self._worth_switching(relaxed.cost_ms) else None
-
-    def _worth_switching(self, cost_ms: float) -> bool:
-        return cost_ms < self.alone_bound
+        return relaxed if relaxed.cost_ms < self.alone_bound else None
 
     def _stop_full_if_met(self) -> None:
         if self.meets_gap():

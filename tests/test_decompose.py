@@ -478,7 +478,7 @@ def test_the_one_device_search_stops_for_a_placement_only_where_it_is_worth_it(l
 
 def test_a_rounded_placement_gives_way_to_an_integral_one_worth_switching_to(large):
     """The device cover's LP solution, rounded, is a placement the search may switch to
-    before its MILP has an incumbent; its cost (the LP's optimum) only bounds the
+    before its MILP has an incumbent; its cost (the LP's with it fixed) only bounds the
     placement's, so an integral placement replaces it once that is worth switching to
     (cheaper than the one-device search's bound), whatever the LP's cost, and a rounded
     one never replaces an integral one."""

@@ -179,12 +179,7 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
     cover = device_closure_model(search.problem, names)
     model = cover.model
     logger.debug("device closure cover: %d variables, for %.3g s", model.n_vars, search.remaining())
-    options = replace(
-        search.problem.solver.options,
-        time_limit_s=search.remaining(),
-        threads=1,
-        presolve=config.closure_presolve,
-    )
+    options = replace(search.problem.solver.options, threads=1, presolve=config.closure_presolve)
     _rounded_placement(search, cover, options)
     limit = search.problem.solver.options.time_limit_s
     stalled = _Stalled(search, limit * config.stall_share, config.stall_rise, config.stall_room)
@@ -215,13 +210,14 @@ def bound_by_closure(search: Search, names: Sequence[str]) -> None:
 
 
 def _rounded_placement(search: Search, cover: DeviceCoverModel, options: SolveOptions) -> None:
-    """The device cover's LP relaxation: its optimum as a bound, and its solution rounded
-    to a placement (each node first computed on the device of its largest share), kept as
-    a rounded one at the cost of the LP relaxation of the model placed so
-    (``DeviceCoverModel.placed``), a bound on its cost in the relaxation. On graphs of a
-    thousand nodes the MILP's first incumbent that a search may switch to comes long after
-    its root relaxation; the rounded placement lets the search switch once the one-device
-    search has had its share (``alone_share``), where it may be worth it."""
+    """The device cover's LP relaxation (solved with ``options`` for the time left): its
+    optimum as a bound, and its solution rounded to a placement (each node first computed
+    on the device of its largest share), kept as a rounded one at the cost of the LP
+    relaxation of the model placed so (``DeviceCoverModel.placed``), a bound on its cost
+    in the relaxation. On graphs of a thousand nodes the MILP's first incumbent that a
+    search may switch to comes long after its root relaxation; the rounded placement lets
+    the search switch once the one-device search has had its share (``alone_share``),
+    where it may be worth it."""
     config = search.problem.solver.search
 
     def relaxation(model: MILPModel) -> SolveResult:
@@ -241,7 +237,7 @@ def _rounded_placement(search: Search, cover: DeviceCoverModel, options: SolveOp
     home = cover.placement(relaxed.x)
     placed = relaxation(cover.placed(home))
     if placed.objective is None:
-        logger.debug("device closure cover: its LP solution rounded fits no budget")
+        logger.debug("device closure cover: its LP solution rounded, no cost (%s)", placed.message)
         return
     search.on_placement(RelaxedPlacement(home, placed.objective, rounded=True))
     logger.debug(

@@ -62,7 +62,9 @@ def node_job(model_id: str, node_id: str, **overrides) -> dict:
         "devices": [{"name": "cpu0", "kind": "cpu"}, {"name": "cpu1", "kind": "cpu"}],
         "budgets": {"cpu0": "50%", "cpu1": "50%"},
         "strategy": "xengine",
-        "solver": {"backend": "highs", "time_limit_s": 5},
+        # 10 s: the warm start's multi-device heuristic gets half the limit to fit, and
+        # with 5 s a busy CI machine once left it, and so the job, without a plan
+        "solver": {"backend": "highs", "time_limit_s": 10},
         "costs": {"node_id": node_id},
     }
     return body | overrides

@@ -299,3 +299,23 @@ def test_a_cancel_stops_eviction_between_two_candidates(monkeypatch, calls):
     assert scored["before"] == calls
     assert scored["after"] <= 1
     assert result.simulation is not None  # judged: a plan, or what it needs
+
+
+def test_the_strategy_descends_to_a_plan_that_fits_past_its_time_budget() -> None:
+    """``greedy_evict`` run as a strategy: its descent to a first plan that fits goes on
+    past ``evict_time_s`` (here none at all) for up to ``evict_fit_s``, so that a slow
+    moment does not report a budget it meets as infeasible; with no time for the descent
+    either, it stops over the budget and says what its last plan needs."""
+    problem = _zoo_problem("resnet18", 50, ("cuda0",))
+    assert best_baseline(problem, ("cuda0",)) is None
+
+    def planned(config: SearchConfig) -> StrategyResult:
+        settings = replace(problem.solver, search=config)
+        return run_strategy("greedy_evict", replace(problem, solver=settings), "cuda0")
+
+    fitted = planned(SearchConfig(evict_time_s=0.0))
+    assert fitted.feasible, fitted.message
+    assert fitted.simulation is not None
+    assert fitted.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
+    cut = planned(SearchConfig(evict_time_s=0.0, evict_fit_s=0.0))
+    assert not cut.feasible and "infeasible at this budget" in cut.message

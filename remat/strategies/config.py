@@ -22,6 +22,10 @@ class SearchConfig:
     # --- heuristics (``remat.strategies.heuristics``) -------------------------------------
     evict_time_s: float = 5.0
     """Greedy eviction's time budget when run as a strategy or as a warm start."""
+    evict_fit_s: float = 60.0
+    """Greedy eviction run as a strategy: how long its descent to a first plan that fits
+    may run on past ``evict_time_s``, so that a busy machine does not turn a budget it
+    meets into "infeasible"."""
     band_patience: int = 20
     """Greedy eviction on band placements stops after this many bands in a row bring no
     better plan."""

@@ -25,7 +25,7 @@ from remat.strategies.exact.offload_remat import offload_remat
 from remat.strategies.exact.port import port
 from remat.strategies.exact.port_m import port_m
 from remat.strategies.exact.xengine import xengine
-from remat.strategies.heuristics.evict import greedy_evict
+from remat.strategies.heuristics.evict import greedy_evict_strategy
 from remat.strategies.heuristics.input_aware import input_aware
 from remat.strategies.heuristics.offload_dynprog import offload_dynprog
 from remat.strategies.heuristics.offload_greedy import offload_greedy
@@ -77,7 +77,7 @@ REGISTRY |= {
             False,
             "Evict the value that frees the most memory per recomputed millisecond until the "
             "plan fits (after Dynamic Tensor Rematerialization).",
-            greedy_evict,
+            greedy_evict_strategy,
         ),
         StrategyInfo(
             "input_aware",

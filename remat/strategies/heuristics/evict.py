@@ -159,6 +159,14 @@ def greedy_evict(
     return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
 
 
+def greedy_evict_strategy(problem: Problem, device: str) -> StrategyResult:
+    """``greedy_evict`` as the strategy of that name: refills and swaps within
+    ``SearchConfig.evict_time_s``, the descent to a first plan that fits for up to
+    ``evict_fit_s``."""
+    config = problem.solver.search
+    return greedy_evict(problem, device, config.evict_time_s, config.evict_fit_s)
+
+
 def evict_pooled(
     problem: Problem,
     names: Sequence[str],

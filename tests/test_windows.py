@@ -33,7 +33,7 @@ from remat.strategies.config import SearchConfig
 from remat.strategies.exact import search as search_module
 from remat.strategies.exact.intervals import on_device, placed
 from remat.strategies.exact.state import IncumbentStall, Search
-from remat.strategies.exact.windows import WindowPicker, improve_by_windows
+from remat.strategies.exact.windows import improve_by_windows
 from remat.strategies.heuristics.evict import greedy_evict, home_of
 from remat.strategies.heuristics.placed import placed_greedy
 
@@ -271,9 +271,9 @@ def test_windows_improve_a_placements_first_plan_in_a_search_of_its_own(resnet, 
     seen: list[tuple[Search, np.ndarray, float | None]] = []
     windows = search_module.improve_by_windows
 
-    def recorded(own, placement, strategy, incumbent_of, until, stall_s=None, picker=None):
+    def recorded(own, placement, strategy, incumbent_of, until, stall_s=None):
         seen.append((own, home_of(incumbent_of(), NAMES), own.best_ms))
-        return windows(own, placement, strategy, incumbent_of, until, stall_s, picker)
+        return windows(own, placement, strategy, incumbent_of, until, stall_s)
 
     monkeypatch.setattr(search_module, "improve_by_windows", recorded)
     trial = time.monotonic() + 10
@@ -309,9 +309,8 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
     """Below ``windows_min_nodes``, CP-SAT's search on the whole interval model runs first,
     until the incumbent has not improved for ``neighbourhood_stall_share`` of the limit,
     then the window neighbourhoods from its plan, by turns; after a round of both without
-    a cheaper plan, the whole model takes the time left. The windows come from one picker,
-    whose draws go on from call to call. The plan stays within the budget and no dearer
-    than greedy eviction's, where it started."""
+    a cheaper plan, the whole model takes the time left. The plan stays within the
+    budget and no dearer than greedy eviction's, where it started."""
     config = SearchConfig(neighbourhood_stall_share=0.05)
     settings = SolverSettings(options=SolveOptions(time_limit_s=6, threads=2), search=config)
     problem = budgeted(resnet.graph, 50, ("cuda0",), settings)
@@ -320,19 +319,15 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
     search = Search(problem, problem.costs.ideal_ms("cuda0"), time.monotonic())
     search.offer(start)
     calls: list[tuple[str, float | None]] = []
-    pickers: list[WindowPicker | None] = []
     intervals, windows = search_module.solve_intervals, search_module.improve_by_windows
 
     def solve_intervals(search, placement, warm, strategy, stall_s=None):
         calls.append(("intervals", stall_s))
         return intervals(search, placement, warm, strategy, stall_s=stall_s)
 
-    def improve_by_windows(
-        search, placement, strategy, incumbent, until, stall_s=None, picker=None
-    ):
+    def improve_by_windows(search, placement, strategy, incumbent, until, stall_s=None):
         calls.append(("windows", stall_s))
-        pickers.append(picker)
-        return windows(search, placement, strategy, incumbent, until, stall_s, picker)
+        return windows(search, placement, strategy, incumbent, until, stall_s)
 
     monkeypatch.setattr(search_module, "solve_intervals", solve_intervals)
     monkeypatch.setattr(search_module, "improve_by_windows", improve_by_windows)
@@ -342,7 +337,6 @@ def test_the_window_neighbourhoods_take_over_once_the_whole_models_search_stalls
     assert all(a != b for a, b in itertools.pairwise(kinds)), calls  # by turns
     assert all(stall == pytest.approx(0.3) for _, stall in calls[:-1]), calls
     assert calls[-1][1] is not None or calls[-1][0] == "intervals", calls  # the time left
-    assert pickers[0] is not None and all(p is pickers[0] for p in pickers)  # draws go on
     best = search.best
     assert best is not None and best.simulation is not None and best.plan is not None
     assert best.simulation.total_ms <= start.simulation.total_ms

@@ -49,7 +49,7 @@ from remat.strategies.exact.decompose import PartSolvers, is_large, solve_parts
 from remat.strategies.exact.intervals import on_device, placed, solve_intervals
 from remat.strategies.exact.rins import Offer
 from remat.strategies.exact.state import AnyOf, RelaxedPlacement, Search, SideTask
-from remat.strategies.exact.windows import WindowPicker, improve_by_windows
+from remat.strategies.exact.windows import improve_by_windows
 from remat.strategies.heuristics.evict import (
     evict_moves,
     evict_placed,
@@ -833,18 +833,17 @@ def _alternated(search: Search, placement: Placement, strategy: str) -> int:
     config = search.problem.solver.search
     stall = search.problem.solver.options.time_limit_s * config.neighbourhood_stall_share
     incumbent = partial(_incumbent_schedule, search)
-    picker = WindowPicker(search.problem.graph, config.window_stages, config.window_seed)
-    windows = partial(improve_by_windows, search, placement, strategy, incumbent, picker=picker)
     improved = 0
     if len(search.problem.graph) >= config.windows_min_nodes:
-        improved += windows(time.monotonic() + search.time_left() * config.windows_share)
+        until = time.monotonic() + search.time_left() * config.windows_share
+        improved += improve_by_windows(search, placement, strategy, incumbent, until)
     while not _out_of_time(search):
         before = search.best_ms
         solve_intervals(search, placement, incumbent(), strategy, stall_s=stall)
         if _out_of_time(search):
             break
         end = time.monotonic() + search.time_left()
-        improved += windows(end, stall)
+        improved += improve_by_windows(search, placement, strategy, incumbent, end, stall)
         if search.best_ms == before and not _out_of_time(search):
             solve_intervals(search, placement, incumbent(), strategy)
             break

@@ -46,15 +46,12 @@ def improve_by_windows(
     incumbent: Callable[[], Schedule | None],
     until: float,
     stall_s: float | None = None,
-    picker: WindowPicker | None = None,
 ) -> int:
     """Window neighbourhoods of ``incumbent()`` (the search's incumbent schedule) on
     ``placement`` until ``until`` (``time.monotonic()``), cancellation, an incumbent not
     on ``placement``, or, with ``stall_s``, once the search's incumbent has not improved
-    for that long; improvements are offered under ``strategy``'s name. The windows come
-    from ``picker``: a caller that calls again on the same placement passes the same one,
-    so that its draws and its adapted size go on (a new picker draws the same windows
-    again). Returns the number of neighbourhoods that improved the incumbent."""
+    for that long; improvements are offered under ``strategy``'s name. Returns the number
+    of neighbourhoods that improved the incumbent."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:
@@ -63,7 +60,7 @@ def improve_by_windows(
     config = problem.solver.search
     graph, costs = problem.graph, problem.costs
     structure = Structure.of(graph)
-    pick = picker or WindowPicker(graph, config.window_stages, config.window_seed)
+    pick = _Picker(graph, config.window_stages, random.Random(config.window_seed))
     improved = tried = 0
     stalled = IncumbentStall(search, stall_s)
     while time.monotonic() < until and not problem.cancelled and not stalled.is_set():
@@ -140,7 +137,7 @@ def _on(schedule: Schedule, placement: Placement) -> bool:
     return bool(np.array_equal(home_of(schedule, placement.devices), placement.home))
 
 
-class WindowPicker:
+class _Picker:
     """The windows of the next neighbourhood: by turns one window of about ``stages``
     stages (from half to one and a half times), and a forward range of about half that
     with the stages of its backward nodes (where the graph has them). Windows in which the
@@ -148,10 +145,10 @@ class WindowPicker:
     size adapts: a quarter smaller after a solve stopped by its time limit, a tenth larger
     after one proven optimal in under a fifth of it."""
 
-    def __init__(self, graph: Graph, stages: int, seed: int) -> None:
+    def __init__(self, graph: Graph, stages: int, rng: random.Random) -> None:
         self.n = len(graph)
         self.size = float(min(max(8, stages), self.n))
-        self.rng = random.Random(seed)
+        self.rng = rng
         self.turn = 0
         self.backward: dict[int, list[int]] = {}
         for node in graph.nodes:

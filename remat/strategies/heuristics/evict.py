@@ -149,14 +149,22 @@ def greedy_evict(
     (default ``SearchConfig.evict_time_s``; then the loop's last plan is judged: it fits,
     or it says how much it needs). The descent to a first plan that fits may run on to
     ``fit_budget_s`` (if longer): where nothing else gives a plan, a slow moment must not
-    leave none (refills and swaps then stop)."""
+    leave none (refills and swaps then stop). A descent stopped by its time, not by the
+    heuristic, says so instead of "infeasible at this budget"."""
     if time_budget_s is None:
         time_budget_s = problem.solver.search.evict_time_s
+    started = time.monotonic()
     home = np.zeros(len(problem.graph), dtype=np.int64)
     context = _EvictionSetup.of(problem, (device,), home, time_budget_s)
     state = _search(context, fit_budget_s)
+    out_of_time = time.monotonic() >= fit_deadline(started, context.deadline, fit_budget_s)
     prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
-    return choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
+    found = choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
+    if found.feasible or state.fits or not out_of_time:
+        return found
+    needs = found.message.removeprefix(f"infeasible at this budget: {STRATEGY} ")
+    seconds = time.monotonic() - started
+    return replace(found, message=f"{STRATEGY} ran out of time ({seconds:.3g} s): its plan {needs}")
 
 
 def greedy_evict_strategy(problem: Problem, device: str) -> StrategyResult:

@@ -42,13 +42,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from remat.devices import Device, Tier, format_bytes
+from remat.devices import Device, Tier
 from remat.errors import RematError
 from remat.strategies.baselines import TABLE_1
 from remat.strategies.common.floor import shortfall
 from remat.strategies.common.offload import named
 from remat.strategies.common.offload import sending as sending_name
-from remat.strategies.common.problem import Problem, StrategyResult
+from remat.strategies.common.problem import Problem, StrategyResult, memory_needed
 from remat.strategies.exact.checkmate import checkmate_milp
 from remat.strategies.exact.offload_remat import recompute_then_offload
 from remat.strategies.exact.port_m import NAME as PORT_M
@@ -272,7 +272,7 @@ def _no_plan(tried: _Tried, message: str, proven: bool) -> StrategyResult:
             message += "; none of them produced a correct schedule"
         return StrategyResult(AUTO, None, None, message, proven_infeasible=proven)
     need = least.min_budget_bytes
-    amounts = ", ".join(f"{format_bytes(v)} ({v} B) on {d}" for d, v in need.items())
+    amounts = memory_needed(need)
     if proven:
         message += f"; the least any plan found needs is {amounts} ({least.strategy})"
     else:

@@ -260,10 +260,14 @@ def select_best(strategy: str, evaluations: Iterable[Evaluation]) -> StrategyRes
         strategy,
         None,
         smallest.simulation,
-        f"infeasible at this budget: {strategy} needs at least "
-        + ", ".join(f"{format_bytes(v)} ({v} B) on {d}" for d, v in need.items()),
+        f"infeasible at this budget: {strategy} needs at least {memory_needed(need)}",
         dict(need),
     )
+
+
+def memory_needed(need: Mapping[str, int]) -> str:
+    """Bytes per device, as the messages of plans that do not fit say them."""
+    return ", ".join(f"{format_bytes(v)} ({v} B) on {d}" for d, v in need.items())
 
 
 def cheapest(*results: StrategyResult | None) -> StrategyResult | None:

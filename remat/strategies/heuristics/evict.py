@@ -48,6 +48,7 @@ from remat.strategies.common.problem import (
     cheapest,
     evaluate,
     fit_deadline,
+    memory_needed,
     select_best,
 )
 from remat.strategies.common.profile import Profiler, excess
@@ -160,11 +161,14 @@ def greedy_evict(
     out_of_time = time.monotonic() >= fit_deadline(started, context.deadline, fit_budget_s)
     prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
     found = choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
-    if found.feasible or state.fits or not out_of_time:
+    if found.feasible or state.fits or not out_of_time or found.min_budget_bytes is None:
         return found
-    needs = found.message.removeprefix(f"infeasible at this budget: {STRATEGY} ")
     seconds = time.monotonic() - started
-    return replace(found, message=f"{STRATEGY} ran out of time ({seconds:.3g} s): its plan {needs}")
+    needs = memory_needed(found.min_budget_bytes)
+    return replace(
+        found,
+        message=f"{STRATEGY} ran out of time ({seconds:.3g} s): its plan needs at least {needs}",
+    )
 
 
 def greedy_evict_strategy(problem: Problem, device: str) -> StrategyResult:

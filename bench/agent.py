@@ -166,7 +166,8 @@ def main() -> None:
             out.add(_result(row, devices, args))
             print(f"... {name} {budget}: {_summary(row)}", file=sys.stderr, flush=True)
     _print_table(rows, args, unplanned)
-    print(f"Load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}.")
+    before, after = (", ".join(f"{x:.2f}" for x in load) for load in (load_before, os.getloadavg()))
+    print(f"Load average (1, 5, 15 min) at the start {before}, at the end {after}.")
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -414,8 +415,9 @@ def _print_table(rows: list[Row], args: argparse.Namespace, unplanned: list[str]
         print(f"- {row.model} at {row.budget}: {miss}")
     for text in unplanned:
         print(f"- {text} (left out of the table)")
-    timing = ", ".join(f"{r.model} {r.profile_s:.0f} s" for r in rows if r.budget.startswith("100"))
-    planning = ", ".join(f"{r.model} {r.budget} {r.plan_s:.0f} s" for r in rows)
+    profiled = {r.model: r.profile_s for r in rows}  # one profile per model, for every budget
+    timing = ", ".join(f"{model} {seconds:.1f} s" for model, seconds in profiled.items())
+    planning = ", ".join(f"{r.model} {r.budget} {r.plan_s:.1f} s" for r in rows)
     print(f"\nProfiling took {timing}; planning {planning}.")
     for model, links in dict((r.model, r.links) for r in rows).items():
         print(f"Measured links ({model}'s profile): {links}.")

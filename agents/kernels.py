@@ -51,6 +51,7 @@ from remat.onnx_fusion import (
     MATMUL_ADD,
     RMS_NORM,
     SILU,
+    UNBIND,
 )
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
@@ -882,6 +883,14 @@ def _split(spec: OpSpec, args: Args) -> Outputs:
     return tuple(torch.split(x, list(sizes), dim=axis))
 
 
+def _unbind(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``FusedUnbind``: the input's parts along ``axis``, as the
+    ``Gather``'s of each index it stands for."""
+    x = args[0]
+    assert x is not None
+    return x.unbind(int(spec.attr("axis", 0)))
+
+
 def _slice(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
@@ -1485,6 +1494,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "Gelu": _gelu,
     GELU: _gelu,
     SILU: _silu,
+    UNBIND: _unbind,
     "Clip": _clip,
     "Cast": _cast,
     "Softmax": _softmax_like(torch.softmax),
@@ -2060,6 +2070,20 @@ def _gather_grad(call: VjpCall) -> Grads:
     )
 
 
+def _unbind_grad(call: VjpCall) -> Grads:
+    """``FusedUnbind``'s: the parts' gradients stacked along the axis into one tensor of the
+    input's shape (zeros for a part no gradient flows to; the input is a shape only)."""
+    shape, axis = call.arg(0).shape, int(call.spec.attr("axis", 0))
+    part = (*shape[:axis], *shape[axis + 1 :])
+    like = next(g for g in call.grads if g is not None)
+
+    def stacked() -> Tensor:
+        zeros = torch.zeros(part, dtype=like.dtype, device=like.device)
+        return torch.stack([zeros if g is None else g for g in call.grads], dim=axis)
+
+    return call.only(stacked)
+
+
 def _gelu_grad(call: VjpCall) -> Grads:
     """PyTorch's ``gelu_backward``, from the input: ONNX's ``Gelu`` and
     ``remat.onnx_fusion``'s ``FusedGelu``."""
@@ -2130,6 +2154,7 @@ VJP_RULES: dict[str, Rule] = {
     "Gelu": _gelu_grad,
     GELU: _gelu_grad,
     SILU: _silu_grad,
+    UNBIND: _unbind_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -664,8 +664,8 @@ def _fused(node: Node) -> onnx.NodeProto:
     """The operator ingestion made of several of the model's (``remat.onnx_fusion``)."""
     attributes = node.attrs.get("fused_attributes", {})
     assert isinstance(attributes, dict)
-    output = _names(node, "onnx_outputs")[0]
-    return fused_node(node.op, _names(node, "onnx_inputs"), output, node.name, **attributes)
+    outputs = _names(node, "onnx_outputs")
+    return fused_node(node.op, _names(node, "onnx_inputs"), outputs, node.name, **attributes)
 
 
 def _names(node: Node, key: str) -> list[str]:

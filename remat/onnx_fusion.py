@@ -69,6 +69,24 @@ operator for before opset 23, is written as ``Pow`` by 2 (or ``Mul`` of ``x`` by
 gradient. Fused, it is one ``FusedRMSNorm`` node with inputs ``(x, weight)`` and the
 attributes ``axis`` and ``epsilon``, run as PyTorch's ``rms_norm``; the same conditions
 hold as for layer normalization.
+
+PyTorch's ``MultiheadAttention`` (``torch.nn.Transformer*``, torchvision's ViT) computes
+queries, keys and values with one packed projection, and the TorchScript exporter writes
+their separation as one ``Gather`` per part, each of one constant index along the same
+axis of the same tensor. Planned node by node, each ``Gather``'s backward node makes a
+gradient of the whole packed tensor (zeros but for its part), held until the three are
+summed. Fused, the ``Gather``'s that pick every index of the axis exactly once are one
+``FusedUnbind`` node with the packed tensor as input, one output per index (in index
+order) and the attribute ``axis``, run as PyTorch's ``unbind`` (each part then copied to
+storage of its own, as a ``Gather``'s output is); its gradient stacks the parts'
+gradients into one tensor and reads no input. The node takes the place and the name of
+the first of the ``Gather``'s; the packed tensor must be an activation of static shape and
+a float. A node's outputs are one value, released together, so the parts are fused only
+where each is read by layout operators alone (``Reshape``, ``Transpose``, ``Squeeze``,
+``Unsqueeze``, ``Flatten``, ``Identity``, as ``MultiheadAttention`` splits the heads):
+their gradients read no input, so each part is released once its readers have run in
+the forward pass. A part that an operator's gradient reads (Swin's values, read by a
+``MatMul``) would hold the others with it until the backward pass: those stay apart.
 """
 
 from __future__ import annotations
@@ -88,30 +106,36 @@ GELU = "FusedGelu"
 SILU = "FusedSilu"
 LAYER_NORM = "FusedLayerNorm"
 RMS_NORM = "FusedRMSNorm"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM})
+UNBIND = "FusedUnbind"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND})
 
 Shape = tuple[int, ...]
+# Operators that move or view their input's elements, whose gradients read no input
+_LAYOUT = frozenset(("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"))
 
 
 @dataclass(frozen=True)
 class Tensors:
     """What ingestion found of a model's tensors, which the fusions ask: how many of the
     model's operators read each (a model output counts as a reader), whether it is a
-    constant, its static shape (None where not static), whether it is a float, and the
-    value of a constant of one float element (None for anything else)."""
+    constant, its static shape (None where not static), whether it is a float, the value
+    of a constant of one float element and that of a constant integer of rank 0 (None for
+    anything else)."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
     shape: Callable[[str], Shape | None]
     is_float: Callable[[str], bool]
     scalar: Callable[[str], float | None]
+    index: Callable[[str], int | None]
 
 
 def fused_node(
-    op: str, inputs: Sequence[str], output: str, name: str, **attributes: object
+    op: str, inputs: Sequence[str], output: str | Sequence[str], name: str, **attributes: object
 ) -> NodeProto:
-    """A node of one of ``FUSED_OPS``."""
-    node = helper.make_node(op, inputs, [output], name=name, domain=FUSED_DOMAIN)
+    """A node of one of ``FUSED_OPS`` (``output``: its one output, or all of them)."""
+    outputs = [output] if isinstance(output, str) else list(output)
+    node = helper.make_node(op, inputs, outputs, name=name, domain=FUSED_DOMAIN)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
     return node
 
@@ -166,6 +190,60 @@ def fuse_attention_chains(
     return found.applied(nodes)
 
 
+def fuse_unbinds(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with the ``Gather``'s that pick each index
+    of one axis of one activation once, each by a constant index of rank 0, replaced by one
+    ``FusedUnbind`` at the first one's place, named as it, where layout operators alone
+    read the parts (the module docstring)."""
+    around = _Neighbours.of(nodes, tensors)
+    parts: dict[tuple[str, int], list[tuple[int, NodeProto, str]]] = {}
+    for proto, name in nodes:
+        picked = _picked(proto, tensors)
+        if picked is not None and around.read_by_layout_alone(proto.output[0]):
+            data, axis, index = picked
+            parts.setdefault((data, axis), []).append((index, proto, name))
+    first: dict[str, tuple[NodeProto, str]] = {}  # the first Gather's output: the fused node
+    absorbed: set[str] = set()
+    for (data, axis), found in parts.items():
+        if sorted(index for index, _, _ in found) != list(range(len(found))):
+            continue  # an index picked twice, or one not picked
+        outputs = [proto.output[0] for _, proto, _ in sorted(found, key=lambda f: f[0])]
+        _, proto, name = found[0]  # in ``nodes``' order
+        first[proto.output[0]] = (fused_node(UNBIND, [data], outputs, name, axis=axis), name)
+        absorbed.update(p.output[0] for _, p, _ in found[1:])
+    result = []
+    for proto, name in nodes:
+        output = proto.output[0] if proto.output else None
+        if output in first:
+            result.append(first[output])
+        elif output not in absorbed:
+            result.append((proto, name))
+    return result
+
+
+def _picked(proto: NodeProto, tensors: Tensors) -> tuple[str, int, int] | None:
+    """A ``Gather`` of one constant index of rank 0 from a float activation of static shape
+    whose axis has two or more entries: (the activation, the axis, the index), both
+    normalised to be non-negative; else None."""
+    if proto.op_type != "Gather" or proto.domain not in DEFAULT_DOMAINS or len(proto.input) != 2:
+        return None
+    data, indices = proto.input
+    shape, index = tensors.shape(data), tensors.index(indices)
+    if shape is None or index is None or tensors.constant(data) or not tensors.is_float(data):
+        return None
+    axis = next((int(a.i) for a in proto.attribute if a.name == "axis"), 0)
+    if not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    size = shape[axis]
+    if size < 2 or not -size <= index < size:
+        return None
+    return data, axis, index % size
+
+
 @dataclass
 class _Replacements:
     """The fused nodes a fusion found, each by the output it makes (that of the last node
@@ -211,6 +289,16 @@ class _Neighbours:
                 readers_of.setdefault(tensor, []).append(proto)
         producer = {out: entry for entry in nodes for out in entry[0].output if out}
         return cls(producer, readers_of, tensors)
+
+    def read_by_layout_alone(self, tensor: str) -> bool:
+        """Whether ``tensor`` is read, and only by scheduled layout operators of ONNX's
+        domain (no model output, no folded node)."""
+        found = self.readers_of.get(tensor, [])
+        return (
+            bool(found)
+            and self.tensors.readers.get(tensor, 0) == len(found)
+            and all(n.op_type in _LAYOUT and n.domain in DEFAULT_DOMAINS for n in found)
+        )
 
     def only_reader(self, tensor: str, ops: tuple[str, ...]) -> NodeProto | None:
         """The one operator reading ``tensor`` where it is one of ``ops`` of ONNX's domain

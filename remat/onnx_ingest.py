@@ -51,6 +51,7 @@ from remat.onnx_fusion import (
     fuse_layer_norms,
     fuse_linear_layers,
     fuse_rms_norms,
+    fuse_unbinds,
 )
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ _LARGE_INITIALIZER = 64
 _FLOAT_TYPES = frozenset(
     (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 )
+_INDEX_TYPES = frozenset((TensorProto.INT32, TensorProto.INT64))  # a Gather's indices
 # Models are refused above this many nodes (subgraphs included): ingestion's time grows
 # with them, and the largest networks Remat plans are far below.
 MAX_NODES = 100_000
@@ -661,6 +663,15 @@ class _Folder:
         info = self.infos.get(name)
         return info is not None and info.elem_type in _FLOAT_TYPES
 
+    def index(self, name: str) -> int | None:
+        """The value of a constant integer of rank 0, else None."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static or info.dims:
+            return None
+        if info.elem_type not in _INDEX_TYPES:
+            return None
+        return int(self.value(name, name).reshape(()))
+
     def scalar(self, name: str) -> float | None:
         """The value of a constant of one element (a float), else None."""
         info = self.infos.get(name)
@@ -965,10 +976,11 @@ def forward_graph(
         shape=folder.static_dims,
         is_float=folder.is_float,
         scalar=folder.scalar,
+        index=folder.index,
     )
     fused = fuse_linear_layers([(nodes[i], names[i]) for i in scheduled], tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)
-    fused = fuse_rms_norms(fused, tensors)
+    fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
     if fuse_attention:
         fused = fuse_attention_chains(fused, tensors, opset=folder.opsets.get("", 0))
     return _build(model, folder, input_infos, fused)

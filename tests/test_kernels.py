@@ -35,6 +35,7 @@ from remat.onnx_fusion import (
     MATMUL_ADD,
     RMS_NORM,
     SILU,
+    UNBIND,
 )
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
@@ -356,6 +357,7 @@ class GradCase:
     attrs: dict[str, Any] = field(default_factory=dict)
     opset: int = 17
     domain: str = ""
+    outputs: int = 1
 
 
 GRAD_CASES: dict[str, GradCase] = {
@@ -395,6 +397,7 @@ GRAD_CASES: dict[str, GradCase] = {
     "attention_masked": GradCase(
         ATTENTION, [(2, 4, 5), (2, 5, 6), (2, 6, 3), (1, 4, 6)], domain=FUSED_DOMAIN
     ),
+    "fused_unbind": GradCase(UNBIND, [(2, 3, 4)], {"axis": 1}, domain=FUSED_DOMAIN, outputs=3),
     "layer_norm": GradCase("LayerNormalization", [(2, 3, 8), (8,), (8,)]),
     "layer_norm_two_axes": GradCase(
         "LayerNormalization", [(2, 3, 4), (3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3}
@@ -431,7 +434,7 @@ def _grad_call(case: GradCase) -> VjpCall:
         opset=case.opset,
         attrs=case.attrs,
         inputs=tuple(f"in{i}" for i in range(len(args))),
-        outputs=("out",),
+        outputs=tuple(f"out{i}" for i in range(case.outputs)),
     )
     output = kernels.run_forward(spec, args)
     grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
@@ -448,6 +451,15 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
         assert a is not None and b is not None, position
         assert a.shape == b.shape, position
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_an_unbinds_gradient_is_zero_for_a_part_none_flows_to() -> None:
+    call = _grad_call(GRAD_CASES["fused_unbind"])
+    call.grads = [call.grads[0], None, call.grads[2]]
+    [ours], [reference] = kernels.vjp(call), kernels.autograd_vjp(call)
+    assert ours is not None and reference is not None
+    torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
+    assert not ours[:, 1].any() and ours[:, 2].equal(call.grads[2])
 
 
 def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:

@@ -740,6 +740,78 @@ def test_elementwise_operators_stay_apart_unless_they_are_a_gelu(
     assert "Erf" in ops_of(graph), case
 
 
+# --- a packed projection's parts picked by Gathers: one unbind ----------------------------
+
+UNBIND_SHAPE = (3, 2, 4)  # q, k and v of a packed projection along axis 0
+
+
+def _unbind_model(
+    *, indices: Sequence[Any] = (1, 0, -1), axis: int = 0, index_input: bool = False,
+    reader: str = "Transpose", outputs: Sequence[str] = ("y",),
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu of x (3, 2, 4), then one ``Gather`` per index along ``axis``, each index a
+    ``Constant`` (``index_input``: the first one a model input), each part read by a
+    ``reader`` (a ``Transpose``: the heads split), their results summed:
+    ``torch.nn.MultiheadAttention``'s separation of q, k and v as TorchScript exports it."""
+    nodes = [helper.make_node("Relu", ["x0"], ["x"], name="packed")]
+    read = []
+    for position, index in enumerate(indices):
+        name, part = f"i{position}", f"p{position}"
+        if not (index_input and position == 0):
+            nodes.append(const_node(name, np.asarray(index, np.int64)))
+        nodes.append(helper.make_node("Gather", ["x", name], [part], f"pick{position}", axis=axis))
+        nodes.append(helper.make_node(reader, [part], [f"r{position}"], f"read{position}"))
+        read.append(f"r{position}")
+    nodes.append(helper.make_node("Sum", read, ["y"], name="sum"))
+    inputs = [vi("x0", UNBIND_SHAPE), *([vi("i0", [], TensorProto.INT64)] if index_input else [])]
+    return model(nodes, inputs, [out(o, 2) for o in outputs])
+
+
+def test_gathers_of_each_index_of_an_axis_are_one_unbind() -> None:
+    graph = ingest(_unbind_model())
+    assert ops_of(graph) == ["Relu", "FusedUnbind", *["Transpose"] * 3, "Sum"]
+    unbind = graph.nodes[1]
+    assert unbind.name == "pick0"  # the first Gather's place and name
+    assert unbind.attrs["onnx_inputs"] == ["x"]
+    assert unbind.attrs["onnx_outputs"] == ["p1", "p0", "p2"]  # by index: 0, 1, 2 (-1)
+    assert unbind.attrs["output_shapes"] == [(2, 4)] * 3
+    assert unbind.attrs["fused_attributes"] == {"axis": 0}
+    assert unbind.output_bytes == 3 * 2 * 4 * 4
+    assert [n.deps for n in graph.nodes[2:5]] == [(1,)] * 3
+    # its gradient reads no forward value: shapes only, as a Gather's data
+    training = training_graph(graph)
+    [backward] = [n for n in training.nodes if n.forward == 1]
+    assert 0 not in backward.deps and 1 not in backward.deps
+    assert backward.output_bytes == 3 * 2 * 4 * 4
+
+
+def test_an_unbind_along_an_inner_axis_keeps_it() -> None:
+    graph = ingest(_unbind_model(indices=(0, 1), axis=-2, reader="Identity"))
+    assert ops_of(graph) == ["Relu", "FusedUnbind", "Identity", "Identity", "Sum"]
+    assert graph.nodes[1].attrs["fused_attributes"] == {"axis": 1}
+    assert graph.nodes[1].attrs["output_shapes"] == [(3, 4)] * 2
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("an_index_not_picked", {"indices": (0, 2)}),
+        ("an_index_picked_twice", {"indices": (0, 1, 2, 1)}),
+        ("an_index_of_rank_1", {"indices": ([0], [1], [2])}),
+        ("an_index_not_a_constant", {"index_input": True}),
+        # a reader other than a layout operator (whose gradient may read the part)
+        ("a_part_read_by_more_than_layout", {"reader": "Sigmoid"}),
+        ("a_part_a_model_output", {"outputs": ("y", "p1")}),
+    ],
+)  # fmt: skip
+def test_gathers_stay_apart_unless_they_pick_each_index_once(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_unbind_model(**kwargs))
+    assert "FusedUnbind" not in ops_of(graph), case
+    assert "Gather" in ops_of(graph), case
+
+
 # --- layer normalization's formula fused -------------------------------------------------
 
 

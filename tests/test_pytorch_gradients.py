@@ -27,7 +27,7 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, RMS_NORM, SILU
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, RMS_NORM, SILU, UNBIND
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -86,8 +86,10 @@ def test_cnn_with_batch_norm_in_training_mode(opset: int, loss: Loss) -> None:
 @pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 14), ("dynamo", 18)])
 def test_transformer_encoder(exporter: Exporter, opset: int) -> None:
     """Opset 14 has no LayerNormalization: the exporter writes its formula, which ingestion
-    makes one ``FusedLayerNorm``; dynamo at 18 writes the operator."""
-    fused = (LAYER_NORM,) if opset < 17 else ()
+    makes one ``FusedLayerNorm``; dynamo at 18 writes the operator. Both exporters pick the
+    packed projection's queries, keys and values with a ``Gather`` each: one
+    ``FusedUnbind``."""
+    fused = (UNBIND, LAYER_NORM) if opset < 17 else (UNBIND,)
     _check("transformer_encoder", exporter=exporter, opset=opset, fused=fused)
 
 
@@ -96,11 +98,15 @@ def test_recurrent_layers_with_packed_gates(name: str) -> None:
     _check(name)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "deeplabv3_mobilenet_v3_large", "efficientnet_b0"])
+@pytest.mark.parametrize(
+    "name", ["resnet18", "deeplabv3_mobilenet_v3_large", "efficientnet_b0", "vit_small"]
+)
 def test_torchvision_models(name: str) -> None:
     """EfficientNet's SiLU (``x * sigmoid(x)``) is one ``FusedSilu`` node; its
-    squeeze-excitation gates (another tensor times a sigmoid) stay apart."""
-    _check(name, fused=(SILU,) if name == "efficientnet_b0" else ())
+    squeeze-excitation gates (another tensor times a sigmoid) stay apart. The ViT's
+    ``MultiheadAttention`` picks its queries, keys and values with one ``FusedUnbind``."""
+    fused = {"efficientnet_b0": (SILU,), "vit_small": (UNBIND,)}.get(name, ())
+    _check(name, fused=fused)
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")

@@ -53,6 +53,7 @@ from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
 from remat.onnx_fusion import DEFAULT_DOMAINS, FUSED_OPS, fused_node
 from remat.onnx_ingest import reference_ops
+from remat.training import gradient_slots
 
 Value = tuple[Tensor, ...]
 # Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
@@ -75,12 +76,12 @@ class Source:
 
 @dataclass(frozen=True)
 class Upstream:
-    """Where a forward node's gradients sit in an upstream value: ``count`` tensors from
-    ``offset`` in the value of node ``node`` (a backward node or the loss)."""
+    """Where a forward node's gradients sit in an upstream value, the value of node
+    ``node`` (a backward node or the loss): the position of each output's gradient there,
+    None for an output it sends none for (``remat.training.gradient_slots``)."""
 
     node: int
-    offset: int
-    count: int
+    positions: tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,11 @@ class Program:
             read = frozenset(node.deps)
             sources = self.sources[f.id]
             upstream = tuple(
-                tuple((u.node, u.offset + k) for u in self.upstream[index])
+                tuple(
+                    (u.node, position)
+                    for u in self.upstream[index]
+                    if (position := u.positions[k]) is not None
+                )
                 if dtype.is_floating_point
                 else None
                 for k, (_, dtype) in enumerate(self.outputs_of(f.id))
@@ -340,9 +345,8 @@ class Program:
                 if source.node is not None:
                     positions.setdefault((source.node, source.output), []).append(position)
             slots = tuple(
-                (tuple(positions.get((dep, k), ())), shape, dtype)
-                for dep in f.deps
-                for k, (shape, dtype) in enumerate(self.outputs_of(dep))
+                (tuple(positions.get((dep, k), ())), *self.outputs_of(dep)[k])
+                for dep, k, _ in gradient_slots(f, self.graph.nodes)
             )
             fixed = tuple(
                 (position, source.fixed)
@@ -417,7 +421,10 @@ class Program:
         assert f is not None
         args = self._fetch(call.args, values, fixed, device)
         output = values[f] if call.reads_output else None
-        upstream = [None if parts is None else _summed(values, parts) for parts in call.upstream]
+        upstream = [
+            None if parts is None else _summed(values, parts, *self.outputs_of(f)[k], device)
+            for k, parts in enumerate(call.upstream)
+        ]
         wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
             wanted = self._wanted_by[call.node.id] = [
@@ -540,8 +547,17 @@ def value_bytes(value: Value) -> int:
     return total
 
 
-def _summed(values: Mapping[int, Value], parts: Sequence[tuple[int, int]]) -> Tensor:
-    """The sum of the tensors at ``parts`` ((node, tensor index) in ``values``)."""
+def _summed(
+    values: Mapping[int, Value],
+    parts: Sequence[tuple[int, int]],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """The sum of the tensors at ``parts`` ((node, tensor index) in ``values``); zeros of
+    ``shape`` where there are none (an output no upstream node sends a gradient for)."""
+    if not parts:
+        return torch.zeros(shape, dtype=dtype, device=device)
     node, index = parts[0]
     total = values[node][index]
     for node, index in parts[1:]:
@@ -724,22 +740,29 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, torch.dtype]:
 
 
 def _upstream(graph: Graph) -> dict[int, list[Upstream]]:
+    """For each backward node, where its forward node's gradients sit in the values of the
+    nodes upstream of it: the loss's value holds a gradient for every output of each node
+    it reads; a backward node's, those of ``remat.training.gradient_slots``."""
     result: dict[int, list[Upstream]] = {}
     outputs = {n.id: n.attrs.get("onnx_outputs") for n in graph.forward_nodes()}
     counts = {i: len(names) if isinstance(names, list) else 0 for i, names in outputs.items()}
+    layouts: dict[int, dict[tuple[int, int], int]] = {}  # by backward node: (dep, k) -> position
     for node in graph.nodes:
         if node.kind is not NodeKind.BACKWARD:
             continue
         f = node.forward
         assert f is not None
+        slots = gradient_slots(graph.nodes[f], graph.nodes)
+        layouts[node.id] = {(dep, k): position for position, (dep, k, _) in enumerate(slots)}
         entries = []
         for dep in node.deps:
             upper = graph.nodes[dep]
-            if upper.kind is NodeKind.FORWARD:
-                continue
-            reads = upper.deps if upper.kind is NodeKind.LOSS else graph.nodes[upper.forward].deps  # type: ignore[index]
-            offset = sum(counts[d] for d in reads if d < f)
-            entries.append(Upstream(dep, offset, counts[f]))
+            if upper.kind is NodeKind.LOSS:
+                offset = sum(counts[d] for d in upper.deps if d < f)
+                entries.append(Upstream(dep, tuple(offset + k for k in range(counts[f]))))
+            elif upper.kind is NodeKind.BACKWARD:
+                layout = layouts[dep]
+                entries.append(Upstream(dep, tuple(layout.get((f, k)) for k in range(counts[f]))))
         result[node.id] = entries
     return result
 

@@ -1161,6 +1161,10 @@ def _node(
             "onnx_outputs": list(outputs),
             "input_shapes": [infos[t].dims for t in proto.input if t],
             "output_shapes": output_shapes,
+            # a backward node's gradient of each output: none for masks and indices
+            "output_gradient_bytes": [
+                infos[o].nbytes if infos[o].elem_type in _FLOAT_TYPES else 0 for o in outputs
+            ],
             **({"fused_attributes": attrs} if proto.domain == FUSED_DOMAIN and attrs else {}),
         },
     )

@@ -50,8 +50,10 @@ operators, IsNaN, Shape, ArgMax, rounding) need neither: their backward node pas
 backward node reads the activations at those positions only, the others are shapes to it.
 
 "inputs" means activation inputs (values of other nodes); parameters are fixed memory and
-always available. The backward node's output is the gradient for each activation input
-(one value, sizes summed); gradients for parameters go to fixed gradient buffers, and the
+always available. The backward node's output is one value: a gradient for each output of
+its activation inputs that the forward node reads and that carries one (a float), sizes
+summed (``gradient_slots``: none for another part of a Split, a Dropout's mask or an
+index); gradients for parameters go to fixed gradient buffers, and the
 model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
 times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
 where the input is data: the weight's gradient alone), times 2.5 for
@@ -62,7 +64,7 @@ has two), times 1 otherwise.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from enum import Enum
 
@@ -146,6 +148,29 @@ def argmax_bytes(node: Node) -> int:
 def gradient_bytes(node: Node) -> int:
     """The bytes of the gradient with respect to a forward node's outputs."""
     return node.output_bytes - argmax_bytes(node)
+
+
+def gradient_slots(node: Node, nodes: Sequence[Node]) -> list[tuple[int, int, int]]:
+    """The gradients a backward node of forward ``node`` makes, one for each output of its
+    dependencies that ``node`` reads and that carries a gradient (a float: ingestion's
+    ``output_gradient_bytes``), as (dependency, output index, bytes) in dependency then
+    output order: not for an output it does not read (another part of a Split), nor for a
+    mask or an index. A graph that does not name its tensors (built by hand) has one
+    gradient per dependency, of all its outputs."""
+    read = node.attrs.get("onnx_inputs")
+    slots: list[tuple[int, int, int]] = []
+    for dep in node.deps:
+        names = nodes[dep].attrs.get("onnx_outputs")
+        sizes = nodes[dep].attrs.get("output_gradient_bytes")
+        if not (isinstance(read, list) and isinstance(names, list) and isinstance(sizes, list)):
+            slots.append((dep, 0, gradient_bytes(nodes[dep])))
+            continue
+        slots += [
+            (dep, k, size)
+            for k, (name, size) in enumerate(zip(names, sizes, strict=True))
+            if isinstance(size, int) and size and name in read
+        ]
+    return slots
 
 
 def gradient_needs(
@@ -246,16 +271,22 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
         if isinstance(written, list):
             producer.update((str(name), n.id) for name in written)
     users = forward.users()
+    sends: dict[int, set[int]] = {}  # by forward node: the nodes its backward node sends to
     for f in reversed(range(len(forward))):
         if not on_path[f]:
             continue
         node = nodes[f]
         index = len(nodes)
         backward_of[f] = index
-        upstream = [backward_of[u] for u in users[f] if u in backward_of]
+        slots = gradient_slots(node, nodes)
+        sends[f] = {dep for dep, _, _ in slots}
+        upstream = [backward_of[u] for u in users[f] if u in backward_of and f in sends[u]]
         if f in reads:
             upstream.append(loss_id)
-        nodes.append(_backward_node(node, index, upstream, nodes, names, producer, fixed))
+        gradients = sum(size for _, _, size in slots)
+        nodes.append(
+            _backward_node(node, index, upstream, gradients, nodes, names, producer, fixed)
+        )
     return Graph(Mode.TRAINING, tuple(nodes), fixed, ())
 
 
@@ -318,18 +349,20 @@ def _backward_node(
     node: Node,
     index: int,
     upstream: list[int],
+    output_bytes: int,
     nodes: list[Node],
     names: _Names,
     producer: Mapping[str, int],
     fixed: Mapping[str, FixedTensor],
 ) -> Node:
+    """Forward ``node``'s backward node, at ``index``, reading the gradients of
+    ``upstream`` and making ``output_bytes`` of gradients (``gradient_slots``)."""
     values, needs_output = gradient_needs(node, producer, fixed)
     deps = set(upstream) | set(values)
     if needs_output:
         deps.add(node.id)
     grad_in = sum(nodes[u].output_bytes for u in upstream)
     reads = sum(nodes[d].output_bytes for d in deps) - sum(nodes[u].output_bytes for u in upstream)
-    output_bytes = sum(gradient_bytes(nodes[d]) for d in node.deps)
     fixed_bytes = node.input_bytes - output_bytes  # what it reads beside its dependencies
     # the input's and the weight's gradients; only the weight's where the input is data
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0

@@ -1,6 +1,11 @@
-"""Small hand-made forward graphs for unit tests of pure logic."""
+"""Small hand-made forward graphs for unit tests of pure logic, and small ONNX models of
+the shapes they need."""
 
 from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 
@@ -39,3 +44,29 @@ def chain(n: int, size: int = 1000) -> Graph:
 def diamond() -> Graph:
     """0 -> (1, 2) -> 3."""
     return forward([(), (0,), (0,), (1, 2)])
+
+
+def split_and_dropout() -> onnx.ModelProto:
+    """x (4, 6) -> Relu -> Split into s0 (4, 2) and s1 (4, 4); s0 -> training-mode Dropout
+    (its mask an output of the node, as exporters write it) -> Sigmoid -> y0; s1 -> Tanh
+    -> y1: nodes that read one output of a node with several, none of them a mask."""
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], "relu"),
+        helper.make_node("Split", ["r", "sizes"], ["s0", "s1"], "split", axis=1),
+        helper.make_node("Dropout", ["s0", "ratio", "training"], ["d0", "mask"], "dropout"),
+        helper.make_node("Sigmoid", ["d0"], ["y0"], "sigmoid"),
+        helper.make_node("Tanh", ["s1"], ["y1"], "tanh"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "split_and_dropout",
+        [helper.make_tensor_value_info("x", f32, [4, 6])],
+        [helper.make_tensor_value_info(y, f32, [4, n]) for y, n in (("y0", 2), ("y1", 4))],
+        initializer=[
+            numpy_helper.from_array(np.array([2, 4], np.int64), "sizes"),
+            numpy_helper.from_array(np.array(0.25, np.float32), "ratio"),
+            numpy_helper.from_array(np.array(True), "training"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

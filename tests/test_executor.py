@@ -36,7 +36,9 @@ from remat.onnx_ingest import forward_graph
 from remat.plan import Compute, Copy, Free, Plan, PlanDevice, Step
 from remat.strategies import Problem, run_strategy
 from remat.strategies.heuristics.placed import placed_greedy
-from remat.training import for_mode
+from remat.training import for_mode, training_graph
+
+from graphs import split_and_dropout
 
 CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
 CPU1 = Device("cpu1", DeviceKind.CPU, {"threads": "2"})
@@ -78,6 +80,17 @@ def _strategy_plan(
     result = run_strategy(strategy, _problem(graph, percent, [device], known), device)
     assert result.plan is not None, result.message
     return result.plan
+
+
+@pytest.mark.parametrize("percent", [100, 80])
+def test_gradients_of_some_outputs_of_a_node_run_as_accounted(percent: int) -> None:
+    """Backward values hold a gradient only for the float outputs a node reads (a part of a
+    Split, not a Dropout's mask): the executor's values and account follow that layout to
+    the byte and the gradients match autograd's."""
+    model = split_and_dropout()
+    graph = training_graph(forward_graph(model))
+    plan = _strategy_plan(graph, "checkmate_milp", percent, "cpu0")
+    _assert_matches(execute(model, graph, plan, DEVICES), plan)
 
 
 def _assert_matches(report: ExecutionReport, plan: Plan) -> None:

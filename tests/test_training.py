@@ -11,7 +11,7 @@ from remat.loss import Loss, LossKind, labels_name
 from remat.onnx_ingest import forward_graph
 from remat.training import for_mode, gradient_needs, training_graph
 
-from graphs import chain, diamond, forward
+from graphs import chain, diamond, forward, split_and_dropout
 
 
 def test_layout_forward_then_loss_then_backward_in_reverse():
@@ -229,8 +229,8 @@ def _pooled_model(indices: bool) -> onnx.ModelProto:
 def test_maxpool_keeps_its_argmax_and_its_backward_reads_only_its_output(indices: bool):
     """A training MaxPool's value holds its argmax (int64 per output element) beside its
     output, unless the model's Indices output is already there; its backward node reads
-    that value and not the input, and the gradient its user sends holds no kept argmax
-    (a model's own Indices output gets a gradient slot, as every output does)."""
+    that value and not the input, and the gradient its user sends holds no argmax, kept
+    or the model's own Indices output (no gradient for an index)."""
     g = training_graph(forward_graph(_pooled_model(indices)))
     relu, pool, conv = (g.nodes[g.index(name)] for name in ("relu", "pool", "conv"))
     pooled = 1 * 2 * 3 * 3
@@ -238,7 +238,21 @@ def test_maxpool_keeps_its_argmax_and_its_backward_reads_only_its_output(indices
     assert bool(pool.attrs.get("keeps_argmax")) is not indices
     pool_grad = g.nodes[g.index("pool:grad")]
     assert pool.id in pool_grad.deps and relu.id not in pool_grad.deps
-    assert g.nodes[g.index("conv:grad")].output_bytes == 4 * pooled + (8 * pooled if indices else 0)
+    assert g.nodes[g.index("conv:grad")].output_bytes == 4 * pooled
     assert conv.output_bytes == 4 * 3 * 3 * 3
     # the forward graph (inference) is as the model says
     assert forward_graph(_pooled_model(False)).nodes[1].output_bytes == 4 * pooled
+
+
+def test_a_backward_node_sends_gradients_for_the_float_outputs_its_node_reads() -> None:
+    """A user of one part of a Split sends back a gradient for that part alone, a user of
+    a training Dropout's output none for its mask; the Split's backward node reads both."""
+    g = training_graph(forward_graph(split_and_dropout()))
+    names = ("split", "dropout", "sigmoid", "tanh")
+    grad = {name: g.nodes[g.index(f"{name}:grad")] for name in names}
+    floats = 4
+    assert grad["sigmoid"].output_bytes == 4 * 2 * floats  # d0, not the mask
+    assert grad["tanh"].output_bytes == 4 * 4 * floats  # s1 alone
+    assert grad["dropout"].output_bytes == 4 * 2 * floats  # s0 alone
+    assert grad["split"].output_bytes == 4 * 6 * floats  # the whole of r
+    assert {grad["dropout"].id, grad["tanh"].id} <= set(grad["split"].deps)

@@ -450,7 +450,7 @@ def test_hard_time_limit_is_enforced_from_outside() -> None:
     # A negative grace puts the outside deadline before the solver's own 30 s limit.
     result = runner.solve(market_split(50), "highs", SolveOptions(time_limit_s=30), grace_s=-28.5)
     assert result.status in (SolveStatus.FEASIBLE, SolveStatus.UNKNOWN)
-    assert "hard time limit" in result.message
+    assert "stopped at its time limit" in result.message
 
 
 def test_killed_child_is_an_error_that_keeps_the_incumbent() -> None:

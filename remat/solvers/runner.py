@@ -352,7 +352,8 @@ def _supervise(
                 stop_requested = now
         elif now - stop_requested > COOPERATIVE_WAIT_S:
             _ensure_dead(process)
-            return _Outcome(_from_seen(seen, backend, why + "; solver terminated"))
+            ended = f"{why} (the solver did not stop by itself and was ended)"
+            return _Outcome(_from_seen(seen, backend, ended))
 
 
 class _Suspension:
@@ -376,7 +377,7 @@ def _stop_reason(flags: _Flags, now: float, deadline: float) -> str:
     if flags.cancelled():
         return "cancelled"
     if now > deadline:
-        return "hard time limit reached"
+        return "stopped at its time limit"
     return ""
 
 

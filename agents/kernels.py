@@ -874,13 +874,18 @@ def _split(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
     axis = _axis(spec.attr("axis", 0), x.dim())
+    return tuple(torch.split(x, _split_sizes(spec, args, x.shape[axis]), dim=axis))
+
+
+def _split_sizes(spec: OpSpec, args: Args, length: int) -> list[int]:
+    """Each part's length along a ``Split``'s axis of ``length``: as given, else equal
+    parts, the last one shorter where they do not divide it."""
     sizes = spec.ints(1, args) if spec.opset >= 13 else spec.attr("split")
+    if sizes is not None:
+        return list(sizes)
     count = len(spec.outputs)
-    if sizes is None:
-        length = x.shape[axis]
-        chunk = -(-length // count)
-        sizes = [min(chunk, length - i * chunk) for i in range(count)]
-    return tuple(torch.split(x, list(sizes), dim=axis))
+    chunk = -(-length // count)
+    return [min(chunk, length - i * chunk) for i in range(count)]
 
 
 def _unbind(spec: OpSpec, args: Args) -> Outputs:
@@ -2070,6 +2075,28 @@ def _gather_grad(call: VjpCall) -> Grads:
     )
 
 
+def _split_grad(call: VjpCall) -> Grads:
+    """``Split``'s: the parts' gradients concatenated along the axis (zeros for a part no
+    gradient flows to; the input is a shape only)."""
+    shape = call.arg(0).shape
+    axis = _axis(call.spec.attr("axis", 0), len(shape))
+    like = next(g for g in call.grads if g is not None)
+
+    def joined() -> Tensor:
+        sizes = _split_sizes(call.spec, call.args, shape[axis])
+        parts = [
+            torch.zeros(
+                (*shape[:axis], size, *shape[axis + 1 :]), dtype=like.dtype, device=like.device
+            )
+            if g is None
+            else g
+            for g, size in zip(call.grads, sizes, strict=True)
+        ]
+        return torch.cat(parts, dim=axis)
+
+    return call.only(joined)
+
+
 def _unbind_grad(call: VjpCall) -> Grads:
     """``FusedUnbind``'s: the parts' gradients stacked along the axis into one tensor of the
     input's shape (zeros for a part no gradient flows to; the input is a shape only)."""
@@ -2139,6 +2166,7 @@ VJP_RULES: dict[str, Rule] = {
     "Transpose": _transpose_grad,
     "Identity": _identity_grad,
     "Concat": _concat_grad,
+    "Split": _split_grad,
     "GlobalAveragePool": _global_average_pool_grad,
     "MaxPool": _max_pool_grad,
     "MatMul": _matmul_grad,

@@ -409,6 +409,8 @@ GRAD_CASES: dict[str, GradCase] = {
     "div": GradCase("Div", [(2, 3), (2, 3)]),
     "sum": GradCase("Sum", [(2, 3), (3,), (2, 1)]),
     "concat": GradCase("Concat", [(2, 3), (2, 1), (2, 2)], {"axis": 1}),
+    "split": GradCase("Split", [(2, 3, 4)], {"axis": 1, "split": [1, 2]}, opset=11, outputs=2),
+    "split_equal": GradCase("Split", [(2, 3, 5)], {"axis": -1}, opset=11, outputs=3),
     "transpose": GradCase("Transpose", [(2, 3, 4)], {"perm": [1, 2, 0]}),
     "flatten": GradCase("Flatten", [(2, 3, 4)], {"axis": 2}),
     "global_average_pool": GradCase("GlobalAveragePool", [(2, 3, 4, 5)]),
@@ -453,13 +455,16 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def test_an_unbinds_gradient_is_zero_for_a_part_none_flows_to() -> None:
-    call = _grad_call(GRAD_CASES["fused_unbind"])
+@pytest.mark.parametrize("name", ["fused_unbind", "split_equal"])
+def test_a_parts_gradient_is_zero_where_none_flows_to_it(name: str) -> None:
+    """An unbind's and a Split's gradient where the second part gets none."""
+    call = _grad_call(GRAD_CASES[name])
     call.grads = [call.grads[0], None, call.grads[2]]
-    [ours], [reference] = kernels.vjp(call), kernels.autograd_vjp(call)
+    ours, reference = kernels.vjp(call)[0], kernels.autograd_vjp(call)[0]
     assert ours is not None and reference is not None
     torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
-    assert not ours[:, 1].any() and ours[:, 2].equal(call.grads[2])
+    second = ours[:, 1] if name == "fused_unbind" else ours[..., 2:4]
+    assert not second.any()
 
 
 def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:

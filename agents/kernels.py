@@ -899,18 +899,8 @@ def _unbind(spec: OpSpec, args: Args) -> Outputs:
 def _slice(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
-    if spec.opset < 10:
-        starts, ends = list(spec.attr("starts")), list(spec.attr("ends"))
-        axes, steps = spec.attr("axes"), None
-    else:
-        starts, ends = spec.ints(1, args) or [], spec.ints(2, args) or []
-        axes, steps = spec.ints(3, args), spec.ints(4, args)
-    axes = list(axes) if axes is not None else list(range(len(starts)))
-    steps = list(steps) if steps is not None else [1] * len(starts)
     result = x
-    for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
-        dim = _axis(axis, x.dim())
-        begin, stop, stride = slice(start, end, step).indices(x.shape[dim])
+    for dim, (begin, stop, stride) in _slice_ranges(spec, args, x.shape):
         if stride > 0:
             index = [slice(None)] * x.dim()
             index[dim] = slice(begin, stop, stride)
@@ -919,6 +909,26 @@ def _slice(spec: OpSpec, args: Args) -> Outputs:
             picks = torch.arange(begin, stop, stride, device=x.device)
             result = result.index_select(dim, picks)
     return (result,)
+
+
+def _slice_ranges(
+    spec: OpSpec, args: Args, shape: Sequence[int]
+) -> list[tuple[int, tuple[int, int, int]]]:
+    """A ``Slice``'s (axis, (start, stop, step)) for each axis it slices, normalised to
+    ``shape`` as Python's slices are."""
+    if spec.opset < 10:
+        starts, ends = list(spec.attr("starts")), list(spec.attr("ends"))
+        axes, steps = spec.attr("axes"), None
+    else:
+        starts, ends = spec.ints(1, args) or [], spec.ints(2, args) or []
+        axes, steps = spec.ints(3, args), spec.ints(4, args)
+    axes = list(axes) if axes is not None else list(range(len(starts)))
+    steps = list(steps) if steps is not None else [1] * len(starts)
+    ranges = []
+    for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+        dim = _axis(axis, len(shape))
+        ranges.append((dim, slice(start, end, step).indices(shape[dim])))
+    return ranges
 
 
 def _one_index(spec: OpSpec, args: Args) -> int | None:
@@ -2075,6 +2085,26 @@ def _gather_grad(call: VjpCall) -> Grads:
     )
 
 
+def _slice_grad(call: VjpCall) -> Grads:
+    """``Slice``'s: the gradient written into zeros of the input's shape where the slice
+    took its elements (the input is a shape only); a slice with a negative step is
+    differentiated by autograd."""
+    shape, g = call.arg(0).shape, call.g
+    ranges = _slice_ranges(call.spec, call.args, shape)
+    if any(stride < 0 for _, (_, _, stride) in ranges):
+        return autograd_vjp(call)
+    index = [slice(None)] * len(shape)
+    for dim, (begin, stop, stride) in ranges:
+        index[dim] = slice(begin, stop, stride)
+
+    def scattered() -> Tensor:
+        grad = torch.zeros(shape, dtype=g.dtype, device=g.device)
+        grad[tuple(index)] = g
+        return grad
+
+    return call.only(scattered)
+
+
 def _split_grad(call: VjpCall) -> Grads:
     """``Split``'s: the parts' gradients concatenated along the axis (zeros for a part no
     gradient flows to; the input is a shape only)."""
@@ -2167,6 +2197,7 @@ VJP_RULES: dict[str, Rule] = {
     "Identity": _identity_grad,
     "Concat": _concat_grad,
     "Split": _split_grad,
+    "Slice": _slice_grad,
     "GlobalAveragePool": _global_average_pool_grad,
     "MaxPool": _max_pool_grad,
     "MatMul": _matmul_grad,

@@ -409,6 +409,7 @@ GRAD_CASES: dict[str, GradCase] = {
     "div": GradCase("Div", [(2, 3), (2, 3)]),
     "sum": GradCase("Sum", [(2, 3), (3,), (2, 1)]),
     "concat": GradCase("Concat", [(2, 3), (2, 1), (2, 2)], {"axis": 1}),
+    "slice": GradCase("Slice", [(3, 5, 4)], {"starts": [1, 0], "ends": [3, -1], "axes": [0, 2]}, 9),
     "split": GradCase("Split", [(2, 3, 4)], {"axis": 1, "split": [1, 2]}, opset=11, outputs=2),
     "split_equal": GradCase("Split", [(2, 3, 5)], {"axis": -1}, opset=11, outputs=3),
     "transpose": GradCase("Transpose", [(2, 3, 4)], {"perm": [1, 2, 0]}),
@@ -453,6 +454,24 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
         assert a is not None and b is not None, position
         assert a.shape == b.shape, position
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("steps", [[2, 1], [1, -2]], ids=["step_2", "negative_step"])
+def test_a_slices_gradient_with_steps_matches_autograd(steps: list[int]) -> None:
+    """Starts, ends, axes and steps as inputs (opset 13); a negative step is autograd's."""
+    x = torch.randn(5, 6, dtype=torch.float64)
+    bounds = [[0, 5], [4, -6]] if steps[1] < 0 else [[0, 1], [5, 6]]
+    ints = [torch.tensor(v) for v in (*bounds, [0, 1], steps)]
+    spec = OpSpec(
+        "Slice", "node", opset=13, inputs=tuple(f"in{i}" for i in range(5)), outputs=("out",)
+    )
+    args = [x, *ints]
+    [y] = kernels.run_forward(spec, args)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    call = VjpCall(spec, args, (y,), [g], [True, False, False, False, False])
+    ours, reference = kernels.vjp(call)[0], kernels.autograd_vjp(call)[0]
+    assert ours is not None and reference is not None
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["fused_unbind", "split_equal"])

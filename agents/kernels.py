@@ -2034,6 +2034,16 @@ def _hard_swish_grad(call: VjpCall) -> Grads:
     return call.only(lambda: g * slope.to(g.dtype))
 
 
+def _hard_sigmoid_grad(call: VjpCall) -> Grads:
+    """d/dx clamp(alpha x + beta, 0, 1): alpha where the line is inside (0, 1), else 0."""
+    x, g = call.arg(0), call.g
+    alpha, beta = float(call.spec.attr("alpha", 0.2)), float(call.spec.attr("beta", 0.5))
+    line = alpha * x + beta
+    inside = (line > 0) & (line < 1)
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    return call.only(lambda: torch.where(inside, g * alpha, zero))
+
+
 def _where_grad(call: VjpCall) -> Grads:
     """The condition routes the gradient; the branches are shapes only."""
     cond, g = call.arg(0), call.g
@@ -2180,6 +2190,7 @@ VJP_RULES: dict[str, Rule] = {
     "Dropout": _dropout_grad,
     "Clip": _clip_grad,
     "HardSwish": _hard_swish_grad,
+    "HardSigmoid": _hard_sigmoid_grad,
     "Where": _where_grad,
     "Expand": _expand_grad,
     "Gather": _gather_grad,

@@ -409,6 +409,7 @@ GRAD_CASES: dict[str, GradCase] = {
     "div": GradCase("Div", [(2, 3), (2, 3)]),
     "sum": GradCase("Sum", [(2, 3), (3,), (2, 1)]),
     "concat": GradCase("Concat", [(2, 3), (2, 1), (2, 2)], {"axis": 1}),
+    "hard_sigmoid": GradCase("HardSigmoid", [(3, 40)], {"alpha": 1.0, "beta": 0.5}),
     "slice": GradCase("Slice", [(3, 5, 4)], {"starts": [1, 0], "ends": [3, -1], "axes": [0, 2]}, 9),
     "split": GradCase("Split", [(2, 3, 4)], {"axis": 1, "split": [1, 2]}, opset=11, outputs=2),
     "split_equal": GradCase("Split", [(2, 3, 5)], {"axis": -1}, opset=11, outputs=3),

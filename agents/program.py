@@ -15,13 +15,14 @@ lists, so that an executor can run the nodes in any order a plan gives:
   0.5 * mean(y**2)``; or a cross-entropy of one output against labels, or the model's own
   scalar loss output); its value is ``dL/dy`` for each output of each node it reads (zeros
   for outputs it does not read), so its size is the graph's loss ``output_bytes``;
-* a backward node's value is the gradient with respect to every output of every node its
-  forward node reads (in ``deps`` order, zeros where none flows), so that it has the
-  graph's ``output_bytes``; the gradients of parameters accumulate into gradient buffers
-  instead. Its upstream gradient is the sum of its forward node's entries
-  in the values of its upstream dependencies (the backward nodes of its users and/or the
-  loss). Inputs its gradient does not need (``remat.training.gradient_needs``) are not
-  dependencies: the kernel gets zero-stride placeholders of the right shape for them.
+* a backward node's value is the gradient with respect to each float output its forward
+  node reads of the nodes it reads (``remat.training.gradient_slots``, in ``deps`` order,
+  zeros where none flows), so that it has the graph's ``output_bytes``; the gradients of
+  parameters accumulate into gradient buffers instead. Its upstream gradient is the sum of
+  its forward node's entries in the values of its upstream dependencies (the backward
+  nodes of its users and/or the loss), zeros where none sends one. Inputs its gradient
+  does not need (``remat.training.gradient_needs``) are not dependencies: the kernel gets
+  zero-stride placeholders of the right shape for them.
 
 A value's bytes are its tensors' whole storages, as the simulator counts them: a kernel
 result that is a view into part of a larger buffer is copied (it would keep the whole
@@ -162,17 +163,20 @@ class _Call:
     at its first (``Program._call``). ``args``: the forward node's inputs by position.
     For a forward node, ``forward``: its kernel (``kernels.prepared_forward``). For a
     backward node: whether it reads its forward node's output; per output of that
-    node, the (node, tensor index) entries of its upstream gradient (None: not a float
-    output, no gradient); per tensor of its value (``deps`` order: every output of every
-    node the forward node reads), the argument positions whose gradients sum into it with
-    its (shape, dtype); and the positions that read a fixed tensor, with its name."""
+    node, the (node, tensor index) entries of its upstream gradient with the output's
+    (shape, dtype), zeros where there are none (None: not a float output, no gradient);
+    per tensor of its value (``remat.training.gradient_slots``), the argument positions
+    whose gradients sum into it with its (shape, dtype); and the positions that read a
+    fixed tensor, with its name."""
 
     node: Node
     spec: OpSpec
     args: tuple[_Fetch, ...]
     forward: Callable[[kernels.Args], tuple[kernels.Outputs, kernels.Outputs | None]] | None = None
     reads_output: bool = False
-    upstream: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+    upstream: tuple[
+        tuple[tuple[tuple[int, int], ...], tuple[int, ...], torch.dtype] | None, ...
+    ] = ()
     slots: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] = ()
     fixed: tuple[tuple[int, str], ...] = ()
 
@@ -331,14 +335,18 @@ class Program:
             read = frozenset(node.deps)
             sources = self.sources[f.id]
             upstream = tuple(
-                tuple(
-                    (u.node, position)
-                    for u in self.upstream[index]
-                    if (position := u.positions[k]) is not None
+                (
+                    tuple(
+                        (u.node, position)
+                        for u in self.upstream[index]
+                        if (position := u.positions[k]) is not None
+                    ),
+                    shape,
+                    dtype,
                 )
                 if dtype.is_floating_point
                 else None
-                for k, (_, dtype) in enumerate(self.outputs_of(f.id))
+                for k, (shape, dtype) in enumerate(self.outputs_of(f.id))
             )
             positions: dict[tuple[int, int], list[int]] = {}
             for position, source in enumerate(sources):
@@ -421,10 +429,7 @@ class Program:
         assert f is not None
         args = self._fetch(call.args, values, fixed, device)
         output = values[f] if call.reads_output else None
-        upstream = [
-            None if parts is None else _summed(values, parts, *self.outputs_of(f)[k], device)
-            for k, parts in enumerate(call.upstream)
-        ]
+        upstream = [None if up is None else _summed(values, *up, device) for up in call.upstream]
         wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
             wanted = self._wanted_by[call.node.id] = [

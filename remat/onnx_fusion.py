@@ -205,23 +205,15 @@ def fuse_unbinds(
         if picked is not None and around.read_by_layout_alone(proto.output[0]):
             data, axis, index = picked
             parts.setdefault((data, axis), []).append((index, proto, name))
-    first: dict[str, tuple[NodeProto, str]] = {}  # the first Gather's output: the fused node
-    absorbed: set[str] = set()
-    for (data, axis), found in parts.items():
-        if sorted(index for index, _, _ in found) != list(range(len(found))):
+    found = _Replacements()
+    for (data, axis), picks in parts.items():
+        if sorted(index for index, _, _ in picks) != list(range(len(picks))):
             continue  # an index picked twice, or one not picked
-        outputs = [proto.output[0] for _, proto, _ in sorted(found, key=lambda f: f[0])]
-        _, proto, name = found[0]  # in ``nodes``' order
-        first[proto.output[0]] = (fused_node(UNBIND, [data], outputs, name, axis=axis), name)
-        absorbed.update(p.output[0] for _, p, _ in found[1:])
-    result = []
-    for proto, name in nodes:
-        output = proto.output[0] if proto.output else None
-        if output in first:
-            result.append(first[output])
-        elif output not in absorbed:
-            result.append((proto, name))
-    return result
+        outputs = [proto.output[0] for _, proto, _ in sorted(picks, key=lambda p: p[0])]
+        _, first, name = picks[0]  # in ``nodes``' order
+        node = fused_node(UNBIND, [data], outputs, name, axis=axis)
+        found.add(node, name, [p.output[0] for _, p, _ in picks[1:]], at=first.output[0])
+    return found.applied(nodes)
 
 
 def _picked(proto: NodeProto, tensors: Tensors) -> tuple[str, int, int] | None:
@@ -246,22 +238,27 @@ def _picked(proto: NodeProto, tensors: Tensors) -> tuple[str, int, int] | None:
 
 @dataclass
 class _Replacements:
-    """The fused nodes a fusion found, each by the output it makes (that of the last node
-    it replaces), and the outputs of the other nodes they replace."""
+    """The fused nodes a fusion found, each by the output of the node whose place it
+    takes (by default its own output, that of the last node it replaces), and the outputs
+    of the other nodes they replace."""
 
     fused: dict[str, tuple[NodeProto, str]] = field(default_factory=dict)
     absorbed: set[str] = field(default_factory=set)
 
-    def add(self, node: NodeProto, name: str, replaced: Sequence[str]) -> None:
-        """``node`` (named ``name``) in place of the node making its output and of the
-        nodes making ``replaced``, unless one of those is another fused node's already."""
-        outputs = [*replaced, node.output[0]]
+    def add(
+        self, node: NodeProto, name: str, replaced: Sequence[str], at: str | None = None
+    ) -> None:
+        """``node`` (named ``name``) in place of the node making output ``at`` (default:
+        its own first output) and of the nodes making ``replaced``, unless one of those
+        is another fused node's already."""
+        place = node.output[0] if at is None else at
+        outputs = [*replaced, place]
         if not any(o in self.absorbed or o in self.fused for o in outputs):
-            self.fused[node.output[0]] = (node, name)
+            self.fused[place] = (node, name)
             self.absorbed.update(replaced)
 
     def applied(self, nodes: Sequence[tuple[NodeProto, str]]) -> list[tuple[NodeProto, str]]:
-        """``nodes`` with the node making each fused node's output replaced by it, and the
+        """``nodes`` with the node at each fused node's place replaced by it, and the
         nodes making the outputs it absorbed dropped."""
         result = []
         for proto, name in nodes:

@@ -26,7 +26,9 @@ temporaries of a gradient), which a plan made from a profiled table counts (the 
 ``workspace_bytes``) and the replay's analytical costs do not. The report's predicted
 peak is the plan's own (``Plan.predicted``; the replay's for a plan without one); it also
 keeps the executor's own account for every device (``accounted_peak_bytes``, which equals
-the replay's peak for a correct run of a plan without transfers) and, for CUDA, the
+the replay's peak for a correct run of a plan without transfers, less the workspace the
+replay charges while a node runs, such as an attention's scores, which no tensor the
+account sees holds) and, for CUDA, the
 allocator's peak (``allocator_peak_bytes``: ``max_memory_allocated``, which adds the
 allocator's rounding of every block and the slack of cached blocks it reuses without
 splitting, up to 1 MiB each).

@@ -48,6 +48,7 @@ from remat.onnx_fusion import (
     FUSED_OPS,
     GELU,
     LAYER_NORM,
+    LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
     SILU,
@@ -134,6 +135,17 @@ class OpSpec:
         """Constant inputs as ints, each converted at its first read: a Reshape's shape is
         read at every step that computes it."""
         return {}
+
+    @cached_property
+    def layout_steps(self) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+        """A ``FusedLayout``'s steps as (whether it is a transpose, its target shape or
+        permutation), read from its attributes once."""
+        steps: list[tuple[bool, tuple[int, ...]]] = []
+        dims, start = self.attr("dims", []), 0
+        for kind, rank in zip(self.attr("steps", []), self.attr("ranks", []), strict=True):
+            steps.append((kind == "transpose", tuple(dims[start : start + rank])))
+            start += rank
+        return tuple(steps)
 
     def scalar(self, position: int, args: Args) -> float | None:
         if not self.has_input(position):
@@ -896,6 +908,16 @@ def _unbind(spec: OpSpec, args: Args) -> Outputs:
     return x.unbind(int(spec.attr("axis", 0)))
 
 
+def _layout(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``FusedLayout``: its reshapes and transposes in order, views
+    where PyTorch can make them, as the chain of layout operators it stands for."""
+    x = args[0]
+    assert x is not None
+    for transpose, dims in spec.layout_steps:
+        x = x.permute(dims) if transpose else x.reshape(dims)
+    return (x,)
+
+
 def _slice(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
@@ -1510,6 +1532,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     GELU: _gelu,
     SILU: _silu,
     UNBIND: _unbind,
+    LAYOUT: _layout,
     "Clip": _clip,
     "Cast": _cast,
     "Softmax": _softmax_like(torch.softmax),
@@ -1777,10 +1800,7 @@ def _reshape_grad(call: VjpCall) -> Grads:
 def _transpose_grad(call: VjpCall) -> Grads:
     g = call.g
     perm = call.spec.attr("perm") or list(reversed(range(g.dim())))
-    inverse = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inverse[p] = i
-    return call.only(lambda: g.permute(*inverse))
+    return call.only(lambda: g.permute(_inverse(perm)))
 
 
 def _concat_grad(call: VjpCall) -> Grads:
@@ -2137,6 +2157,33 @@ def _split_grad(call: VjpCall) -> Grads:
     return call.only(joined)
 
 
+def _layout_grad(call: VjpCall) -> Grads:
+    """``FusedLayout``'s: the upstream gradient through the steps undone in reverse order,
+    each reshape back to the shape before it, each transpose by the inverse permutation
+    (the input is a shape only)."""
+    steps = call.spec.layout_steps
+    shapes = []  # the shape before each step
+    shape = tuple(call.arg(0).shape)
+    for transpose, dims in steps:
+        shapes.append(shape)
+        shape = tuple(shape[d] for d in dims) if transpose else dims
+
+    def undone() -> Tensor:
+        g = call.g
+        for (transpose, dims), before in zip(reversed(steps), reversed(shapes), strict=True):
+            g = g.permute(_inverse(dims)) if transpose else g.reshape(before)
+        return g
+
+    return call.only(undone)
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
 def _unbind_grad(call: VjpCall) -> Grads:
     """``FusedUnbind``'s: the parts' gradients stacked along the axis into one tensor of the
     input's shape (zeros for a part no gradient flows to; the input is a shape only)."""
@@ -2225,6 +2272,7 @@ VJP_RULES: dict[str, Rule] = {
     GELU: _gelu_grad,
     SILU: _silu_grad,
     UNBIND: _unbind_grad,
+    LAYOUT: _layout_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -87,6 +87,23 @@ where each is read by layout operators alone (``Reshape``, ``Transpose``, ``Sque
 their gradients read no input, so each part is released once its readers have run in
 the forward pass. A part that an operator's gradient reads (Swin's values, read by a
 ``MatMul``) would hold the others with it until the backward pass: those stay apart.
+
+Exporters split and merge attention heads, patches and windows with chains of layout
+operators (``Reshape``, ``Transpose``, ``Squeeze``, ``Unsqueeze``, ``Flatten``,
+``Identity``): Hugging Face's GPT-2 and BERT write ``Reshape`` then ``Transpose`` for each
+of the queries, keys and values, torchvision's ViT four in a row, Swin's window partition
+six. Planned node by node, each member is a node with a value of its own and a backward
+node that only reshapes or permutes a gradient; an executor runs a step for each, where
+eager PyTorch makes views in one Python call each and runs their backward in C++. Fused,
+a chain is one ``FusedLayout`` node with the chain's input, the last member's output and
+its steps: the attribute ``steps`` names each (``reshape`` or ``transpose``), ``dims``
+holds their target shapes and permutations one after another and ``ranks`` how many
+entries each takes. Consecutive reshapes are one, consecutive transposes are composed, and
+a step that changes nothing is dropped (a chain may end with none: the identity, a node
+without attributes). Its
+gradient undoes the steps in reverse order and reads no input. A chain is two or more
+layout operators of ONNX's domain, each member's output read by the next alone (as its
+data, no model output), on a float tensor whose every shape along the chain is static.
 """
 
 from __future__ import annotations
@@ -107,7 +124,8 @@ SILU = "FusedSilu"
 LAYER_NORM = "FusedLayerNorm"
 RMS_NORM = "FusedRMSNorm"
 UNBIND = "FusedUnbind"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND})
+LAYOUT = "FusedLayout"
+FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND, LAYOUT})
 
 Shape = tuple[int, ...]
 # Operators that move or view their input's elements, whose gradients read no input
@@ -214,6 +232,84 @@ def fuse_unbinds(
         node = fused_node(UNBIND, [data], outputs, name, axis=axis)
         found.add(node, name, [p.output[0] for _, p, _ in picks[1:]], at=first.output[0])
     return found.applied(nodes)
+
+
+def fuse_layout_chains(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every chain of two or more layout
+    operators replaced by one ``FusedLayout`` at the last one's place, named as the first
+    (the module docstring)."""
+    around = _Neighbours.of(nodes, tensors)
+    following: dict[str, NodeProto] = {}  # a member's output -> the member that reads it
+    for proto, _ in nodes:
+        if _is_layout(proto) and tensors.is_float(proto.input[0]):
+            after = around.only_reader(proto.output[0], tuple(_LAYOUT))
+            if after is not None and after.input[0] == proto.output[0]:
+                following[proto.output[0]] = after
+    continued = {after.output[0] for after in following.values()}
+    found = _Replacements()
+    for proto, name in nodes:
+        if proto.output[0] not in following or proto.output[0] in continued:
+            continue  # not a chain's first member
+        chain = [proto]
+        while (after := following.get(chain[-1].output[0])) is not None:
+            chain.append(after)
+        steps = _layout_steps(chain, tensors)
+        if steps is None:
+            continue
+        attributes = {  # none for the identity: ONNX has no empty list attribute
+            "steps": [kind for kind, _ in steps],
+            "dims": [d for _, dims in steps for d in dims],
+            "ranks": [len(dims) for _, dims in steps],
+        }
+        attributes = attributes if steps else {}
+        node = fused_node(LAYOUT, [proto.input[0]], chain[-1].output[0], name, **attributes)
+        found.add(node, name, [member.output[0] for member in chain[:-1]])
+    return found.applied(nodes)
+
+
+def _is_layout(proto: NodeProto) -> bool:
+    return (
+        proto.op_type in _LAYOUT
+        and proto.domain in DEFAULT_DOMAINS
+        and len(proto.input) >= 1
+        and len(proto.output) == 1
+    )
+
+
+def _layout_steps(chain: Sequence[NodeProto], tensors: Tensors) -> list[tuple[str, Shape]] | None:
+    """The steps of a layout chain, (``reshape``, target shape) or (``transpose``,
+    permutation), merged and without those that change nothing; None where a shape along
+    the chain is not static or a permutation is not one."""
+    start = tensors.shape(chain[0].input[0])
+    if start is None:
+        return None
+    steps: list[tuple[str, Shape, Shape]] = []  # (kind, dims, the shape before the step)
+    shape = start
+    for member in chain:
+        after = tensors.shape(member.output[0])
+        if after is None:
+            return None
+        if member.op_type == "Transpose":
+            perm = next((tuple(a.ints) for a in member.attribute if a.name == "perm"), None)
+            perm = perm or tuple(reversed(range(len(shape))))
+            if sorted(perm) != list(range(len(shape))):
+                return None
+            if steps and steps[-1][0] == "transpose":  # permute(p) then permute(q)
+                _, first, before = steps.pop()
+                perm = tuple(first[i] for i in perm)
+                shape = before
+            if perm != tuple(range(len(perm))):
+                steps.append(("transpose", perm, shape))
+        elif member.op_type != "Identity":
+            if steps and steps[-1][0] == "reshape":
+                shape = steps.pop()[2]
+            if after != shape:
+                steps.append(("reshape", after, shape))
+        shape = after
+    return [(kind, dims) for kind, dims, _ in steps]
 
 
 def _picked(proto: NodeProto, tensors: Tensors) -> tuple[str, int, int] | None:

@@ -4,7 +4,8 @@ Steps: load and check the model (``load_model``); give every graph input a concr
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
 ``Add`` into one operator, each GELU, SiLU, layer and RMS normalization written as its formula,
-and where asked each attention chain (``remat.onnx_fusion``);
+the ``Gather``'s that unbind a packed projection, where asked each attention chain, and each
+chain of layout operators (``remat.onnx_fusion``);
 build one ``FORWARD`` node per remaining operator.
 
 Folding. A node is *constant* when it is a standard ONNX operator without subgraphs or
@@ -49,6 +50,7 @@ from remat.onnx_fusion import (
     fuse_activation_chains,
     fuse_attention_chains,
     fuse_layer_norms,
+    fuse_layout_chains,
     fuse_linear_layers,
     fuse_rms_norms,
     fuse_unbinds,
@@ -983,6 +985,8 @@ def forward_graph(
     fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
     if fuse_attention:
         fused = fuse_attention_chains(fused, tensors, opset=folder.opsets.get("", 0))
+    # last: the fusions above find their chains' members by the layout operators around them
+    fused = fuse_layout_chains(fused, tensors)
     return _build(model, folder, input_infos, fused)
 
 

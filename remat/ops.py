@@ -12,7 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, RMS_NORM, SILU, UNBIND
+from remat.onnx_fusion import (
+    ATTENTION,
+    GELU,
+    LAYER_NORM,
+    LAYOUT,
+    MATMUL_ADD,
+    RMS_NORM,
+    SILU,
+    UNBIND,
+)
 
 Shape = tuple[int, ...]
 Shapes = Sequence[Shape]
@@ -170,7 +179,7 @@ FLOPS: dict[str, FlopsFn] = {
     # Transcendentals take a handful of FLOPs each on any hardware.
     **dict.fromkeys(_TRANSCENDENTAL, _per_output_elem(4)),
     **dict.fromkeys(_REDUCTIONS, _per_input_elem(1)),
-    **dict.fromkeys((*_DATA_MOVEMENT, UNBIND), _free),
+    **dict.fromkeys((*_DATA_MOVEMENT, UNBIND, LAYOUT), _free),
 }
 _DEFAULT: FlopsFn = _per_output_elem(1)
 

@@ -26,8 +26,8 @@ accumulates weight gradients into fixed buffers). It depends on
 | inputs + output  | LRN; any op not listed (conservative)                                |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
-|                  | ReduceMean, ReduceSum, Slice, Neg, Expand, FusedUnbind, and every    |
-|                  | operator without a gradient (Equal, IsNaN, ...)                      |
+|                  | ReduceMean, ReduceSum, Slice, Neg, Expand, FusedUnbind, FusedLayout, |
+|                  | and every operator without a gradient (Equal, IsNaN, ...)            |
 | other operand    | Mul (each input's gradient needs the other: the activation inputs    |
 |                  | are read when another operand is an activation or a trained fixed    |
 |                  | tensor), Div (dividend and divisor, when the divisor is an           |
@@ -71,7 +71,16 @@ from enum import Enum
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, MATMUL_ADD, RMS_NORM, SILU, UNBIND
+from remat.onnx_fusion import (
+    ATTENTION,
+    GELU,
+    LAYER_NORM,
+    LAYOUT,
+    MATMUL_ADD,
+    RMS_NORM,
+    SILU,
+    UNBIND,
+)
 
 
 class Needs(Enum):
@@ -118,7 +127,8 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("LRN", Needs.BOTH),
     **_ops(
         "Add Sub Sum Concat Split Reshape Flatten Transpose Identity Pad AveragePool "
-        f"GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg Expand {UNBIND}",
+        "GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg Expand "
+        f"{UNBIND} {LAYOUT}",
         Needs.NEITHER,
     ),
     **dict.fromkeys(NO_GRADIENT_OPS, Needs.NEITHER),

@@ -32,7 +32,8 @@ inference gives every tensor's shape, and ingestion names every node it cannot p
 An operator missing below may still ingest and plan (analytical cost: one FLOP per output
 element, its gradient assumed to read its inputs and output); a node agent refuses to run
 it. `MatMulAdd`, `ScaledDotProductAttention`, `FusedGelu`, `FusedSilu`, `FusedLayerNorm`,
-`FusedRMSNorm` and `FusedUnbind` are Remat's own (domain `ai.remat`): ingestion fuses a
+`FusedRMSNorm`, `FusedUnbind` and `FusedLayout` are Remat's own (domain `ai.remat`):
+ingestion fuses a
 `Linear` layer's `MatMul` and bias `Add` into the first, attention's `MatMul`, scale, mask
 `Add`, `Softmax` and `MatMul` into the second, a GELU written as elementwise operators
 (`Erf` or `Tanh` among them) into the third, `x * sigmoid(x)` (`Sigmoid`, `Mul`) into the
@@ -41,7 +42,9 @@ fourth, a layer normalization written as its formula before opset 17 (`ReduceMea
 normalization (`Pow`, `ReduceMean`, `Add`, `Sqrt`, `Div`, `Mul`, `Mul`) into the sixth,
 and the `Gather`s that pick each part of a packed projection (`MultiheadAttention`'s
 queries, keys and values) into the seventh (`remat/onnx_fusion.py`), as PyTorch runs
-them.
+them, and a chain of two or more layout operators (`Reshape`, `Transpose`, `Squeeze`,
+`Unsqueeze`, `Flatten`, `Identity`: attention heads split and merged) into the eighth, its
+reshapes and transposes merged.
 
 Columns: **cost**: the FLOP rule (`per element` = a fixed number per output element,
 `free` = data movement, timed by its bytes); **gradient reads**: what the backward node

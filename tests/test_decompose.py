@@ -2,6 +2,7 @@
 graph as the plan order needs, held values carry no gradient buffer, and the exact
 strategies stitch the parts' plans into one plan the simulator accepts."""
 
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -64,9 +65,10 @@ def test_segments_are_contiguous_bounded_and_cut_where_little_crosses(large):
     assert [i for cut in cuts for i in cut] == forward
     assert all(len(cut) <= 50 for cut in cuts) and len(cuts) > 2
     crossing = crossing_bytes(graph, costs)
-    for cut in cuts[1:]:  # no cut in its window is cheaper
-        window = range(max(cut.start - 25, 1), cut.start + 1)
-        assert crossing[cut.start] <= min(crossing[c] for c in window if c > cut.start - 26)
+    for before, cut in itertools.pairwise(cuts):  # none in its window is cheaper
+        window = range(before.start + 25, before.start + 51)
+        assert cut.start in window
+        assert crossing[cut.start] == min(crossing[c] for c in window)
 
 
 def test_parts_compute_each_backward_node_once_and_read_only_what_is_resident(large):
@@ -230,7 +232,7 @@ def test_xengine_on_a_large_graph_says_when_no_device_holds_its_fixed_tensors_al
     stack's activations need several times its weights), the message says why instead of
     a part's shortfall."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=2, gap=0.01, threads=2))
-    problem = _problem(6, 50, devices=("cpu0", "cuda0"), settings=quick)
+    problem = _problem(7, 50, devices=("cpu0", "cuda0"), settings=quick)
     budget = device_fixed_bytes(problem, "cuda0") - 1
     problem = replace(problem, budgets={"cpu0": budget, "cuda0": budget})
     assert is_large(problem.graph) and shortfall(problem, ("cpu0", "cuda0")) is None
@@ -302,7 +304,7 @@ def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone
     solves beside it, so on a loaded machine it may end before its root relaxation lifts
     it above the ideal: that it does lift it is ``test_cover``'s to show."""
     quick = SolverSettings(options=SolveOptions(time_limit_s=6, gap=0.01, threads=2))
-    problem = _problem(6, 50, devices=("cpu0", "cuda0"), settings=quick)
+    problem = _problem(7, 50, devices=("cpu0", "cuda0"), settings=quick)
     alone: list[tuple[str, StrategyResult]] = []
     solve_alone = xengine_module.checkmate_milp
 
@@ -355,7 +357,7 @@ def test_inference_graphs_decompose_into_forward_parts_and_keep_the_outputs():
     """Without a budget the stitched plan computes each node once. (At the checkpoint-all
     peak it may not: a part holds the values it reads from earlier parts until it ends,
     where the whole graph's schedule frees them after their last reader.)"""
-    problem = replace(_problem(12, 100, mode=Mode.INFERENCE), budgets={"cuda0": None})
+    problem = replace(_problem(14, 100, mode=Mode.INFERENCE), budgets={"cuda0": None})
     assert is_large(problem.graph)
     graph = problem.graph
     plan_parts = parts(graph, segments(graph, problem.costs))

@@ -37,11 +37,11 @@ OPTIMAL = SolveOptions(time_limit_s=120, gap=1e-6, threads=1)  # closes in 10 to
 
 @pytest.fixture(scope="module")
 def transformer_closures() -> Iterator[tuple[Future[SolveResult], Future[SolveResult]]]:
-    """The cover with closure rows on the transformer at 32%, with and without its copy
+    """The cover with closure rows on the transformer at 24%, with and without its copy
     rows, each solved to optimality on one thread: started when the module's first test
     asks, so that they solve beside its own work (the U-Net's, whose device cover is
     given time enough for that); two tests read them. Those unread are stopped."""
-    problem = _problem("transformer", 32)
+    problem = _problem("transformer", 24)
     with_rows = device_closure_model(problem, NAMES).model
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(device_cover_module, "_copy_rows", lambda *_: None)
@@ -67,7 +67,7 @@ def _first_plan(problem: Problem) -> StrategyResult:
     return run_strategy("xengine", replace(problem, solver=settings))
 
 
-@pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 32)])
+@pytest.mark.parametrize(("name", "percent"), [("unet", 25), ("transformer", 24)])
 def test_the_device_cover_bounds_every_plan_on_two_devices(
     name: str,
     percent: float,
@@ -99,7 +99,7 @@ def test_a_copy_needs_a_source_elsewhere_and_a_reader_there(
 ) -> None:
     """Without its copy rows the cover lets a value that only the accelerator ever held
     come back there at a copy's price, cheaper than recomputing it and its inputs: on the
-    transformer at 32% the rows raise the bound of the cover with closure rows by 1% or
+    transformer at 24% the rows raise the bound of the cover with closure rows by 1% or
     more (both solved to optimality; the previous test checks it against the plans)."""
     with_rows, without_rows = (solve.result() for solve in transformer_closures)
     bounds = []
@@ -117,7 +117,7 @@ def test_a_placement_fixed_bounds_its_cost_closer_than_the_whole_lp(
     the LP's rounded placement): each node first on its device of the placement only,
     and its LP relaxation's optimum between the whole LP's and the placement's cost in the
     MILP (the optimum's placement, solved to optimality by the fixture)."""
-    cover = device_closure_model(_problem("transformer", 32), NAMES)
+    cover = device_closure_model(_problem("transformer", 24), NAMES)
     optimum = transformer_closures[0].result()
     assert optimum.x is not None and optimum.objective is not None
     home = cover.placement(optimum.x)

@@ -32,6 +32,7 @@ from remat.onnx_fusion import (
     FUSED_DOMAIN,
     GELU,
     LAYER_NORM,
+    LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
     SILU,
@@ -360,6 +361,13 @@ class GradCase:
     outputs: int = 1
 
 
+# A FusedLayout that splits the heads of (2, 6, 4), moves them before the tokens and
+# merges them with the batch
+HEADS_MOVED = {
+    "steps": ["reshape", "transpose", "reshape"],
+    "dims": [2, 6, 2, 2, 0, 2, 1, 3, 4, 12],
+    "ranks": [4, 4, 2],
+}
 GRAD_CASES: dict[str, GradCase] = {
     "conv": GradCase(
         "Conv",
@@ -398,6 +406,11 @@ GRAD_CASES: dict[str, GradCase] = {
         ATTENTION, [(2, 4, 5), (2, 5, 6), (2, 6, 3), (1, 4, 6)], domain=FUSED_DOMAIN
     ),
     "fused_unbind": GradCase(UNBIND, [(2, 3, 4)], {"axis": 1}, domain=FUSED_DOMAIN, outputs=3),
+    # the heads of (2, 6, 4) split, moved before the tokens, and merged with them
+    "fused_layout": GradCase(LAYOUT, [(2, 6, 4)], HEADS_MOVED, domain=FUSED_DOMAIN),
+    "fused_layout_identity": GradCase(
+        LAYOUT, [(2, 3)], {"steps": [], "dims": [], "ranks": []}, domain=FUSED_DOMAIN
+    ),
     "layer_norm": GradCase("LayerNormalization", [(2, 3, 8), (8,), (8,)]),
     "layer_norm_two_axes": GradCase(
         "LayerNormalization", [(2, 3, 4), (3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3}

@@ -812,6 +812,104 @@ def test_gathers_stay_apart_unless_they_pick_each_index_once(
     assert "Gather" in ops_of(graph), case
 
 
+# --- chains of layout operators: one node ---------------------------------------------------
+
+LAYOUT_SHAPE = (2, 6, 4)  # (batch, tokens, width): two heads of width 2
+
+
+def _layout_model(
+    members: Sequence[tuple[str, Any]], *, read_also: int | None = None,
+    outputs: Sequence[str] = ("y",), dtype: int = F32,
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu of x (2, 6, 4), then ``members`` in a row, each (``Reshape``, its shape),
+    (``Transpose``, its perm), (``Squeeze``/``Unsqueeze``, its axes) or (``Identity``,
+    None), then Relu (``read_also``: member of that index also read by a Neg, summed in;
+    ``dtype``: the chain's element type, cast there and back)."""
+    nodes = [helper.make_node("Relu", ["x0"], ["x"], name="pre")]
+    tensor = "x"
+    if dtype != F32:
+        nodes.append(helper.make_node("Cast", ["x"], ["xc"], name="cast", to=dtype))
+        tensor = "xc"
+    for position, (op, value) in enumerate(members):
+        made, name = f"m{position}", f"member{position}"
+        if op == "Transpose":
+            nodes.append(helper.make_node(op, [tensor], [made], name, perm=list(value)))
+        elif op == "Identity":
+            nodes.append(helper.make_node(op, [tensor], [made], name))
+        else:
+            nodes.append(const_node(f"c{position}", value))
+            nodes.append(helper.make_node(op, [tensor, f"c{position}"], [made], name))
+        tensor = made
+    if dtype != F32:
+        nodes.append(helper.make_node("Cast", [tensor], ["back"], name="back", to=F32))
+        tensor = "back"
+    nodes.append(helper.make_node("Relu", [tensor], ["y"], name="post"))
+    if read_also is not None:
+        nodes.append(helper.make_node("Neg", [f"m{read_also}"], ["z"], name="other"))
+    return model(nodes, [vi("x0", LAYOUT_SHAPE)], [out(o, 2) for o in outputs])
+
+
+HEADS_MOVED = [("Reshape", [2, 6, 2, 2]), ("Transpose", [0, 2, 1, 3]), ("Reshape", [4, 12])]
+
+
+def test_a_chain_of_layout_operators_is_one_node() -> None:
+    graph = ingest(_layout_model(HEADS_MOVED))
+    assert ops_of(graph) == ["Relu", "FusedLayout", "Relu"]
+    layout = graph.nodes[1]
+    assert layout.name == "member0"  # the first member's name, the last one's place
+    assert layout.attrs["onnx_inputs"] == ["x"]
+    assert layout.attrs["onnx_outputs"] == ["m2"]
+    assert layout.attrs["output_shapes"] == [(4, 12)]
+    assert layout.attrs["fused_attributes"] == {  # strings as ONNX's attributes hold them
+        "steps": [b"reshape", b"transpose", b"reshape"],
+        "dims": [2, 6, 2, 2, 0, 2, 1, 3, 4, 12],
+        "ranks": [4, 4, 2],
+    }
+    assert layout.flops == 0
+    # its gradient reads no forward value: the input's shape only
+    [backward] = [n for n in training_graph(graph).nodes if n.forward == 1]
+    assert 0 not in backward.deps and 1 not in backward.deps
+
+
+@pytest.mark.parametrize(
+    ("members", "steps", "dims"),
+    [
+        # reshapes in a row are one; transposes in a row are one permutation
+        ([("Unsqueeze", [0]), ("Reshape", [2, 24])], [b"reshape"], [2, 24]),
+        ([("Transpose", [1, 0, 2]), ("Transpose", [0, 2, 1])], [b"transpose"], [1, 2, 0]),
+        # steps that undo each other leave the identity
+        ([("Unsqueeze", [1]), ("Identity", None), ("Squeeze", [1])], [], []),
+        ([("Transpose", [0, 2, 1]), ("Reshape", [2, 4, 6]), ("Transpose", [0, 2, 1])], [], []),
+    ],
+    ids=["reshapes", "transposes", "squeeze_undone", "transpose_undone"],
+)
+def test_a_layout_chains_steps_are_merged(
+    members: list[tuple[str, Any]], steps: list[bytes], dims: list[int]
+) -> None:
+    graph = ingest(_layout_model(members))
+    assert ops_of(graph) == ["Relu", "FusedLayout", "Relu"]
+    attributes = graph.nodes[1].attrs.get("fused_attributes", {})
+    assert attributes.get("steps", []) == steps
+    assert attributes.get("dims", []) == dims
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("one_operator", {"members": HEADS_MOVED[:1]}),
+        ("a_member_read_elsewhere", {"members": HEADS_MOVED[:2], "read_also": 0}),
+        ("a_member_a_model_output", {"members": HEADS_MOVED[:2], "outputs": ("y", "m0")}),
+        ("integers", {"members": HEADS_MOVED[:2], "dtype": TensorProto.INT64}),
+    ],
+)  # fmt: skip
+def test_layout_operators_stay_apart_unless_a_chain_of_floats(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_layout_model(**kwargs))
+    assert "FusedLayout" not in ops_of(graph), case
+    assert "Reshape" in ops_of(graph), case
+
+
 # --- layer normalization's formula fused -------------------------------------------------
 
 
@@ -1562,4 +1660,11 @@ def test_large_sample_ingests() -> None:
     graph = load_forward_graph(model.SerializeToString(), batch=8, fuse_attention=False)
     fused = sum(n.op == "MatMulAdd" for n in graph.nodes)
     assert len(model.graph.node) >= 2000 and fused >= 400
-    assert len(graph) == len(model.graph.node) - fused  # one node per operator, pairs fused
+    # one node per operator, pairs fused, each chain of layout operators one node
+    layout = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+    chained = sum(n.op_type in layout for n in model.graph.node) - sum(
+        n.op in layout for n in graph.nodes
+    )
+    chains = sum(n.op == "FusedLayout" for n in graph.nodes)
+    assert chains > 0
+    assert len(graph) == len(model.graph.node) - fused - (chained - chains)

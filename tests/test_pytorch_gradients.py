@@ -27,7 +27,7 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, RMS_NORM, SILU, UNBIND
+from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, LAYOUT, RMS_NORM, SILU, UNBIND
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -88,8 +88,8 @@ def test_transformer_encoder(exporter: Exporter, opset: int) -> None:
     """Opset 14 has no LayerNormalization: the exporter writes its formula, which ingestion
     makes one ``FusedLayerNorm``; dynamo at 18 writes the operator. Both exporters pick the
     packed projection's queries, keys and values with a ``Gather`` each: one
-    ``FusedUnbind``."""
-    fused = (UNBIND, LAYER_NORM) if opset < 17 else (UNBIND,)
+    ``FusedUnbind``. The heads' splits and merges are ``FusedLayout`` nodes."""
+    fused = (UNBIND, LAYOUT, LAYER_NORM) if opset < 17 else (UNBIND, LAYOUT)
     _check("transformer_encoder", exporter=exporter, opset=opset, fused=fused)
 
 
@@ -104,8 +104,9 @@ def test_recurrent_layers_with_packed_gates(name: str) -> None:
 def test_torchvision_models(name: str) -> None:
     """EfficientNet's SiLU (``x * sigmoid(x)``) is one ``FusedSilu`` node; its
     squeeze-excitation gates (another tensor times a sigmoid) stay apart. The ViT's
-    ``MultiheadAttention`` picks its queries, keys and values with one ``FusedUnbind``."""
-    fused = {"efficientnet_b0": (SILU,), "vit_small": (UNBIND,)}.get(name, ())
+    ``MultiheadAttention`` picks its queries, keys and values with one ``FusedUnbind`` and
+    splits and merges its heads with ``FusedLayout`` chains."""
+    fused = {"efficientnet_b0": (SILU,), "vit_small": (UNBIND, LAYOUT)}.get(name, ())
     _check(name, fused=fused)
 
 
@@ -142,6 +143,7 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     exporter folds the position embeddings' lookup of constant positions into a constant:
     that weight gets no gradient. BERT's and GPT-2's GELU, written as elementwise
     operators by both exporters, is one ``FusedGelu`` node too, T5's RMS normalization one
-    ``FusedRMSNorm``."""
-    fused = {"bert": (GELU,), "gpt2": (GELU,), "t5": (RMS_NORM,)}.get(name, ())
+    ``FusedRMSNorm``, and each model's splits and merges of its heads ``FusedLayout``
+    chains."""
+    fused = (*{"bert": (GELU,), "gpt2": (GELU,), "t5": (RMS_NORM,)}.get(name, ()), LAYOUT)
     _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"), fused=fused)

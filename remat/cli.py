@@ -668,7 +668,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     problem = _problem(args)
     starts = {str(path): _start(path, problem) for path in args.start_from}
     problem = problem.starting_from(starts.values())
+    start = time.monotonic()
     result = noted_if_known(run_strategy(args.strategy, problem), starts)
+    searched_s = time.monotonic() - start
     if result.plan is None:
         raise InvalidInputError(result.message)
     document = plan_to_json(result.plan)
@@ -678,7 +680,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document))
     else:
-        _print_summary(problem, result)
+        _print_summary(problem, result, searched_s)
     return 0
 
 
@@ -760,7 +762,9 @@ def _family_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(problem: Problem, result: StrategyResult) -> None:
+def _print_summary(problem: Problem, result: StrategyResult, searched_s: float) -> None:
+    """The plan's summary; ``searched_s``: how long the strategy took (the exact
+    strategies' solver seconds are the full model's solve, one part of their search)."""
     assert result.plan is not None and result.simulation is not None
     sim = result.simulation
     used = [d.name for d in result.plan.devices]
@@ -793,9 +797,10 @@ def _print_summary(problem: Problem, result: StrategyResult) -> None:
             parts.append(f"bound {solver.bound:.4f} {problem.objective.unit}")
         if solver.gap is not None:
             parts.append(f"gap {solver.gap:.2%}")
-        if solver.seconds is not None:
-            parts.append(f"{solver.seconds:.1f} s")
+        if solver.seconds:
+            parts.append(f"{solver.seconds:.1f} s in the solver")
         print(f"solver:     {', '.join(parts)}")
+    print(f"search:     {searched_s:.1f} s in all")
     if result.message:
         print(f"note:       {result.message}")
 

@@ -1,6 +1,7 @@
 """The command line, run as a real process."""
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,22 @@ def test_infeasible_budget_states_what_is_needed(vgg):
     )
     assert result.returncode == 2
     assert "infeasible" in result.stderr and "needs at least" in result.stderr
+
+
+def test_an_exact_plan_says_how_long_the_search_took_beside_its_solver(vgg):
+    """The solver's seconds are the full model's solve, one part of the search (the warm
+    start, the covers, the restrictions beside it): the summary gives both."""
+    found = remat(
+        "plan", str(vgg), "--batch", "2", "--budget", "cpu0=60%", "--strategy", "checkmate_milp",
+        "--time-limit", "3",
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    searched = re.search(r"^search: +([0-9.]+) s in all$", found.stdout, re.MULTILINE)
+    assert searched is not None, found.stdout
+    solver = re.search(r"^solver: .*?(?:, ([0-9.]+) s in the solver)?$", found.stdout, re.MULTILINE)
+    assert solver is not None, found.stdout
+    if solver.group(1) is not None:
+        assert float(solver.group(1)) <= float(searched.group(1)) + 0.1
 
 
 def test_default_strategy_plans_by_eviction_or_fixed_paging_and_says_what_it_tried(tmp_path):

@@ -466,12 +466,12 @@ def _gemm(spec: OpSpec, args: Args) -> Outputs:
 
 
 def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
-    """``remat.onnx_fusion``'s ``A @ W + B`` with ``W`` a matrix (K, N): ``F.linear``, as
-    PyTorch runs a ``Linear`` layer (one ``addmm`` over the flattened batch where the input
-    is contiguous)."""
+    """``remat.onnx_fusion``'s ``A @ W + B`` with ``W`` a matrix (K, N), or (N, K) with
+    ``transB``: ``F.linear``, as PyTorch runs a ``Linear`` layer (one ``addmm`` over the
+    flattened batch where the input is contiguous)."""
     a, w, bias = args[0], args[1], args[2]
     assert a is not None and w is not None and bias is not None
-    return (F.linear(a, w.t(), bias),)
+    return (F.linear(a, w if spec.attr("transB", 0) else w.t(), bias),)
 
 
 def _attention(spec: OpSpec, args: Args) -> Outputs:
@@ -1862,9 +1862,16 @@ def _matmul_grad(call: VjpCall) -> Grads:
 
 
 def _matmul_add_grad(call: VjpCall) -> Grads:
-    """``Linear``'s backward: dA = g W^T, dW = A^T g and dB = g summed over the batch, each
-    one product or reduction over the flattened leading dimensions."""
+    """``Linear``'s backward: dA = g W^T, dW = A^T g (its transpose, g^T A, with
+    ``transB``) and dB = g summed over the batch, each one product or reduction over the
+    flattened leading dimensions."""
     a, w, g = call.arg(0), call.arg(1), call.g
+    if call.spec.attr("transB", 0):
+        return call.only(
+            lambda: g @ w,
+            lambda: _weight_grad(g, a),
+            lambda: g.reshape(-1, g.shape[-1]).sum(0),
+        )
     return call.only(
         lambda: g @ w.t(),
         lambda: _weight_grad(a, g),

@@ -15,6 +15,17 @@ is a float, and nothing but that ``Add`` reads the product (no other node, folde
 scheduled, and no model output). The fused node takes the ``MatMul``'s name and the
 ``Add``'s place and output: ``Y = A @ W + B`` with inputs ``(A, W, B)``.
 
+Hugging Face's ``Conv1D`` (GPT-2) and ``MultiheadAttention``'s output projection flatten
+the input's leading dimensions themselves, and both exporters write them as a ``Reshape``
+to ``(M, K)``, a ``Gemm`` with the bias and a ``Reshape`` back: three nodes, two of which
+only view. Such a triple is one ``MatMulAdd`` too, of the unflattened input, with the
+attribute ``transB`` where the ``Gemm`` multiplies by the transposed weight ``(N, K)``
+(``nn.Linear``'s layout): the ``Gemm`` scales nothing (``alpha`` and ``beta`` 1, ``A`` not
+transposed), its bias is a constant ``(N,)``, the first ``Reshape`` (or ``Flatten``)
+makes ``(prod of the leading dimensions, K)`` and the second restores them with ``N``
+last, and nothing but the next reads each value between them. It takes the ``Gemm``'s
+name and the second ``Reshape``'s place.
+
 Attention, ``softmax(A @ B * scale + M) @ V``, is written by every exporter as a chain:
 ``MatMul`` of the queries and the transposed keys, a ``Mul`` or ``Div`` by a scalar (or
 both operands scaled before, as PyTorch's exporter writes ``scaled_dot_product_attention``),
@@ -100,10 +111,10 @@ its steps: the attribute ``steps`` names each (``reshape`` or ``transpose``), ``
 holds their target shapes and permutations one after another and ``ranks`` how many
 entries each takes. Consecutive reshapes are one, consecutive transposes are composed, and
 a step that changes nothing is dropped (a chain may end with none: the identity, a node
-without attributes). Its
-gradient undoes the steps in reverse order and reads no input. A chain is two or more
-layout operators of ONNX's domain, each member's output read by the next alone (as its
-data, no model output), on a float tensor whose every shape along the chain is static.
+without attributes). Its gradient undoes the steps in reverse order and reads no input. A
+chain is two or more layout operators of ONNX's domain, each member's output read by the
+next alone (as its data, no model output), on a float tensor whose every shape along the
+chain is static.
 """
 
 from __future__ import annotations
@@ -187,6 +198,71 @@ def fuse_linear_layers(
                 found.add(node, matmul[1], [product])  # at the Add's place
                 break
     return found.applied(nodes)
+
+
+def fuse_flattened_gemms(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every ``Gemm`` between a ``Reshape``
+    that flattens its input's leading dimensions and one that restores them replaced by
+    one ``MatMulAdd`` at the second ``Reshape``'s place (the module docstring)."""
+    around = _Neighbours.of(nodes, tensors)
+    found = _Replacements()
+    for proto, name in nodes:
+        if proto.op_type != "Gemm" or proto.domain not in DEFAULT_DOMAINS or len(proto.input) != 3:
+            continue
+        attributes = {a.name: a for a in proto.attribute}
+        scales = [attributes[k].f for k in ("alpha", "beta") if k in attributes]
+        if any(scale != 1.0 for scale in scales) or (
+            "transA" in attributes and attributes["transA"].i
+        ):
+            continue
+        trans_b = int(attributes["transB"].i) if "transB" in attributes else 0
+        flatten = around.producer.get(proto.input[0], (None, ""))[0]
+        restore = around.only_reader(proto.output[0], ("Reshape",))
+        if flatten is None or flatten.op_type not in ("Reshape", "Flatten") or restore is None:
+            continue
+        if around.only_reader(flatten.output[0], ("Gemm",)) is not proto:
+            continue
+        a, (_, w, bias) = flatten.input[0], proto.input
+        if _flattened_product(a, w, bias, trans_b, flatten, restore, tensors):
+            node = fused_node(
+                MATMUL_ADD,
+                [a, w, bias],
+                restore.output[0],
+                name,
+                **({"transB": 1} if trans_b else {}),
+            )
+            found.add(node, name, [flatten.output[0], proto.output[0]])
+    return found.applied(nodes)
+
+
+def _flattened_product(
+    a: str,
+    w: str,
+    bias: str,
+    trans_b: int,
+    flatten: NodeProto,
+    restore: NodeProto,
+    tensors: Tensors,
+) -> bool:
+    """Whether ``flatten`` makes ``a`` (..., K) a matrix (M, K), the weight ``w`` is (K, N)
+    ((N, K) where ``trans_b``), the bias a constant (N,) and ``restore`` makes the product
+    (..., N), every tensor a float."""
+    a_shape, w_shape = tensors.shape(a), tensors.shape(w)
+    if a_shape is None or w_shape is None or len(a_shape) < 2 or len(w_shape) != 2:
+        return False
+    k, n = reversed(w_shape) if trans_b else w_shape
+    leading = a_shape[:-1]
+    return (
+        a_shape[-1] == k
+        and tensors.shape(flatten.output[0]) == (math.prod(leading), k)
+        and tensors.shape(restore.output[0]) == (*leading, n)
+        and tensors.constant(bias)
+        and tensors.shape(bias) == (n,)
+        and all(tensors.is_float(t) for t in (a, w, bias, restore.output[0]))
+    )
 
 
 def fuse_attention_chains(

@@ -3,7 +3,8 @@
 Steps: load and check the model (``load_model``); give every graph input a concrete shape
 (from the file, ``batch`` or ``inputs``); infer shapes with ONNX (data propagation on);
 fold constants in one topological pass; fuse each ``Linear`` layer's ``MatMul`` and bias
-``Add`` into one operator, each GELU, SiLU, layer and RMS normalization written as its formula,
+``Add`` (or ``Gemm`` between the ``Reshape``'s that flatten and restore its input) into one
+operator, each GELU, SiLU, layer and RMS normalization written as its formula,
 the ``Gather``'s that unbind a packed projection, where asked each attention chain, and each
 chain of layout operators (``remat.onnx_fusion``);
 build one ``FORWARD`` node per remaining operator.
@@ -49,6 +50,7 @@ from remat.onnx_fusion import (
     Tensors,
     fuse_activation_chains,
     fuse_attention_chains,
+    fuse_flattened_gemms,
     fuse_layer_norms,
     fuse_layout_chains,
     fuse_linear_layers,
@@ -981,6 +983,7 @@ def forward_graph(
         index=folder.index,
     )
     fused = fuse_linear_layers([(nodes[i], names[i]) for i in scheduled], tensors)
+    fused = fuse_flattened_gemms(fused, tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)
     fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
     if fuse_attention:

@@ -33,18 +33,18 @@ An operator missing below may still ingest and plan (analytical cost: one FLOP p
 element, its gradient assumed to read its inputs and output); a node agent refuses to run
 it. `MatMulAdd`, `ScaledDotProductAttention`, `FusedGelu`, `FusedSilu`, `FusedLayerNorm`,
 `FusedRMSNorm`, `FusedUnbind` and `FusedLayout` are Remat's own (domain `ai.remat`):
-ingestion fuses a
-`Linear` layer's `MatMul` and bias `Add` into the first, attention's `MatMul`, scale, mask
-`Add`, `Softmax` and `MatMul` into the second, a GELU written as elementwise operators
-(`Erf` or `Tanh` among them) into the third, `x * sigmoid(x)` (`Sigmoid`, `Mul`) into the
-fourth, a layer normalization written as its formula before opset 17 (`ReduceMean`, `Sub`,
-`Pow`, `ReduceMean`, `Add`, `Sqrt`, `Div`, `Mul`, `Add`) into the fifth, an RMS
-normalization (`Pow`, `ReduceMean`, `Add`, `Sqrt`, `Div`, `Mul`, `Mul`) into the sixth,
-and the `Gather`s that pick each part of a packed projection (`MultiheadAttention`'s
-queries, keys and values) into the seventh (`remat/onnx_fusion.py`), as PyTorch runs
-them, and a chain of two or more layout operators (`Reshape`, `Transpose`, `Squeeze`,
-`Unsqueeze`, `Flatten`, `Identity`: attention heads split and merged) into the eighth, its
-reshapes and transposes merged.
+ingestion fuses a `Linear` layer's `MatMul` and bias `Add` (or its `Gemm` between the
+`Reshape`s that flatten and restore the input, as Hugging Face's `Conv1D` is exported)
+into the first, attention's `MatMul`, scale, mask `Add`, `Softmax` and `MatMul` into the
+second, a GELU written as elementwise operators (`Erf` or `Tanh` among them) into the
+third, `x * sigmoid(x)` (`Sigmoid`, `Mul`) into the fourth, a layer normalization written
+as its formula before opset 17 (`ReduceMean`, `Sub`, `Pow`, `ReduceMean`, `Add`, `Sqrt`,
+`Div`, `Mul`, `Add`) into the fifth, an RMS normalization (`Pow`, `ReduceMean`, `Add`,
+`Sqrt`, `Div`, `Mul`, `Mul`) into the sixth, and the `Gather`s that pick each part of a
+packed projection (`MultiheadAttention`'s queries, keys and values) into the seventh
+(`remat/onnx_fusion.py`), as PyTorch runs them, and a chain of two or more layout
+operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`:
+attention heads split and merged) into the eighth, its reshapes and transposes merged.
 
 Columns: **cost**: the FLOP rule (`per element` = a fixed number per output element,
 `free` = data movement, timed by its bytes); **gradient reads**: what the backward node

@@ -388,6 +388,9 @@ GRAD_CASES: dict[str, GradCase] = {
     "matmul_weight": GradCase("MatMul", [(2, 3, 4, 5), (5, 6)]),  # one product for the weight
     "matmul_add": GradCase(MATMUL_ADD, [(2, 3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
     "matmul_add_matrix": GradCase(MATMUL_ADD, [(3, 4), (4, 5), (5,)], domain=FUSED_DOMAIN),
+    "matmul_add_trans_b": GradCase(
+        MATMUL_ADD, [(2, 3, 4), (5, 4), (5,)], {"transB": 1}, domain=FUSED_DOMAIN
+    ),
     "gelu": GradCase("Gelu", [(3, 4)], opset=20),
     "gelu_tanh": GradCase("Gelu", [(3, 4)], {"approximate": "tanh"}, opset=20),
     "fused_gelu": GradCase(GELU, [(2, 3, 4)], {"approximate": "none"}, domain=FUSED_DOMAIN),

@@ -531,6 +531,64 @@ def test_a_matmul_and_add_stay_apart_unless_they_are_a_linear_layer(
     assert ops_of(graph)[:3] == ["MatMul", "Add", "Relu"], case
 
 
+def _flattened_gemm_model(
+    *, trans_b: bool = False, alpha: float = 1.0, restored: Sequence[int] = (2, 3, 5),
+    bias_input: bool = False, outputs: Sequence[str] = ("y",),
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu of x (2, 3, 4), a Reshape to (6, 4), a Gemm by W (4, 5) (``trans_b``: (5, 4)
+    transposed, as ``nn.Linear``'s weight) and the bias b (5,), a Reshape to ``restored``,
+    then Relu: Hugging Face's ``Conv1D`` as both exporters write it (``bias_input``: b a
+    model input)."""
+    nodes = [
+        helper.make_node("Relu", ["x0"], ["x"], name="pre"),
+        const_node("flat", [6, 4]),
+        helper.make_node("Reshape", ["x", "flat"], ["f"], name="fc/Reshape"),
+        helper.make_node(
+            "Gemm", ["f", "W", "b"], ["p"], name="fc/Gemm", alpha=alpha, transB=int(trans_b)
+        ),
+        const_node("back", list(restored)),
+        helper.make_node("Reshape", ["p", "back"], ["h"], name="fc/Reshape_1"),
+        helper.make_node("Relu", ["h"], ["y"], name="post"),
+    ]
+    params = [ones("W", (5, 4) if trans_b else (4, 5)), *([] if bias_input else [ones("b", (5,))])]
+    inputs = [vi("x0", (2, 3, 4)), *([vi("b", (5,))] if bias_input else [])]
+    ranks = {"y": 3, "f": 2}
+    return model(nodes, inputs, [out(o, ranks[o]) for o in outputs], params)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["weight", "transposed_weight"])
+def test_a_gemm_between_the_reshapes_that_flatten_and_restore_its_input_is_one_node(
+    trans_b: bool,
+) -> None:
+    graph = ingest(_flattened_gemm_model(trans_b=trans_b))
+    assert ops_of(graph) == ["Relu", "MatMulAdd", "Relu"]
+    linear = graph.nodes[1]
+    assert linear.name == "fc/Gemm"
+    assert linear.attrs["onnx_inputs"] == ["x", "W", "b"]
+    assert linear.attrs["onnx_outputs"] == ["h"]
+    assert linear.attrs["input_shapes"] == [(2, 3, 4), (5, 4) if trans_b else (4, 5), (5,)]
+    assert linear.attrs.get("fused_attributes", {}) == ({"transB": 1} if trans_b else {})
+    assert linear.flops == 2 * 30 * 4 + 30
+    assert graph.nodes[2].deps == (1,)
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("scaled", {"alpha": 0.5}),
+        ("not_restored", {"restored": (3, 2, 5)}),
+        ("bias_an_activation", {"bias_input": True}),
+        ("flattened_input_a_model_output", {"outputs": ["y", "f"]}),
+    ],
+)  # fmt: skip
+def test_a_gemm_and_its_reshapes_stay_apart_unless_they_flatten_and_restore(
+    case: str, kwargs: dict[str, Any]
+) -> None:
+    graph = ingest(_flattened_gemm_model(**kwargs))
+    assert "MatMulAdd" not in ops_of(graph), case
+    assert "Gemm" in ops_of(graph), case
+
+
 # --- attention's chain fused -------------------------------------------------------------
 
 ATTENTION_SHAPE = (2, 4, 3, 8)  # batch, heads, tokens, head width

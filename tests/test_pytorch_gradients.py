@@ -27,7 +27,16 @@ from agents.pytorch.reference import ModuleComparison, compare_with_module
 from agents.pytorch.torchvision_models import Unavailable
 from remat.graph import Mode
 from remat.loss import MEAN_SQUARE, Loss
-from remat.onnx_fusion import ATTENTION, GELU, LAYER_NORM, LAYOUT, RMS_NORM, SILU, UNBIND
+from remat.onnx_fusion import (
+    ATTENTION,
+    GELU,
+    LAYER_NORM,
+    LAYOUT,
+    MATMUL_ADD,
+    RMS_NORM,
+    SILU,
+    UNBIND,
+)
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
 
@@ -144,6 +153,8 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     that weight gets no gradient. BERT's and GPT-2's GELU, written as elementwise
     operators by both exporters, is one ``FusedGelu`` node too, T5's RMS normalization one
     ``FusedRMSNorm``, and each model's splits and merges of its heads ``FusedLayout``
-    chains."""
-    fused = (*{"bert": (GELU,), "gpt2": (GELU,), "t5": (RMS_NORM,)}.get(name, ()), LAYOUT)
+    chains. GPT-2's ``Conv1D`` layers, a ``Gemm`` between two ``Reshape``'s, are
+    ``MatMulAdd`` nodes."""
+    fused = {"bert": (GELU,), "gpt2": (GELU, MATMUL_ADD), "t5": (RMS_NORM,)}.get(name, ())
+    fused = (*fused, LAYOUT)
     _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"), fused=fused)

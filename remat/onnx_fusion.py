@@ -15,16 +15,18 @@ is a float, and nothing but that ``Add`` reads the product (no other node, folde
 scheduled, and no model output). The fused node takes the ``MatMul``'s name and the
 ``Add``'s place and output: ``Y = A @ W + B`` with inputs ``(A, W, B)``.
 
-Hugging Face's ``Conv1D`` (GPT-2) and ``MultiheadAttention``'s output projection flatten
-the input's leading dimensions themselves, and both exporters write them as a ``Reshape``
-to ``(M, K)``, a ``Gemm`` with the bias and a ``Reshape`` back: three nodes, two of which
-only view. Such a triple is one ``MatMulAdd`` too, of the unflattened input, with the
+Hugging Face's ``Conv1D`` (GPT-2) flattens the input's leading dimensions itself, and both
+exporters write it as a ``Reshape`` to ``(M, K)``, a ``Gemm`` with the bias and a
+``Reshape`` back: three nodes, two of which only view. Such a triple is one ``MatMulAdd``
+too, of the unflattened input, with the
 attribute ``transB`` where the ``Gemm`` multiplies by the transposed weight ``(N, K)``
 (``nn.Linear``'s layout): the ``Gemm`` scales nothing (``alpha`` and ``beta`` 1, ``A`` not
 transposed), its bias is a constant ``(N,)``, the first ``Reshape`` (or ``Flatten``)
 makes ``(prod of the leading dimensions, K)`` and the second restores them with ``N``
 last, and nothing but the next reads each value between them. It takes the ``Gemm``'s
-name and the second ``Reshape``'s place.
+name and the second ``Reshape``'s place. ``MultiheadAttention``'s output projection is
+written with a first ``Reshape`` that merges the heads too (``(L, N, H, D)`` to ``(L N, H
+D)``): its input is not the product's, and it stays a ``Gemm``.
 
 Attention, ``softmax(A @ B * scale + M) @ V``, is written by every exporter as a chain:
 ``MatMul`` of the queries and the transposed keys, a ``Mul`` or ``Div`` by a scalar (or

@@ -196,14 +196,32 @@ def test_a_held_value_is_fixed_memory_without_a_gradient_buffer(large):
     assert held == sum(int(costs.output_bytes[v]) for v in part.held)
 
 
-def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_baseline(large):
+def test_checkmate_milp_on_a_large_graph_stitches_a_valid_plan_that_beats_the_baseline(
+    large, monkeypatch
+):
     """6 s: the parts' share of them gets each part its quick plan (as 12 s did, each
-    share under ``min_part_s``), the whole graph's interval model the rest."""
+    share under ``min_part_s``), the whole graph's interval model the rest. The parts
+    start right after the best baseline: the covers' bound is computed in a process
+    beside them, and still reaches the result."""
     assert is_large(large.graph)
+    started: list[str] = []
+    beside, solve = search_module.Beside, search_module.solve_parts
+
+    def recorded_beside(work, *args):
+        started.append(work.__name__)
+        return beside(work, *args)
+
+    def recorded_parts(*args, **kwargs):
+        started.append("parts")
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "Beside", recorded_beside)
+    monkeypatch.setattr(search_module, "solve_parts", recorded_parts)
     found: list[StrategyResult] = []  # the parts' plans are not the whole problem's
     options = replace(large.solver.options, time_limit_s=6)
     listening = replace(large, solver=replace(large.solver, options=options, on_plan=found.append))
     result = checkmate_milp(listening, "cuda0")
+    assert started == ["covers_extra_ms", "parts"]
     assert found and found[-1].simulation.total_ms == result.simulation.total_ms
     for plan in found:
         assert simulate(plan.plan, large.graph, large.costs, large.budgets).valid
@@ -266,30 +284,6 @@ def test_xengine_on_a_large_graph_splits_the_fixed_tensors_no_device_holds_alone
     assert {s.device for s in result.plan.steps if isinstance(s, Compute)} == {"cpu0", "cuda0"}
     assert "no single device holds every fixed tensor" in result.message
     assert "multi-device heuristic's plan costs" in result.message
-
-
-def test_a_decomposed_graphs_covers_bound_comes_from_a_process_beside_its_parts(large, monkeypatch):
-    """The parts start right after the best baseline: the covers' bound is computed in a
-    process beside them, and still reaches the result."""
-    started: list[str] = []
-    beside, solve = search_module.Beside, search_module.solve_parts
-
-    def recorded_beside(work, *args):
-        started.append(work.__name__)
-        return beside(work, *args)
-
-    def recorded_parts(*args, **kwargs):
-        started.append("parts")
-        return solve(*args, **kwargs)
-
-    monkeypatch.setattr(search_module, "Beside", recorded_beside)
-    monkeypatch.setattr(search_module, "solve_parts", recorded_parts)
-    result = checkmate_milp(large, "cuda0")
-    assert started == ["covers_extra_ms", "parts"]
-    assert result.plan is not None and result.plan.solver is not None, result.message
-    baseline = best_baseline(large, ["cuda0"])
-    assert baseline is not None and result.time_ms <= baseline.time_ms
-    assert result.plan.solver.bound > large.costs.ideal_ms("cuda0")  # the covers' bound
 
 
 def test_xengine_on_a_large_graph_costs_no_more_than_on_its_fastest_device_alone(monkeypatch):

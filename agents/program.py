@@ -652,6 +652,7 @@ def build_program(
             proto = protos.get(outputs[0]) if outputs else None
         if proto is None:
             raise TaskError(f"node {node.name!r} matches no operator of the model")
+        proto = _reading_as_ingested(proto, node)
         consts = {
             position: fixed[name].numpy()
             for position, name in enumerate(proto.input)
@@ -687,6 +688,20 @@ def _fused(node: Node) -> onnx.NodeProto:
     assert isinstance(attributes, dict)
     outputs = _names(node, "onnx_outputs")
     return fused_node(node.op, _names(node, "onnx_inputs"), outputs, node.name, **attributes)
+
+
+def _reading_as_ingested(proto: onnx.NodeProto, node: Node) -> onnx.NodeProto:
+    """``proto`` reading what ``node`` reads: where ingestion bypassed an operator that
+    computes nothing (``remat.onnx_noops``), a copy that reads its input instead."""
+    read = iter(_names(node, "onnx_inputs"))  # the non-empty inputs, in order
+    inputs = [next(read, name) if name else name for name in proto.input]
+    if inputs == list(proto.input):
+        return proto
+    copy = onnx.NodeProto()
+    copy.CopyFrom(proto)
+    del copy.input[:]
+    copy.input.extend(inputs)
+    return copy
 
 
 def _names(node: Node, key: str) -> list[str]:

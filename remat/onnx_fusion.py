@@ -150,8 +150,8 @@ class Tensors:
     """What ingestion found of a model's tensors, which the fusions ask: how many of the
     model's operators read each (a model output counts as a reader), whether it is a
     constant, its static shape (None where not static), whether it is a float, the value
-    of a constant of one float element and that of a constant integer of rank 0 (None for
-    anything else)."""
+    of a constant of one float element, that of a constant integer of rank 0, and the
+    truth of a constant of one element (None for anything else)."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
@@ -159,6 +159,7 @@ class Tensors:
     is_float: Callable[[str], bool]
     scalar: Callable[[str], float | None]
     index: Callable[[str], int | None]
+    flag: Callable[[str], bool | None]
 
 
 def fused_node(

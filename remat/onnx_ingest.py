@@ -57,6 +57,7 @@ from remat.onnx_fusion import (
     fuse_rms_norms,
     fuse_unbinds,
 )
+from remat.onnx_noops import bypass_noops
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
@@ -685,6 +686,15 @@ class _Folder:
             return None
         return float(self.value(name, name).reshape(()))
 
+    def flag(self, name: str) -> bool | None:
+        """The truth of a constant of one element (a bool or a number), else None."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static:
+            return None
+        if math.prod(info.dims) != 1 or info.elem_type == TensorProto.STRING:
+            return None
+        return bool(self.value(name, name).reshape(()))
+
     def _materialize(self, name: str, display: str) -> None:
         # Shapes ONNX did not infer (e.g. ConstantOfShape after an old-opset Shape chain):
         # the producer inferred alone with its inputs' values, else the computed value,
@@ -981,13 +991,17 @@ def forward_graph(
         is_float=folder.is_float,
         scalar=folder.scalar,
         index=folder.index,
+        flag=folder.flag,
     )
-    fused = fuse_linear_layers([(nodes[i], names[i]) for i in scheduled], tensors)
+    outputs = {v.name for v in model.graph.output}
+    opset = folder.opsets.get("", 0)
+    kept, tensors = bypass_noops([(nodes[i], names[i]) for i in scheduled], tensors, outputs, opset)
+    fused = fuse_linear_layers(kept, tensors)
     fused = fuse_flattened_gemms(fused, tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)
     fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
     if fuse_attention:
-        fused = fuse_attention_chains(fused, tensors, opset=folder.opsets.get("", 0))
+        fused = fuse_attention_chains(fused, tensors, opset=opset)
     # last: the fusions above find their chains' members by the layout operators around them
     fused = fuse_layout_chains(fused, tensors)
     return _build(model, folder, input_infos, fused)

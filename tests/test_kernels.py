@@ -689,6 +689,32 @@ def test_folded_constants_are_evaluated() -> None:
     assert program.fixed["flatten_concat"].tolist() == [3, -1]
 
 
+def test_a_node_reads_what_an_operator_ingestion_bypassed_read() -> None:
+    """An Identity before a Clip whose min is omitted (an empty middle input): ingestion
+    bypasses the Identity (``remat.onnx_noops``), and the program binds the Clip's input
+    to the Relu's output, in its position, matching onnxruntime on the model as given."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Identity", ["r"], ["i"], name="identity"),
+        helper.make_node("Clip", ["i", "", "high"], ["y"], name="clip"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bypassed",
+        [helper.make_tensor_value_info("x", F32, [2, 5])],
+        [helper.make_tensor_value_info("y", F32, [2, 5])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "high")],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    model = helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets)
+    )
+    program = _assert_forward_matches(model)
+    assert [n.op for n in program.graph.nodes] == ["Relu", "Clip"]
+    assert program.specs[1].op_type == "Clip" and program.sources[1][0].node == 0
+    assert program.sources[1][2].fixed == "high"
+
+
 def test_inputs_are_seeded_or_given() -> None:
     model = samples.chain(2, batch=2, features=4)
     graph = forward_graph(model)

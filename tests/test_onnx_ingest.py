@@ -299,14 +299,15 @@ def test_multi_output_node_sums_all_outputs() -> None:
 
 
 def test_unused_and_empty_optional_outputs() -> None:
-    # Dropout's mask is a real (bool) output; LayerNorm's empty-named Mean is skipped.
-    dropout = helper.make_node("Dropout", ["x"], ["d", "mask"])
+    # A training Dropout's mask is a real (bool) output; LayerNorm's empty-named Mean is
+    # skipped.
+    dropout = helper.make_node("Dropout", ["x", "ratio", "training"], ["d", "mask"])
     norm = helper.make_node("LayerNormalization", ["d", "s", "b"], ["y", "", "inv"], axis=-1)
     m = model(
         [dropout, norm],
         [vi("x", X_SHAPE)],
         [out("y", 4), out("inv", 4)],
-        [ones("s", [8]), ones("b", [8])],
+        [ones("s", [8]), ones("b", [8]), init("ratio", 0.5), init("training", True, np.bool_)],
     )
     graph = ingest(m)
     assert graph.nodes[0].output_bytes == 384 * 4 + 384 * 1
@@ -844,8 +845,8 @@ def test_gathers_of_each_index_of_an_axis_are_one_unbind() -> None:
 
 
 def test_an_unbind_along_an_inner_axis_keeps_it() -> None:
-    graph = ingest(_unbind_model(indices=(0, 1), axis=-2, reader="Identity"))
-    assert ops_of(graph) == ["Relu", "FusedUnbind", "Identity", "Identity", "Sum"]
+    graph = ingest(_unbind_model(indices=(0, 1), axis=-2, reader="Squeeze"))
+    assert ops_of(graph) == ["Relu", "FusedUnbind", "Squeeze", "Squeeze", "Sum"]
     assert graph.nodes[1].attrs["fused_attributes"] == {"axis": 1}
     assert graph.nodes[1].attrs["output_shapes"] == [(3, 4)] * 2
 
@@ -966,6 +967,75 @@ def test_layout_operators_stay_apart_unless_a_chain_of_floats(
     graph = ingest(_layout_model(**kwargs))
     assert "FusedLayout" not in ops_of(graph), case
     assert "Reshape" in ops_of(graph), case
+
+
+# --- operators that compute nothing: bypassed ----------------------------------------------
+
+
+def _noop_model(
+    dropout_inputs: Sequence[str] = (), initializers: Sequence[TensorProto] = (), *,
+    opset: int = 17, outputs: Sequence[str] = ("y",), inputs: Sequence[onnx.ValueInfoProto] = (),
+) -> onnx.ModelProto:  # fmt: skip
+    """Relu of x, an Identity, a Dropout (reading ``dropout_inputs`` after its data), a
+    Sigmoid; ``outputs``: the model's outputs among r, i, d, mask and y."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Identity", ["r"], ["i"], name="identity"),
+        helper.make_node("Dropout", ["i", *dropout_inputs], ["d", "mask"], name="dropout"),
+        helper.make_node("Sigmoid", ["d"], ["y"], name="sigmoid"),
+    ]
+    ranks = {"mask": (4, TensorProto.BOOL if opset >= 10 else F32)}
+    graph_outputs = [out(o, *ranks.get(o, (4,))) for o in outputs]
+    return model(nodes, [vi("x", X_SHAPE), *inputs], graph_outputs, initializers, opset)
+
+
+@pytest.mark.parametrize(
+    ("opset", "dropout_inputs", "initializers"),
+    [
+        (9, (), ()),  # Dropout-7: no training mode
+        (17, (), ()),  # training mode omitted: inference
+        (17, ("ratio", "mode"), (init("ratio", 0.5), init("mode", False, np.bool_))),
+        (17, ("ratio", "mode"), (init("ratio", 0.0), init("mode", True, np.bool_))),
+    ],
+    ids=["dropout-7", "no-mode", "inference", "training-at-0"],
+)
+def test_an_identity_and_a_dropout_that_is_one_are_bypassed(
+    opset: int, dropout_inputs: Sequence[str], initializers: Sequence[TensorProto]
+) -> None:
+    m = _noop_model(dropout_inputs, initializers, opset=opset)
+    before = m.SerializeToString()
+    graph = ingest(m)
+    assert ops_of(graph) == ["Relu", "Sigmoid"]
+    sigmoid = graph.nodes[1]
+    assert sigmoid.deps == (0,) and sigmoid.attrs["onnx_inputs"] == ["r"]
+    assert sigmoid.input_bytes == 384 * 4
+    assert m.SerializeToString() == before  # the caller's model is not modified
+    training = training_graph(graph)
+    assert [n.op for n in training.nodes if n.kind is NodeKind.BACKWARD] == ["Sigmoid", "Relu"]
+
+
+@pytest.mark.parametrize(
+    ("kept", "dropout_inputs", "initializers", "outputs", "inputs"),
+    [
+        (["Dropout"], ("ratio", "mode"), (init("ratio", 0.1), init("mode", True, np.bool_)),
+         ("y",), ()),
+        (["Dropout"], ("", "mode"), (init("mode", True, np.bool_),), ("y",), ()),  # ratio 0.5
+        (["Dropout"], ("ratio", "mode"), (init("ratio", 0.0),), ("y",),
+         (vi("mode", [], TensorProto.BOOL),)),  # its mode is known at run time only
+        (["Dropout"], (), (), ("y", "mask"), ()),
+        (["Identity"], (), (), ("y", "i"), ()),
+    ],
+    ids=["dropping", "default-ratio", "mode-an-input", "mask-read", "identity-an-output"],
+)  # fmt: skip
+def test_an_operator_whose_output_may_differ_or_is_named_is_kept(
+    kept: list[str],
+    dropout_inputs: Sequence[str],
+    initializers: Sequence[TensorProto],
+    outputs: Sequence[str],
+    inputs: Sequence[onnx.ValueInfoProto],
+) -> None:
+    graph = ingest(_noop_model(dropout_inputs, initializers, outputs=outputs, inputs=inputs))
+    assert ops_of(graph) == ["Relu", *kept, "Sigmoid"]
 
 
 # --- layer normalization's formula fused -------------------------------------------------

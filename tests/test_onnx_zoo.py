@@ -57,10 +57,32 @@ def test_forward_kernels_match_onnxruntime(name: str) -> None:
     _assert_forward_matches(_without_unread_masks(_zoo(name)))
 
 
+def test_inference_dropouts_are_bypassed_and_the_model_still_matches() -> None:
+    """The zoo's Dropouts are inference-mode (the identity): ingestion bypasses them
+    (``remat.onnx_noops``) and the forward values still match onnxruntime's
+    (``test_forward_kernels_match_onnxruntime``, on every zoo model)."""
+    for name in ("bvlc_alexnet", "squeezenet", "vgg19"):
+        model = _zoo(name)
+        dropouts = sum(node.op_type == "Dropout" for node in model.graph.node)
+        graph = forward_graph(model)
+        assert dropouts and not any(n.op == "Dropout" for n in graph.nodes), name
+        assert len(graph.nodes) < len(forward_graph(_with_dropout_masks_read(model)).nodes)
+
+
+def _with_dropout_masks_read(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each Dropout's mask a model output, which keeps the Dropout."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type == "Dropout" and len(node.output) > 1 and node.output[1]:
+            copy.graph.output.append(onnx.ValueInfoProto(name=node.output[1]))
+    return copy
+
+
 def test_dropout_9s_mask_has_the_datas_type() -> None:
-    """SqueezeNet's Dropout before its last convolution: a float mask, as its graph
-    counts it."""
-    model = _zoo("squeezenet")
+    """SqueezeNet's Dropout before its last convolution, its mask read (a model output):
+    a float mask, as its graph counts it."""
+    model = _with_dropout_masks_read(_zoo("squeezenet"))
     program = build_program(model, forward_graph(model))
     dropouts = [n for n in program.graph.forward_nodes() if n.op == "Dropout"]
     assert dropouts

@@ -1,0 +1,106 @@
+"""Operators that compute nothing, bypassed at ingest: ``Identity``, and a ``Dropout`` that
+is the identity.
+
+Exporters write both. A training-mode export of a module whose dropout probability is 0
+(attention dropout in LLaMA-style models and in many Hugging Face configurations, a
+module made deterministic for a check) has ``Dropout`` with ratio 0 and training mode
+true; inference graphs from older exporters keep their ``Dropout`` nodes (the ONNX model
+zoo's AlexNet, VGG, SqueezeNet, Inception), which Remat, like every inference runtime,
+runs as the identity; ``Identity`` is left behind by exporters and graph rewriters.
+Planned, each is a node whose value is its input's: a plan holds or frees a value of its
+own, its backward node passes the gradient through, and an executor runs a step each
+way where PyTorch runs nothing (its dropout at p = 0 returns its input). Bypassed, the
+readers of its output read its input.
+
+A ``Dropout`` is the identity, as the kernels run it (``agents.kernels.dropout_ratio``),
+before opset 12 (which has no training mode), and from it on where its training mode is
+omitted or a constant false, or its ratio is a constant 0 (with training mode a
+constant). A node is bypassed when its output is not a model output (whose name the
+graph must keep) and nothing reads a ``Dropout``'s mask.
+
+As ONNX optimizers' ``eliminate_identity`` and ``eliminate_nop_dropout`` passes do; here
+on the scheduled operators, after constant folding and before the fusions (a bypassed
+node no longer stands between the members of a chain).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+
+from onnx import NodeProto
+
+from remat.onnx_fusion import DEFAULT_DOMAINS, Tensors
+
+
+def bypass_noops(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+    outputs: Collection[str],
+    opset: int,
+) -> tuple[list[tuple[NodeProto, str]], Tensors]:
+    """``nodes`` (scheduled operators with their graph names, in topological order) without
+    the ones that compute nothing, their readers reading their inputs instead, and
+    ``tensors`` with its reader counts moved with them (``outputs``: the model's outputs;
+    ``opset``: its default-domain opset). The protos of the caller's model are not
+    modified: a node whose inputs change is a copy."""
+    alias: dict[str, str] = {}  # a bypassed node's output -> the tensor it passes on
+    kept: list[tuple[NodeProto, str]] = []
+    for proto, name in nodes:
+        proto = _reading(proto, alias)
+        if _is_noop(proto, tensors, outputs, opset):
+            alias[proto.output[0]] = proto.input[0]
+        else:
+            kept.append((proto, name))
+    return kept, replace(tensors, readers=_moved(tensors.readers, alias))
+
+
+def _reading(proto: NodeProto, alias: Mapping[str, str]) -> NodeProto:
+    """``proto``, or a copy of it that reads each bypassed output's source instead."""
+    if not any(tensor in alias for tensor in proto.input):
+        return proto
+    copy = NodeProto()
+    copy.CopyFrom(proto)
+    for position, tensor in enumerate(proto.input):
+        copy.input[position] = alias.get(tensor, tensor)
+    return copy
+
+
+def _is_noop(proto: NodeProto, tensors: Tensors, outputs: Collection[str], opset: int) -> bool:
+    if proto.domain not in DEFAULT_DOMAINS or not proto.input or not proto.input[0]:
+        return False
+    if not proto.output or proto.output[0] in outputs:
+        return False
+    if proto.op_type == "Identity":
+        return True
+    if proto.op_type != "Dropout":
+        return False
+    mask = proto.output[1] if len(proto.output) > 1 else ""
+    return not (mask and tensors.readers.get(mask, 0)) and _dropout_is_identity(
+        proto, tensors, opset
+    )
+
+
+def _dropout_is_identity(proto: NodeProto, tensors: Tensors, opset: int) -> bool:
+    if opset < 12:
+        return True
+    training = proto.input[2] if len(proto.input) > 2 else ""
+    if not training:
+        return True
+    mode = tensors.flag(training)
+    if mode is None:  # decided at run time
+        return False
+    ratio = proto.input[1] if len(proto.input) > 1 else ""
+    return not mode or (bool(ratio) and tensors.scalar(ratio) == 0.0)
+
+
+def _moved(readers: Mapping[str, int], alias: Mapping[str, str]) -> Counter[str]:
+    """Reader counts where each bypassed output's readers read its source, which loses
+    the bypassed node's own read. Readers among the folded operators (a ``Shape`` of the
+    output) move too: a count that errs high keeps a fusion from taking a value another
+    operator reads, never the reverse."""
+    moved = Counter(readers)
+    for output, source in alias.items():
+        moved[source] += moved.pop(output, 0) - 1
+    return moved

@@ -149,14 +149,16 @@ _LAYOUT = frozenset(("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", 
 class Tensors:
     """What ingestion found of a model's tensors, which the fusions ask: how many of the
     model's operators read each (a model output counts as a reader), whether it is a
-    constant, its static shape (None where not static), whether it is a float, the value
-    of a constant of one float element, that of a constant integer of rank 0, and the
-    truth of a constant of one element (None for anything else)."""
+    constant, its static shape (None where not static), whether it is a float, its ONNX
+    element type (None where unknown), the value of a constant of one float element, that
+    of a constant integer of rank 0, and the truth of a constant of one element (None for
+    anything else)."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
     shape: Callable[[str], Shape | None]
     is_float: Callable[[str], bool]
+    elem_type: Callable[[str], int | None]
     scalar: Callable[[str], float | None]
     index: Callable[[str], int | None]
     flag: Callable[[str], bool | None]

@@ -668,6 +668,10 @@ class _Folder:
         info = self.infos.get(name)
         return info is not None and info.elem_type in _FLOAT_TYPES
 
+    def elem_type(self, name: str) -> int | None:
+        info = self.infos.get(name)
+        return None if info is None else info.elem_type
+
     def index(self, name: str) -> int | None:
         """The value of a constant integer of rank 0, else None."""
         info = self.infos.get(name)
@@ -989,6 +993,7 @@ def forward_graph(
         constant=folder.constants.__contains__,
         shape=folder.static_dims,
         is_float=folder.is_float,
+        elem_type=folder.elem_type,
         scalar=folder.scalar,
         index=folder.index,
         flag=folder.flag,

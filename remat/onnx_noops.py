@@ -1,16 +1,18 @@
-"""Operators that compute nothing, bypassed at ingest: ``Identity``, and a ``Dropout`` that
-is the identity.
+"""Operators that compute nothing, bypassed at ingest: ``Identity``, a ``Cast`` to the
+type its input has, and a ``Dropout`` that is the identity.
 
-Exporters write both. A training-mode export of a module whose dropout probability is 0
-(attention dropout in LLaMA-style models and in many Hugging Face configurations, a
+Exporters write all three. A training-mode export of a module whose dropout probability
+is 0 (attention dropout in LLaMA-style models and in many Hugging Face configurations, a
 module made deterministic for a check) has ``Dropout`` with ratio 0 and training mode
 true; inference graphs from older exporters keep their ``Dropout`` nodes (the ONNX model
 zoo's AlexNet, VGG, SqueezeNet, Inception), which Remat, like every inference runtime,
-runs as the identity; ``Identity`` is left behind by exporters and graph rewriters.
-Planned, each is a node whose value is its input's: a plan holds or frees a value of its
-own, its backward node passes the gradient through, and an executor runs a step each
-way where PyTorch runs nothing (its dropout at p = 0 returns its input). Bypassed, the
-readers of its output read its input.
+runs as the identity. A module's ``.to(torch.float32)`` of a float32 tensor (T5's and
+LLaMA's RMS normalization compute their variance in float32 whatever the model's type)
+is a ``Cast`` to the same type. ``Identity`` is left behind by exporters and graph
+rewriters. Planned, each is a node whose value is its input's: a plan holds or frees a
+value of its own, its backward node passes the gradient through, and an executor runs a
+step each way where PyTorch runs nothing (its dropout at p = 0 and ``.to`` of the same
+type return their input). Bypassed, the readers of its output read its input.
 
 A ``Dropout`` is the identity, as the kernels run it (``agents.kernels.dropout_ratio``),
 before opset 12 (which has no training mode), and from it on where its training mode is
@@ -18,9 +20,10 @@ omitted or a constant false, or its ratio is a constant 0 (with training mode a
 constant). A node is bypassed when its output is not a model output (whose name the
 graph must keep) and nothing reads a ``Dropout``'s mask.
 
-As ONNX optimizers' ``eliminate_identity`` and ``eliminate_nop_dropout`` passes do; here
-on the scheduled operators, after constant folding and before the fusions (a bypassed
-node no longer stands between the members of a chain).
+As ONNX optimizers' ``eliminate_identity``, ``eliminate_nop_cast`` and
+``eliminate_nop_dropout`` passes do; here on the scheduled operators, after constant
+folding and before the fusions (a bypassed node no longer stands between the members of
+a chain).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def _is_noop(proto: NodeProto, tensors: Tensors, outputs: Collection[str], opset
         return False
     if proto.op_type == "Identity":
         return True
+    if proto.op_type in ("Cast", "CastLike"):
+        source = tensors.elem_type(proto.input[0])
+        return source is not None and source == tensors.elem_type(proto.output[0])
     if proto.op_type != "Dropout":
         return False
     mask = proto.output[1] if len(proto.output) > 1 else ""

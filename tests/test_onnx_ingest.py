@@ -1038,6 +1038,30 @@ def test_an_operator_whose_output_may_differ_or_is_named_is_kept(
     assert ops_of(graph) == ["Relu", *kept, "Sigmoid"]
 
 
+@pytest.mark.parametrize(
+    ("op", "to", "kept"),
+    [("Cast", F32, []), ("CastLike", F32, []), ("Cast", TensorProto.DOUBLE, ["Cast"])],
+    ids=["cast-same", "castlike-same", "cast-to-double"],
+)
+def test_a_cast_to_its_inputs_type_is_bypassed(op: str, to: int, kept: list[str]) -> None:
+    """``.to(torch.float32)`` of a float32 tensor, as T5's RMS normalization writes it."""
+    like = [init("like", np.zeros((), helper.tensor_dtype_to_np_dtype(to)))]
+    cast = (
+        helper.make_node("Cast", ["r"], ["c"], to=to)
+        if op == "Cast"
+        else helper.make_node("CastLike", ["r", "like"], ["c"])
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        cast,
+        helper.make_node("Sigmoid", ["c"], ["y"]),
+    ]
+    graph = ingest(
+        model(nodes, [vi("x", X_SHAPE)], [out("y", 4, to)], like if op != "Cast" else [])
+    )
+    assert ops_of(graph) == ["Relu", *kept, "Sigmoid"]
+
+
 # --- layer normalization's formula fused -------------------------------------------------
 
 
@@ -1471,7 +1495,7 @@ def test_dropout_with_an_unused_mask_ingests(opset: int) -> None:
 def test_dropout_mask_read_by_a_node_has_the_specified_shape() -> None:
     nodes = [
         helper.make_node("Dropout", ["x"], ["d", "mask"]),
-        helper.make_node("Cast", ["mask"], ["m"], to=F32),
+        helper.make_node("Neg", ["mask"], ["m"]),  # Dropout-7: a float mask
         helper.make_node("Mul", ["d", "m"], ["y"]),
     ]
     graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], opset=9))

@@ -1,15 +1,18 @@
-"""Operators that compute nothing, bypassed at ingest: ``Identity``, a ``Cast`` to the
-type its input has, and a ``Dropout`` that is the identity.
+"""Operators that compute nothing, bypassed at ingest: ``Identity``, a ``Cast`` to the type
+its input has, a ``Dropout`` that is the identity, a ``Concat`` of one input, and a
+``Reshape``, ``Flatten``, ``Squeeze``, ``Unsqueeze`` or ``Expand`` to its input's shape.
 
-Exporters write all three. A training-mode export of a module whose dropout probability
-is 0 (attention dropout in LLaMA-style models and in many Hugging Face configurations, a
-module made deterministic for a check) has ``Dropout`` with ratio 0 and training mode
-true; inference graphs from older exporters keep their ``Dropout`` nodes (the ONNX model
-zoo's AlexNet, VGG, SqueezeNet, Inception), which Remat, like every inference runtime,
-runs as the identity. A module's ``.to(torch.float32)`` of a float32 tensor (T5's and
-LLaMA's RMS normalization compute their variance in float32 whatever the model's type)
-is a ``Cast`` to the same type. ``Identity`` is left behind by exporters and graph
-rewriters. Planned, each is a node whose value is its input's: a plan holds or frees a
+Exporters write all of them. A training-mode export of a module whose dropout
+probability is 0 (attention dropout in LLaMA-style models and in many Hugging Face
+configurations, a module made deterministic for a check) has ``Dropout`` with ratio 0
+and training mode true; inference graphs from older exporters keep their ``Dropout``
+nodes (the ONNX model zoo's AlexNet, VGG, SqueezeNet, Inception), which Remat, like
+every inference runtime, runs as the identity. A module's ``.to(torch.float32)`` of a
+float32 tensor (T5's and LLaMA's RMS normalization compute their variance in float32
+whatever the model's type) is a ``Cast`` to the same type. ``Identity`` is left behind
+by exporters and graph rewriters; a traced module's shape arithmetic leaves a ``Concat``
+of one part and a ``Reshape`` to the shape its input has (GPT-2's, T5's and DenseNet's
+exports). Planned, each is a node whose value is its input's: a plan holds or frees a
 value of its own, its backward node passes the gradient through, and an executor runs a
 step each way where PyTorch runs nothing (its dropout at p = 0 and ``.to`` of the same
 type return their input). Bypassed, the readers of its output read its input.
@@ -17,13 +20,14 @@ type return their input). Bypassed, the readers of its output read its input.
 A ``Dropout`` is the identity, as the kernels run it (``agents.kernels.dropout_ratio``),
 before opset 12 (which has no training mode), and from it on where its training mode is
 omitted or a constant false, or its ratio is a constant 0 (with training mode a
-constant). A node is bypassed when its output is not a model output (whose name the
-graph must keep) and nothing reads a ``Dropout``'s mask.
+constant). A node is bypassed when the scheduled operators alone read its output (not a
+model output, whose name the graph must keep, nor a folded operator's input: a ``Shape``
+of it, which the agent evaluates by name) and nothing reads a ``Dropout``'s mask.
 
-As ONNX optimizers' ``eliminate_identity``, ``eliminate_nop_cast`` and
-``eliminate_nop_dropout`` passes do; here on the scheduled operators, after constant
-folding and before the fusions (a bypassed node no longer stands between the members of
-a chain).
+As ONNX optimizers' ``eliminate_identity`` and ``eliminate_nop_*`` passes (cast,
+dropout, concat, reshape, flatten, expand) do; here on the scheduled operators, after
+constant folding and before the fusions (a bypassed node no longer stands between the
+members of a chain).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from dataclasses import replace
 from onnx import NodeProto
 
 from remat.onnx_fusion import DEFAULT_DOMAINS, Tensors
+
+# Operators that only reshape or broadcast: the identity where the shape stays
+_RESHAPING = frozenset(("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"))
 
 
 def bypass_noops(
@@ -48,11 +55,17 @@ def bypass_noops(
     ``tensors`` with its reader counts moved with them (``outputs``: the model's outputs;
     ``opset``: its default-domain opset). The protos of the caller's model are not
     modified: a node whose inputs change is a copy."""
+    # reads by the scheduled operators: an output also read by a folded one (a Shape of
+    # it) or a model output is kept, since what reads it outside the graph reads it by name
+    scheduled = Counter(tensor for proto, _ in nodes for tensor in proto.input)
     alias: dict[str, str] = {}  # a bypassed node's output -> the tensor it passes on
     kept: list[tuple[NodeProto, str]] = []
     for proto, name in nodes:
         proto = _reading(proto, alias)
-        if _is_noop(proto, tensors, outputs, opset):
+        read_here = bool(proto.output) and (
+            tensors.readers.get(proto.output[0], 0) == scheduled[proto.output[0]]
+        )
+        if read_here and _is_noop(proto, tensors, outputs, opset):
             alias[proto.output[0]] = proto.input[0]
         else:
             kept.append((proto, name))
@@ -73,10 +86,13 @@ def _reading(proto: NodeProto, alias: Mapping[str, str]) -> NodeProto:
 def _is_noop(proto: NodeProto, tensors: Tensors, outputs: Collection[str], opset: int) -> bool:
     if proto.domain not in DEFAULT_DOMAINS or not proto.input or not proto.input[0]:
         return False
-    if not proto.output or proto.output[0] in outputs:
+    if proto.output[0] in outputs:
         return False
-    if proto.op_type == "Identity":
+    if proto.op_type == "Identity" or (proto.op_type == "Concat" and len(proto.input) == 1):
         return True
+    if proto.op_type in _RESHAPING:
+        shape = tensors.shape(proto.input[0])
+        return shape is not None and shape == tensors.shape(proto.output[0])
     if proto.op_type in ("Cast", "CastLike"):
         source = tensors.elem_type(proto.input[0])
         return source is not None and source == tensors.elem_type(proto.output[0])

@@ -715,6 +715,30 @@ def test_a_node_reads_what_an_operator_ingestion_bypassed_read() -> None:
     assert program.sources[1][2].fixed == "high"
 
 
+def test_an_operator_whose_output_a_folded_shape_reads_is_kept() -> None:
+    """A Dropout in inference mode computes nothing, but a folded ``Shape`` reads its
+    output by name (the program evaluates that shape from the graph's tensors): it stays a
+    node, and the Reshape to that shape (a model output) runs against onnxruntime."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Dropout", ["r"], ["d"], name="dropout"),
+        helper.make_node("Shape", ["d"], ["s"], name="shape"),
+        helper.make_node("Reshape", ["d", "s"], ["y"], name="reshape"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "kept",
+        [helper.make_tensor_value_info("x", F32, [2, 5])],
+        [helper.make_tensor_value_info("y", F32, [2, 5])],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    model = helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets)
+    )
+    program = _assert_forward_matches(model)
+    assert [n.op for n in program.graph.nodes] == ["Relu", "Dropout", "Reshape"]
+
+
 def test_inputs_are_seeded_or_given() -> None:
     model = samples.chain(2, batch=2, features=4)
     graph = forward_graph(model)

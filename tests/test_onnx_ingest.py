@@ -845,8 +845,8 @@ def test_gathers_of_each_index_of_an_axis_are_one_unbind() -> None:
 
 
 def test_an_unbind_along_an_inner_axis_keeps_it() -> None:
-    graph = ingest(_unbind_model(indices=(0, 1), axis=-2, reader="Squeeze"))
-    assert ops_of(graph) == ["Relu", "FusedUnbind", "Squeeze", "Squeeze", "Sum"]
+    graph = ingest(_unbind_model(indices=(0, 1), axis=-2))
+    assert ops_of(graph) == ["Relu", "FusedUnbind", "Transpose", "Transpose", "Sum"]
     assert graph.nodes[1].attrs["fused_attributes"] == {"axis": 1}
     assert graph.nodes[1].attrs["output_shapes"] == [(3, 4)] * 2
 
@@ -1060,6 +1060,26 @@ def test_a_cast_to_its_inputs_type_is_bypassed(op: str, to: int, kept: list[str]
         model(nodes, [vi("x", X_SHAPE)], [out("y", 4, to)], like if op != "Cast" else [])
     )
     assert ops_of(graph) == ["Relu", *kept, "Sigmoid"]
+
+
+def test_a_concat_of_one_part_and_a_reshape_to_the_same_shape_are_bypassed() -> None:
+    """As a traced module's shape arithmetic leaves them (GPT-2's, DenseNet's exports);
+    a Reshape that changes the shape, and a channel shuffle (a Reshape, Transpose and
+    Reshape back to the same shape, its elements moved) stay."""
+    same = init("same", X_SHAPE, np.int64)
+    split = init("split", (2, 3, 4, 16), np.int64)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Concat", ["r"], ["c"], axis=1),
+        helper.make_node("Reshape", ["c", "same"], ["s"]),
+        helper.make_node("Expand", ["s", "same"], ["e"]),
+        helper.make_node("Reshape", ["e", "split"], ["p"]),
+        helper.make_node("Transpose", ["p"], ["t"], perm=[0, 1, 3, 2]),
+        helper.make_node("Reshape", ["t", "same"], ["y"]),
+    ]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], [same, split]))
+    assert ops_of(graph) == ["Relu", "FusedLayout"]
+    assert graph.nodes[1].attrs["onnx_inputs"] == ["r"]
 
 
 # --- layer normalization's formula fused -------------------------------------------------
@@ -1730,8 +1750,9 @@ def test_two_thousand_nodes_ingest_with_shape_idioms_folded(opset: int) -> None:
     """Ingestion time of such graphs is measured by bench/baselines.py (ingestion.csv)."""
     data = _long_model(250, opset).SerializeToString()
     graph = load_forward_graph(data, batch=4)
-    # per block: MatMul and Add one node, the 4 shape-idiom nodes folded
-    assert ops_of(graph) == ["MatMulAdd", "Reshape", "Relu"] * 250
+    # per block: MatMul and Add one node, the 4 shape-idiom nodes folded, and the Reshape
+    # to (N, 1, 32): after the first block, to the shape its input has (bypassed)
+    assert ops_of(graph) == ["MatMulAdd", "Reshape", "Relu"] + ["MatMulAdd", "Relu"] * 249
     assert all(n.output_bytes == 4 * 32 * 4 for n in graph.nodes)
 
 

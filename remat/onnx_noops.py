@@ -118,10 +118,8 @@ def _dropout_is_identity(proto: NodeProto, tensors: Tensors, opset: int) -> bool
 
 
 def _moved(readers: Mapping[str, int], alias: Mapping[str, str]) -> Counter[str]:
-    """Reader counts where each bypassed output's readers read its source, which loses
-    the bypassed node's own read. Readers among the folded operators (a ``Shape`` of the
-    output) move too: a count that errs high keeps a fusion from taking a value another
-    operator reads, never the reverse."""
+    """Reader counts where each bypassed output's readers (scheduled operators alone) read
+    its source, which loses the bypassed node's own read."""
     moved = Counter(readers)
     for output, source in alias.items():
         moved[source] += moved.pop(output, 0) - 1

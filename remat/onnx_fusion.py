@@ -152,7 +152,7 @@ class Tensors:
     constant, its static shape (None where not static), whether it is a float, its ONNX
     element type (None where unknown), the value of a constant of one float element, that
     of a constant integer of rank 0, and the truth of a constant of one element (None for
-    anything else)."""
+    anything else), and whether a small constant is zero everywhere."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
@@ -162,6 +162,7 @@ class Tensors:
     scalar: Callable[[str], float | None]
     index: Callable[[str], int | None]
     flag: Callable[[str], bool | None]
+    is_zero: Callable[[str], bool]
 
 
 def fused_node(

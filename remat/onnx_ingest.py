@@ -690,6 +690,15 @@ class _Folder:
             return None
         return float(self.value(name, name).reshape(()))
 
+    def is_zero(self, name: str) -> bool:
+        """Whether a constant of at most 64 elements (a Pad's pads) is zero everywhere."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static:
+            return False
+        if math.prod(info.dims) > 64 or info.elem_type == TensorProto.STRING:
+            return False
+        return not np.any(self.value(name, name))
+
     def flag(self, name: str) -> bool | None:
         """The truth of a constant of one element (a bool or a number), else None."""
         info = self.infos.get(name)
@@ -997,6 +1006,7 @@ def forward_graph(
         scalar=folder.scalar,
         index=folder.index,
         flag=folder.flag,
+        is_zero=folder.is_zero,
     )
     outputs = {v.name for v in model.graph.output}
     opset = folder.opsets.get("", 0)

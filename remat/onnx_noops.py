@@ -1,6 +1,7 @@
 """Operators that compute nothing, bypassed at ingest: ``Identity``, a ``Cast`` to the type
-its input has, a ``Dropout`` that is the identity, a ``Concat`` of one input, and a
-``Reshape``, ``Flatten``, ``Squeeze``, ``Unsqueeze`` or ``Expand`` to its input's shape.
+its input has, a ``Dropout`` that is the identity, a ``Concat`` of one input, a ``Pad``
+by zero, and a ``Reshape``, ``Flatten``, ``Squeeze``, ``Unsqueeze`` or ``Expand`` to its
+input's shape.
 
 Exporters write all of them. A training-mode export of a module whose dropout
 probability is 0 (attention dropout in LLaMA-style models and in many Hugging Face
@@ -12,10 +13,12 @@ float32 tensor (T5's and LLaMA's RMS normalization compute their variance in flo
 whatever the model's type) is a ``Cast`` to the same type. ``Identity`` is left behind
 by exporters and graph rewriters; a traced module's shape arithmetic leaves a ``Concat``
 of one part and a ``Reshape`` to the shape its input has (GPT-2's, T5's and DenseNet's
-exports). Planned, each is a node whose value is its input's: a plan holds or frees a
-value of its own, its backward node passes the gradient through, and an executor runs a
-step each way where PyTorch runs nothing (its dropout at p = 0 and ``.to`` of the same
-type return their input). Bypassed, the readers of its output read its input.
+exports), and a module that pads to a multiple (Swin's windows) a ``Pad`` by zero where
+its input is one already. Planned, each is a node whose value is its input's: a plan
+holds or frees a value of its own, its backward node passes the gradient through, and an
+executor runs a step each way where PyTorch runs nothing (its dropout at p = 0 and
+``.to`` of the same type return their input). Bypassed, the readers of its output read
+its input.
 
 A ``Dropout`` is the identity, as the kernels run it (``agents.kernels.dropout_ratio``),
 before opset 12 (which has no training mode), and from it on where its training mode is
@@ -25,9 +28,9 @@ model output, whose name the graph must keep, nor a folded operator's input: a `
 of it, which the agent evaluates by name) and nothing reads a ``Dropout``'s mask.
 
 As ONNX optimizers' ``eliminate_identity`` and ``eliminate_nop_*`` passes (cast,
-dropout, concat, reshape, flatten, expand) do; here on the scheduled operators, after
-constant folding and before the fusions (a bypassed node no longer stands between the
-members of a chain).
+dropout, concat, pad, reshape, flatten, expand) do; here on the scheduled operators,
+after constant folding and before the fusions (a bypassed node no longer stands between
+the members of a chain).
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def _is_noop(proto: NodeProto, tensors: Tensors, outputs: Collection[str], opset
     if proto.op_type in _RESHAPING:
         shape = tensors.shape(proto.input[0])
         return shape is not None and shape == tensors.shape(proto.output[0])
+    if proto.op_type == "Pad":
+        return _pads_nothing(proto, tensors)
     if proto.op_type in ("Cast", "CastLike"):
         source = tensors.elem_type(proto.input[0])
         return source is not None and source == tensors.elem_type(proto.output[0])
@@ -115,6 +120,15 @@ def _dropout_is_identity(proto: NodeProto, tensors: Tensors, opset: int) -> bool
         return False
     ratio = proto.input[1] if len(proto.input) > 1 else ""
     return not mode or (bool(ratio) and tensors.scalar(ratio) == 0.0)
+
+
+def _pads_nothing(proto: NodeProto, tensors: Tensors) -> bool:
+    """A ``Pad`` by zero on every side: its ``pads`` a constant input of zeros (opset 11
+    on), or an attribute of zeros (before)."""
+    if len(proto.input) > 1 and proto.input[1]:
+        return tensors.is_zero(proto.input[1])
+    pads = next((a for a in proto.attribute if a.name == "pads"), None)
+    return pads is not None and not any(pads.ints)
 
 
 def _moved(readers: Mapping[str, int], alias: Mapping[str, str]) -> Counter[str]:

@@ -48,8 +48,9 @@ attention heads split and merged) into the eighth, its reshapes and transposes m
 Before the fusions, ingestion bypasses the operators that compute nothing
 (`remat/onnx_noops.py`): an `Identity`, a `Cast` to its input's type, a `Dropout` that
 is the identity (inference mode, or training mode at ratio 0), a `Concat` of one input,
-and a `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze` or `Expand` to its input's shape,
-where only scheduled operators read its output; their readers read their input.
+a `Pad` by zero, and a `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze` or `Expand` to its
+input's shape, where only scheduled operators read its output; their readers read their
+input.
 
 Columns: **cost**: the FLOP rule (`per element` = a fixed number per output element,
 `free` = data movement, timed by its bytes); **gradient reads**: what the backward node

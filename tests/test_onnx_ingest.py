@@ -1082,6 +1082,23 @@ def test_a_concat_of_one_part_and_a_reshape_to_the_same_shape_are_bypassed() -> 
     assert graph.nodes[1].attrs["onnx_inputs"] == ["r"]
 
 
+@pytest.mark.parametrize(
+    ("opset", "pads", "kept"),
+    [(17, [0] * 8, []), (17, [0, 0, 1, 0, 0, 0, 1, 0], ["Pad"]), (9, [0] * 8, [])],
+    ids=["zeros", "padding", "pad-2-zeros"],
+)
+def test_a_pad_by_zero_is_bypassed(opset: int, pads: list[int], kept: list[str]) -> None:
+    """As Swin pads its windows to a multiple it already is."""
+    if opset >= 11:
+        pad = helper.make_node("Pad", ["r", "pads"], ["p"])
+        params = [init("pads", pads, np.int64)]
+    else:
+        pad, params = helper.make_node("Pad", ["r"], ["p"], pads=pads), []
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), pad, helper.make_node("Sigmoid", ["p"], ["y"])]
+    graph = ingest(model(nodes, [vi("x", X_SHAPE)], [out("y", 4)], params, opset))
+    assert ops_of(graph) == ["Relu", *kept, "Sigmoid"]
+
+
 # --- layer normalization's formula fused -------------------------------------------------
 
 

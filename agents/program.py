@@ -54,6 +54,7 @@ from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
 from remat.onnx_fusion import DEFAULT_DOMAINS, FUSED_OPS, fused_node
 from remat.onnx_ingest import reference_ops
+from remat.onnx_noops import reading
 from remat.training import gradient_slots
 
 Value = tuple[Tensor, ...]
@@ -694,14 +695,7 @@ def _reading_as_ingested(proto: onnx.NodeProto, node: Node) -> onnx.NodeProto:
     """``proto`` reading what ``node`` reads: where ingestion bypassed an operator that
     computes nothing (``remat.onnx_noops``), a copy that reads its input instead."""
     read = iter(_names(node, "onnx_inputs"))  # the non-empty inputs, in order
-    inputs = [next(read, name) if name else name for name in proto.input]
-    if inputs == list(proto.input):
-        return proto
-    copy = onnx.NodeProto()
-    copy.CopyFrom(proto)
-    del copy.input[:]
-    copy.input.extend(inputs)
-    return copy
+    return reading(proto, [next(read, name) if name else name for name in proto.input])
 
 
 def _names(node: Node, key: str) -> list[str]:

@@ -1008,9 +1008,8 @@ def forward_graph(
         flag=folder.flag,
         is_zero=folder.is_zero,
     )
-    outputs = {v.name for v in model.graph.output}
     opset = folder.opsets.get("", 0)
-    kept, tensors = bypass_noops([(nodes[i], names[i]) for i in scheduled], tensors, outputs, opset)
+    kept, tensors = bypass_noops([(nodes[i], names[i]) for i in scheduled], tensors, opset)
     fused = fuse_linear_layers(kept, tensors)
     fused = fuse_flattened_gemms(fused, tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)

@@ -36,7 +36,7 @@ the members of a chain).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from onnx import NodeProto
@@ -50,46 +50,45 @@ _RESHAPING = frozenset(("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"))
 def bypass_noops(
     nodes: Sequence[tuple[NodeProto, str]],
     tensors: Tensors,
-    outputs: Collection[str],
     opset: int,
 ) -> tuple[list[tuple[NodeProto, str]], Tensors]:
     """``nodes`` (scheduled operators with their graph names, in topological order) without
     the ones that compute nothing, their readers reading their inputs instead, and
-    ``tensors`` with its reader counts moved with them (``outputs``: the model's outputs;
-    ``opset``: its default-domain opset). The protos of the caller's model are not
-    modified: a node whose inputs change is a copy."""
+    ``tensors`` with its reader counts moved with them (``opset``: the model's
+    default-domain opset). The protos of the caller's model are not modified: a node whose
+    inputs change is a copy."""
     # reads by the scheduled operators: an output also read by a folded one (a Shape of
-    # it) or a model output is kept, since what reads it outside the graph reads it by name
+    # it) or a model output (``tensors.readers`` counts both) is kept, since what reads it
+    # outside the graph reads it by name
     scheduled = Counter(tensor for proto, _ in nodes for tensor in proto.input)
     alias: dict[str, str] = {}  # a bypassed node's output -> the tensor it passes on
     kept: list[tuple[NodeProto, str]] = []
     for proto, name in nodes:
-        proto = _reading(proto, alias)
+        proto = reading(proto, [alias.get(tensor, tensor) for tensor in proto.input])
         read_here = bool(proto.output) and (
             tensors.readers.get(proto.output[0], 0) == scheduled[proto.output[0]]
         )
-        if read_here and _is_noop(proto, tensors, outputs, opset):
+        if read_here and _is_noop(proto, tensors, opset):
             alias[proto.output[0]] = proto.input[0]
         else:
             kept.append((proto, name))
     return kept, replace(tensors, readers=_moved(tensors.readers, alias))
 
 
-def _reading(proto: NodeProto, alias: Mapping[str, str]) -> NodeProto:
-    """``proto``, or a copy of it that reads each bypassed output's source instead."""
-    if not any(tensor in alias for tensor in proto.input):
+def reading(proto: NodeProto, inputs: Sequence[str]) -> NodeProto:
+    """``proto`` reading ``inputs`` (one name per input position, ``""`` where omitted):
+    itself where they are its own, else a copy (the caller's model is not modified)."""
+    if list(inputs) == list(proto.input):
         return proto
     copy = NodeProto()
     copy.CopyFrom(proto)
-    for position, tensor in enumerate(proto.input):
-        copy.input[position] = alias.get(tensor, tensor)
+    del copy.input[:]
+    copy.input.extend(inputs)
     return copy
 
 
-def _is_noop(proto: NodeProto, tensors: Tensors, outputs: Collection[str], opset: int) -> bool:
+def _is_noop(proto: NodeProto, tensors: Tensors, opset: int) -> bool:
     if proto.domain not in DEFAULT_DOMAINS or not proto.input or not proto.input[0]:
-        return False
-    if proto.output[0] in outputs:
         return False
     if proto.op_type == "Identity" or (proto.op_type == "Concat" and len(proto.input) == 1):
         return True

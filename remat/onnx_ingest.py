@@ -570,6 +570,10 @@ def _data_propagation_is_bounded(work: onnx.ModelProto, infos: Mapping[str, Tens
 # --- constant folding ---------------------------------------------------------------------
 
 
+# Operators whose outputs, of more than one element, a model may train as written weights
+_WRITTEN_WEIGHTS = frozenset({"Constant", "ConstantOfShape"})
+
+
 @dataclass
 class _Folder:
     """Shapes and constant-ness of every tensor, filled in one topological pass."""
@@ -598,19 +602,28 @@ class _Folder:
             return reads[0] in self.constants or self._is_static(reads[0])
         return all(name in self.constants for name in reads)
 
-    def from_params(self, name: str) -> bool:
-        """Whether a constant is an initializer or folded from one (a weight), rather
-        than from ``Constant`` nodes alone."""
+    def is_weight(self, name: str) -> bool:
+        """Whether a constant is trained (a parameter): a float initializer, a float
+        ``Constant`` or ``ConstantOfShape`` node's output of more than one element
+        (exporters write weights as any of these), or a float value folded from one of
+        those through float values (a weight transposed or cast at export). A value folded
+        from scalars and from values that are not floats alone (a causal mask chosen by a
+        comparison of positions) is a constant, as is every value that is not a float:
+        neither has a gradient in the model."""
         seen: set[str] = set()
         stack = [name]
         while stack:
             tensor = stack.pop()
+            if tensor in seen or not self.is_float(tensor):
+                continue
+            seen.add(tensor)
             if tensor in self.params:
                 return True
             node = self.producers.get(tensor)
-            if node is None or tensor in seen:
-                continue  # a Constant node's output, or one already followed
-            seen.add(tensor)
+            if node is None or node.op_type in _WRITTEN_WEIGHTS:
+                if math.prod(self.infos[tensor].dims) > 1:
+                    return True
+                continue
             stack.extend(i for i in node.input if i)
         return False
 
@@ -1146,8 +1159,7 @@ def _build(
             if tensor in folder.constants and tensor not in fixed:
                 info = folder.infos[tensor]
                 _check_tensor_size(info, f"constant {tensor!r}")
-                weight = math.prod(info.dims) > 1 or folder.from_params(tensor)
-                kind = FixedKind.PARAMETER if weight else FixedKind.CONSTANT
+                kind = FixedKind.PARAMETER if folder.is_weight(tensor) else FixedKind.CONSTANT
                 fixed[tensor] = FixedTensor(tensor, kind, info.nbytes)
         outputs = [o for o in proto.output if o and o not in folder.dropped]
         nodes.append(_node(node_id, proto, name, reads, outputs, producer, fixed, folder.infos))

@@ -682,6 +682,44 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     assert workspace[:, 0].tolist() == [n.scratch_bytes for n in trained.nodes]
 
 
+def test_what_is_trained_is_what_the_module_trains() -> None:
+    """A float mask folded from a comparison of positions (GPT-2's causal mask: a ``Where``
+    of scalars chosen by ``Equal`` of a ``Trilu``) and an integer initializer are constants,
+    without gradient buffers; a weight transposed at export, and rows gathered from one,
+    stay parameters."""
+    nodes = [
+        const_node("one", 1.0, np.float32),
+        const_node("square", [3, 3]),
+        helper.make_node("Expand", ["one", "square"], ["grid"]),
+        helper.make_node("Trilu", ["grid"], ["tri"]),
+        const_node("zero", 0.0, np.float32),
+        helper.make_node("Equal", ["tri", "zero"], ["above"]),
+        const_node("lowest", -1e9, np.float32),
+        helper.make_node("Where", ["above", "lowest", "zero"], ["mask"]),
+        helper.make_node("Add", ["x", "mask"], ["h"]),
+        helper.make_node("Transpose", ["W"], ["Wt"]),
+        helper.make_node("MatMul", ["h", "Wt"], ["h2"]),
+        helper.make_node("Gather", ["h2", "rows"], ["g"]),
+        helper.make_node("Gather", ["E", "rows"], ["e"]),
+        helper.make_node("Add", ["g", "e"], ["y"]),
+    ]
+    params = [
+        ones("W", (3, 3)),
+        ones("E", (4, 3)),
+        init("rows", [2, 0, 1], np.int64),
+    ]
+    graph = ingest(model(nodes, [vi("x", (3, 3))], [out("y", 2)], params))
+    assert ops_of(graph) == ["Add", "MatMul", "Gather", "Add"]
+    kinds = {name: tensor.kind for name, tensor in graph.fixed.items()}
+    assert kinds == {
+        "x": FixedKind.INPUT,
+        "mask": FixedKind.CONSTANT,
+        "Wt": FixedKind.PARAMETER,
+        "rows": FixedKind.CONSTANT,
+        "e": FixedKind.PARAMETER,
+    }
+
+
 def test_a_padding_mask_computed_in_the_model_is_the_fused_nodes_mask() -> None:
     graph = ingest(_attention_model(padding_mask=True), fuse_attention=True)
     assert ops_of(graph) == ["Transpose", "Mul", "ScaledDotProductAttention", "Relu"]

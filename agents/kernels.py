@@ -40,6 +40,7 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from torch.nn.attention import SDPBackend
 
 from agents.errors import UnsupportedOpError
 from remat.onnx_fusion import (
@@ -54,6 +55,7 @@ from remat.onnx_fusion import (
     SILU,
     UNBIND,
 )
+from remat.ops import pytorch_attention_backward
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
 
 Tensor = torch.Tensor
@@ -1880,6 +1882,44 @@ def _matmul_add_grad(call: VjpCall) -> Grads:
 
 
 def _attention_grad(call: VjpCall) -> Grads:
+    """Attention's backward by PyTorch's fused kernel where ``remat.ops.pytorch_attention_
+    backward`` says so and PyTorch has one for these operands, else the closed form."""
+    shapes = [tuple(t.shape) for t in call.args if t is not None]
+    mask_wanted = len(call.wanted) > 3 and call.wanted[3] and call.optional(3) is not None
+    if pytorch_attention_backward(shapes, mask_wanted):
+        found = attention_grad_by_pytorch(call)
+        if found is not None:
+            return found
+    return attention_grad_closed_form(call)
+
+
+def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
+    """Attention's backward as eager PyTorch computes it: ``scaled_dot_product_attention``
+    again under autograd, the keys given unit stride so that its fused kernel takes them,
+    then that kernel's backward, which recomputes the weights block by block and holds no
+    score matrix. None where PyTorch would take its math path for these operands."""
+    a, b, v, mask = call.arg(0), call.arg(1), call.arg(2), call.optional(3)
+    scale = float(call.spec.attr("scale", 1.0))
+    wanted = [position < len(call.wanted) and call.wanted[position] for position in range(3)]
+    q, k, vv = a.detach(), b.detach().transpose(-1, -2).contiguous(), v.detach()
+    leaves = [q, k, vv]
+    with torch.enable_grad():
+        for leaf, want in zip(leaves, wanted, strict=True):
+            leaf.requires_grad_(want)
+        choice = torch._fused_sdp_choice(q, k, vv, attn_mask=mask, scale=scale)
+        if choice == SDPBackend.MATH.value:
+            return None
+        out = F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, scale=scale)
+        targets = [leaf for leaf, want in zip(leaves, wanted, strict=True) if want]
+        found = iter(torch.autograd.grad(out, targets, call.g))
+    grads: Grads = [next(found) if want else None for want in wanted]
+    grads += [None] * (len(call.args) - 3)
+    if grads[1] is not None:  # the keys' gradient, as B's
+        grads[1] = grads[1].transpose(-1, -2)
+    return grads
+
+
+def attention_grad_closed_form(call: VjpCall) -> Grads:
     """Attention's backward from its inputs, as ``scaled_dot_product_attention``'s
     recomputes its weights: P = softmax(A B s + M); dV = P^T g; dS = P * (dP - rowsum(dP
     * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS summed to M's shape."""

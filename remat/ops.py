@@ -200,6 +200,38 @@ def scratch_elements(
         return 0
 
 
+# Keys per query from which a fused attention's backward is PyTorch's own
+# (``pytorch_attention_backward``): below it the closed form, which materialises the
+# scores, is the faster on CPUs (``bench/attention.py``).
+PYTORCH_ATTENTION_BACKWARD_KEYS = 256
+
+
+def pytorch_attention_backward(input_shapes: Sequence[Shape], mask_trained: bool) -> bool:
+    """Whether the executor differentiates a fused attention (inputs ``(A, B, V[, M])``,
+    ``B`` the transposed keys) as PyTorch does, by its fused kernel's backward after the
+    forward again under autograd, which holds no score matrix: operands of four dimensions
+    (batch, heads, positions, features), at least ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys,
+    and no gradient wanted for the mask (PyTorch's CPU kernels have none: it would take its
+    math path, slower than the closed form). Else the closed form, which holds two
+    score-sized buffers (``attention_backward_scratch_elements``)."""
+    if len(input_shapes) < 3 or len(input_shapes[0]) != 4 or not input_shapes[1]:
+        return False
+    return input_shapes[1][-1] >= PYTORCH_ATTENTION_BACKWARD_KEYS and not mask_trained
+
+
+def attention_backward_scratch_elements(
+    input_shapes: Sequence[Shape], output_shapes: Sequence[Shape], mask_trained: bool
+) -> int:
+    """Elements a fused attention's backward holds beyond its inputs and gradients: by
+    PyTorch's kernel, the recomputed output, its log-sum-exp per query and the keys with
+    unit stride; by the closed form, the weights ``P`` and their gradient, two score
+    matrices."""
+    if not pytorch_attention_backward(input_shapes, mask_trained):
+        return 2 * scratch_elements(ATTENTION, list(input_shapes), list(output_shapes))
+    out, keys = output_shapes[0], input_shapes[1]
+    return _numel(out) + _numel(out) // max(out[-1], 1) + _numel(keys)
+
+
 def flops(
     op_type: str,
     input_shapes: list[tuple[int, ...]],

@@ -58,7 +58,10 @@ model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forwar
 times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
 where the input is data: the weight's gradient alone), times 2.5 for
 ScaledDotProductAttention (the scores again, then four products where the forward pass
-has two), times 1 otherwise.
+has two; 3.5 where the executor takes PyTorch's fused backward, which runs the forward
+again first: ``ops.pytorch_attention_backward``), times 1 otherwise. A fused attention's
+backward node holds scratch memory while it runs: two score matrices in the closed form,
+the output again, its log-sum-exp and the keys by PyTorch's kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from enum import Enum
 
+from remat import ops
 from remat.errors import InvalidInputError
 from remat.graph import FixedKind, FixedTensor, Graph, Mode, Node, NodeKind
 from remat.loss import MEAN_SQUARE, Loss, LossKind, labels_name
@@ -138,9 +142,8 @@ GRADIENT_NEEDS: dict[str, Needs] = {
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
 _ATTENTION_BACKWARD = 2.5  # the scores recomputed, then dV, dP, dA and dB
-# The fused attention's backward holds two score-sized buffers: the probabilities
-# recomputed and their gradient (``agents.kernels``' closed form).
-_ATTENTION_BACKWARD_SCRATCH = 2
+# PyTorch's fused backward runs the forward again first (``ops.pytorch_attention_backward``)
+_PYTORCH_ATTENTION_BACKWARD = 1.0 + _ATTENTION_BACKWARD
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 
@@ -378,8 +381,7 @@ def _backward_node(
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
     scratch = 0
     if node.op == ATTENTION:
-        factor = _ATTENTION_BACKWARD
-        scratch = _ATTENTION_BACKWARD_SCRATCH * node.scratch_bytes
+        factor, scratch = _attention_backward(node, nodes, fixed)
     return Node(
         id=index,
         name=names.unique(f"{node.name}:grad"),
@@ -393,6 +395,41 @@ def _backward_node(
         forward=node.id,
         scratch_bytes=scratch,
     )
+
+
+def _attention_backward(
+    node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]
+) -> tuple[float, int]:
+    """A fused attention's backward FLOPs as a multiple of its forward's, and the scratch
+    bytes it holds, by the kernel the executor runs it with (``ops.pytorch_attention_
+    backward``); a graph without shapes (built by hand): the closed form's two score
+    matrices, ``scratch_bytes`` each."""
+    inputs, outputs = node.attrs.get("input_shapes"), node.attrs.get("output_shapes")
+    if not (isinstance(inputs, list) and isinstance(outputs, list) and outputs):
+        return _ATTENTION_BACKWARD, 2 * node.scratch_bytes
+    ins = [tuple(s) for s in inputs]
+    outs = [tuple(s) for s in outputs]
+    trained = _mask_trained(node, nodes, fixed)
+    elements = ops.attention_backward_scratch_elements(ins, outs, trained)
+    element_bytes = node.output_bytes // max(math.prod(outs[0]), 1)
+    pytorch = ops.pytorch_attention_backward(ins, trained)
+    return _PYTORCH_ATTENTION_BACKWARD if pytorch else _ATTENTION_BACKWARD, elements * element_bytes
+
+
+def _mask_trained(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> bool:
+    """Whether a fused attention's mask (its fourth input) carries a gradient: a trained
+    fixed tensor, or an output of another node that its backward node sends one to."""
+    read = node.attrs.get("onnx_inputs")
+    if not isinstance(read, list) or len(read) < 4:
+        return False
+    mask = read[3]
+    if mask in fixed:
+        return fixed[mask].has_gradient
+    for dep, k, _ in gradient_slots(node, nodes):
+        names = nodes[dep].attrs.get("onnx_outputs")
+        if isinstance(names, list) and names[k] == mask:
+            return True
+    return False
 
 
 def _keeping_argmax(node: Node) -> Node:

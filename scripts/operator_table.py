@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from agents.kernels import KERNELS, VJP_RULES
-from remat.ops import FLOPS
+from remat.ops import FLOPS, PYTORCH_ATTENTION_BACKWARD_KEYS
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, SOME_INPUTS, Needs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
@@ -45,6 +45,10 @@ packed projection (`MultiheadAttention`'s queries, keys and values) into the sev
 (`remat/onnx_fusion.py`), as PyTorch runs them, and a chain of two or more layout
 operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`:
 attention heads split and merged) into the eighth, its reshapes and transposes merged.
+`ScaledDotProductAttention`'s gradient is PyTorch's own from
+{PYTORCH_ATTENTION_BACKWARD_KEYS} keys on, where its mask wants none (its forward again
+under autograd, then its fused kernel's backward, which holds no score matrix), and the
+closed form below that.
 Before the fusions, ingestion bypasses the operators that compute nothing
 (`remat/onnx_noops.py`): an `Identity`, a `Cast` to its input's type, a `Dropout` that
 is the identity (inference mode, or training mode at ratio 0), a `Concat` of one input,

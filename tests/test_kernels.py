@@ -5,6 +5,7 @@ byte counts."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from remat.onnx_fusion import (
     UNBIND,
 )
 from remat.onnx_ingest import forward_graph
+from remat.ops import PYTORCH_ATTENTION_BACKWARD_KEYS
 from remat.training import training_graph
 
 F32 = TensorProto.FLOAT
@@ -368,6 +370,7 @@ HEADS_MOVED = {
     "dims": [2, 6, 2, 2, 0, 2, 1, 3, 4, 12],
     "ranks": [4, 4, 2],
 }
+MANY_KEYS = PYTORCH_ATTENTION_BACKWARD_KEYS
 GRAD_CASES: dict[str, GradCase] = {
     "conv": GradCase(
         "Conv",
@@ -407,6 +410,13 @@ GRAD_CASES: dict[str, GradCase] = {
     ),
     "attention_masked": GradCase(
         ATTENTION, [(2, 4, 5), (2, 5, 6), (2, 6, 3), (1, 4, 6)], domain=FUSED_DOMAIN
+    ),
+    # PyTorch's fused kernel's backward (``remat.ops.pytorch_attention_backward``)
+    "attention_many_keys": GradCase(
+        ATTENTION,
+        [(1, 2, 3, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
+        {"scale": 0.4},
+        domain=FUSED_DOMAIN,
     ),
     "fused_unbind": GradCase(UNBIND, [(2, 3, 4)], {"axis": 1}, domain=FUSED_DOMAIN, outputs=3),
     # the heads of (2, 6, 4) split, moved before the tokens, and merged with them
@@ -471,6 +481,35 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
         assert a is not None and b is not None, position
         assert a.shape == b.shape, position
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def _kernels_run(call: VjpCall) -> set[str]:
+    """The ATen operators that ``call``'s gradient runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        kernels.vjp(call)
+    return {event.name for event in profile.events()}
+
+
+FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def test_attention_over_many_keys_is_differentiated_by_pytorchs_fused_kernel() -> None:
+    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the gradient is PyTorch's fused
+    kernel's (no score matrix held), also with a mask that wants none; with fewer keys, or
+    a mask that wants a gradient (PyTorch's CPU kernel has none for it), the closed form."""
+    many = _grad_call(GRAD_CASES["attention_many_keys"])
+    assert FLASH_BACKWARD in _kernels_run(many)
+    mask = torch.zeros(1, 1, 1, MANY_KEYS, dtype=torch.float64)
+    mask[..., MANY_KEYS // 2 :] = -math.inf  # padding: half the keys masked
+    masked = VjpCall(many.spec, [*many.args, mask], None, many.grads, [True, True, True, False])
+    assert FLASH_BACKWARD in _kernels_run(masked)
+    closed = kernels.attention_grad_closed_form(masked)
+    for ours, reference in zip(kernels.vjp(masked), closed, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
+    masked.wanted = [True, True, True, True]
+    assert FLASH_BACKWARD not in _kernels_run(masked)
+    few = _grad_call(GRAD_CASES["attention"])
+    assert FLASH_BACKWARD not in _kernels_run(few)
 
 
 @pytest.mark.parametrize("steps", [[2, 1], [1, -2]], ids=["step_2", "negative_step"])

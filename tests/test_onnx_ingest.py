@@ -599,13 +599,14 @@ def _attention_model(
     *, mask_shape: Sequence[int] | None = (1, 1, 3, 3), prescaled: bool = False,
     axis: int = -1, extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
     scale: Sequence[float] | float = 8**0.5, nan_zeroed: bool = False,
-    padding_mask: bool = False,
+    padding_mask: bool = False, tokens: int = 3,
 ) -> onnx.ModelProto:  # fmt: skip
     """softmax(q k^T / sqrt(8) + mask) v, then Relu, as Hugging Face's eager attention is
     exported (``prescaled``: q and k^T each multiplied by 8 ** -0.25 before the product,
     as PyTorch exports ``scaled_dot_product_attention``; ``scale``: the divisor;
     ``nan_zeroed``: a fully masked row's weights zeroed, as the dynamo exporter writes;
-    ``padding_mask``: the mask a model input times the most negative float, read once)."""
+    ``padding_mask``: the mask a model input times the most negative float, read once;
+    ``tokens``: queries and keys, 3 as in ``ATTENTION_SHAPE``)."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
     params = [init("c", scale)]
     a, b = "q", "kt"
@@ -621,10 +622,11 @@ def _attention_model(
     if not prescaled:
         nodes.append(helper.make_node("Div", ["s", "c"], ["sd"]))
         scores = "sd"
-    inputs = [vi(name, ATTENTION_SHAPE) for name in ("q", "k", "v")]
+    batch, heads, _, width = ATTENTION_SHAPE
+    inputs = [vi(name, (batch, heads, tokens, width)) for name in ("q", "k", "v")]
     if padding_mask:
         nodes.append(helper.make_node("Mul", ["pad", "lowest"], ["m"]))
-        inputs.append(vi("pad", (2, 1, 1, 3)))
+        inputs.append(vi("pad", (batch, 1, 1, tokens)))
         params.append(init("lowest", np.finfo(np.float32).min))
     elif mask_shape is not None:
         params.append(init("m", np.zeros(mask_shape)))
@@ -680,6 +682,34 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     workspace = analytical_costs(trained, [Device("cpu0", DeviceKind.CPU)]).workspace_bytes
     assert workspace is not None
     assert workspace[:, 0].tolist() == [n.scratch_bytes for n in trained.nodes]
+
+
+@pytest.mark.parametrize("mask", ["none", "trained", "computed"])
+def test_a_backward_over_many_keys_holds_no_scores_unless_its_mask_is_trained(mask: str) -> None:
+    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the backward node is PyTorch's
+    fused kernel's (``ops.pytorch_attention_backward``): its scratch the output again, its
+    log-sum-exp and the keys, not two score matrices, and its FLOPs the forward's once more.
+    A mask that carries a gradient (a trained one, or a value computed in the model, whose
+    producer's backward node gets it) keeps the closed form."""
+    tokens = ops.PYTORCH_ATTENTION_BACKWARD_KEYS
+    attention_model = _attention_model(
+        prescaled=mask == "none",
+        mask_shape=(1, 1, tokens, tokens) if mask == "trained" else None,
+        padding_mask=mask == "computed",
+        tokens=tokens,
+    )
+    graph = ingest(attention_model, fuse_attention=True)
+    [attention] = [n for n in graph.nodes if n.op == ATTENTION]
+    [backward] = [n for n in training_graph(graph).nodes if n.forward == attention.id]
+    batch, heads, _, width = ATTENTION_SHAPE
+    scores = batch * heads * tokens * tokens
+    output = batch * heads * tokens * width
+    if mask == "none":
+        assert backward.scratch_bytes == (output + output // width + output) * 4
+        assert backward.flops == 3.5 * attention.flops
+    else:
+        assert backward.scratch_bytes == 2 * scores * 4
+        assert backward.flops == 2.5 * attention.flops
 
 
 def test_what_is_trained_is_what_the_module_trains() -> None:

@@ -50,7 +50,7 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=3.0, threads=1), sea
 def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
     loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
-    folded: int = 0, fused: Sequence[str] = (),
+    folded: int = 0, fused: Sequence[str] = (), scoreless: bool = False,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
@@ -58,7 +58,9 @@ def _check(
     many of its weights the export folds into constants, so that they have no gradient).
     ``fuse_attention`` as in a job (the default); ``attention``: some attention chain must
     have become one node; ``fused``: operators ingestion must have made of the export's
-    (``remat.onnx_fusion``)."""
+    (``remat.onnx_fusion``); ``scoreless``: every attention's backward node must be
+    PyTorch's fused kernel's (``remat.ops.pytorch_attention_backward``), which holds no
+    score matrix."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
@@ -67,6 +69,10 @@ def _check(
     graph = graph_of(exported, Mode.TRAINING, loss or entry.loss, fuse_attention)
     assert not attention or any(n.op == ATTENTION for n in graph.nodes)
     assert set(fused) <= {n.op for n in graph.nodes}, fused
+    if scoreless:  # the closed form holds two score matrices, the forward's scratch each
+        backward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is not None]
+        assert backward
+        assert all(n.scratch_bytes < graph.nodes[n.forward].scratch_bytes for n in backward)
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)
@@ -158,3 +164,11 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     fused = {"bert": (GELU,), "gpt2": (GELU, MATMUL_ADD), "t5": (RMS_NORM,)}.get(name, ())
     fused = (*fused, LAYOUT)
     _check(name, exporter=exporter, attention=True, folded=int(exporter == "dynamo"), fused=fused)
+
+
+@pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
+def test_a_long_context_takes_pytorchs_attention_backward() -> None:
+    """GPT-2 over 256 tokens: every attention's backward is PyTorch's fused kernel's, from
+    ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on (its causal mask, folded from comparisons
+    of positions, a constant: no gradient wanted), and the gradients still match."""
+    _check("gpt2_small_1k", attention=True, scoreless=True, fused=(MATMUL_ADD, LAYOUT))

@@ -4,7 +4,8 @@ One definition serves the tests and the benchmark: ``test`` is small enough that
 plans, executes and differentiates it in seconds (few channels, tiny images, a 64-token
 vocabulary); ``bench`` is the size ``bench/models.py`` measures (torchvision's default
 classifier heads on 64x64 images, Hugging Face configurations of width 64 and a 1000-token
-vocabulary; ``bert_base`` and ``gpt2_small`` at their base models' shape). Nothing is
+vocabulary; ``bert_base`` and ``gpt2_small`` at their base models' shape, and
+``gpt2_small_1k`` over one sequence of 1,024 tokens). Nothing is
 downloaded: weights are random, torchvision comes from ``agents.pytorch.torchvision_models``
 (beside the venv) and Hugging Face models from their configurations.
 
@@ -17,7 +18,7 @@ GPT-2's ``Split`` keeps opset 18's ``num_outputs``)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -178,22 +179,27 @@ def _small_vit(scale: Scale) -> torch.nn.Module:
     )
 
 
-def _transformers(name: str, *, base: bool = False) -> Callable[[Scale], torch.nn.Module]:
+def _transformers(
+    name: str, *, base: bool = False, positions: Mapping[Scale, int] | None = None
+) -> Callable[[Scale], torch.nn.Module]:
     """A Hugging Face model from a small configuration (2 layers); with ``base``, at its
     bench scale the shape of BERT-base or GPT-2 small (12 layers of width 768, 12 heads,
-    128 positions), the transformers of issue-size graphs (about 1,000 training nodes)."""
+    128 positions), the transformers of issue-size graphs (about 1,000 training nodes);
+    ``positions``: how many it embeds, by scale (else 64, or the base model's 128)."""
 
     def build(scale: Scale) -> torch.nn.Module:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers  # only when asked for
 
         width, vocab = (32, 64) if scale == "test" else (64, VOCAB["bench"])
-        layers, heads, positions = 2, 4, 64
+        layers, heads, embedded = 2, 4, 64
         if base and scale == "bench":
-            width, layers, heads, positions = 768, 12, 12, 128
+            width, layers, heads, embedded = 768, 12, 12, 128
+        if positions is not None:
+            embedded = positions[scale]
         if name == "gpt2":
             gpt2 = transformers.GPT2Config(
-                vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers,
+                vocab_size=vocab, n_positions=embedded, n_embd=width, n_layer=layers,
                 n_head=heads, bos_token_id=0, eos_token_id=0,
             )  # fmt: skip
             return LanguageModel(transformers.GPT2LMHeadModel(gpt2))
@@ -201,7 +207,7 @@ def _transformers(name: str, *, base: bool = False) -> Callable[[Scale], torch.n
             bert = transformers.BertConfig(
                 vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
                 num_attention_heads=heads, intermediate_size=(4 if base else 2) * width,
-                max_position_embeddings=positions,
+                max_position_embeddings=embedded,
             )  # fmt: skip
             return LanguageModel(transformers.BertForMaskedLM(bert))
         t5 = transformers.T5Config(
@@ -217,6 +223,9 @@ VOCAB: dict[Scale, int] = {"test": 64, "bench": 1000}
 IMAGE: dict[Scale, tuple[int, ...]] = {"test": (4, 3, 32, 32), "bench": (8, 3, 64, 64)}
 TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (4, 16)}
 LONG_TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (8, 128)}
+# one sequence of a fine-tuning context: attention over as many keys as PyTorch's fused
+# backward is taken from (``remat.ops.PYTORCH_ATTENTION_BACKWARD_KEYS``) at the test scale
+CONTEXT: dict[Scale, tuple[int, ...]] = {"test": (1, 256), "bench": (1, 1024)}
 
 
 def _classifier(name: str, **kwargs: object) -> Entry:
@@ -231,6 +240,13 @@ def _base_language_model(name: str, size: str) -> Entry:
     """``name`` at the shape of its base model: 12 layers, 8 sequences of 128 tokens."""
     build = _transformers(name, base=True)
     return Entry(f"{name}_{size}", "transformers", build, LONG_TOKENS, CROSS_ENTROPY, VOCAB)
+
+
+def _long_context_model(name: str, size: str) -> Entry:
+    """``name`` at the shape of its base model over one sequence of ``CONTEXT`` tokens."""
+    positions = {scale: shape[1] for scale, shape in CONTEXT.items()}
+    build = _transformers(name, base=True, positions=positions)
+    return Entry(f"{name}_{size}_1k", "transformers", build, CONTEXT, CROSS_ENTROPY, VOCAB)
 
 
 _ENTRIES = [
@@ -304,5 +320,6 @@ _ENTRIES = [
     _language_model("t5"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
+    _long_context_model("gpt2", "small"),
 ]
 CORPUS: dict[str, Entry] = {entry.name: entry for entry in _ENTRIES}

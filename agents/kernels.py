@@ -478,13 +478,17 @@ def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
 
 def _attention(spec: OpSpec, args: Args) -> Outputs:
     """``remat.onnx_fusion``'s ``softmax(A @ B * scale + M) @ V`` with ``B`` the transposed
-    keys: PyTorch's ``scaled_dot_product_attention``, as eager PyTorch runs attention."""
+    keys (``causal``: each query attends to the keys up to its own position): PyTorch's
+    ``scaled_dot_product_attention``, as eager PyTorch runs attention."""
     a, b, v = args[0], args[1], args[2]
     assert a is not None and b is not None and v is not None
     mask = args[3] if len(args) > 3 else None
     scale = float(spec.attr("scale", 1.0))
     keys = b.transpose(-1, -2)
-    return (F.scaled_dot_product_attention(a, keys, v, attn_mask=mask, scale=scale),)
+    causal = bool(spec.attr("causal", 0))
+    return (
+        F.scaled_dot_product_attention(a, keys, v, attn_mask=mask, is_causal=causal, scale=scale),
+    )
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -1903,13 +1907,16 @@ def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
     wanted = [position < len(call.wanted) and call.wanted[position] for position in range(3)]
     q, k, vv = a.detach(), b.detach().transpose(-1, -2).contiguous(), v.detach()
     leaves = [q, k, vv]
+    causal = bool(call.spec.attr("causal", 0))
     with torch.enable_grad():
         for leaf, want in zip(leaves, wanted, strict=True):
             leaf.requires_grad_(want)
-        choice = torch._fused_sdp_choice(q, k, vv, attn_mask=mask, scale=scale)
+        choice = torch._fused_sdp_choice(q, k, vv, attn_mask=mask, is_causal=causal, scale=scale)
         if choice == SDPBackend.MATH.value:
             return None
-        out = F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, k, vv, attn_mask=mask, is_causal=causal, scale=scale
+        )
         targets = [leaf for leaf, want in zip(leaves, wanted, strict=True) if want]
         found = iter(torch.autograd.grad(out, targets, call.g))
     grads: Grads = [next(found) if want else None for want in wanted]
@@ -1930,6 +1937,9 @@ def attention_grad_closed_form(call: VjpCall) -> Grads:
     p = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
     if mask is not None:
         p.add_(mask)
+    if call.spec.attr("causal", 0):  # the keys after each query's own position
+        later = torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu_(1)
+        p.masked_fill_(later, -math.inf)
     p = torch.softmax(p, dim=-1)
     if mask is not None:
         p.nan_to_num_(0.0)  # a row whose every score is masked: zero weights, as forward

@@ -40,7 +40,11 @@ the backward because ``Softmax``'s and the second ``MatMul``'s gradients read th
 executor runs five kernels where PyTorch runs one (``scaled_dot_product_attention``, whose
 backward recomputes ``P`` from its inputs). Fused, the chain is one
 ``ScaledDotProductAttention`` node with inputs ``(A, B, V[, M])`` and the attribute
-``scale``; its gradient reads its inputs, not ``P``. A row whose every score is masked
+``scale``; its gradient reads its inputs, not ``P``. A mask that is a causal constant
+(not a weight; zero on and below the diagonal of square scores and at most -1e4 above it,
+as GPT-2's is folded from comparisons of positions) is the attribute ``causal`` instead,
+as PyTorch's ``is_causal``: no scores-sized constant is held, and PyTorch's fused kernels
+skip the masked half of the scores. A row whose every score is masked
 (-inf) gets zero weights, as in PyTorch, where ONNX's ``Softmax`` alone gives NaN. A chain
 is fused when nothing else reads its intermediate values, ``A``, ``B`` and ``V`` have the
 same batch dimensions (three or more dimensions), the mask broadcasts to the scores, a
@@ -152,7 +156,8 @@ class Tensors:
     constant, its static shape (None where not static), whether it is a float, its ONNX
     element type (None where unknown), the value of a constant of one float element, that
     of a constant integer of rank 0, and the truth of a constant of one element (None for
-    anything else), and whether a small constant is zero everywhere."""
+    anything else), whether a small constant is zero everywhere, and whether a constant is
+    a causal attention mask."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
@@ -163,6 +168,7 @@ class Tensors:
     index: Callable[[str], int | None]
     flag: Callable[[str], bool | None]
     is_zero: Callable[[str], bool]
+    causal: Callable[[str], bool]
 
 
 def fused_node(
@@ -552,8 +558,12 @@ def _attention_chain(
         return None
     if not _attention_shapes([tensors.shape(t) for t in inputs], _softmax_axis(softmax[0], opset)):
         return None
+    causal = {}
+    queries, keys = tensors.shape(a), tensors.shape(b)
+    if mask is not None and queries and keys and queries[-2] == keys[-1] and tensors.causal(mask):
+        inputs, causal = inputs[:3], {"causal": 1}  # as scaled_dot_product_attention's
     node = fused_node(
-        ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b
+        ATTENTION, inputs, last.output[0], matmul.name, scale=scale * scale_a * scale_b, **causal
     )
     return node, removed
 

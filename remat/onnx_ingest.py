@@ -94,6 +94,9 @@ MAX_NODES = 100_000
 # A folded constant whose value is computed may take at most this many bytes: a file of a
 # few bytes can ask for any size (``ConstantOfShape`` of a huge shape).
 MAX_CONSTANT_BYTES = 256 << 20
+# A score plus a mask entry at most this: its weight's exponential is zero in any float
+# type beside the scores of a row, as the -inf of a causal mask
+CAUSAL_MASKED = -1e4
 # Constant values up to this many elements are handed to single-node shape inference
 # (shape-like data is tiny; weights are not needed and costly to read).
 _MAX_DATA_ELEMENTS = 1024
@@ -712,6 +715,25 @@ class _Folder:
             return False
         return not np.any(self.value(name, name))
 
+    def causal(self, name: str) -> bool:
+        """Whether a constant that is not a weight is a causal attention mask: of shape
+        (..., L, L), every leading dimension 1, zero on and below the diagonal and at most
+        ``CAUSAL_MASKED`` above it (GPT-2's most negative float, or -inf)."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static:
+            return False
+        dims = info.dims
+        if len(dims) < 2 or dims[-1] != dims[-2] or any(d != 1 for d in dims[:-2]):
+            return False
+        if info.elem_type not in _FLOAT_TYPES or self.is_weight(name):
+            return False
+        try:
+            square = self.value(name, name).reshape(dims[-2:])
+        except (InvalidInputError, ShapeError):  # too large to compute: kept as a mask
+            return False
+        lower = np.tri(dims[-1], dtype=bool)
+        return bool(np.all(square[lower] == 0) and np.all(square[~lower] <= CAUSAL_MASKED))
+
     def flag(self, name: str) -> bool | None:
         """The truth of a constant of one element (a bool or a number), else None."""
         info = self.infos.get(name)
@@ -1020,6 +1042,7 @@ def forward_graph(
         index=folder.index,
         flag=folder.flag,
         is_zero=folder.is_zero,
+        causal=folder.causal,
     )
     opset = folder.opsets.get("", 0)
     kept, tensors = bypass_noops([(nodes[i], names[i]) for i in scheduled], tensors, opset)

@@ -45,7 +45,8 @@ packed projection (`MultiheadAttention`'s queries, keys and values) into the sev
 (`remat/onnx_fusion.py`), as PyTorch runs them, and a chain of two or more layout
 operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`:
 attention heads split and merged) into the eighth, its reshapes and transposes merged.
-`ScaledDotProductAttention`'s gradient is PyTorch's own from
+A causal mask folded from positions (GPT-2's) is `ScaledDotProductAttention`'s `causal`
+attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own from
 {PYTORCH_ATTENTION_BACKWARD_KEYS} keys on, where its mask wants none (its forward again
 under autograd, then its fused kernel's backward, which holds no score matrix), and the
 closed form below that.

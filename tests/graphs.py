@@ -70,3 +70,43 @@ def split_and_dropout() -> onnx.ModelProto:
         ],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def causal_attention(tokens: int, masked: float) -> onnx.ModelProto:
+    """softmax(q k^T / 8 + m) v on q, k, v of (1, 2, ``tokens``, 4), then Relu, with ``m``
+    folded from scalars as GPT-2's causal mask is: ``masked`` strictly above the diagonal
+    (chosen by ``Equal`` of a ``Trilu`` of ones), zero elsewhere."""
+    f32 = TensorProto.FLOAT
+    shape = [1, 2, tokens, 4]
+    constants = {
+        "one": np.array(1.0, np.float32),
+        "zero": np.array(0.0, np.float32),
+        "masked": np.array(masked, np.float32),
+        "eight": np.array(8.0, np.float32),
+        "square": np.array([tokens, tokens], np.int64),
+        "above_diagonal": np.array(1, np.int64),
+    }
+    nodes = [
+        *(
+            helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
+            for name, value in constants.items()
+        ),
+        helper.make_node("Expand", ["one", "square"], ["ones"]),
+        helper.make_node("Trilu", ["ones", "above_diagonal"], ["upper"]),
+        helper.make_node("Equal", ["upper", "one"], ["later"]),
+        helper.make_node("Where", ["later", "masked", "zero"], ["m"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"], name="attn/MatMul"),
+        helper.make_node("Div", ["s", "eight"], ["sd"]),
+        helper.make_node("Add", ["sd", "m"], ["sm"]),
+        helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["o"], name="attn/MatMul_1"),
+        helper.make_node("Relu", ["o"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "causal_attention",
+        [helper.make_tensor_value_info(name, f32, shape) for name in ("q", "k", "v")],
+        [helper.make_tensor_value_info("y", f32, shape)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

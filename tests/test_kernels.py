@@ -43,6 +43,8 @@ from remat.onnx_ingest import forward_graph
 from remat.ops import PYTORCH_ATTENTION_BACKWARD_KEYS
 from remat.training import training_graph
 
+from graphs import causal_attention
+
 F32 = TensorProto.FLOAT
 RTOL = 1e-4
 
@@ -110,6 +112,17 @@ def _assert_forward_matches(
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sample_families_match_onnxruntime_per_operator(family: str) -> None:
     _assert_forward_matches(FAMILIES[family]())
+
+
+@pytest.mark.parametrize("tokens", [5, PYTORCH_ATTENTION_BACKWARD_KEYS])
+def test_causal_attention_matches_onnxruntime(tokens: int) -> None:
+    """A causal mask folded from positions, as GPT-2's, run as the fused node's ``causal``
+    attribute, against onnxruntime's chain with the mask."""
+    program = _assert_forward_matches(
+        causal_attention(tokens, float(np.finfo(np.float32).min)), fuse_attention=True
+    )
+    [attention] = [n for n in program.graph.nodes if n.op == ATTENTION]
+    assert attention.attrs["fused_attributes"]["causal"] == 1  # type: ignore[index]
 
 
 def test_fused_attention_matches_onnxruntime() -> None:
@@ -411,7 +424,19 @@ GRAD_CASES: dict[str, GradCase] = {
     "attention_masked": GradCase(
         ATTENTION, [(2, 4, 5), (2, 5, 6), (2, 6, 3), (1, 4, 6)], domain=FUSED_DOMAIN
     ),
+    "attention_causal": GradCase(
+        ATTENTION,
+        [(2, 3, 4, 5), (2, 3, 5, 4), (2, 3, 4, 6)],
+        {"scale": 0.4, "causal": 1},
+        domain=FUSED_DOMAIN,
+    ),
     # PyTorch's fused kernel's backward (``remat.ops.pytorch_attention_backward``)
+    "attention_many_keys_causal": GradCase(
+        ATTENTION,
+        [(1, 2, MANY_KEYS, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
+        {"scale": 0.4, "causal": 1},
+        domain=FUSED_DOMAIN,
+    ),
     "attention_many_keys": GradCase(
         ATTENTION,
         [(1, 2, 3, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
@@ -499,6 +524,7 @@ def test_attention_over_many_keys_is_differentiated_by_pytorchs_fused_kernel() -
     a mask that wants a gradient (PyTorch's CPU kernel has none for it), the closed form."""
     many = _grad_call(GRAD_CASES["attention_many_keys"])
     assert FLASH_BACKWARD in _kernels_run(many)
+    assert FLASH_BACKWARD in _kernels_run(_grad_call(GRAD_CASES["attention_many_keys_causal"]))
     mask = torch.zeros(1, 1, 1, MANY_KEYS, dtype=torch.float64)
     mask[..., MANY_KEYS // 2 :] = -math.inf  # padding: half the keys masked
     masked = VjpCall(many.spec, [*many.args, mask], None, many.grads, [True, True, True, False])

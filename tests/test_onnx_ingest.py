@@ -6,6 +6,7 @@ Every model is built inline with onnx.helper.
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from remat.onnx_ingest import (
     reference_ops,
 )
 from remat.training import training_graph
+
+from graphs import causal_attention
 
 F32 = TensorProto.FLOAT
 OPSETS = (9, 13, 17, 21)
@@ -748,6 +751,26 @@ def test_what_is_trained_is_what_the_module_trains() -> None:
         "rows": FixedKind.CONSTANT,
         "e": FixedKind.PARAMETER,
     }
+
+
+@pytest.mark.parametrize(
+    "masked",
+    [float(np.finfo(np.float32).min), -math.inf, -100.0],
+    ids=["most_negative_float", "minus_infinity", "not_causal"],
+)
+def test_a_causal_mask_folded_from_positions_is_the_causal_attribute(masked: float) -> None:
+    """GPT-2's causal mask, folded from comparisons of positions, is the fused node's
+    ``causal`` attribute and no constant; one whose masked entries do not vanish beside
+    the scores (-100) stays the mask."""
+    graph = ingest(causal_attention(5, masked), fuse_attention=True)
+    [attention] = [n for n in graph.nodes if n.op == ATTENTION]
+    if masked == -100.0:
+        assert attention.attrs["onnx_inputs"] == ["q", "kt", "v", "m"]
+        assert graph.fixed["m"].kind is FixedKind.CONSTANT
+        return
+    assert attention.attrs["onnx_inputs"] == ["q", "kt", "v"]
+    assert attention.attrs["fused_attributes"] == {"scale": 0.125, "causal": 1}
+    assert "m" not in graph.fixed
 
 
 def test_a_padding_mask_computed_in_the_model_is_the_fused_nodes_mask() -> None:

@@ -50,7 +50,7 @@ SETTINGS = SolverSettings(options=SolveOptions(time_limit_s=3.0, threads=1), sea
 def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
     loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
-    folded: int = 0, fused: Sequence[str] = (), scoreless: bool = False,
+    folded: int = 0, fused: Sequence[str] = (), scoreless: bool = False, causal: bool = False,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
@@ -60,7 +60,8 @@ def _check(
     have become one node; ``fused``: operators ingestion must have made of the export's
     (``remat.onnx_fusion``); ``scoreless``: every attention's backward node must be
     PyTorch's fused kernel's (``remat.ops.pytorch_attention_backward``), which holds no
-    score matrix."""
+    score matrix; ``causal``: every attention's mask must have become its ``causal``
+    attribute."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
@@ -69,6 +70,11 @@ def _check(
     graph = graph_of(exported, Mode.TRAINING, loss or entry.loss, fuse_attention)
     assert not attention or any(n.op == ATTENTION for n in graph.nodes)
     assert set(fused) <= {n.op for n in graph.nodes}, fused
+    if causal:
+        attentions = [n for n in graph.nodes if n.op == ATTENTION and n.forward is None]
+        assert attentions
+        assert all(len(n.attrs["onnx_inputs"]) == 3 for n in attentions)  # type: ignore[arg-type]
+        assert all(n.attrs["fused_attributes"]["causal"] == 1 for n in attentions)  # type: ignore[index]
     if scoreless:  # the closed form holds two score matrices, the forward's scratch each
         backward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is not None]
         assert backward
@@ -168,7 +174,8 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
 def test_a_long_context_takes_pytorchs_attention_backward() -> None:
-    """GPT-2 over 256 tokens: every attention's backward is PyTorch's fused kernel's, from
-    ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on (its causal mask, folded from comparisons
-    of positions, a constant: no gradient wanted), and the gradients still match."""
-    _check("gpt2_small_1k", attention=True, scoreless=True, fused=(MATMUL_ADD, LAYOUT))
+    """GPT-2 over 256 tokens: every attention's causal mask, folded from comparisons of
+    positions, is its ``causal`` attribute, its backward PyTorch's fused kernel's (from
+    ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on), and the gradients still match."""
+    fused = (MATMUL_ADD, LAYOUT)
+    _check("gpt2_small_1k", attention=True, scoreless=True, causal=True, fused=fused)

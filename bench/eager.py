@@ -19,7 +19,8 @@ the steps; the step-timed run is slower than the measured ones, so this can go b
 and per compute step inside them (the steps' times less the profiler's median node
 times, a rough split: the profiler times each node with the same call); and the
 profiler's ``step_overhead_ms`` (the executor's median run less its node times, per
-compute step: what the cost model adds to each node).
+compute step: what the cost model adds to each node); and the plan's peak as the simulator
+predicts it with analytical costs (the kernels' workspace included).
 
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
@@ -74,9 +75,10 @@ def main() -> None:
     out = Writer("eager", args.run)
     print(
         "| model (nodes) | steps | eager ms | executor ms | executor / eager (range) "
-        "| outside the kernels, us per step | inside, us per compute | step overhead, us |"
+        "| outside the kernels, us per step | inside, us per compute | step overhead, us "
+        "| predicted peak MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter, heap and threads
     for name in args.models.split(","):
         rows = []
@@ -97,7 +99,7 @@ def main() -> None:
             f"| {row['measured_ms']:.2f} | {row['ratio']:.3f} "
             f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
             f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} "
-            f"| {row['step_overhead_us']:.1f} |",
+            f"| {row['step_overhead_us']:.1f} | {row['predicted_peak_mib']:.1f} |",
             flush=True,
         )
 
@@ -197,6 +199,7 @@ def _measure(
         "inside_us_per_compute": (sum(report.step_ms) - kernels_ms) / computes * 1e3,
         "step_overhead_us": table.devices[0].step_overhead_ms * 1e3,
         "gradients_match": report.gradients_match,
+        "predicted_peak_mib": report.predicted_peak_bytes[device.name] / 2**20,
         "rounds": rounds,
     }
 

@@ -431,10 +431,27 @@ def _eager(rows: Rows) -> str:
         ("range", _ratio_range),
         ("outside the kernels, us per step", lambda r: _f(r, "outside_us_per_step", ".1f")),
         ("step overhead, us", lambda r: _f(r, "step_overhead_us", ".1f", "-")),
+        ("predicted peak MiB", lambda r: _f(r, "predicted_peak_mib", ".1f")),
         ("gradients match", lambda r: "yes" if r.get("gradients_match") == "True" else "no"),
     ]
     right = ("steps", "eager ms", "executor ms", "executor / eager", "range")
     return _table(rows, columns, right)
+
+
+def _attention(rows: Rows) -> str:
+    columns: list[Column] = [
+        ("positions", lambda r: r["positions"]),
+        ("batch", lambda r: r["batch"]),
+        ("mask", lambda r: r["mask"]),
+        ("closed form ms", lambda r: _f(r, "closed_ms", ".1f")),
+        ("PyTorch's ms", lambda r: _f(r, "pytorch_ms", ".1f")),
+        ("closed / PyTorch's", lambda r: f"{float(r['closed_ms']) / float(r['pytorch_ms']):.2f}"),
+        ("closed form MiB", lambda r: _f(r, "closed_mib", ".1f")),
+        ("PyTorch's MiB", lambda r: _f(r, "pytorch_mib", ".1f")),
+        ("the executor takes", lambda r: r["takes"]),
+    ]
+    right = ("positions", "batch", "closed form ms", "PyTorch's ms", "closed / PyTorch's")
+    return _table(rows, columns, (*right, "closed form MiB", "PyTorch's MiB"))
 
 
 def _judging(rows: Rows) -> str:
@@ -503,6 +520,7 @@ RENDERERS: dict[str, Callable[[Rows], str]] = {
     "port": _port,
     "port_m": _port_m,
     "eager": _eager,
+    "attention": _attention,
     "judging": _judging,
     "profiling": _profiling,
     "energy": _energy,

@@ -20,7 +20,8 @@ and per compute step inside them (the steps' times less the profiler's median no
 times, a rough split: the profiler times each node with the same call); and the
 profiler's ``step_overhead_ms`` (the executor's median run less its node times, per
 compute step: what the cost model adds to each node); and the plan's peak as the simulator
-predicts it with analytical costs (the kernels' workspace included).
+predicts it with analytical costs (the kernels' workspace included); and the fused
+attention nodes' steps, forward and backward, summed in the step-timed run.
 
 Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
@@ -53,7 +54,9 @@ from agents.torch_devices import keep_host_heap, measuring, runtime_of
 from remat.cli import fusion_argument
 from remat.devices import Device, DeviceKind
 from remat.graph import Mode
+from remat.onnx_fusion import ATTENTION
 from remat.onnx_ingest import forward_graph
+from remat.plan import Compute
 from remat.problem import problem_from_graph
 from remat.strategies import run_strategy
 from remat.training import for_mode
@@ -76,9 +79,9 @@ def main() -> None:
     print(
         "| model (nodes) | steps | eager ms | executor ms | executor / eager (range) "
         "| outside the kernels, us per step | inside, us per compute | step overhead, us "
-        "| predicted peak MiB |"
+        "| attention steps ms | predicted peak MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter, heap and threads
     for name in args.models.split(","):
         rows = []
@@ -99,7 +102,8 @@ def main() -> None:
             f"| {row['measured_ms']:.2f} | {row['ratio']:.3f} "
             f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
             f"| {row['outside_us_per_step']:.1f} | {row['inside_us_per_compute']:.1f} "
-            f"| {row['step_overhead_us']:.1f} | {row['predicted_peak_mib']:.1f} |",
+            f"| {row['step_overhead_us']:.1f} | {row['attention_ms']:.1f} "
+            f"| {row['predicted_peak_mib']:.1f} |",
             flush=True,
         )
 
@@ -114,6 +118,7 @@ def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "outside_us_per_step",
         "inside_us_per_compute",
         "step_overhead_us",
+        "attention_ms",
     ):
         row[key] = statistics.median(r[key] for r in rows)
     ratios = [r["ratio"] for r in rows]
@@ -196,6 +201,11 @@ def _measure(
         "measured_ms": executor_ms,
         "ratio": executor_ms / eager_ms,
         "outside_us_per_step": (executor_ms - sum(report.step_ms)) / steps * 1e3,
+        "attention_ms": sum(
+            ms
+            for step, ms in zip(plan.steps, report.step_ms, strict=True)
+            if isinstance(step, Compute) and graph.nodes[step.node].op == ATTENTION
+        ),
         "inside_us_per_compute": (sum(report.step_ms) - kernels_ms) / computes * 1e3,
         "step_overhead_us": table.devices[0].step_overhead_ms * 1e3,
         "gradients_match": report.gradients_match,

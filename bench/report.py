@@ -431,6 +431,7 @@ def _eager(rows: Rows) -> str:
         ("range", _ratio_range),
         ("outside the kernels, us per step", lambda r: _f(r, "outside_us_per_step", ".1f")),
         ("step overhead, us", lambda r: _f(r, "step_overhead_us", ".1f", "-")),
+        ("attention steps ms", lambda r: _f(r, "attention_ms", ".1f")),
         ("predicted peak MiB", lambda r: _f(r, "predicted_peak_mib", ".1f")),
         ("gradients match", lambda r: "yes" if r.get("gradients_match") == "True" else "no"),
     ]

@@ -41,8 +41,9 @@ executor runs five kernels where PyTorch runs one (``scaled_dot_product_attentio
 backward recomputes ``P`` from its inputs). Fused, the chain is one
 ``ScaledDotProductAttention`` node with inputs ``(A, B, V[, M])`` and the attribute
 ``scale``; its gradient reads its inputs, not ``P``. A mask that is a causal constant
-(not a weight; zero on and below the diagonal of square scores and at most -1e4 above it,
-as GPT-2's is folded from comparisons of positions) is the attribute ``causal`` instead,
+(each slice zero on and below the diagonal of square scores and at most -1e4 above it,
+as GPT-2's is folded from comparisons of positions, or written by the dynamo exporter as
+an initializer) is the attribute ``causal`` instead,
 as PyTorch's ``is_causal``: no scores-sized constant is held, and PyTorch's fused kernels
 skip the masked half of the scores. A row whose every score is masked
 (-inf) gets zero weights, as in PyTorch, where ONNX's ``Softmax`` alone gives NaN. A chain

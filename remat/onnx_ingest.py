@@ -716,23 +716,23 @@ class _Folder:
         return not np.any(self.value(name, name))
 
     def causal(self, name: str) -> bool:
-        """Whether a constant that is not a weight is a causal attention mask: of shape
-        (..., L, L), every leading dimension 1, zero on and below the diagonal and at most
-        ``CAUSAL_MASKED`` above it (GPT-2's most negative float, or -inf)."""
+        """Whether a constant is a causal attention mask: of shape (..., L, L), each L x L
+        slice zero on and below the diagonal and at most ``CAUSAL_MASKED`` above it
+        (GPT-2's most negative float, or -inf). Folded from comparisons of positions, or
+        written as an initializer by an exporter that folds (the dynamo exporter's
+        ``val_N``, expanded to the batch): no trained bias has that pattern."""
         info = self.infos.get(name)
         if name not in self.constants or info is None or not info.static:
             return False
         dims = info.dims
-        if len(dims) < 2 or dims[-1] != dims[-2] or any(d != 1 for d in dims[:-2]):
-            return False
-        if info.elem_type not in _FLOAT_TYPES or self.is_weight(name):
+        if len(dims) < 2 or dims[-1] != dims[-2] or info.elem_type not in _FLOAT_TYPES:
             return False
         try:
-            square = self.value(name, name).reshape(dims[-2:])
+            squares = self.value(name, name).reshape(-1, *dims[-2:])
         except (InvalidInputError, ShapeError):  # too large to compute: kept as a mask
             return False
         lower = np.tri(dims[-1], dtype=bool)
-        return bool(np.all(square[lower] == 0) and np.all(square[~lower] <= CAUSAL_MASKED))
+        return bool(np.all(squares[:, lower] == 0) and np.all(squares[:, ~lower] <= CAUSAL_MASKED))
 
     def flag(self, name: str) -> bool | None:
         """The truth of a constant of one element (a bool or a number), else None."""

@@ -72,12 +72,14 @@ def split_and_dropout() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def causal_attention(tokens: int, masked: float) -> onnx.ModelProto:
-    """softmax(q k^T / 8 + m) v on q, k, v of (1, 2, ``tokens``, 4), then Relu, with ``m``
+def causal_attention(tokens: int, masked: float, initializer: bool = False) -> onnx.ModelProto:
+    """softmax(q k^T / 8 + m) v on q, k, v of (2, 2, ``tokens``, 4), then Relu, with ``m``
     folded from scalars as GPT-2's causal mask is: ``masked`` strictly above the diagonal
-    (chosen by ``Equal`` of a ``Trilu`` of ones), zero elsewhere."""
+    (chosen by ``Equal`` of a ``Trilu`` of ones), zero elsewhere; with ``initializer``,
+    ``m`` that mask of (2, 1, ``tokens``, ``tokens``) as an initializer, as the dynamo
+    exporter folds it."""
     f32 = TensorProto.FLOAT
-    shape = [1, 2, tokens, 4]
+    shape = [2, 2, tokens, 4]
     constants = {
         "one": np.array(1.0, np.float32),
         "zero": np.array(0.0, np.float32),
@@ -87,14 +89,17 @@ def causal_attention(tokens: int, masked: float) -> onnx.ModelProto:
         "above_diagonal": np.array(1, np.int64),
     }
     nodes = [
-        *(
-            helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
-            for name, value in constants.items()
-        ),
-        helper.make_node("Expand", ["one", "square"], ["ones"]),
-        helper.make_node("Trilu", ["ones", "above_diagonal"], ["upper"]),
-        helper.make_node("Equal", ["upper", "one"], ["later"]),
-        helper.make_node("Where", ["later", "masked", "zero"], ["m"]),
+        helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
+        for name, value in constants.items()
+    ]
+    if not initializer:
+        nodes += [
+            helper.make_node("Expand", ["one", "square"], ["ones"]),
+            helper.make_node("Trilu", ["ones", "above_diagonal"], ["upper"]),
+            helper.make_node("Equal", ["upper", "one"], ["later"]),
+            helper.make_node("Where", ["later", "masked", "zero"], ["m"]),
+        ]
+    nodes += [
         helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
         helper.make_node("MatMul", ["q", "kt"], ["s"], name="attn/MatMul"),
         helper.make_node("Div", ["s", "eight"], ["sd"]),
@@ -103,10 +108,12 @@ def causal_attention(tokens: int, masked: float) -> onnx.ModelProto:
         helper.make_node("MatMul", ["p", "v"], ["o"], name="attn/MatMul_1"),
         helper.make_node("Relu", ["o"], ["y"]),
     ]
+    mask = np.triu(np.full((tokens, tokens), masked, np.float32), 1)
     graph = helper.make_graph(
         nodes,
         "causal_attention",
         [helper.make_tensor_value_info(name, f32, shape) for name in ("q", "k", "v")],
         [helper.make_tensor_value_info("y", f32, shape)],
+        [numpy_helper.from_array(np.stack([mask[None]] * 2), "m")] if initializer else [],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

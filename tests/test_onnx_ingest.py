@@ -754,15 +754,21 @@ def test_what_is_trained_is_what_the_module_trains() -> None:
 
 
 @pytest.mark.parametrize(
-    "masked",
-    [float(np.finfo(np.float32).min), -math.inf, -100.0],
-    ids=["most_negative_float", "minus_infinity", "not_causal"],
+    ("masked", "initializer"),
+    [
+        (float(np.finfo(np.float32).min), False),
+        (-math.inf, False),
+        (float(np.finfo(np.float32).min), True),
+        (-100.0, False),
+    ],
+    ids=["most_negative_float", "minus_infinity", "initializer", "not_causal"],
 )
-def test_a_causal_mask_folded_from_positions_is_the_causal_attribute(masked: float) -> None:
-    """GPT-2's causal mask, folded from comparisons of positions, is the fused node's
-    ``causal`` attribute and no constant; one whose masked entries do not vanish beside
-    the scores (-100) stays the mask."""
-    graph = ingest(causal_attention(5, masked), fuse_attention=True)
+def test_a_causal_mask_is_the_causal_attribute(masked: float, initializer: bool) -> None:
+    """GPT-2's causal mask, folded from comparisons of positions (or folded by the
+    exporter into an initializer, expanded to the batch), is the fused node's ``causal``
+    attribute and no constant; one whose masked entries do not vanish beside the scores
+    (-100) stays the mask."""
+    graph = ingest(causal_attention(5, masked, initializer), fuse_attention=True)
     [attention] = [n for n in graph.nodes if n.op == ATTENTION]
     if masked == -100.0:
         assert attention.attrs["onnx_inputs"] == ["q", "kt", "v", "m"]

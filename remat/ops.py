@@ -89,11 +89,13 @@ def _matmul_add(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) ->
 
 def _attention(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:
     # remat.onnx_fusion's softmax(A @ B * scale + M) @ V: both products, then the scale,
-    # the mask and the softmax (5) per score.
+    # the mask and the softmax (5) per score; a causal one's scores on and below the
+    # diagonal alone, as PyTorch's fused kernels skip the rest.
     d, keys = inputs[0][-1], inputs[1][-1]
     out = _out(outputs)
     scores = out // max(outputs[0][-1], 1) * keys
-    return 2.0 * scores * d + 2.0 * out * keys + 7.0 * scores
+    computed = (keys + 1) / (2 * keys) if attrs.get("causal") else 1.0
+    return computed * (2.0 * scores * d + 2.0 * out * keys + 7.0 * scores)
 
 
 def _window(inputs: Shapes, outputs: Shapes, attrs: Mapping[str, object]) -> float:

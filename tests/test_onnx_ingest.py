@@ -770,13 +770,17 @@ def test_a_causal_mask_is_the_causal_attribute(masked: float, initializer: bool)
     (-100) stays the mask."""
     graph = ingest(causal_attention(5, masked, initializer), fuse_attention=True)
     [attention] = [n for n in graph.nodes if n.op == ATTENTION]
+    scores = 2 * 2 * 5 * 5
+    every_score = 2 * scores * 4 + 2 * (2 * 2 * 5 * 4) * 5 + 7 * scores
     if masked == -100.0:
         assert attention.attrs["onnx_inputs"] == ["q", "kt", "v", "m"]
         assert graph.fixed["m"].kind is FixedKind.CONSTANT
+        assert attention.flops == every_score
         return
     assert attention.attrs["onnx_inputs"] == ["q", "kt", "v"]
     assert attention.attrs["fused_attributes"] == {"scale": 0.125, "causal": 1}
     assert "m" not in graph.fixed
+    assert attention.flops == pytest.approx(every_score * 15 / 25)  # on and below the diagonal
 
 
 def test_a_padding_mask_computed_in_the_model_is_the_fused_nodes_mask() -> None:

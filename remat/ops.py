@@ -222,13 +222,13 @@ def pytorch_attention_backward(input_shapes: Sequence[Shape], mask_trained: bool
 
 
 def attention_backward_scratch_elements(
-    input_shapes: Sequence[Shape], output_shapes: Sequence[Shape], mask_trained: bool
+    input_shapes: Sequence[Shape], output_shapes: Sequence[Shape], pytorch: bool
 ) -> int:
     """Elements a fused attention's backward holds beyond its inputs and gradients: by
-    PyTorch's kernel, the recomputed output, its log-sum-exp per query and the keys with
-    unit stride; by the closed form, the weights ``P`` and their gradient, two score
-    matrices."""
-    if not pytorch_attention_backward(input_shapes, mask_trained):
+    PyTorch's kernel (``pytorch``, as ``pytorch_attention_backward`` decides), the
+    recomputed output, its log-sum-exp per query and the keys with unit stride; by the
+    closed form, the weights ``P`` and their gradient, two score matrices."""
+    if not pytorch:
         return 2 * scratch_elements(ATTENTION, list(input_shapes), list(output_shapes))
     out, keys = output_shapes[0], input_shapes[1]
     return _numel(out) + _numel(out) // max(out[-1], 1) + _numel(keys)

@@ -409,10 +409,9 @@ def _attention_backward(
         return _ATTENTION_BACKWARD, 2 * node.scratch_bytes
     ins = [tuple(s) for s in inputs]
     outs = [tuple(s) for s in outputs]
-    trained = _mask_trained(node, nodes, fixed)
-    elements = ops.attention_backward_scratch_elements(ins, outs, trained)
+    pytorch = ops.pytorch_attention_backward(ins, _mask_trained(node, nodes, fixed))
+    elements = ops.attention_backward_scratch_elements(ins, outs, pytorch)
     element_bytes = node.output_bytes // max(math.prod(outs[0]), 1)
-    pytorch = ops.pytorch_attention_backward(ins, trained)
     return _PYTORCH_ATTENTION_BACKWARD if pytorch else _ATTENTION_BACKWARD, elements * element_bytes
 
 

@@ -1,10 +1,11 @@
-"""Shared fixtures, and the layer of each test module.
+"""Shared fixtures, and each test module's layer as a marker on its tests.
 
-Layers (markers registered in pyproject.toml): a module's tests are ``slow``, ``service``
-or ``browser`` as ``LAYERS`` says, the rest are the fast in-process layer. CI runs them
-all; ``pytest -m "not service and not browser"`` needs no server, database or browser, and
-``-m "not service and not browser and not slow"`` takes under a minute. A new module that
-starts processes (``tests/service.py``) or needs PostgreSQL or Redis goes into ``service``.
+Layers (markers registered in pyproject.toml): a module's tests are ``slow``, ``service``,
+``browser`` or ``cli`` as ``tests/layers.py`` says, the rest are the fast in-process layer.
+CI runs them all; ``pytest -m "not service and not browser"`` needs no server, database or
+browser, and ``-m "not service and not browser and not slow"`` takes under a minute. A new
+module that starts processes (``tests/service.py``) or needs PostgreSQL or Redis goes into
+``service``.
 
 A test whose assertion depends on how much of the CPU it gets (what ``auto`` picks within
 its time limit, a measured slowdown) is marked ``alone``: scripts/test runs the in-process
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from layers import LAYERS
 
 from remat import samples
 
@@ -28,52 +30,6 @@ if TYPE_CHECKING:
     from fastapi.testclient import TestClient
 
     from app.settings import Settings
-
-LAYERS: dict[str, set[str]] = {
-    # real processes, PostgreSQL or Redis (tests/service.py starts them)
-    "service": {
-        "test_agent_protocol",
-        "test_agent_trust",
-        "test_agents",
-        "test_api_fuzz",
-        "test_api_validation",
-        "test_embedded",
-        "test_external_data_upload",
-        "test_faults",
-        "test_serve_lifecycle",
-        "test_service",
-        "test_submit",
-        "test_upload_safety",
-    },
-    # the dashboard in Chromium, against ``remat serve``
-    "browser": {"test_dashboard"},
-    # the command line in subprocesses, no server or database: in-process layers, but CI
-    # runs them beside the service layers (whose tests mostly wait on their processes)
-    "cli": {"test_cli"},
-    # in-process, but optimal solves, searches or CLI subprocesses of seconds per test
-    "slow": {
-        "test_cli",
-        "test_coarsen",
-        "test_cover",
-        "test_decompose",
-        "test_device_cover",
-        "test_evict",
-        "test_floor",
-        "test_formulations",
-        "test_max_batch",
-        "test_moccasin",
-        "test_optimal",
-        "test_paging",
-        "test_paging_execution",
-        "test_pool_paging",
-        "test_pools",
-        "test_placed",
-        "test_pytorch_gradients",
-        "test_restrict",
-        "test_solvers",
-        "test_strategy_properties",
-    },
-}
 
 
 def pytest_configure(config: pytest.Config) -> None:

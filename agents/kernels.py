@@ -479,16 +479,46 @@ def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
 def _attention(spec: OpSpec, args: Args) -> Outputs:
     """``remat.onnx_fusion``'s ``softmax(A @ B * scale + M) @ V`` with ``B`` the transposed
     keys (``causal``: each query attends to the keys up to its own position): PyTorch's
-    ``scaled_dot_product_attention``, as eager PyTorch runs attention."""
+    ``scaled_dot_product_attention``, as eager PyTorch runs attention. Where the backward
+    is PyTorch's (``remat.ops.pytorch_attention_backward``), the keys are given unit stride
+    so that PyTorch takes a fused kernel, which holds no score matrix; on a CPU that kernel
+    is called itself, and its log-sum-exp per query is a second output
+    (``_attention_saved``), which the backward reads instead of running the forward again,
+    as autograd saves it."""
     a, b, v = args[0], args[1], args[2]
     assert a is not None and b is not None and v is not None
     mask = args[3] if len(args) > 3 else None
     scale = float(spec.attr("scale", 1.0))
-    keys = b.transpose(-1, -2)
     causal = bool(spec.attr("causal", 0))
+    keys = b.transpose(-1, -2)
+    if pytorch_attention_backward([tuple(a.shape), tuple(b.shape), tuple(v.shape)], False):
+        keys = _unit_stride(keys)
+        if a.device.type == "cpu" and _fused_choice(a, keys, v, mask, causal, scale) == FLASH:
+            return tuple(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    a, keys, v, 0.0, causal, attn_mask=mask, scale=scale
+                )
+            )
     return (
         F.scaled_dot_product_attention(a, keys, v, attn_mask=mask, is_causal=causal, scale=scale),
     )
+
+
+FLASH = SDPBackend.FLASH_ATTENTION.value
+
+
+def _fused_choice(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> int:
+    """The kernel ``scaled_dot_product_attention`` takes for these operands (an
+    ``SDPBackend`` value)."""
+    return int(torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=causal, scale=scale))
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    """``t``, copied where its last axis is strided: PyTorch's fused attention kernels
+    take operands whose features are adjacent."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -764,10 +794,17 @@ def _normalised_shape(scale: Tensor | None, bias: Tensor | None, shape: list[int
     )
 
 
+def _attention_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """The log-sum-exp per query of PyTorch's fused CPU kernel (``_attention``'s second
+    output, where it has one), which its backward reads with the output."""
+    return tuple(outputs[1:2]) if len(outputs) > 1 else None
+
+
 SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
     "LayerNormalization": _layer_norm_saved,
     LAYER_NORM: _layer_norm_saved,
+    ATTENTION: _attention_saved,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
 reads (``forward_and_saved``)."""
@@ -1887,14 +1924,33 @@ def _matmul_add_grad(call: VjpCall) -> Grads:
 
 def _attention_grad(call: VjpCall) -> Grads:
     """Attention's backward by PyTorch's fused kernel where ``remat.ops.pytorch_attention_
-    backward`` says so and PyTorch has one for these operands, else the closed form."""
+    backward`` says so and PyTorch has one for these operands: from the output and the
+    log-sum-exp the forward kernel saved (``_attention``), or else with the forward run
+    again; the closed form otherwise."""
     shapes = [tuple(t.shape) for t in call.args if t is not None]
     mask_wanted = len(call.wanted) > 3 and call.wanted[3] and call.optional(3) is not None
     if pytorch_attention_backward(shapes, mask_wanted):
+        if call.saved is not None and call.output is not None:
+            return attention_grad_from_saved(call)
         found = attention_grad_by_pytorch(call)
         if found is not None:
             return found
     return attention_grad_closed_form(call)
+
+
+def attention_grad_from_saved(call: VjpCall) -> Grads:
+    """Attention's backward by PyTorch's fused CPU kernel from the forward's output and the
+    log-sum-exp its kernel saved (``call.saved``), as autograd runs it after eager PyTorch's
+    forward: it recomputes the weights block by block and holds no score matrix."""
+    a, b, v, mask = call.arg(0), call.arg(1), call.arg(2), call.optional(3)
+    assert call.output is not None and call.saved is not None
+    scale = float(call.spec.attr("scale", 1.0))
+    causal = bool(call.spec.attr("causal", 0))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        call.g, a, _unit_stride(b.transpose(-1, -2)), v, call.output[0], call.saved[0], 0.0,
+        causal, attn_mask=mask, scale=scale,
+    )  # fmt: skip
+    return call.only(lambda: dq, lambda: dk.transpose(-1, -2), lambda: dv)
 
 
 def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
@@ -1905,14 +1961,13 @@ def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
     a, b, v, mask = call.arg(0), call.arg(1), call.arg(2), call.optional(3)
     scale = float(call.spec.attr("scale", 1.0))
     wanted = [position < len(call.wanted) and call.wanted[position] for position in range(3)]
-    q, k, vv = a.detach(), b.detach().transpose(-1, -2).contiguous(), v.detach()
+    q, k, vv = a.detach(), _unit_stride(b.detach().transpose(-1, -2)), v.detach()
     leaves = [q, k, vv]
     causal = bool(call.spec.attr("causal", 0))
     with torch.enable_grad():
         for leaf, want in zip(leaves, wanted, strict=True):
             leaf.requires_grad_(want)
-        choice = torch._fused_sdp_choice(q, k, vv, attn_mask=mask, is_causal=causal, scale=scale)
-        if choice == SDPBackend.MATH.value:
+        if _fused_choice(q, k, vv, mask, causal, scale) == SDPBackend.MATH.value:
             return None
         out = F.scaled_dot_product_attention(
             q, k, vv, attn_mask=mask, is_causal=causal, scale=scale

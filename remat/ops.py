@@ -190,11 +190,20 @@ def scratch_elements(
     op_type: str, input_shapes: list[tuple[int, ...]], output_shapes: list[tuple[int, ...]]
 ) -> int:
     """Elements an operator call's kernel holds beyond its inputs and output, where its
-    shapes tell: a fused attention's score matrix (``softmax(A @ B * scale + M)``, which the
-    kernels materialise); 0 for every other operator. Elements, not bytes: the caller
+    shapes tell: a fused attention's score matrix (``softmax(A @ B * scale + M)``, which
+    PyTorch's math kernel materialises), or, where its backward is PyTorch's
+    (``pytorch_attention_backward``), the keys with unit stride, which PyTorch's fused
+    kernels take instead; 0 for every other operator. Elements, not bytes: the caller
     multiplies by the element size."""
     if op_type != ATTENTION:
         return 0
+    if pytorch_attention_backward(input_shapes, False):
+        return _numel(input_shapes[1])
+    return _score_elements(input_shapes, output_shapes)
+
+
+def _score_elements(input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]) -> int:
+    """A fused attention's score matrix: a score per query and key (0 without shapes)."""
     try:
         out, keys = output_shapes[0], input_shapes[1][-1]
         return _numel(out) // max(out[-1], 1) * keys
@@ -210,12 +219,13 @@ PYTORCH_ATTENTION_BACKWARD_KEYS = 256
 
 def pytorch_attention_backward(input_shapes: Sequence[Shape], mask_trained: bool) -> bool:
     """Whether the executor differentiates a fused attention (inputs ``(A, B, V[, M])``,
-    ``B`` the transposed keys) as PyTorch does, by its fused kernel's backward after the
-    forward again under autograd, which holds no score matrix: operands of four dimensions
-    (batch, heads, positions, features), at least ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys,
-    and no gradient wanted for the mask (PyTorch's CPU kernels have none: it would take its
-    math path, slower than the closed form). Else the closed form, which holds two
-    score-sized buffers (``attention_backward_scratch_elements``)."""
+    ``B`` the transposed keys) as PyTorch does, by its fused kernel's backward from the
+    output and the log-sum-exp the forward kernel saved beside it, which holds no score
+    matrix: operands of four dimensions (batch, heads, positions, features), at least
+    ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys, and no gradient wanted for the mask
+    (PyTorch's CPU kernels have none: it would take its math path, slower than the closed
+    form). Else the closed form, which holds two score-sized buffers
+    (``attention_backward_scratch_elements``)."""
     if len(input_shapes) < 3 or len(input_shapes[0]) != 4 or not input_shapes[1]:
         return False
     return input_shapes[1][-1] >= PYTORCH_ATTENTION_BACKWARD_KEYS and not mask_trained
@@ -225,13 +235,12 @@ def attention_backward_scratch_elements(
     input_shapes: Sequence[Shape], output_shapes: Sequence[Shape], pytorch: bool
 ) -> int:
     """Elements a fused attention's backward holds beyond its inputs and gradients: by
-    PyTorch's kernel (``pytorch``, as ``pytorch_attention_backward`` decides), the
-    recomputed output, its log-sum-exp per query and the keys with unit stride; by the
-    closed form, the weights ``P`` and their gradient, two score matrices."""
+    PyTorch's kernel (``pytorch``, as ``pytorch_attention_backward`` decides), the keys
+    with unit stride; by the closed form, the weights ``P`` and their gradient, two score
+    matrices."""
     if not pytorch:
-        return 2 * scratch_elements(ATTENTION, list(input_shapes), list(output_shapes))
-    out, keys = output_shapes[0], input_shapes[1]
-    return _numel(out) + _numel(out) // max(out[-1], 1) + _numel(keys)
+        return 2 * _score_elements(input_shapes, output_shapes)
+    return _numel(input_shapes[1])
 
 
 def flops(

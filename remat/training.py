@@ -58,10 +58,11 @@ model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forwar
 times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
 where the input is data: the weight's gradient alone), times 2.5 for
 ScaledDotProductAttention (the scores again, then four products where the forward pass
-has two; 3.5 where the executor takes PyTorch's fused backward, which runs the forward
-again first: ``ops.pytorch_attention_backward``), times 1 otherwise. A fused attention's
-backward node holds scratch memory while it runs: two score matrices in the closed form,
-the output again, its log-sum-exp and the keys by PyTorch's kernel.
+has two, by either kernel the executor runs it with), times 1 otherwise. A fused
+attention's backward node holds scratch memory while it runs: two score matrices in the
+closed form, the keys by PyTorch's fused kernel (``ops.pytorch_attention_backward``),
+which also reads the forward's output and the log-sum-exp its forward kernel saved beside
+it, as eager PyTorch's autograd does: that backward node depends on its forward node.
 """
 
 from __future__ import annotations
@@ -142,8 +143,6 @@ GRADIENT_NEEDS: dict[str, Needs] = {
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
 _ATTENTION_BACKWARD = 2.5  # the scores recomputed, then dV, dP, dA and dB
-# PyTorch's fused backward runs the forward again first (``ops.pytorch_attention_backward``)
-_PYTORCH_ATTENTION_BACKWARD = 1.0 + _ATTENTION_BACKWARD
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 
@@ -371,17 +370,18 @@ def _backward_node(
     """Forward ``node``'s backward node, at ``index``, reading the gradients of
     ``upstream`` and making ``output_bytes`` of gradients (``gradient_slots``)."""
     values, needs_output = gradient_needs(node, producer, fixed)
+    # the input's and the weight's gradients; only the weight's where the input is data
+    factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
+    scratch = 0
+    if node.op == ATTENTION:
+        # PyTorch's kernel reads the output (and the log-sum-exp saved with it)
+        factor, scratch, needs_output = _attention_backward(node, nodes, fixed)
     deps = set(upstream) | set(values)
     if needs_output:
         deps.add(node.id)
     grad_in = sum(nodes[u].output_bytes for u in upstream)
     reads = sum(nodes[d].output_bytes for d in deps) - sum(nodes[u].output_bytes for u in upstream)
     fixed_bytes = node.input_bytes - output_bytes  # what it reads beside its dependencies
-    # the input's and the weight's gradients; only the weight's where the input is data
-    factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
-    scratch = 0
-    if node.op == ATTENTION:
-        factor, scratch = _attention_backward(node, nodes, fixed)
     return Node(
         id=index,
         name=names.unique(f"{node.name}:grad"),
@@ -399,20 +399,21 @@ def _backward_node(
 
 def _attention_backward(
     node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]
-) -> tuple[float, int]:
-    """A fused attention's backward FLOPs as a multiple of its forward's, and the scratch
-    bytes it holds, by the kernel the executor runs it with (``ops.pytorch_attention_
-    backward``); a graph without shapes (built by hand): the closed form's two score
-    matrices, ``scratch_bytes`` each."""
+) -> tuple[float, int, bool]:
+    """A fused attention's backward FLOPs as a multiple of its forward's, the scratch bytes
+    it holds, and whether it reads the forward's output, by the kernel the executor runs
+    it with (``ops.pytorch_attention_backward``: PyTorch's reads the output and its
+    log-sum-exp); a graph without shapes (built by hand): the closed form, with two score
+    matrices of ``scratch_bytes`` each."""
     inputs, outputs = node.attrs.get("input_shapes"), node.attrs.get("output_shapes")
     if not (isinstance(inputs, list) and isinstance(outputs, list) and outputs):
-        return _ATTENTION_BACKWARD, 2 * node.scratch_bytes
+        return _ATTENTION_BACKWARD, 2 * node.scratch_bytes, False
     ins = [tuple(s) for s in inputs]
     outs = [tuple(s) for s in outputs]
     pytorch = ops.pytorch_attention_backward(ins, _mask_trained(node, nodes, fixed))
     elements = ops.attention_backward_scratch_elements(ins, outs, pytorch)
     element_bytes = node.output_bytes // max(math.prod(outs[0]), 1)
-    return _PYTORCH_ATTENTION_BACKWARD if pytorch else _ATTENTION_BACKWARD, elements * element_bytes
+    return _ATTENTION_BACKWARD, elements * element_bytes, pytorch
 
 
 def _mask_trained(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> bool:

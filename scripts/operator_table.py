@@ -47,9 +47,10 @@ operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`
 attention heads split and merged) into the eighth, its reshapes and transposes merged.
 A causal mask folded from positions (GPT-2's) is `ScaledDotProductAttention`'s `causal`
 attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own from
-{PYTORCH_ATTENTION_BACKWARD_KEYS} keys on, where its mask wants none (its forward again
-under autograd, then its fused kernel's backward, which holds no score matrix), and the
-closed form below that.
+{PYTORCH_ATTENTION_BACKWARD_KEYS} keys on, where its mask wants none: on a CPU its fused
+kernel's backward from the output and the log-sum-exp the forward kernel saved, as
+autograd runs it (on CUDA its forward again under autograd first), which holds no score
+matrix; the closed form below that.
 Before the fusions, ingestion bypasses the operators that compute nothing
 (`remat/onnx_noops.py`): an `Identity`, a `Cast` to its input's type, a `Dropout` that
 is the identity (inference mode, or training mode at ratio 0), a `Concat` of one input,

@@ -538,6 +538,39 @@ def test_attention_over_many_keys_is_differentiated_by_pytorchs_fused_kernel() -
     assert FLASH_BACKWARD not in _kernels_run(few)
 
 
+FLASH_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("strided", [False, True], ids=["unit_stride_keys", "strided_keys"])
+def test_attention_over_many_keys_is_differentiated_from_what_its_forward_saved(
+    causal: bool, strided: bool
+) -> None:
+    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the forward runs PyTorch's fused
+    kernel (also where ``B`` is stored transposed, its keys then copied with unit stride)
+    and saves its log-sum-exp; the backward reads it with the output and runs that kernel's
+    backward alone, as autograd does after eager's forward, not the forward again; the
+    gradients are those of the backward that runs the forward again."""
+    case = GRAD_CASES["attention_many_keys_causal" if causal else "attention_many_keys"]
+    call = _grad_call(case)
+    if not strided:  # B as a transposed view of keys stored (..., keys, features)
+        call.args[1] = call.args[1].transpose(-1, -2).contiguous().transpose(-1, -2)
+    spec = call.spec
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
+        output, saved = kernels.forward_and_saved(spec, call.args)
+    assert FLASH_FORWARD in {event.name for event in forward.events()}
+    assert saved is not None and saved[0].shape == output[0].shape[:-1]  # one per query
+    torch.testing.assert_close(output[0], kernels.run_forward(spec, call.args)[0])
+    from_saved = VjpCall(spec, call.args, output, call.grads, call.wanted, saved)
+    run = _kernels_run(from_saved)
+    assert FLASH_BACKWARD in run and FLASH_FORWARD not in run
+    again = _kernels_run(call)  # nothing saved: the forward again
+    assert FLASH_BACKWARD in again and FLASH_FORWARD in again
+    for ours, reference in zip(kernels.vjp(from_saved), kernels.vjp(call), strict=True):
+        assert ours is not None and reference is not None
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("steps", [[2, 1], [1, -2]], ids=["step_2", "negative_step"])
 def test_a_slices_gradient_with_steps_matches_autograd(steps: list[int]) -> None:
     """Starts, ends, axes and steps as inputs (opset 13); a negative step is autograd's."""

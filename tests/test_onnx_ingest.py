@@ -689,11 +689,13 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
 
 @pytest.mark.parametrize("mask", ["none", "trained", "computed"])
 def test_a_backward_over_many_keys_holds_no_scores_unless_its_mask_is_trained(mask: str) -> None:
-    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the backward node is PyTorch's
-    fused kernel's (``ops.pytorch_attention_backward``): its scratch the output again, its
-    log-sum-exp and the keys, not two score matrices, and its FLOPs the forward's once more.
-    A mask that carries a gradient (a trained one, or a value computed in the model, whose
-    producer's backward node gets it) keeps the closed form."""
+    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the forward runs PyTorch's fused
+    kernel, its scratch the keys with unit stride, not the scores, and the backward node is
+    that kernel's backward (``ops.pytorch_attention_backward``): it reads the forward's
+    output (and the log-sum-exp saved beside it), holds the keys, not two score matrices,
+    and its FLOPs are the closed form's. A mask that carries a gradient (a trained one, or
+    a value computed in the model, whose producer's backward node gets it) keeps the
+    closed form, which reads no output."""
     tokens = ops.PYTORCH_ATTENTION_BACKWARD_KEYS
     attention_model = _attention_model(
         prescaled=mask == "none",
@@ -707,12 +709,13 @@ def test_a_backward_over_many_keys_holds_no_scores_unless_its_mask_is_trained(ma
     batch, heads, _, width = ATTENTION_SHAPE
     scores = batch * heads * tokens * tokens
     output = batch * heads * tokens * width
+    keys = output  # as many as the queries here, of the values' width
+    assert attention.scratch_bytes == keys * 4
+    assert backward.flops == 2.5 * attention.flops
     if mask == "none":
-        assert backward.scratch_bytes == (output + output // width + output) * 4
-        assert backward.flops == 3.5 * attention.flops
+        assert backward.scratch_bytes == keys * 4 and attention.id in backward.deps
     else:
-        assert backward.scratch_bytes == 2 * scores * 4
-        assert backward.flops == 2.5 * attention.flops
+        assert backward.scratch_bytes == 2 * scores * 4 and attention.id not in backward.deps
 
 
 def test_what_is_trained_is_what_the_module_trains() -> None:

@@ -16,6 +16,7 @@ choose. The module side differentiates an ``Embedding`` with its ``padding_idx``
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -75,10 +76,14 @@ def _check(
         assert attentions
         assert all(len(n.attrs["onnx_inputs"]) == 3 for n in attentions)  # type: ignore[arg-type]
         assert all(n.attrs["fused_attributes"]["causal"] == 1 for n in attentions)  # type: ignore[index]
-    if scoreless:  # the closed form holds two score matrices, the forward's scratch each
+    if scoreless:  # from the output and the log-sum-exp; the closed form holds the scores
         backward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is not None]
-        assert backward
-        assert all(n.scratch_bytes < graph.nodes[n.forward].scratch_bytes for n in backward)
+        assert backward and all(n.forward in n.deps for n in backward)
+        for node in backward:
+            forward = graph.nodes[node.forward]
+            out, b = forward.attrs["output_shapes"][0], forward.attrs["input_shapes"][1]  # type: ignore[index]
+            scores = math.prod(out[:-1]) * b[-1]  # type: ignore[index]
+            assert node.scratch_bytes < scores
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)

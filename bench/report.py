@@ -7,7 +7,8 @@
     <!-- /table -->
 
 The first word is the results file (``bench/results/solvers.csv``), the rest ``column=value``
-filters on its rows (all must hold; ``run=latest`` is the last run in the file). Everything
+filters on its rows (all must hold; a value may be a shell-style pattern, as
+``run=issue37-long-context*``; ``run=latest`` is the last run in the file). Everything
 outside the markers is prose and stays as it is.
 
     .venv/bin/python bench/report.py             # rewrite docs/benchmarks.md's tables
@@ -21,6 +22,7 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Sequence
+from fnmatch import fnmatchcase
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +35,8 @@ Column = tuple[str, Callable[[dict[str, str]], str]]  # header, cell
 
 
 def select(name: str, filters: Sequence[str]) -> Rows:
-    """The rows of ``bench/results/NAME.csv`` that pass every ``column=value`` filter."""
+    """The rows of ``bench/results/NAME.csv`` that pass every ``column=value`` filter
+    (``value`` matched as a shell-style pattern: ``*``, ``?``, ``[...]``)."""
     rows = read(name)
     for text in filters:
         column, sep, value = text.partition("=")
@@ -41,7 +44,7 @@ def select(name: str, filters: Sequence[str]) -> Rows:
             raise SystemExit(f"report: filter {text!r} is not column=value")
         if column == "run" and value == "latest" and rows:
             value = rows[-1]["run"]
-        rows = [r for r in rows if r.get(column, "") == value]
+        rows = [r for r in rows if fnmatchcase(r.get(column, ""), value)]
     if not rows:
         raise SystemExit(f"report: no rows in {name}.csv with {' '.join(filters)}")
     return rows

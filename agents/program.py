@@ -434,7 +434,7 @@ class Program:
         wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
             wanted = self._wanted_by[call.node.id] = [
-                self._wanted(call.spec, position, arg, source)
+                self._wanted(call, position, arg, source)
                 for position, (arg, source) in enumerate(zip(args, self.sources[f], strict=True))
             ]
         saved = self._saved_for(f, args)
@@ -453,10 +453,18 @@ class Program:
             return None
         return entry[1]
 
-    def _wanted(self, spec: OpSpec, position: int, arg: Tensor | None, source: Source) -> bool:
-        if arg is None or not arg.is_floating_point() or not kernels.differentiable(spec, position):
+    def _wanted(self, call: _Call, position: int, arg: Tensor | None, source: Source) -> bool:
+        """Whether the backward computes the gradient at ``position``: a float input that
+        is differentiable there, and whose gradient is a tensor of the node's value
+        (``call.slots``: not an attention's mask computed from data alone) or goes to a
+        trained tensor's buffer."""
+        if arg is None or not arg.is_floating_point():
             return False
-        return source.node is not None or source.fixed in self.trainable
+        if not kernels.differentiable(call.spec, position):
+            return False
+        if source.node is not None:
+            return any(position in positions for positions, _, _ in call.slots)
+        return source.fixed in self.trainable
 
     def _accumulate(
         self,

@@ -167,9 +167,12 @@ def gradient_slots(node: Node, nodes: Sequence[Node]) -> list[tuple[int, int, in
     dependencies that ``node`` reads and that carries a gradient (a float: ingestion's
     ``output_gradient_bytes``), as (dependency, output index, bytes) in dependency then
     output order: not for an output it does not read (another part of a Split), nor for a
-    mask or an index. A graph that does not name its tensors (built by hand) has one
+    mask or an index, nor for a fused attention's mask computed from data alone
+    (``DATA_MASK``). A graph that does not name its tensors (built by hand) has one
     gradient per dependency, of all its outputs."""
     read = node.attrs.get("onnx_inputs")
+    if isinstance(read, list) and node.attrs.get(DATA_MASK):  # the mask gets none
+        read = read[:3]
     slots: list[tuple[int, int, int]] = []
     for dep in node.deps:
         names = nodes[dep].attrs.get("onnx_outputs")
@@ -262,6 +265,12 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
     loss_id = len(nodes)
     read_bytes = sum(gradient_bytes(nodes[o]) for o in reads)
     labels = tuple(t for t in fixed if t not in forward.fixed)
+    producer: dict[str, int] = {}
+    for n in forward.nodes:
+        written = n.attrs.get("onnx_outputs")
+        if isinstance(written, list):
+            producer.update((str(name), n.id) for name in written)
+    nodes = _marking_data_masks(nodes, _data_only(forward), producer)
     nodes.append(
         Node(
             id=loss_id,
@@ -277,24 +286,21 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
         )
     )
     backward_of: dict[int, int] = {}
-    producer: dict[str, int] = {}
-    for n in forward.nodes:
-        written = n.attrs.get("onnx_outputs")
-        if isinstance(written, list):
-            producer.update((str(name), n.id) for name in written)
     users = forward.users()
     sends: dict[int, set[int]] = {}  # by forward node: the nodes its backward node sends to
     for f in reversed(range(len(forward))):
         if not on_path[f]:
             continue
         node = nodes[f]
+        upstream = [backward_of[u] for u in users[f] if u in backward_of and f in sends[u]]
+        if f in reads:
+            upstream.append(loss_id)
+        elif not upstream:  # no gradient reaches it (an attention's mask computed from data)
+            continue
         index = len(nodes)
         backward_of[f] = index
         slots = gradient_slots(node, nodes)
         sends[f] = {dep for dep, _, _ in slots}
-        upstream = [backward_of[u] for u in users[f] if u in backward_of and f in sends[u]]
-        if f in reads:
-            upstream.append(loss_id)
         gradients = sum(size for _, _, size in slots)
         nodes.append(
             _backward_node(node, index, upstream, gradients, nodes, names, producer, fixed)
@@ -440,6 +446,43 @@ def _keeping_argmax(node: Node) -> Node:
         return node
     kept = replace(node, attrs={**node.attrs, "keeps_argmax": True})
     return replace(kept, output_bytes=node.output_bytes + argmax_bytes(kept))
+
+
+DATA_MASK = "mask_from_data"
+"""A training graph's fused attention whose mask is computed from the model's inputs and
+constants alone (a padding mask): no gradient flows to it, as none flows to the data, so
+its backward may be PyTorch's fused kernel's, which has none for a mask on CPUs."""
+
+
+def _data_only(forward: Graph) -> list[bool]:
+    """Per forward node, whether its value is computed from the model's inputs and
+    constants alone: no parameter, and no value held from another part of a decomposed
+    graph (whose gradient is wanted), upstream of it."""
+    data = [False] * len(forward)
+    for node in forward.nodes:
+        fixed_data = all(
+            forward.fixed[t].kind in (FixedKind.INPUT, FixedKind.CONSTANT)
+            for t in node.fixed
+            if t in forward.fixed
+        )
+        data[node.id] = fixed_data and all(data[d] for d in node.deps)
+    return data
+
+
+def _marking_data_masks(
+    nodes: list[Node], data: Sequence[bool], producer: Mapping[str, int]
+) -> list[Node]:
+    """``nodes`` with each fused attention whose mask a data-only node computes marked
+    ``DATA_MASK``."""
+    marked = []
+    for node in nodes:
+        read = node.attrs.get("onnx_inputs")
+        if node.op == ATTENTION and isinstance(read, list) and len(read) > 3:
+            mask = producer.get(str(read[3]))
+            if mask is not None and data[mask]:
+                node = replace(node, attrs={**node.attrs, DATA_MASK: True})
+        marked.append(node)
+    return marked
 
 
 def _on_path_to_loss(forward: Graph, reads: Iterable[int]) -> list[bool]:

@@ -40,6 +40,7 @@ from remat.onnx_fusion import (
 )
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
+from remat.training import DATA_MASK
 
 TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # auto without its exact solve, which finds no cheaper plan for any of these models in 5 s:
@@ -184,3 +185,19 @@ def test_a_long_context_takes_pytorchs_attention_backward() -> None:
     ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on), and the gradients still match."""
     fused = (MATMUL_ADD, LAYOUT)
     _check("gpt2_small_1k", attention=True, scoreless=True, causal=True, fused=fused)
+
+
+@pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
+def test_a_padding_mask_from_the_data_takes_pytorchs_attention_backward() -> None:
+    """BERT over 256 tokens with its padding masked by a mask computed from the ids: no
+    gradient flows to that mask (none flows to the data), so each attention's backward is
+    PyTorch's fused kernel's, which has none for a mask on CPUs, and the mask's
+    computation gets no backward node; the gradients still match."""
+    _check("bert_base_padded", attention=True, scoreless=True, fused=(GELU, LAYOUT))
+    entry = CORPUS["bert_base_padded"]
+    graph = graph_of(export_entry(entry, "test"), Mode.TRAINING, entry.loss, True)
+    attentions = [n for n in graph.nodes if n.op == ATTENTION and n.forward is None]
+    assert attentions and all(n.attrs.get(DATA_MASK) for n in attentions)
+    assert all(len(n.attrs["onnx_inputs"]) == 4 for n in attentions)  # type: ignore[arg-type]
+    masks = {n.deps[-1] for n in attentions}  # the mask's producer, shared by the layers
+    assert not [n for n in graph.nodes if n.forward in masks]

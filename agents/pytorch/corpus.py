@@ -5,7 +5,8 @@ plans, executes and differentiates it in seconds (few channels, tiny images, a 6
 vocabulary); ``bench`` is the size ``bench/models.py`` measures (torchvision's default
 classifier heads on 64x64 images, Hugging Face configurations of width 64 and a 1000-token
 vocabulary; ``bert_base`` and ``gpt2_small`` at their base models' shape, and
-``gpt2_small_1k`` over one sequence of 1,024 tokens). Nothing is
+``gpt2_small_1k`` over one sequence of 1,024 tokens, ``bert_base_padded`` over two of 512
+with their padding masked). Nothing is
 downloaded: weights are random, torchvision comes from ``agents.pytorch.torchvision_models``
 (beside the venv) and Hugging Face models from their configurations.
 
@@ -106,19 +107,27 @@ class SegmentationOut(torch.nn.Module):
 
 class LanguageModel(torch.nn.Module):
     """A Hugging Face model's logits on token ids (an encoder-decoder model reads the
-    same ids as its decoder's input)."""
+    same ids as its decoder's input); ``padded``: the ids equal to ``PAD`` are padding,
+    masked by an attention mask computed from the ids, as a fine-tuning batch of
+    sentences of different lengths is."""
 
-    def __init__(self, model: torch.nn.Module, seq2seq: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, seq2seq: bool = False, padded: bool = False):
         super().__init__()
         self.model = model
         self.seq2seq = seq2seq
+        self.padded = padded
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.seq2seq:
             logits: torch.Tensor = self.model(input_ids=ids, decoder_input_ids=ids).logits
+        elif self.padded:
+            logits = self.model(input_ids=ids, attention_mask=(ids != PAD).long()).logits
         else:
             logits = self.model(input_ids=ids).logits
         return logits
+
+
+PAD = 0  # the padding token of ``LanguageModel(padded=True)``
 
 
 def _small_cnn(scale: Scale) -> torch.nn.Module:
@@ -180,12 +189,17 @@ def _small_vit(scale: Scale) -> torch.nn.Module:
 
 
 def _transformers(
-    name: str, *, base: bool = False, positions: Mapping[Scale, int] | None = None
+    name: str,
+    *,
+    base: bool = False,
+    positions: Mapping[Scale, int] | None = None,
+    padded: bool = False,
 ) -> Callable[[Scale], torch.nn.Module]:
     """A Hugging Face model from a small configuration (2 layers); with ``base``, at its
     bench scale the shape of BERT-base or GPT-2 small (12 layers of width 768, 12 heads,
     128 positions), the transformers of issue-size graphs (about 1,000 training nodes);
-    ``positions``: how many it embeds, by scale (else 64, or the base model's 128)."""
+    ``positions``: how many it embeds, by scale (else 64, or the base model's 128);
+    ``padded``: BERT masks its padding (``LanguageModel``)."""
 
     def build(scale: Scale) -> torch.nn.Module:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -209,7 +223,7 @@ def _transformers(
                 num_attention_heads=heads, intermediate_size=(4 if base else 2) * width,
                 max_position_embeddings=embedded,
             )  # fmt: skip
-            return LanguageModel(transformers.BertForMaskedLM(bert))
+            return LanguageModel(transformers.BertForMaskedLM(bert), padded=padded)
         t5 = transformers.T5Config(
             vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
             num_decoder_layers=2, num_heads=4,
@@ -226,6 +240,8 @@ LONG_TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (8, 128)}
 # one sequence of a fine-tuning context: attention over as many keys as PyTorch's fused
 # backward is taken from (``remat.ops.PYTORCH_ATTENTION_BACKWARD_KEYS``) at the test scale
 CONTEXT: dict[Scale, tuple[int, ...]] = {"test": (1, 256), "bench": (1, 1024)}
+# a fine-tuning batch at BERT's longest sequences, its padding masked
+PADDED: dict[Scale, tuple[int, ...]] = {"test": (1, 256), "bench": (2, 512)}
 
 
 def _classifier(name: str, **kwargs: object) -> Entry:
@@ -247,6 +263,14 @@ def _long_context_model(name: str, size: str) -> Entry:
     positions = {scale: shape[1] for scale, shape in CONTEXT.items()}
     build = _transformers(name, base=True, positions=positions)
     return Entry(f"{name}_{size}_1k", "transformers", build, CONTEXT, CROSS_ENTROPY, VOCAB)
+
+
+def _padded_model(name: str, size: str) -> Entry:
+    """``name`` at the shape of its base model over ``PADDED`` tokens, its padding masked
+    by a mask computed from the ids (``LanguageModel``)."""
+    positions = {scale: shape[1] for scale, shape in PADDED.items()}
+    build = _transformers(name, base=True, positions=positions, padded=True)
+    return Entry(f"{name}_{size}_padded", "transformers", build, PADDED, CROSS_ENTROPY, VOCAB)
 
 
 _ENTRIES = [
@@ -321,5 +345,6 @@ _ENTRIES = [
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
     _long_context_model("gpt2", "small"),
+    _padded_model("bert", "base"),
 ]
 CORPUS: dict[str, Entry] = {entry.name: entry for entry in _ENTRIES}

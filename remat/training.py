@@ -1,7 +1,9 @@
 """Forward graph -> training graph (Checkmate section 4, XEngine section 3).
 
 The training graph is the forward nodes, one loss node (``remat.loss``: what it reads and
-computes), and one backward node per forward node on a path to the loss, in that order:
+computes), and one backward node per forward node on a path to the loss that some gradient
+reaches (not a comparison whose boolean output carries none, nor the computation of a
+fused attention's mask from the data alone, ``DATA_MASK``), in that order:
 forward nodes keep their indices, the loss comes next, then backward nodes in reverse order
 of their forward node. Node index is the stage
 of frontier-advancing schedules.
@@ -45,7 +47,8 @@ finds the argmax without running the pooling again.
 
 Clip and HardSwish need their input (Clip: and its bounds); Expand, like Reshape, only the
 input's shape. Operators with no gradient at all (comparisons such as Equal, logical
-operators, IsNaN, Shape, ArgMax, rounding) need neither: their backward node passes zeros.
+operators, IsNaN, Shape, ArgMax, rounding) need neither: their backward node passes zeros
+(and a node that only such operators read gets none).
 "Some inputs" names ONNX input positions among the inputs present (``SOME_INPUTS``): the
 backward node reads the activations at those positions only, the others are shapes to it.
 

@@ -1,9 +1,12 @@
-"""A fused attention's backward two ways (issue 37): the executor's closed form, which
+"""A fused attention's backward three ways (issue 37): the closed form, which
 materialises the attention weights and their gradient (two score matrices), against
-PyTorch's own, ``scaled_dot_product_attention`` again under autograd and its fused
-kernel's backward (``agents.kernels.attention_grad_by_pytorch``), which holds no score
-matrix. The executor takes PyTorch's from ``remat.ops.PYTORCH_ATTENTION_BACKWARD_KEYS``
-keys on (column "executor takes").
+PyTorch's fused kernel's backward, which holds no score matrix, from what the forward
+kernel saved (its output and log-sum-exp per query: ``agents.kernels.
+attention_grad_from_saved``, as autograd runs it after eager PyTorch's forward and as the
+executor runs it on a CPU), and with ``scaled_dot_product_attention`` run again under
+autograd first (``attention_grad_by_pytorch``: where nothing was saved, as on CUDA). The
+executor takes PyTorch's wherever the mask wants no gradient
+(``remat.ops.pytorch_attention_backward``; column "executor takes").
 
 Operands of ``--heads`` heads of ``--features`` features at each sequence length, the
 batch sized to ``--tokens`` positions in all; unmasked, and with a constant padding mask
@@ -35,11 +38,12 @@ from results import Writer, add_run_argument
 from agents import kernels
 from agents.kernels import Grads, OpSpec, VjpCall
 from remat.onnx_fusion import ATTENTION, FUSED_DOMAIN
-from remat.ops import PYTORCH_ATTENTION_BACKWARD_KEYS, pytorch_attention_backward
+from remat.ops import pytorch_attention_backward
 
 WAYS: dict[str, Callable[[VjpCall], Grads | None]] = {
     "closed form": kernels.attention_grad_closed_form,
-    "pytorch": kernels.attention_grad_by_pytorch,
+    "from saved": kernels.attention_grad_from_saved,
+    "forward again": kernels.attention_grad_by_pytorch,
 }
 
 
@@ -56,11 +60,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Writer("attention", args.run)
     print(
-        f"| positions | batch | mask | closed form ms | pytorch ms | closed / pytorch "
-        "| closed form MiB | pytorch MiB "
-        f"| executor takes (from {PYTORCH_ATTENTION_BACKWARD_KEYS} keys) |"
+        "| positions | batch | mask | closed form ms | from saved ms | forward again ms "
+        "| closed / from saved | closed form MiB | from saved MiB | forward again MiB "
+        "| executor takes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     # Each measurement of memory in a fresh process forked from a small server: a process
     # starts with its parent's peak as its own.
     forkserver = multiprocessing.get_context("forkserver")
@@ -90,23 +94,27 @@ def _measure_all(args: argparse.Namespace, pool: Any, out: Writer) -> None:
                 "features": args.features,
                 "mask": "padding" if masked else "none",
                 "closed_ms": times["closed form"],
-                "pytorch_ms": times["pytorch"],
+                "saved_ms": times["from saved"],
+                "pytorch_ms": times["forward again"],
                 "closed_mib": mib["closed form"],
-                "pytorch_mib": mib["pytorch"],
+                "saved_mib": mib["from saved"],
+                "pytorch_mib": mib["forward again"],
                 "takes": takes,
             }
             out.add(row)
             print(
                 f"| {length} | {batch} | {row['mask']} | {row['closed_ms']:.2f} "
-                f"| {row['pytorch_ms']:.2f} | {row['closed_ms'] / row['pytorch_ms']:.2f} "
-                f"| {row['closed_mib']:.1f} | {row['pytorch_mib']:.1f} | {takes} |",
+                f"| {row['saved_ms']:.2f} | {row['pytorch_ms']:.2f} "
+                f"| {row['closed_ms'] / row['saved_ms']:.2f} | {row['closed_mib']:.1f} "
+                f"| {row['saved_mib']:.1f} | {row['pytorch_mib']:.1f} | {takes} |",
                 flush=True,
             )
 
 
 def _call(shape: tuple[int, int, int, int], masked: bool) -> VjpCall:
     """A fused attention's backward call on seeded float32 operands: queries, transposed
-    keys, values (and a padding mask of zeros and -inf, its last quarter masked)."""
+    keys, values (and a padding mask of zeros and -inf, its last quarter masked), with the
+    output and what the forward kernel saved beside it (``kernels.forward_and_saved``)."""
     generator = torch.Generator().manual_seed(0)
     batch, heads, length, features = shape
     shapes = [shape, (batch, heads, features, length), shape]
@@ -124,8 +132,11 @@ def _call(shape: tuple[int, int, int, int], masked: bool) -> VjpCall:
         inputs=tuple(f"in{i}" for i in range(len(args))),
         outputs=("out",),
     )
-    grads = [torch.randn(shape, generator=generator)]  # the output's (neither way reads it)
-    return VjpCall(spec, args, None, grads, [True, True, True, False][: len(args)])
+    output, saved = kernels.forward_and_saved(spec, args)
+    if saved is None:
+        raise SystemExit("PyTorch's fused CPU kernel does not take these operands")
+    grads = [torch.randn(shape, generator=generator)]
+    return VjpCall(spec, args, output, grads, [True, True, True, False][: len(args)], saved)
 
 
 def _times(call: VjpCall, repeats: int) -> dict[str, float]:

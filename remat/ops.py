@@ -211,24 +211,18 @@ def _score_elements(input_shapes: Sequence[Shape], output_shapes: Sequence[Shape
         return 0
 
 
-# Keys per query from which a fused attention's backward is PyTorch's own
-# (``pytorch_attention_backward``): below it the closed form, which materialises the
-# scores, is the faster on CPUs (``bench/attention.py``).
-PYTORCH_ATTENTION_BACKWARD_KEYS = 256
-
-
 def pytorch_attention_backward(input_shapes: Sequence[Shape], mask_trained: bool) -> bool:
     """Whether the executor differentiates a fused attention (inputs ``(A, B, V[, M])``,
     ``B`` the transposed keys) as PyTorch does, by its fused kernel's backward from the
     output and the log-sum-exp the forward kernel saved beside it, which holds no score
-    matrix: operands of four dimensions (batch, heads, positions, features), at least
-    ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys, and no gradient wanted for the mask
+    matrix, as eager PyTorch differentiates ``scaled_dot_product_attention``: operands of
+    four dimensions (batch, heads, positions, features) and no gradient wanted for the mask
     (PyTorch's CPU kernels have none: it would take its math path, slower than the closed
     form). Else the closed form, which holds two score-sized buffers
     (``attention_backward_scratch_elements``)."""
     if len(input_shapes) < 3 or len(input_shapes[0]) != 4 or not input_shapes[1]:
         return False
-    return input_shapes[1][-1] >= PYTORCH_ATTENTION_BACKWARD_KEYS and not mask_trained
+    return not mask_trained
 
 
 def attention_backward_scratch_elements(

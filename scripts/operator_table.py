@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from agents.kernels import KERNELS, VJP_RULES
-from remat.ops import FLOPS, PYTORCH_ATTENTION_BACKWARD_KEYS
+from remat.ops import FLOPS
 from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, SOME_INPUTS, Needs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
@@ -46,11 +46,10 @@ packed projection (`MultiheadAttention`'s queries, keys and values) into the sev
 operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`:
 attention heads split and merged) into the eighth, its reshapes and transposes merged.
 A causal mask folded from positions (GPT-2's) is `ScaledDotProductAttention`'s `causal`
-attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own from
-{PYTORCH_ATTENTION_BACKWARD_KEYS} keys on, where its mask wants none: on a CPU its fused
-kernel's backward from the output and the log-sum-exp the forward kernel saved, as
-autograd runs it (on CUDA its forward again under autograd first), which holds no score
-matrix; the closed form below that.
+attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own where its mask wants
+none: on a CPU its fused kernel's backward from the output and the log-sum-exp the
+forward kernel saved, as autograd runs it (on CUDA its forward again under autograd
+first), which holds no score matrix; the closed form where the mask is trained.
 Before the fusions, ingestion bypasses the operators that compute nothing
 (`remat/onnx_noops.py`): an `Identity`, a `Cast` to its input's type, a `Dropout` that
 is the identity (inference mode, or training mode at ratio 0), a `Concat` of one input,

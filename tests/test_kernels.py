@@ -40,7 +40,6 @@ from remat.onnx_fusion import (
     UNBIND,
 )
 from remat.onnx_ingest import forward_graph
-from remat.ops import PYTORCH_ATTENTION_BACKWARD_KEYS
 from remat.training import training_graph
 
 from graphs import causal_attention
@@ -114,7 +113,10 @@ def test_sample_families_match_onnxruntime_per_operator(family: str) -> None:
     _assert_forward_matches(FAMILIES[family]())
 
 
-@pytest.mark.parametrize("tokens", [5, PYTORCH_ATTENTION_BACKWARD_KEYS])
+MANY_KEYS = 256  # a sequence of a fine-tuning context, beside the small cases' few keys
+
+
+@pytest.mark.parametrize("tokens", [5, MANY_KEYS])
 def test_causal_attention_matches_onnxruntime(tokens: int) -> None:
     """A causal mask folded from positions, as GPT-2's, run as the fused node's ``causal``
     attribute, against onnxruntime's chain with the mask."""
@@ -383,7 +385,6 @@ HEADS_MOVED = {
     "dims": [2, 6, 2, 2, 0, 2, 1, 3, 4, 12],
     "ranks": [4, 4, 2],
 }
-MANY_KEYS = PYTORCH_ATTENTION_BACKWARD_KEYS
 GRAD_CASES: dict[str, GradCase] = {
     "conv": GradCase(
         "Conv",
@@ -430,7 +431,16 @@ GRAD_CASES: dict[str, GradCase] = {
         {"scale": 0.4, "causal": 1},
         domain=FUSED_DOMAIN,
     ),
-    # PyTorch's fused kernel's backward (``remat.ops.pytorch_attention_backward``)
+    "attention_few_keys": GradCase(
+        ATTENTION, [(2, 3, 4, 8), (2, 3, 8, 6), (2, 3, 6, 8)], {"scale": 0.4}, domain=FUSED_DOMAIN
+    ),
+    # a mask that wants a gradient: the closed form (``remat.ops.pytorch_attention_backward``)
+    "attention_mask_trained": GradCase(
+        ATTENTION,
+        [(2, 3, 4, 5), (2, 3, 5, 6), (2, 3, 6, 4), (1, 3, 4, 6)],
+        {"scale": 0.4},
+        domain=FUSED_DOMAIN,
+    ),
     "attention_many_keys_causal": GradCase(
         ATTENTION,
         [(1, 2, MANY_KEYS, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
@@ -518,10 +528,13 @@ def _kernels_run(call: VjpCall) -> set[str]:
 FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
 
 
-def test_attention_over_many_keys_is_differentiated_by_pytorchs_fused_kernel() -> None:
-    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the gradient is PyTorch's fused
-    kernel's (no score matrix held), also with a mask that wants none; with fewer keys, or
-    a mask that wants a gradient (PyTorch's CPU kernel has none for it), the closed form."""
+def test_attention_is_differentiated_by_pytorchs_fused_kernel() -> None:
+    """The gradient is PyTorch's fused kernel's (no score matrix held), over few keys and
+    many, also with a mask that wants none; with a mask that wants a gradient (PyTorch's
+    CPU kernel has none for it), or operands of three dimensions, the closed form, as
+    where PyTorch has no fused kernel for the operands (queries and values of different
+    widths)."""
+    assert FLASH_BACKWARD in _kernels_run(_grad_call(GRAD_CASES["attention_few_keys"]))
     many = _grad_call(GRAD_CASES["attention_many_keys"])
     assert FLASH_BACKWARD in _kernels_run(many)
     assert FLASH_BACKWARD in _kernels_run(_grad_call(GRAD_CASES["attention_many_keys_causal"]))
@@ -534,25 +547,25 @@ def test_attention_over_many_keys_is_differentiated_by_pytorchs_fused_kernel() -
         torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
     masked.wanted = [True, True, True, True]
     assert FLASH_BACKWARD not in _kernels_run(masked)
-    few = _grad_call(GRAD_CASES["attention"])
-    assert FLASH_BACKWARD not in _kernels_run(few)
+    assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention_mask_trained"]))
+    assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention_masked"]))
+    assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention"]))
 
 
 FLASH_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "case", ["attention_few_keys", "attention_many_keys", "attention_many_keys_causal"]
+)
 @pytest.mark.parametrize("strided", [False, True], ids=["unit_stride_keys", "strided_keys"])
-def test_attention_over_many_keys_is_differentiated_from_what_its_forward_saved(
-    causal: bool, strided: bool
-) -> None:
-    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the forward runs PyTorch's fused
-    kernel (also where ``B`` is stored transposed, its keys then copied with unit stride)
-    and saves its log-sum-exp; the backward reads it with the output and runs that kernel's
-    backward alone, as autograd does after eager's forward, not the forward again; the
-    gradients are those of the backward that runs the forward again."""
-    case = GRAD_CASES["attention_many_keys_causal" if causal else "attention_many_keys"]
-    call = _grad_call(case)
+def test_attention_is_differentiated_from_what_its_forward_saved(case: str, strided: bool) -> None:
+    """The forward runs PyTorch's fused kernel (also where ``B`` is stored transposed, its
+    keys then copied with unit stride) and saves its log-sum-exp; the backward reads it
+    with the output and runs that kernel's backward alone, as autograd does after eager's
+    forward, not the forward again; the gradients are those of the backward that runs the
+    forward again."""
+    call = _grad_call(GRAD_CASES[case])
     if not strided:  # B as a transposed view of keys stored (..., keys, features)
         call.args[1] = call.args[1].transpose(-1, -2).contiguous().transpose(-1, -2)
     spec = call.spec

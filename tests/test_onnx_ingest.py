@@ -678,9 +678,12 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     [backward] = [n for n in trained.nodes if n.forward == attention.id]
     assert backward.flops == 2.5 * attention.flops
     assert 0 in backward.deps  # it reads its inputs (the keys transposed), no weights held
-    # The kernels hold the fp32 scores (forward) and the probabilities and their gradient
-    # (backward) beside their inputs and output: the analytical model's workspace.
-    assert attention.scratch_bytes == scores * 4 and backward.scratch_bytes == 2 * scores * 4
+    # PyTorch's fused kernels hold the keys with unit stride beside their inputs and
+    # output; the closed form, which a trained mask's gradient takes, the probabilities
+    # and their gradient: the analytical model's workspace.
+    keys = 2 * 4 * 3 * 8
+    assert attention.scratch_bytes == keys * 4
+    assert backward.scratch_bytes == (2 * scores if mask else keys) * 4
     assert all(n.scratch_bytes == 0 for n in trained.nodes if n.op != ATTENTION)
     workspace = analytical_costs(trained, [Device("cpu0", DeviceKind.CPU)]).workspace_bytes
     assert workspace is not None
@@ -688,15 +691,15 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
 
 
 @pytest.mark.parametrize("mask", ["none", "trained", "computed"])
-def test_a_backward_over_many_keys_holds_no_scores_unless_its_mask_is_trained(mask: str) -> None:
-    """From ``PYTORCH_ATTENTION_BACKWARD_KEYS`` keys on, the forward runs PyTorch's fused
-    kernel, its scratch the keys with unit stride, not the scores, and the backward node is
-    that kernel's backward (``ops.pytorch_attention_backward``): it reads the forward's
-    output (and the log-sum-exp saved beside it), holds the keys, not two score matrices,
-    and its FLOPs are the closed form's. A mask that carries a gradient (a trained one, or
+def test_an_attention_backward_holds_no_scores_unless_its_mask_is_trained(mask: str) -> None:
+    """The forward runs PyTorch's fused kernel, its scratch the keys with unit stride, not
+    the scores, and the backward node is that kernel's backward
+    (``ops.pytorch_attention_backward``): it reads the forward's output (and the
+    log-sum-exp saved beside it), holds the keys, not two score matrices, and its FLOPs
+    are the closed form's. A mask that carries a gradient (a trained one, or
     a value computed in the model, whose producer's backward node gets it) keeps the
     closed form, which reads no output."""
-    tokens = ops.PYTORCH_ATTENTION_BACKWARD_KEYS
+    tokens = 16
     attention_model = _attention_model(
         prescaled=mask == "none",
         mask_shape=(1, 1, tokens, tokens) if mask == "trained" else None,

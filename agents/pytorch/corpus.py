@@ -237,8 +237,7 @@ VOCAB: dict[Scale, int] = {"test": 64, "bench": 1000}
 IMAGE: dict[Scale, tuple[int, ...]] = {"test": (4, 3, 32, 32), "bench": (8, 3, 64, 64)}
 TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (4, 16)}
 LONG_TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (8, 128)}
-# one sequence of a fine-tuning context: attention over as many keys as PyTorch's fused
-# backward is taken from (``remat.ops.PYTORCH_ATTENTION_BACKWARD_KEYS``) at the test scale
+# one sequence of a fine-tuning context
 CONTEXT: dict[Scale, tuple[int, ...]] = {"test": (1, 256), "bench": (1, 1024)}
 # a fine-tuning batch at BERT's longest sequences, its padding masked
 PADDED: dict[Scale, tuple[int, ...]] = {"test": (1, 256), "bench": (2, 512)}

@@ -1,7 +1,8 @@
 """The executor against plain PyTorch (issue 37): a training step of a PyTorch corpus module
 (``agents/pytorch/corpus.py``, at its bench scale) as eager autograd runs it (forward, the
 entry's loss, the parameters' gradients), against the executor running the checkpoint-all
-plan of the module's ONNX export (TorchScript exporter, training mode) on one CPU device
+plan of the module's ONNX export (``--exporter``: TorchScript's by default, training mode)
+on one CPU device
 with the same thread count, or with ``--device cuda`` on the first CUDA GPU (both sides in
 IEEE float32, no TF32, and each eager run ending with a synchronisation). Both take the
 median of ``--repeats`` timed runs, made in
@@ -27,7 +28,7 @@ Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
         [--threads 2] [--device cpu|cuda] [--repeats 20] [--rounds 4] [--processes 3]
-        [--no-fuse-attention] [--run LABEL]
+        [--exporter torchscript|dynamo] [--no-fuse-attention] [--run LABEL]
 
 ``--no-fuse-attention`` plans each attention chain node by node
 (``forward_graph(fuse_attention=False)``; fused is the default).
@@ -49,6 +50,7 @@ from agents.profiler import profile
 from agents.program import build_program
 from agents.pytorch.check import export_entry
 from agents.pytorch.corpus import CORPUS
+from agents.pytorch.export import EXPORTERS, Exporter
 from agents.pytorch.reference import model_inputs, module_gradients
 from agents.torch_devices import keep_host_heap, measuring, runtime_of
 from remat.cli import fusion_argument
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
     fusion_argument(parser)
     add_run_argument(parser)
     args = parser.parse_args()
@@ -93,6 +96,7 @@ def main() -> None:
                     args.repeats,
                     args.rounds,
                     args.fuse_attention,
+                    args.exporter,
                 )
                 rows.append(pool.apply(_measure, measure))
         row = _over_processes(rows)
@@ -136,14 +140,14 @@ def _device(kind: str, threads: int) -> Device:
 
 
 def _measure(
-    name: str, device: Device, repeats: int, rounds: int, fuse_attention: bool
+    name: str, device: Device, repeats: int, rounds: int, fuse_attention: bool, exporter: Exporter
 ) -> dict[str, Any]:
     """One corpus model's row from this process: eager, the executor, and the profiler's
     node times."""
     keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
     runtime = runtime_of(device)
     entry = CORPUS[name]
-    exported = export_entry(entry, "bench")
+    exported = export_entry(entry, "bench", exporter)
     forward = forward_graph(exported.model, fuse_attention=fuse_attention)
     graph = for_mode(forward, Mode.TRAINING, entry.loss)
     problem = problem_from_graph(graph, devices=[device])
@@ -194,6 +198,7 @@ def _measure(
     steps, computes = len(plan.steps), sum(1 for s in plan.steps if s.op == "compute")
     return {
         "model": name,
+        "exporter": exporter,
         "nodes": len(graph),
         "devices": ":".join([device.name, *(f"{k}={v}" for k, v in device.options.items())]),
         "steps": steps,

@@ -156,9 +156,9 @@ class Tensors:
     model's operators read each (a model output counts as a reader), whether it is a
     constant, its static shape (None where not static), whether it is a float, its ONNX
     element type (None where unknown), the value of a constant of one float element, that
-    of a constant integer of rank 0, and the truth of a constant of one element (None for
-    anything else), whether a small constant is zero everywhere, and whether a constant is
-    a causal attention mask."""
+    of a constant integer of rank 0, the values of a small constant integer vector, and the
+    truth of a constant of one element (None for anything else), whether a small constant
+    is zero everywhere, and whether a constant is a causal attention mask."""
 
     readers: Mapping[str, int]
     constant: Callable[[str], bool]
@@ -167,6 +167,7 @@ class Tensors:
     elem_type: Callable[[str], int | None]
     scalar: Callable[[str], float | None]
     index: Callable[[str], int | None]
+    ints: Callable[[str], tuple[int, ...] | None]
     flag: Callable[[str], bool | None]
     is_zero: Callable[[str], bool]
     causal: Callable[[str], bool]
@@ -844,9 +845,9 @@ def _layer_norm_chain(
     last one's output is its result), the fused node's inputs, its axis and epsilon; or
     None where the chain is not one ``fuse_layer_norms`` fuses."""
     tensors = around.tensors
-    x = mean.input[0] if len(mean.input) == 1 else ""
+    x = mean.input[0] if mean.input else ""
     x_shape = tensors.shape(x) if x else None
-    axes = _trailing_axes(mean, x_shape)
+    axes = _trailing_axes(mean, x_shape, tensors)
     if x_shape is None or axes is None or not tensors.is_float(x):
         return None
     centre = around.only_reader(mean.output[0], ("Sub",))
@@ -865,7 +866,7 @@ def _layer_norm_chain(
     if square.op_type == "Mul" and list(square.input) != [d, d]:
         return None
     variance = around.only_reader(square.output[0], ("ReduceMean",))
-    if variance is None or _trailing_axes(variance, x_shape) != axes:
+    if variance is None or _trailing_axes(variance, x_shape, tensors) != axes:
         return None
     shifted = around.only_reader(variance.output[0], ("Add",))
     if shifted is None:
@@ -903,14 +904,21 @@ def _layer_norm_chain(
     return members, inputs, -axes, epsilon
 
 
-def _trailing_axes(mean: NodeProto, x_shape: Shape | None) -> int | None:
-    """How many trailing axes a ``ReduceMean`` with its ``axes`` attribute averages while
-    keeping them (None for any other reduction)."""
+def _trailing_axes(mean: NodeProto, x_shape: Shape | None, tensors: Tensors) -> int | None:
+    """How many trailing axes a ``ReduceMean`` averages while keeping them, its axes an
+    attribute (before opset 18) or a constant input (from 18 on); None for any other
+    reduction."""
     attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
-    if x_shape is None or len(mean.input) != 1 or int(attrs.get("keepdims", 1)) != 1:
+    if x_shape is None or int(attrs.get("keepdims", 1)) != 1:
+        return None
+    if len(mean.input) == 1:
+        listed: Sequence[int] | None = attrs.get("axes", [])
+    else:
+        listed = tensors.ints(mean.input[1]) if len(mean.input) == 2 else None
+    if listed is None:
         return None
     rank = len(x_shape)
-    axes = sorted(int(a) + rank if int(a) < 0 else int(a) for a in attrs.get("axes", []))
+    axes = sorted(int(a) + rank if int(a) < 0 else int(a) for a in listed)
     if not axes or axes != list(range(rank - len(axes), rank)):
         return None
     return len(axes)
@@ -945,7 +953,7 @@ def _rms_norm_chain(
     last one's output is its result), the fused node's inputs, its axis and epsilon; or
     None where the chain is not one ``fuse_rms_norms`` fuses."""
     tensors = around.tensors
-    found = around.producer.get(mean.input[0]) if len(mean.input) == 1 else None
+    found = around.producer.get(mean.input[0]) if mean.input else None
     square = found[0] if found is not None else None
     if square is None or square.domain not in DEFAULT_DOMAINS:
         return None
@@ -958,7 +966,7 @@ def _rms_norm_chain(
     elif square.op_type != "Mul" or list(square.input) != [x, x]:
         return None
     x_shape = tensors.shape(x)
-    axes = _trailing_axes(mean, x_shape)
+    axes = _trailing_axes(mean, x_shape, tensors)
     if x_shape is None or axes is None or not tensors.is_float(x):
         return None
     shifted = around.only_reader(mean.output[0], ("Add",))

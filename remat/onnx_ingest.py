@@ -697,6 +697,16 @@ class _Folder:
             return None
         return int(self.value(name, name).reshape(()))
 
+    def ints(self, name: str) -> tuple[int, ...] | None:
+        """The values of a constant integer vector of at most 64 elements (a reduction's
+        axes from opset 18 on), else None."""
+        info = self.infos.get(name)
+        if name not in self.constants or info is None or not info.static:
+            return None
+        if len(info.dims) != 1 or info.dims[0] > 64 or info.elem_type not in _INDEX_TYPES:
+            return None
+        return tuple(int(v) for v in self.value(name, name).reshape(-1))
+
     def scalar(self, name: str) -> float | None:
         """The value of a constant of one element (a float), else None."""
         info = self.infos.get(name)
@@ -1040,6 +1050,7 @@ def forward_graph(
         elem_type=folder.elem_type,
         scalar=folder.scalar,
         index=folder.index,
+        ints=folder.ints,
         flag=folder.flag,
         is_zero=folder.is_zero,
         causal=folder.causal,

@@ -1209,21 +1209,33 @@ def test_a_pad_by_zero_is_bypassed(opset: int, pads: list[int], kept: list[str])
 # --- layer normalization's formula fused -------------------------------------------------
 
 
+def _mean(x: str, output: str, axes: Sequence[int], opset: int) -> onnx.NodeProto:
+    """``ReduceMean`` of ``x`` over ``axes``, kept: an attribute before opset 18, from 18
+    on the constant input ``axes`` (``_axes_init``)."""
+    if opset >= 18:
+        return helper.make_node("ReduceMean", [x, "axes"], [output])
+    return helper.make_node("ReduceMean", [x], [output], axes=list(axes))
+
+
+def _axes_init(axes: Sequence[int], opset: int) -> list[TensorProto]:
+    return [init("axes", list(axes), np.int64)] if opset >= 18 else []
+
+
 def _layer_norm_model(
     *, square: str = "Pow", bias: bool = True, axes: Sequence[int] = (-1,),
-    extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",),
+    extra: Sequence[onnx.NodeProto] = (), outputs: Sequence[str] = ("y",), opset: int = 14,
 ) -> onnx.ModelProto:  # fmt: skip
     """Relu, then layer normalization over the last axis as PyTorch exports it before
     opset 17, then Relu (``square``: ``Pow`` by 2, or ``Mul`` of the centred value by
-    itself)."""
+    itself; ``opset``: from 18 on, the means' axes are an input)."""
     nodes = [
         helper.make_node("Relu", ["x0"], ["x"], name="pre"),
-        helper.make_node("ReduceMean", ["x"], ["mean"], axes=list(axes)),
+        _mean("x", "mean", axes, opset),
         helper.make_node("Sub", ["x", "mean"], ["d"]),
         helper.make_node("Pow", ["d", "two"], ["sq"])
         if square == "Pow"
         else helper.make_node("Mul", ["d", "d"], ["sq"]),
-        helper.make_node("ReduceMean", ["sq"], ["var"], axes=list(axes)),
+        _mean("sq", "var", axes, opset),
         helper.make_node("Add", ["var", "eps"], ["ve"]),
         helper.make_node("Sqrt", ["ve"], ["std"]),
         helper.make_node("Div", ["d", "std"], ["n"]),
@@ -1235,17 +1247,23 @@ def _layer_norm_model(
         last = "nb"
     nodes += [helper.make_node("Relu", [last], ["y"], name="post"), *extra]
     params = [init("two", 2.0), init("eps", 1e-5), ones("w", (8,)), ones("b", (8,))]
-    return model(nodes, [vi("x0", GELU_SHAPE)], [out(o, 3) for o in outputs], params, opset=14)
+    params += _axes_init(axes, opset)
+    return model(nodes, [vi("x0", GELU_SHAPE)], [out(o, 3) for o in outputs], params, opset)
 
 
 @pytest.mark.parametrize(
-    ("square", "bias", "last"),
-    [("Pow", True, "ln/Add_1"), ("Mul", True, "ln/Add_1"), ("Pow", False, "ln/Mul")],
+    ("square", "bias", "last", "opset"),
+    [
+        ("Pow", True, "ln/Add_1", 14),
+        ("Mul", True, "ln/Add_1", 14),
+        ("Pow", False, "ln/Mul", 14),
+        ("Pow", True, "ln/Add_1", 18),  # the means' axes an input
+    ],
 )
 def test_a_layer_norm_written_as_its_formula_is_one_node(
-    square: str, bias: bool, last: str
+    square: str, bias: bool, last: str, opset: int
 ) -> None:
-    graph = ingest(_layer_norm_model(square=square, bias=bias))
+    graph = ingest(_layer_norm_model(square=square, bias=bias, opset=opset))
     assert ops_of(graph) == ["Relu", "FusedLayerNorm", "Relu"]
     norm = graph.nodes[1]
     assert norm.name == last and norm.deps == (0,)
@@ -1261,6 +1279,7 @@ def test_a_layer_norm_written_as_its_formula_is_one_node(
                                           "outputs": ["y", "z"]}),
         ("a_mean_a_model_output", {"outputs": ["y", "mean"]}),
         ("over_a_leading_axis", {"axes": (0,)}),
+        ("over_a_leading_axis_as_an_input", {"axes": (0,), "opset": 18}),
     ],
 )  # fmt: skip
 def test_a_layer_norms_operators_stay_apart_unless_they_are_one(
@@ -1272,14 +1291,15 @@ def test_a_layer_norms_operators_stay_apart_unless_they_are_one(
 
 
 def _rms_norm_model(
-    *, inverse: str = "Div", extra: Sequence[onnx.NodeProto] = ()
+    *, inverse: str = "Div", extra: Sequence[onnx.NodeProto] = (), opset: int = 17
 ) -> onnx.ModelProto:
     """Relu, then RMS normalization as T5's ``T5LayerNorm`` exports (``inverse``: ``Div``
-    of 1 by the root, or ``Reciprocal``), then Relu."""
+    of 1 by the root, or ``Reciprocal``, as the dynamo exporter writes LLaMA's at opset
+    18, where the mean's axes are an input), then Relu."""
     nodes = [
         helper.make_node("Relu", ["x0"], ["x"], name="pre"),
         helper.make_node("Pow", ["x", "two"], ["sq"]),
-        helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1]),
+        _mean("sq", "ms", [-1], opset),
         helper.make_node("Add", ["ms", "eps"], ["mse"]),
         helper.make_node("Sqrt", ["mse"], ["root"]),
         helper.make_node("Div", ["one", "root"], ["inv"])
@@ -1291,13 +1311,16 @@ def _rms_norm_model(
         *extra,
     ]
     params = [init("two", 2.0), init("eps", 1e-6), init("one", 1.0), ones("w", (8,))]
+    params += _axes_init([-1], opset)
     outputs = [out("y", 3)] + [out(o, 3) for n in extra for o in n.output]
-    return model(nodes, [vi("x0", GELU_SHAPE)], outputs, params)
+    return model(nodes, [vi("x0", GELU_SHAPE)], outputs, params, opset)
 
 
-@pytest.mark.parametrize("inverse", ["Div", "Reciprocal"])
-def test_an_rms_norm_written_as_its_formula_is_one_node(inverse: str) -> None:
-    graph = ingest(_rms_norm_model(inverse=inverse))
+@pytest.mark.parametrize(
+    ("inverse", "opset"), [("Div", 17), ("Reciprocal", 17), ("Reciprocal", 18)]
+)
+def test_an_rms_norm_written_as_its_formula_is_one_node(inverse: str, opset: int) -> None:
+    graph = ingest(_rms_norm_model(inverse=inverse, opset=opset))
     assert ops_of(graph) == ["Relu", "FusedRMSNorm", "Relu"]
     norm = graph.nodes[1]
     assert norm.name == "norm/Mul_1" and norm.attrs["onnx_inputs"] == ["x", "w"]

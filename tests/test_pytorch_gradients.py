@@ -181,6 +181,18 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
+def test_a_llama_decoder_by_the_dynamo_exporter() -> None:
+    """A LLaMA-style decoder (RMS normalization, rotary position embeddings, a SiLU-gated
+    MLP, grouped-query attention: 4 heads sharing 2 keys and values) as the dynamo
+    exporter writes it at opset 18, where a mean's axes are an input: its RMS
+    normalizations are ``FusedRMSNorm`` nodes, its SiLU ``FusedSilu``, each attention one
+    node whose causal mask is its ``causal`` attribute and whose backward is PyTorch's
+    fused kernel's; the gradients match the module's."""
+    fused = (RMS_NORM, SILU, LAYOUT)
+    _check("llama", exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True)
+
+
+@pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
 def test_a_long_context_takes_pytorchs_attention_backward() -> None:
     """GPT-2 over 256 tokens: every attention's causal mask, folded from comparisons of
     positions, is its ``causal`` attribute, its backward PyTorch's fused kernel's, and the

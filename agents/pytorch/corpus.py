@@ -224,6 +224,14 @@ def _transformers(
                 max_position_embeddings=embedded,
             )  # fmt: skip
             return LanguageModel(transformers.BertForMaskedLM(bert), padded=padded)
+        if name == "llama":  # grouped-query attention: 2 keys and values for 4 heads
+            llama = transformers.LlamaConfig(
+                vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads // 2, max_position_embeddings=embedded,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            )  # fmt: skip
+            return LanguageModel(transformers.LlamaForCausalLM(llama))
         t5 = transformers.T5Config(
             vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
             num_decoder_layers=2, num_heads=4,
@@ -341,6 +349,8 @@ _ENTRIES = [
     _language_model("gpt2"),
     _language_model("bert"),
     _language_model("t5"),
+    # the TorchScript exporter has no grouped-query attention: the dynamo exporter's
+    _language_model("llama"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
     _long_context_model("gpt2", "small"),

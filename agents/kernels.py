@@ -1048,6 +1048,18 @@ def _tile(spec: OpSpec, args: Args) -> Outputs:
 def _pad(spec: OpSpec, args: Args) -> Outputs:
     x = args[0]
     assert x is not None
+    mode, torch_pad, value = _pad_of(spec, args, x.dim())
+    if mode == "constant":
+        return (F.pad(x, torch_pad, value=value),)
+    torch_mode = {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}.get(mode)
+    if torch_mode is None:
+        raise spec.unsupported(f"Pad mode {mode!r}")
+    return (F.pad(x, torch_pad, mode=torch_mode),)
+
+
+def _pad_of(spec: OpSpec, args: Args, rank: int) -> tuple[str, list[int], float]:
+    """A ``Pad``'s mode, its pads as ``F.pad`` takes them (from the first padded axis on)
+    and its constant value."""
     mode = spec.attr("mode", "constant")
     if spec.opset < 11:
         pads, value = list(spec.attr("pads")), float(spec.attr("value", 0.0))
@@ -1055,19 +1067,13 @@ def _pad(spec: OpSpec, args: Args) -> Outputs:
         pads = spec.ints(1, args) or []
         value = spec.scalar(2, args) or 0.0
     axes = spec.ints(3, args) if spec.opset >= 18 else None
-    axes = [_axis(a, x.dim()) for a in axes] if axes is not None else list(range(x.dim()))
+    axes = [_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
     n = len(axes)
-    begins, ends = [0] * x.dim(), [0] * x.dim()
+    begins, ends = [0] * rank, [0] * rank
     for i, axis in enumerate(axes):
         begins[axis], ends[axis] = pads[i], pads[n + i]
-    first = next((i for i in range(x.dim()) if begins[i] or ends[i]), x.dim())
-    torch_pad = _torch_pad(begins[first:], ends[first:])
-    if mode == "constant":
-        return (F.pad(x, torch_pad, value=value),)
-    torch_mode = {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}.get(mode)
-    if torch_mode is None:
-        raise spec.unsupported(f"Pad mode {mode!r}")
-    return (F.pad(x, torch_pad, mode=torch_mode),)
+    first = next((i for i in range(rank) if begins[i] or ends[i]), rank)
+    return mode, _torch_pad(begins[first:], ends[first:]), value
 
 
 def _constant_of_shape(spec: OpSpec, args: Args) -> Outputs:
@@ -2203,6 +2209,37 @@ def _gather_elements_grad(call: VjpCall) -> Grads:
     )
 
 
+def _pad_grad(call: VjpCall) -> Grads:
+    """A constant ``Pad``'s: the upstream gradient with the padding cut off again (and
+    zeros where the pad cropped); other modes are differentiated by autograd."""
+    mode, torch_pad, _ = _pad_of(call.spec, call.args, call.arg(0).dim())
+    if mode != "constant":
+        return autograd_vjp(call)
+    return call.only(lambda: F.pad(call.g, [-p for p in torch_pad]))
+
+
+def _reduce_mean_grad(call: VjpCall) -> Grads:
+    """``ReduceMean``'s: the upstream gradient spread evenly over the elements each mean
+    took (the input is a shape only), instead of the forward re-run under autograd."""
+    shape, g = call.arg(0).shape, call.g
+    axes = _axes(call.spec, call.args, 18)
+    if not axes:
+        if call.spec.attr("noop_with_empty_axes", 0):
+            return call.only(lambda: g)
+        axes = list(range(len(shape)))
+    dims = sorted({_axis(a, len(shape)) for a in axes})
+    count = math.prod(shape[d] for d in dims)
+
+    def spread() -> Tensor:
+        up = g
+        if not call.spec.attr("keepdims", 1):
+            for d in dims:
+                up = up.unsqueeze(d)
+        return up.div(count).expand(shape).contiguous()
+
+    return call.only(spread)
+
+
 def _gather_grad(call: VjpCall) -> Grads:
     """The gradient added back at the picked positions along the axis (data: shape only),
     as one ``index_add_`` instead of the forward re-run under autograd."""
@@ -2352,6 +2389,9 @@ VJP_RULES: dict[str, Rule] = {
     "HardSigmoid": _hard_sigmoid_grad,
     "Where": _where_grad,
     "Expand": _expand_grad,
+    "Neg": lambda call: call.only(lambda: torch.neg(call.g)),
+    "Pad": _pad_grad,
+    "ReduceMean": _reduce_mean_grad,
     "Gather": _gather_grad,
     "GatherElements": _gather_elements_grad,
     "Add": _add,

@@ -484,6 +484,15 @@ GRAD_CASES: dict[str, GradCase] = {
     "sigmoid": GradCase("Sigmoid", [(3, 4)]),
     "tanh": GradCase("Tanh", [(3, 4)]),
     "exp": GradCase("Exp", [(3, 4)]),
+    "neg": GradCase("Neg", [(3, 4)]),
+    "pad": GradCase("Pad", [(2, 3, 4, 5)], {"pads": [0, 0, 1, 2, 0, 0, 2, 1]}, opset=2),
+    "pad_cropping": GradCase("Pad", [(2, 3, 4, 5)], {"pads": [0, 0, -1, 2, 0, 0, 1, -2]}, 2),
+    "pad_reflect": GradCase(
+        "Pad", [(1, 2, 4, 5)], {"pads": [0, 0, 1, 2, 0, 0, 2, 1], "mode": "reflect"}, opset=2
+    ),
+    "reduce_mean": GradCase("ReduceMean", [(2, 3, 4)], {"axes": [1, -1], "keepdims": 0}, 13),
+    "reduce_mean_kept": GradCase("ReduceMean", [(2, 3, 4)], {"axes": [0]}, 13),
+    "reduce_mean_everything": GradCase("ReduceMean", [(2, 3, 4)], {"keepdims": 0}, 13),
     "identity": GradCase("Identity", [(3, 4)]),
 }
 
@@ -600,6 +609,24 @@ def test_a_slices_gradient_with_steps_matches_autograd(steps: list[int]) -> None
     ours, reference = kernels.vjp(call)[0], kernels.autograd_vjp(call)[0]
     assert ours is not None and reference is not None
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_a_means_gradient_with_its_axes_an_input_matches_autograd(keepdims: int) -> None:
+    """``ReduceMean`` from opset 18 on, its axes an input (as the dynamo exporter writes a
+    global average pool or a squeeze-excitation's)."""
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    spec = OpSpec(
+        "ReduceMean", "node", opset=18, attrs={"keepdims": keepdims},
+        inputs=("in0", "in1"), outputs=("out",),
+    )  # fmt: skip
+    args = [x, torch.tensor([-1, 2])]
+    [y] = kernels.run_forward(spec, args)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    call = VjpCall(spec, args, (y,), [g], [True, False])
+    ours, reference = kernels.vjp(call)[0], kernels.autograd_vjp(call)[0]
+    assert ours is not None and reference is not None
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["fused_unbind", "split_equal"])

@@ -800,10 +800,18 @@ def _attention_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
     return tuple(outputs[1:2]) if len(outputs) > 1 else None
 
 
+def _rms_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """The inverse root mean square per normalised slice that PyTorch's fused kernel gave
+    with the output (``_rms_norm``), which ``_rms_norm_grad`` would otherwise take again
+    from the input."""
+    return tuple(outputs[1:2]) if len(outputs) > 1 else None
+
+
 SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
     "LayerNormalization": _layer_norm_saved,
     LAYER_NORM: _layer_norm_saved,
+    RMS_NORM: _rms_norm_saved,
     ATTENTION: _attention_saved,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
@@ -842,13 +850,17 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
 
 def _rms_norm(spec: OpSpec, args: Args) -> Outputs:
     """``remat.onnx_fusion``'s ``FusedRMSNorm``: PyTorch's ``rms_norm`` over the axes from
-    ``axis`` on."""
+    ``axis`` on; where the weight has the normalised axes' shape, its fused kernel, whose
+    inverse root mean square is a second output (``_rms_norm_saved``)."""
     x, weight = args[0], args[1]
     assert x is not None and weight is not None
     shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
     # in the wider of the two types, as the chain's last Mul by the weight gives it
     x = x.to(torch.promote_types(x.dtype, weight.dtype))
-    return (F.rms_norm(x, shape, weight.to(x.dtype), spec.attr("epsilon", 1e-6)),)
+    weight, eps = weight.to(x.dtype), float(spec.attr("epsilon", 1e-6))
+    if list(weight.shape) == shape:
+        return tuple(torch.ops.aten._fused_rms_norm(x, shape, weight, eps))
+    return (F.rms_norm(x, shape, weight, eps),)
 
 
 def _lrn(spec: OpSpec, args: Args) -> Outputs:
@@ -2357,16 +2369,20 @@ def _gelu_grad(call: VjpCall) -> Grads:
 
 
 def _rms_norm_grad(call: VjpCall) -> Grads:
-    """``y = x r w`` with ``r = (mean(x^2) + eps)^-1/2`` over the normalised axes:
-    ``dx = r g w - x r^3 mean(g w x)``, ``dw = g x r`` summed to the weight's shape."""
+    """``y = n w`` with ``n = x r`` and ``r = (mean(x^2) + eps)^-1/2`` over the normalised
+    axes: ``dx = r (g w - n mean(g w n))``, ``dw = g n`` summed to the weight's shape; ``r``
+    as the forward kernel saved it (``_rms_norm_saved``), else from the input."""
     spec, x_in, weight, g = call.spec, call.arg(0), call.arg(1), call.g
     x = x_in.to(g.dtype)  # the forward's wider type (``_rms_norm``)
     dims = tuple(range(_axis(spec.attr("axis", -1), x.dim()), x.dim()))
-    r = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + spec.attr("epsilon", 1e-6))
-    gw = g * weight
+    if call.saved is not None:
+        r = call.saved[0]
+    else:
+        r = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + spec.attr("epsilon", 1e-6))
+    n, gw = x * r, g * weight
     return call.only(
-        lambda: (r * gw - x * r.pow(3) * (gw * x).mean(dim=dims, keepdim=True)).to(x_in.dtype),
-        lambda: (g * x * r).sum_to_size(weight.shape).to(weight.dtype),
+        lambda: (r * (gw - n * (gw * n).mean(dim=dims, keepdim=True))).to(x_in.dtype),
+        lambda: (g * n).sum_to_size(weight.shape).to(weight.dtype),
     )
 
 

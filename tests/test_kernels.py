@@ -611,6 +611,24 @@ def test_a_slices_gradient_with_steps_matches_autograd(steps: list[int]) -> None
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)
 
 
+def test_an_rms_norms_backward_reads_the_inverse_root_its_forward_saved() -> None:
+    """The forward runs PyTorch's fused kernel and saves its inverse root mean square per
+    slice; the backward from it gives the gradients of the backward that takes it again
+    from the input, and of autograd."""
+    call = _grad_call(GRAD_CASES["fused_rms_norm"])
+    output, saved = kernels.forward_and_saved(call.spec, call.args)
+    assert saved is not None and saved[0].shape == (*output[0].shape[:-1], 1)
+    torch.testing.assert_close(output[0], kernels.run_forward(call.spec, call.args)[0])
+    from_saved = VjpCall(call.spec, call.args, output, call.grads, call.wanted, saved)
+    reference = kernels.autograd_vjp(call)
+    for ours, again, exact in zip(
+        kernels.vjp(from_saved), kernels.vjp(call), reference, strict=True
+    ):
+        assert ours is not None and again is not None and exact is not None
+        torch.testing.assert_close(ours, again, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ours, exact, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("keepdims", [0, 1])
 def test_a_means_gradient_with_its_axes_an_input_matches_autograd(keepdims: int) -> None:
     """``ReduceMean`` from opset 18 on, its axes an input (as the dynamo exporter writes a

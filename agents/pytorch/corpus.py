@@ -349,7 +349,7 @@ _ENTRIES = [
     _language_model("gpt2"),
     _language_model("bert"),
     _language_model("t5"),
-    # the TorchScript exporter has no grouped-query attention: the dynamo exporter's
+    # grouped-query attention, which only the dynamo exporter exports
     _language_model("llama"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),

@@ -353,6 +353,7 @@ _ENTRIES = [
     _language_model("llama"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
+    _base_language_model("llama", "base"),
     _long_context_model("gpt2", "small"),
     _padded_model("bert", "base"),
 ]

@@ -2221,6 +2221,26 @@ def _gather_elements_grad(call: VjpCall) -> Grads:
     )
 
 
+def _average_pool_grad(call: VjpCall) -> Grads:
+    """A 2-D ``AveragePool``'s, where PyTorch's pooling takes its window as it is
+    (``_average_pool``): PyTorch's backward kernel, which reads the input's shape alone;
+    other windows are differentiated by autograd."""
+    spec, x = call.spec, call.arg(0)
+    if x.dim() != 4:
+        return autograd_vjp(call)
+    win = _window(spec, x)
+    fits = win.symmetric and all(2 * p <= k for p, k in zip(win.begins, win.kernel, strict=True))
+    if not fits or any(d != 1 for d in win.dilations):
+        return autograd_vjp(call)
+    ceil = bool(spec.attr("ceil_mode", 0))
+    include = bool(spec.attr("count_include_pad", 0))
+    return call.only(
+        lambda: torch.ops.aten.avg_pool2d_backward(
+            call.g, x, win.kernel, win.strides, win.begins, ceil, include, None
+        )
+    )
+
+
 def _pad_grad(call: VjpCall) -> Grads:
     """A constant ``Pad``'s: the upstream gradient with the padding cut off again (and
     zeros where the pad cropped); other modes are differentiated by autograd."""
@@ -2407,6 +2427,7 @@ VJP_RULES: dict[str, Rule] = {
     "Expand": _expand_grad,
     "Neg": lambda call: call.only(lambda: torch.neg(call.g)),
     "Pad": _pad_grad,
+    "AveragePool": _average_pool_grad,
     "ReduceMean": _reduce_mean_grad,
     "Gather": _gather_grad,
     "GatherElements": _gather_elements_grad,

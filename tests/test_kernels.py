@@ -485,6 +485,17 @@ GRAD_CASES: dict[str, GradCase] = {
     "tanh": GradCase("Tanh", [(3, 4)]),
     "exp": GradCase("Exp", [(3, 4)]),
     "neg": GradCase("Neg", [(3, 4)]),
+    "average_pool": GradCase(
+        "AveragePool", [(2, 3, 7, 7)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1] * 4}
+    ),
+    "average_pool_ceil_counting_pads": GradCase(
+        "AveragePool",
+        [(1, 2, 6, 6)],
+        {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 1},
+    ),
+    "average_pool_asymmetric": GradCase(
+        "AveragePool", [(1, 2, 5, 5)], {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]}
+    ),
     "pad": GradCase("Pad", [(2, 3, 4, 5)], {"pads": [0, 0, 1, 2, 0, 0, 2, 1]}, opset=2),
     "pad_cropping": GradCase("Pad", [(2, 3, 4, 5)], {"pads": [0, 0, -1, 2, 0, 0, 1, -2]}, 2),
     "pad_reflect": GradCase(
@@ -660,19 +671,23 @@ def test_a_parts_gradient_is_zero_where_none_flows_to_it(name: str) -> None:
 
 
 def test_gradients_that_need_no_inputs_work_from_placeholders() -> None:
-    """Add's and Concat's gradients need shapes only: zero-stride placeholders allocate
-    nothing and give the same gradients as the real inputs."""
+    """Add's, Concat's and AveragePool's gradients need shapes only: zero-stride
+    placeholders allocate nothing and give the same gradients as the real inputs."""
+    pool = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     for op, shapes, attrs in (
         ("Add", [(2, 3), (3,)], {}),
         ("Concat", [(2, 3), (2, 2)], {"axis": 1}),
+        ("AveragePool", [(2, 3, 7, 7)], pool),
     ):
-        spec = OpSpec(op, "n", attrs=attrs, inputs=("a", "b"), outputs=("y",))
+        names = ("a", "b")[: len(shapes)]
+        spec = OpSpec(op, "n", attrs=attrs, inputs=names, outputs=("y",))
         real = [torch.randn(s) for s in shapes]
         fake = [kernels.placeholder(s, torch.float32, torch.device("cpu")) for s in shapes]
         assert all(p.untyped_storage().nbytes() == 4 for p in fake)
         g = torch.randn(kernels.run_forward(spec, real)[0].shape)
-        with_real = kernels.vjp(VjpCall(spec, real, None, [g], [True, True]))
-        with_fake = kernels.vjp(VjpCall(spec, fake, None, [g], [True, True]))
+        wanted = [True] * len(shapes)
+        with_real = kernels.vjp(VjpCall(spec, real, None, [g], wanted))
+        with_fake = kernels.vjp(VjpCall(spec, fake, None, [g], wanted))
         for a, b in zip(with_real, with_fake, strict=True):
             assert a is not None and b is not None
             torch.testing.assert_close(a, b)

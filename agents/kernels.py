@@ -483,7 +483,7 @@ def _attention(spec: OpSpec, args: Args) -> Outputs:
     is PyTorch's (``remat.ops.pytorch_attention_backward``), the keys are given unit stride
     so that PyTorch takes a fused kernel, which holds no score matrix; on a CPU that kernel
     is called itself, and its log-sum-exp per query is a second output
-    (``_attention_saved``), which the backward reads instead of running the forward again,
+    (``_second_output``), which the backward reads instead of running the forward again,
     as autograd saves it."""
     a, b, v = args[0], args[1], args[2]
     assert a is not None and b is not None and v is not None
@@ -704,8 +704,7 @@ def _average_pool(spec: OpSpec, args: Args) -> Outputs:
     include = bool(spec.attr("count_include_pad", 0))
     if any(d != 1 for d in win.dilations):
         raise spec.unsupported("dilated AveragePool")
-    fits = win.symmetric and all(2 * p <= k for p, k in zip(win.begins, win.kernel, strict=True))
-    if fits:
+    if _pooled_as_is(win):
         return (pool(x, win.kernel, win.strides, win.begins, ceil, include),)
     # Pad explicitly; without count_include_pad divide by the number of real elements.
     pad = _torch_pad(win.begins, win.ends)
@@ -715,6 +714,16 @@ def _average_pool(spec: OpSpec, args: Args) -> Outputs:
     ones = F.pad(torch.ones_like(x[:1, :1]), pad)
     count = pool(ones, win.kernel, win.strides, 0, ceil, True)
     return (total / count,)
+
+
+def _pooled_as_is(win: _Window) -> bool:
+    """Whether PyTorch's average pooling takes the window as it is: undilated, its pads
+    symmetric and at most half the kernel (else ``_average_pool`` pads explicitly)."""
+    return (
+        win.symmetric
+        and all(d == 1 for d in win.dilations)
+        and all(2 * p <= k for p, k in zip(win.begins, win.kernel, strict=True))
+    )
 
 
 def _global_average_pool(spec: OpSpec, args: Args) -> Outputs:
@@ -794,16 +803,11 @@ def _normalised_shape(scale: Tensor | None, bias: Tensor | None, shape: list[int
     )
 
 
-def _attention_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
-    """The log-sum-exp per query of PyTorch's fused CPU kernel (``_attention``'s second
-    output, where it has one), which its backward reads with the output."""
-    return tuple(outputs[1:2]) if len(outputs) > 1 else None
-
-
-def _rms_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
-    """The inverse root mean square per normalised slice that PyTorch's fused kernel gave
-    with the output (``_rms_norm``), which ``_rms_norm_grad`` would otherwise take again
-    from the input."""
+def _second_output(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """The second output a fused kernel gave beside the operator's, where it gave one:
+    attention's log-sum-exp per query (``_attention``), which its backward reads with the
+    output, and RMS normalization's inverse root mean square per slice (``_rms_norm``),
+    which ``_rms_norm_grad`` would otherwise take again from the input."""
     return tuple(outputs[1:2]) if len(outputs) > 1 else None
 
 
@@ -811,8 +815,8 @@ SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
     "LayerNormalization": _layer_norm_saved,
     LAYER_NORM: _layer_norm_saved,
-    RMS_NORM: _rms_norm_saved,
-    ATTENTION: _attention_saved,
+    RMS_NORM: _second_output,
+    ATTENTION: _second_output,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
 reads (``forward_and_saved``)."""
@@ -851,7 +855,7 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
 def _rms_norm(spec: OpSpec, args: Args) -> Outputs:
     """``remat.onnx_fusion``'s ``FusedRMSNorm``: PyTorch's ``rms_norm`` over the axes from
     ``axis`` on; where the weight has the normalised axes' shape, its fused kernel, whose
-    inverse root mean square is a second output (``_rms_norm_saved``)."""
+    inverse root mean square is a second output (``_second_output``)."""
     x, weight = args[0], args[1]
     assert x is not None and weight is not None
     shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
@@ -1513,15 +1517,24 @@ def _reduce(
     def kernel(spec: OpSpec, args: Args) -> Outputs:
         x = args[0]
         assert x is not None
-        axes = _axes(spec, args, axes_input_since)
-        keep = bool(spec.attr("keepdims", 1))
-        if not axes:
-            if spec.attr("noop_with_empty_axes", 0):
-                return (x,)
-            axes = list(range(x.dim()))
-        return (fn(x, tuple(_axis(a, x.dim()) for a in axes), keep),)
+        dims = _reduced_dims(spec, args, x.dim(), axes_input_since)
+        if dims is None:
+            return (x,)
+        return (fn(x, dims, bool(spec.attr("keepdims", 1))),)
 
     return kernel
+
+
+def _reduced_dims(spec: OpSpec, args: Args, rank: int, since: int) -> tuple[int, ...] | None:
+    """The axes a reduction reduces (``axes`` an input from opset ``since``), all where it
+    names none; None where it names none and ``noop_with_empty_axes`` makes it the
+    identity."""
+    axes = _axes(spec, args, since)
+    if not axes:
+        if spec.attr("noop_with_empty_axes", 0):
+            return None
+        axes = list(range(rank))
+    return tuple(_axis(a, rank) for a in axes)
 
 
 def _arg(fn: Callable[..., Tensor]) -> Callable[[OpSpec, Args], Outputs]:
@@ -2226,11 +2239,8 @@ def _average_pool_grad(call: VjpCall) -> Grads:
     (``_average_pool``): PyTorch's backward kernel, which reads the input's shape alone;
     other windows are differentiated by autograd."""
     spec, x = call.spec, call.arg(0)
-    if x.dim() != 4:
-        return autograd_vjp(call)
     win = _window(spec, x)
-    fits = win.symmetric and all(2 * p <= k for p, k in zip(win.begins, win.kernel, strict=True))
-    if not fits or any(d != 1 for d in win.dilations):
+    if x.dim() != 4 or not _pooled_as_is(win):
         return autograd_vjp(call)
     ceil = bool(spec.attr("ceil_mode", 0))
     include = bool(spec.attr("count_include_pad", 0))
@@ -2254,12 +2264,10 @@ def _reduce_mean_grad(call: VjpCall) -> Grads:
     """``ReduceMean``'s: the upstream gradient spread evenly over the elements each mean
     took (the input is a shape only), instead of the forward re-run under autograd."""
     shape, g = call.arg(0).shape, call.g
-    axes = _axes(call.spec, call.args, 18)
-    if not axes:
-        if call.spec.attr("noop_with_empty_axes", 0):
-            return call.only(lambda: g)
-        axes = list(range(len(shape)))
-    dims = sorted({_axis(a, len(shape)) for a in axes})
+    reduced = _reduced_dims(call.spec, call.args, len(shape), 18)
+    if reduced is None:
+        return call.only(lambda: g)
+    dims = sorted(set(reduced))
     count = math.prod(shape[d] for d in dims)
 
     def spread() -> Tensor:
@@ -2391,7 +2399,7 @@ def _gelu_grad(call: VjpCall) -> Grads:
 def _rms_norm_grad(call: VjpCall) -> Grads:
     """``y = n w`` with ``n = x r`` and ``r = (mean(x^2) + eps)^-1/2`` over the normalised
     axes: ``dx = r (g w - n mean(g w n))``, ``dw = g n`` summed to the weight's shape; ``r``
-    as the forward kernel saved it (``_rms_norm_saved``), else from the input."""
+    as the forward kernel saved it (``_second_output``), else from the input."""
     spec, x_in, weight, g = call.spec, call.arg(0), call.arg(1), call.g
     x = x_in.to(g.dtype)  # the forward's wider type (``_rms_norm``)
     dims = tuple(range(_axis(spec.attr("axis", -1), x.dim()), x.dim()))

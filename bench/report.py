@@ -464,7 +464,8 @@ def _attention(rows: Rows) -> str:
         ("forward again MiB", lambda r: _f(r, "pytorch_mib", ".1f")),
         ("the executor takes", lambda r: r["takes"]),
     ]
-    return _table(rows, columns, tuple(name for name, _ in columns[:2] + columns[3:-1]))
+    text = ("mask", "the executor takes")
+    return _table(rows, columns, tuple(name for name, _ in columns if name not in text))
 
 
 def _judging(rows: Rows) -> str:

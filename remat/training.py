@@ -384,7 +384,8 @@ def _backward_node(
     scratch = 0
     if node.op == ATTENTION:
         # PyTorch's kernel reads the output (and the log-sum-exp saved with it)
-        factor, scratch, needs_output = _attention_backward(node, nodes, fixed)
+        factor = _ATTENTION_BACKWARD
+        scratch, needs_output = _attention_backward(node, nodes, fixed)
     deps = set(upstream) | set(values)
     if needs_output:
         deps.add(node.id)
@@ -408,21 +409,20 @@ def _backward_node(
 
 def _attention_backward(
     node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]
-) -> tuple[float, int, bool]:
-    """A fused attention's backward FLOPs as a multiple of its forward's, the scratch bytes
-    it holds, and whether it reads the forward's output, by the kernel the executor runs
-    it with (``ops.pytorch_attention_backward``: PyTorch's reads the output and its
-    log-sum-exp); a graph without shapes (built by hand): the closed form, with two score
-    matrices of ``scratch_bytes`` each."""
+) -> tuple[int, bool]:
+    """A fused attention's backward's scratch bytes and whether it reads the forward's
+    output, by the kernel the executor runs it with (``ops.pytorch_attention_backward``:
+    PyTorch's reads the output and its log-sum-exp); a graph without shapes (built by
+    hand): the closed form, with two score matrices of ``scratch_bytes`` each."""
     inputs, outputs = node.attrs.get("input_shapes"), node.attrs.get("output_shapes")
     if not (isinstance(inputs, list) and isinstance(outputs, list) and outputs):
-        return _ATTENTION_BACKWARD, 2 * node.scratch_bytes, False
+        return 2 * node.scratch_bytes, False
     ins = [tuple(s) for s in inputs]
     outs = [tuple(s) for s in outputs]
     pytorch = ops.pytorch_attention_backward(ins, _mask_trained(node, nodes, fixed))
     elements = ops.attention_backward_scratch_elements(ins, outs, pytorch)
     element_bytes = node.output_bytes // max(math.prod(outs[0]), 1)
-    return _ATTENTION_BACKWARD, elements * element_bytes, pytorch
+    return elements * element_bytes, pytorch
 
 
 def _mask_trained(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> bool:

@@ -490,7 +490,7 @@ def _attention(spec: OpSpec, args: Args) -> Outputs:
     mask = args[3] if len(args) > 3 else None
     scale = float(spec.attr("scale", 1.0))
     causal = bool(spec.attr("causal", 0))
-    keys = b.transpose(-1, -2)
+    keys, grouped = b.transpose(-1, -2), _grouped(a, b)
     if pytorch_attention_backward([tuple(a.shape), tuple(b.shape), tuple(v.shape)], False):
         keys = _unit_stride(keys)
         if a.device.type == "cpu" and _fused_choice(a, keys, v, mask, causal, scale) == FLASH:
@@ -500,7 +500,9 @@ def _attention(spec: OpSpec, args: Args) -> Outputs:
                 )
             )
     return (
-        F.scaled_dot_product_attention(a, keys, v, attn_mask=mask, is_causal=causal, scale=scale),
+        F.scaled_dot_product_attention(
+            a, keys, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped
+        ),
     )
 
 
@@ -512,7 +514,16 @@ def _fused_choice(
 ) -> int:
     """The kernel ``scaled_dot_product_attention`` takes for these operands (an
     ``SDPBackend`` value)."""
-    return int(torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=causal, scale=scale))
+    choice = torch._fused_sdp_choice(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_grouped(q, k)
+    )
+    return int(choice)
+
+
+def _grouped(queries: Tensor, keys: Tensor) -> bool:
+    """Whether attention's keys and values have fewer heads than its queries, each read by
+    a group of them in a row (grouped-query attention, PyTorch's ``enable_gqa``)."""
+    return queries.dim() == 4 and queries.shape[1] != keys.shape[1]
 
 
 def _unit_stride(t: Tensor) -> Tensor:
@@ -2001,7 +2012,7 @@ def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
         if _fused_choice(q, k, vv, mask, causal, scale) == SDPBackend.MATH.value:
             return None
         out = F.scaled_dot_product_attention(
-            q, k, vv, attn_mask=mask, is_causal=causal, scale=scale
+            q, k, vv, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_grouped(q, k)
         )
         targets = [leaf for leaf, want in zip(leaves, wanted, strict=True) if want]
         found = iter(torch.autograd.grad(out, targets, call.g))
@@ -2015,9 +2026,15 @@ def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
 def attention_grad_closed_form(call: VjpCall) -> Grads:
     """Attention's backward from its inputs, as ``scaled_dot_product_attention``'s
     recomputes its weights: P = softmax(A B s + M); dV = P^T g; dS = P * (dP - rowsum(dP
-    * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS summed to M's shape."""
+    * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS summed to M's shape. Keys
+    and values of fewer heads (``_grouped``) are repeated for their groups of queries, and
+    their gradients summed over each group."""
     a, b, v, g = call.arg(0), call.arg(1), call.arg(2), call.g
     mask = call.optional(3)
+    heads = b.shape[-3] if _grouped(a, b) else 0
+    if heads:
+        group = a.shape[-3] // heads
+        b, v = b.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scale = float(call.spec.attr("scale", 1.0))
     # Two score-sized buffers at most beside the inputs: P, then dP made dS in place.
     p = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
@@ -2038,10 +2055,13 @@ def attention_grad_closed_form(call: VjpCall) -> Grads:
     def scaled(t: Tensor) -> Tensor:
         return t.mul_(scale) if scale != 1.0 else t
 
+    def summed(t: Tensor) -> Tensor:  # over each group of query heads
+        return t.unflatten(-3, (heads, -1)).sum(-3) if heads else t
+
     return call.only(
         lambda: scaled(torch.matmul(ds, b.transpose(-1, -2))),  # type: ignore[arg-type]
-        lambda: scaled(torch.matmul(a.transpose(-1, -2), ds)),  # type: ignore[arg-type]
-        lambda: torch.matmul(p.transpose(-1, -2), g),
+        lambda: summed(scaled(torch.matmul(a.transpose(-1, -2), ds))),  # type: ignore[arg-type]
+        lambda: summed(torch.matmul(p.transpose(-1, -2), g)),
         lambda: ds.sum_to_size(mask.shape),  # type: ignore[union-attr]
     )
 

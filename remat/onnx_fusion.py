@@ -51,6 +51,22 @@ is fused when nothing else reads its intermediate values, ``A``, ``B`` and ``V``
 same batch dimensions (three or more dimensions), the mask broadcasts to the scores, a
 scale is a constant scalar, and every tensor is a float.
 
+Grouped-query attention (LLaMA, Mistral, Qwen: H query heads share Hk < H key and value
+heads, each read by H / Hk query heads in a row) is written with each key and value head
+repeated for its group before the chain: Hugging Face's ``repeat_kv``, and the dynamo
+exporter's ``scaled_dot_product_attention(enable_gqa=True)``, add an axis after the heads,
+``Expand`` it and merge it into them. Planned so, each layer makes and holds two
+repeated copies of its keys and values, H / Hk times their size, and their backward nodes
+sum the copies' gradients back. After the attention chains are fused, a fused node whose
+keys and values are such a repeat reads the Hk heads themselves (PyTorch's attention
+kernels take them so: ``enable_gqa``), the keys through a new ``FusedLayout`` that
+transposes them, as the node reads its keys. A repeat is found by what its operators do to
+the axes, not by how they are written: layout operators and one ``Expand`` from the
+nearest value of four dimensions ``(N, Hk, L, d)`` before it, which must make ``(N, Hk *
+r, L, d)`` (the keys: ``(N, Hk * r, d, L)``) with each head's ``r`` copies in a row, every
+value between read by the next operator alone; heads repeated as a whole instead (``(k0,
+k1, k0, k1)``) are not grouped-query attention's, and stay.
+
 GELU, ``x * (1 + erf(x / sqrt 2)) / 2`` or its tanh approximation, is written by
 exporters of opsets before 20 (which has no ``Gelu``) as a chain of elementwise operators:
 PyTorch's ``F.gelu`` as ``Div``, ``Erf``, ``Add``, ``Mul``, ``Mul``, and a model's own
@@ -146,6 +162,7 @@ LAYOUT = "FusedLayout"
 FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND, LAYOUT})
 
 Shape = tuple[int, ...]
+Axis = tuple[str, ...]  # the named axes a reshaped one merges (``_axes_after``)
 # Operators that move or view their input's elements, whose gradients read no input
 _LAYOUT = frozenset(("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"))
 
@@ -296,6 +313,144 @@ def fuse_attention_chains(
                 node, removed = chain
                 found.add(node, node.name, removed)
     return found.applied(nodes)
+
+
+def fuse_grouped_heads(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> tuple[list[tuple[NodeProto, str]], dict[str, tuple[int, Shape]]]:
+    """``nodes`` (as for ``fuse_linear_layers``, attention chains already fused) with each
+    ``ScaledDotProductAttention`` whose keys and values are grouped-query heads repeated
+    (the module docstring) reading the key and value heads themselves; the keys through a
+    new ``FusedLayout`` that transposes them, since the node reads them transposed. Also
+    returns the tensors those make: name -> (ONNX element type, shape)."""
+    around = _Neighbours.of(nodes, tensors)
+    names = {name for _, name in nodes}
+    found = _Replacements()
+    made: dict[str, tuple[int, Shape]] = {}
+    for proto, name in nodes:
+        if proto.op_type != ATTENTION or proto.domain != FUSED_DOMAIN:
+            continue
+        keys = _repeated_heads(proto.input[1], around, transposed=True)
+        values = _repeated_heads(proto.input[2], around, transposed=False)
+        if keys is None or values is None:
+            continue
+        (k, k_chain), (v, v_chain) = keys, values
+        k_shape, v_shape, elem_type = tensors.shape(k), tensors.shape(v), tensors.elem_type(k)
+        if k_shape is None or v_shape is None or elem_type is None or k_shape[:3] != v_shape[:3]:
+            continue
+        transposed = _fresh(f"{k}_transposed", lambda t: tensors.elem_type(t) is not None)
+        flip_name = _fresh(f"{name}_keys", names.__contains__)
+        names.add(flip_name)
+        flip = fused_node(
+            LAYOUT, [k], transposed, flip_name, steps=["transpose"], dims=[0, 1, 3, 2], ranks=[4]
+        )
+        grouped = NodeProto()
+        grouped.CopyFrom(proto)
+        grouped.input[1], grouped.input[2] = transposed, v
+        found.add(grouped, name, [*k_chain[:-1], *v_chain])
+        found.add(flip, flip_name, [], at=k_chain[-1])  # in the place of the keys' last
+        made[transposed] = (elem_type, (*k_shape[:2], k_shape[3], k_shape[2]))
+    return found.applied(nodes), made
+
+
+def _fresh(base: str, taken: Callable[[str], bool]) -> str:
+    """``base``, or ``base`` with the first numeric suffix that ``taken`` says is free."""
+    name, suffix = base, 0
+    while taken(name):
+        suffix += 1
+        name = f"{base}_{suffix}"
+    return name
+
+
+def _repeated_heads(
+    tensor: str, around: _Neighbours, *, transposed: bool
+) -> tuple[str, list[str]] | None:
+    """Where ``tensor`` (N, H, L, d), or (N, H, d, L) where ``transposed``, is ``x`` (N,
+    Hk, L, d) with each of its Hk heads repeated H / Hk times in a row (PyTorch's
+    ``repeat_interleave`` over the heads, as Hugging Face's ``repeat_kv`` and the dynamo
+    exporter's ``enable_gqa`` write it): layout operators around one ``Expand``, from the
+    nearest value of four dimensions before it, every value after ``x`` read by the next
+    operator alone. Returns ``x`` and those operators' outputs in order; else None."""
+    tensors = around.tensors
+    chain: list[NodeProto] = []
+    current, expanded = tensor, False
+    while not (expanded and len(tensors.shape(current) or ()) == 4):
+        found = around.producer.get(current)
+        node = found[0] if found is not None else None
+        if node is None or node.domain not in DEFAULT_DOMAINS or not node.input:
+            return None
+        if node.op_type == "Expand" and not expanded:
+            expanded = True
+        elif node.op_type not in _LAYOUT:
+            return None
+        chain.insert(0, node)
+        current = node.input[0]
+    outputs = [node.output[0] for node in chain]
+    if any(tensors.readers.get(o, 0) != 1 for o in outputs):
+        return None  # a value read twice, or a model output, stays
+    source = tensors.shape(current)
+    axes = _axes_after(current, chain, tensors)
+    if source is None or axes is None:
+        return None
+    kept = [(f"s{i}",) if size > 1 else () for i, size in enumerate(source)]
+    features = [kept[3], kept[2]] if transposed else [kept[2], kept[3]]
+    return (current, outputs) if axes == [kept[0], (*kept[1], "r"), *features] else None
+
+
+def _axes_after(source: str, chain: Sequence[NodeProto], tensors: Tensors) -> list[Axis] | None:
+    """What each axis of the last output of ``chain`` (layout operators and one ``Expand``
+    from ``source``) is made of: the axes of ``source`` it merges, in order, named ``s0``,
+    ``s1``, ..., and ``r`` for the one axis the ``Expand`` repeats, axes of size 1 left out.
+    None where a reshape splits an axis of ``source`` or the ``Expand`` repeats more than
+    one axis or one that is not new."""
+    shape = tensors.shape(source)
+    if shape is None:
+        return None
+    axes: list[list[tuple[str, int]]] = [
+        [(f"s{i}", size)] if size > 1 else [] for i, size in enumerate(shape)
+    ]
+    for node in chain:
+        after = tensors.shape(node.output[0])
+        if after is None:
+            return None
+        if node.op_type == "Transpose":
+            perm = next((tuple(a.ints) for a in node.attribute if a.name == "perm"), None)
+            perm = perm or tuple(reversed(range(len(axes))))
+            if sorted(perm) != list(range(len(axes))):
+                return None
+            axes = [axes[p] for p in perm]
+        elif node.op_type == "Expand":
+            grown = [i for i, (a, b) in enumerate(zip(shape, after, strict=False)) if a != b]
+            if len(after) != len(shape) or len(grown) != 1 or axes[grown[0]]:
+                return None
+            axes[grown[0]] = [("r", after[grown[0]])]
+        elif node.op_type != "Identity":
+            regrouped = _regrouped([atom for axis in axes for atom in axis], after)
+            if regrouped is None:
+                return None
+            axes = regrouped
+        shape = after
+    return [tuple(name for name, _ in axis) for axis in axes]
+
+
+def _regrouped(
+    atoms: Sequence[tuple[str, int]], shape: Shape
+) -> list[list[tuple[str, int]]] | None:
+    """``atoms`` (named axes of size 2 or more, in memory order) grouped into the axes of a
+    reshape to ``shape``; None where an axis of ``shape`` would split one."""
+    rest = list(atoms)
+    axes = []
+    for size in shape:
+        axis, product = [], 1
+        while product < size and rest:
+            atom = rest.pop(0)
+            axis.append(atom)
+            product *= atom[1]
+        if product != size:
+            return None
+        axes.append(axis)
+    return None if rest else axes
 
 
 def fuse_unbinds(

@@ -30,7 +30,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,7 @@ from remat.onnx_fusion import (
     fuse_activation_chains,
     fuse_attention_chains,
     fuse_flattened_gemms,
+    fuse_grouped_heads,
     fuse_layer_norms,
     fuse_layout_chains,
     fuse_linear_layers,
@@ -1063,6 +1064,9 @@ def forward_graph(
     fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
     if fuse_attention:
         fused = fuse_attention_chains(fused, tensors, opset=opset)
+        fused, made = fuse_grouped_heads(fused, tensors)
+        folder.infos.update((t, TensorInfo(elem, shape)) for t, (elem, shape) in made.items())
+        tensors = replace(tensors, readers={**tensors.readers, **dict.fromkeys(made, 1)})
     # last: the fusions above find their chains' members by the layout operators around them
     fused = fuse_layout_chains(fused, tensors)
     return _build(model, folder, input_infos, fused)

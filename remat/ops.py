@@ -191,15 +191,15 @@ def scratch_elements(
 ) -> int:
     """Elements an operator call's kernel holds beyond its inputs and output, where its
     shapes tell: a fused attention's score matrix (``softmax(A @ B * scale + M)``, which
-    PyTorch's math kernel materialises), or, where its backward is PyTorch's
-    (``pytorch_attention_backward``), the keys with unit stride, which PyTorch's fused
-    kernels take instead; 0 for every other operator. Elements, not bytes: the caller
-    multiplies by the element size."""
+    PyTorch's math kernel materialises, with grouped keys and values repeated), or, where
+    its backward is PyTorch's (``pytorch_attention_backward``), the keys with unit stride,
+    which PyTorch's fused kernels take instead; 0 for every other operator. Elements, not
+    bytes: the caller multiplies by the element size."""
     if op_type != ATTENTION:
         return 0
     if pytorch_attention_backward(input_shapes, False):
         return _numel(input_shapes[1])
-    return _score_elements(input_shapes, output_shapes)
+    return _score_elements(input_shapes, output_shapes) + _repeated_elements(input_shapes)
 
 
 def _score_elements(input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]) -> int:
@@ -209,6 +209,18 @@ def _score_elements(input_shapes: Sequence[Shape], output_shapes: Sequence[Shape
         return _numel(out) // max(out[-1], 1) * keys
     except IndexError:
         return 0
+
+
+def _repeated_elements(input_shapes: Sequence[Shape]) -> int:
+    """Where keys and values have fewer heads than the queries (grouped-query attention,
+    ``remat.onnx_fusion``), their copies with each head repeated for its group of
+    queries, which PyTorch's math kernel and the closed-form backward make; else 0."""
+    if len(input_shapes) < 3 or len(input_shapes[0]) != 4 or len(input_shapes[1]) != 4:
+        return 0
+    heads, shared = input_shapes[0][1], input_shapes[1][1]
+    if heads == shared or not shared:
+        return 0
+    return heads // shared * (_numel(input_shapes[1]) + _numel(input_shapes[2]))
 
 
 def pytorch_attention_backward(input_shapes: Sequence[Shape], mask_trained: bool) -> bool:
@@ -231,9 +243,9 @@ def attention_backward_scratch_elements(
     """Elements a fused attention's backward holds beyond its inputs and gradients: by
     PyTorch's kernel (``pytorch``, as ``pytorch_attention_backward`` decides), the keys
     with unit stride; by the closed form, the weights ``P`` and their gradient, two score
-    matrices."""
+    matrices, and grouped keys and values repeated for their queries."""
     if not pytorch:
-        return 2 * _score_elements(input_shapes, output_shapes)
+        return 2 * _score_elements(input_shapes, output_shapes) + _repeated_elements(input_shapes)
     return _numel(input_shapes[1])
 
 

@@ -117,3 +117,44 @@ def causal_attention(tokens: int, masked: float, initializer: bool = False) -> o
         [numpy_helper.from_array(np.stack([mask[None]] * 2), "m")] if initializer else [],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def grouped_query_attention(tiled: bool = False) -> onnx.ModelProto:
+    """softmax(q k^T / 8) v, then Relu, with q of (2, 4, 3, 8) and k, v of two heads (2, 2,
+    3, 8), each key and value head repeated for two query heads in a row, as Hugging
+    Face's ``repeat_kv`` writes it (a reshape adding an axis, ``Expand`` along it, a
+    reshape merging it into the heads); with ``tiled``, the heads repeated as a whole
+    instead (``(k0, k1, k0, k1)``), which is not grouped-query attention."""
+    f32 = TensorProto.FLOAT
+    added = [2, 1, 2, 3, 8] if tiled else [2, 2, 1, 3, 8]
+    constants = {
+        "added": np.array(added, np.int64),
+        "repeated": np.array([2, 2, 2, 3, 8], np.int64),
+        "heads": np.array([2, 4, 3, 8], np.int64),
+        "eight": np.array(8.0, np.float32),
+    }
+    nodes = []
+    for x in ("k", "v"):
+        nodes += [
+            helper.make_node("Reshape", [x, "added"], [f"{x}_added"]),
+            helper.make_node("Expand", [f"{x}_added", "repeated"], [f"{x}_repeated"]),
+            helper.make_node("Reshape", [f"{x}_repeated", "heads"], [f"{x}_heads"]),
+        ]
+    nodes += [
+        helper.make_node("Transpose", ["k_heads"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"], name="attn/MatMul"),
+        helper.make_node("Div", ["s", "eight"], ["sd"]),
+        helper.make_node("Softmax", ["sd"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v_heads"], ["o"], name="attn/MatMul_1"),
+        helper.make_node("Relu", ["o"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info("q", f32, [2, 4, 3, 8])]
+    inputs += [helper.make_tensor_value_info(x, f32, [2, 2, 3, 8]) for x in ("k", "v")]
+    graph = helper.make_graph(
+        nodes,
+        "grouped_query_attention",
+        inputs,
+        [helper.make_tensor_value_info("y", f32, [2, 4, 3, 8])],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

@@ -42,7 +42,7 @@ from remat.onnx_fusion import (
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
-from graphs import causal_attention
+from graphs import causal_attention, grouped_query_attention
 
 F32 = TensorProto.FLOAT
 RTOL = 1e-4
@@ -125,6 +125,20 @@ def test_causal_attention_matches_onnxruntime(tokens: int) -> None:
     )
     [attention] = [n for n in program.graph.nodes if n.op == ATTENTION]
     assert attention.attrs["fused_attributes"]["causal"] == 1  # type: ignore[index]
+
+
+def test_grouped_query_attention_matches_onnxruntime() -> None:
+    """Keys and values whose heads ``repeat_kv`` repeats, read by the attention node as
+    they are (PyTorch's ``enable_gqa``), against onnxruntime's chain with the repeat."""
+    model = grouped_query_attention()
+    program = build_program(model, forward_graph(model))
+    [attention] = [n for n in program.graph.nodes if n.op == ATTENTION]
+    assert attention.attrs["input_shapes"][1:] == [(2, 2, 8, 3), (2, 2, 3, 8)]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    [expected] = session.run(["y"], {x: program.fixed[x].numpy() for x in ("q", "k", "v")})
+    [relu] = [n for n in program.graph.nodes if n.op == "Relu"]
+    ours = program.forward_values()[relu.id][0].numpy()
+    np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=RTOL)
 
 
 def test_fused_attention_matches_onnxruntime() -> None:
@@ -441,6 +455,16 @@ GRAD_CASES: dict[str, GradCase] = {
         {"scale": 0.4},
         domain=FUSED_DOMAIN,
     ),
+    # keys and values of two heads, each read by two query heads in a row
+    "attention_grouped": GradCase(
+        ATTENTION, [(2, 4, 3, 8), (2, 2, 8, 3), (2, 2, 3, 8)], {"scale": 0.4}, domain=FUSED_DOMAIN
+    ),
+    "attention_grouped_mask_trained": GradCase(
+        ATTENTION,
+        [(2, 4, 3, 8), (2, 2, 8, 5), (2, 2, 5, 6), (1, 4, 3, 5)],
+        {"scale": 0.4},
+        domain=FUSED_DOMAIN,
+    ),
     "attention_many_keys_causal": GradCase(
         ATTENTION,
         [(1, 2, MANY_KEYS, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
@@ -558,6 +582,7 @@ def test_attention_is_differentiated_by_pytorchs_fused_kernel() -> None:
     many = _grad_call(GRAD_CASES["attention_many_keys"])
     assert FLASH_BACKWARD in _kernels_run(many)
     assert FLASH_BACKWARD in _kernels_run(_grad_call(GRAD_CASES["attention_many_keys_causal"]))
+    assert FLASH_BACKWARD in _kernels_run(_grad_call(GRAD_CASES["attention_grouped"]))
     mask = torch.zeros(1, 1, 1, MANY_KEYS, dtype=torch.float64)
     mask[..., MANY_KEYS // 2 :] = -math.inf  # padding: half the keys masked
     masked = VjpCall(many.spec, [*many.args, mask], None, many.grads, [True, True, True, False])
@@ -568,6 +593,8 @@ def test_attention_is_differentiated_by_pytorchs_fused_kernel() -> None:
     masked.wanted = [True, True, True, True]
     assert FLASH_BACKWARD not in _kernels_run(masked)
     assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention_mask_trained"]))
+    grouped_closed_form = _grad_call(GRAD_CASES["attention_grouped_mask_trained"])
+    assert FLASH_BACKWARD not in _kernels_run(grouped_closed_form)
     assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention_masked"]))
     assert FLASH_BACKWARD not in _kernels_run(_grad_call(GRAD_CASES["attention"]))
 
@@ -576,7 +603,13 @@ FLASH_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
 @pytest.mark.parametrize(
-    "case", ["attention_few_keys", "attention_many_keys", "attention_many_keys_causal"]
+    "case",
+    [
+        "attention_few_keys",
+        "attention_many_keys",
+        "attention_many_keys_causal",
+        "attention_grouped",
+    ],
 )
 @pytest.mark.parametrize("strided", [False, True], ids=["unit_stride_keys", "strided_keys"])
 def test_attention_is_differentiated_from_what_its_forward_saved(case: str, strided: bool) -> None:

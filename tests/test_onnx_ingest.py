@@ -30,7 +30,7 @@ from remat.errors import (
     ShapeError,
 )
 from remat.graph import FixedKind, Graph, Mode, NodeKind
-from remat.onnx_fusion import ATTENTION
+from remat.onnx_fusion import ATTENTION, LAYOUT
 from remat.onnx_ingest import (
     forward_graph,
     load_forward_graph,
@@ -40,7 +40,7 @@ from remat.onnx_ingest import (
 )
 from remat.training import training_graph
 
-from graphs import causal_attention
+from graphs import causal_attention, grouped_query_attention
 
 F32 = TensorProto.FLOAT
 OPSETS = (9, 13, 17, 21)
@@ -688,6 +688,25 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     workspace = analytical_costs(trained, [Device("cpu0", DeviceKind.CPU)]).workspace_bytes
     assert workspace is not None
     assert workspace[:, 0].tolist() == [n.scratch_bytes for n in trained.nodes]
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_grouped_query_attention_reads_the_key_and_value_heads(tiled: bool) -> None:
+    """Keys and values whose heads are repeated for groups of query heads in a row
+    (grouped-query attention, as ``repeat_kv`` writes it) are read by the attention node
+    as they are, the keys through a transpose: no repeated copy is made nor held. Heads
+    repeated as a whole are not grouped-query attention's: they stay."""
+    graph = ingest(grouped_query_attention(tiled), fuse_attention=True)
+    [attention] = [n for n in graph.nodes if n.op == ATTENTION]
+    if tiled:
+        assert ops_of(graph).count("Expand") == 2
+        assert attention.attrs["input_shapes"][1:] == [(2, 4, 8, 3), (2, 4, 3, 8)]
+        return
+    assert ops_of(graph) == [LAYOUT, ATTENTION, "Relu"]
+    assert attention.attrs["onnx_inputs"] == ["q", "k_transposed", "v"]
+    assert attention.attrs["input_shapes"] == [(2, 4, 3, 8), (2, 2, 8, 3), (2, 2, 3, 8)]
+    assert graph.nodes[0].attrs["output_shapes"] == [(2, 2, 8, 3)]
+    assert attention.deps == (0,)
 
 
 @pytest.mark.parametrize("mask", ["none", "trained", "computed"])

@@ -53,6 +53,7 @@ def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
     loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
     folded: int = 0, fused: Sequence[str] = (), scoreless: bool = False, causal: bool = False,
+    grouped: bool = False,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
@@ -63,7 +64,8 @@ def _check(
     (``remat.onnx_fusion``); ``scoreless``: every attention's backward node must be
     PyTorch's fused kernel's (``remat.ops.pytorch_attention_backward``), which holds no
     score matrix; ``causal``: every attention's mask must have become its ``causal``
-    attribute."""
+    attribute; ``grouped``: every attention must read keys and values of fewer heads than
+    its queries, no repeated copy (no ``Expand`` left)."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
@@ -77,6 +79,12 @@ def _check(
         assert attentions
         assert all(len(n.attrs["onnx_inputs"]) == 3 for n in attentions)  # type: ignore[arg-type]
         assert all(n.attrs["fused_attributes"]["causal"] == 1 for n in attentions)  # type: ignore[index]
+    if grouped:
+        for node in graph.nodes:
+            if node.op == ATTENTION and node.forward is None:
+                queries, keys, values = node.attrs["input_shapes"][:3]  # type: ignore[index,misc]
+                assert keys[1] == values[1] < queries[1]
+        assert "Expand" not in {n.op for n in graph.nodes}
     if scoreless:  # from the output and the log-sum-exp; the closed form holds the scores
         backward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is not None]
         assert backward and all(n.forward in n.deps for n in backward)
@@ -186,10 +194,14 @@ def test_a_llama_decoder_by_the_dynamo_exporter() -> None:
     MLP, grouped-query attention: 4 heads sharing 2 keys and values) as the dynamo
     exporter writes it at opset 18, where a mean's axes are an input: its RMS
     normalizations are ``FusedRMSNorm`` nodes, its SiLU ``FusedSilu``, each attention one
-    node whose causal mask is its ``causal`` attribute and whose backward is PyTorch's
-    fused kernel's; the gradients match the module's."""
+    node that reads the 2 key and value heads themselves, whose causal mask is its
+    ``causal`` attribute and whose backward is PyTorch's fused kernel's; the gradients
+    match the module's."""
     fused = (RMS_NORM, SILU, LAYOUT)
-    _check("llama", exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True)
+    _check(
+        "llama", exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True,
+        grouped=True,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")

@@ -52,6 +52,7 @@ from remat.onnx_fusion import (
     LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
+    ROTARY,
     SILU,
     UNBIND,
 )
@@ -405,6 +406,25 @@ def _gelu(spec: OpSpec, args: Args) -> Outputs:
 def _silu(spec: OpSpec, args: Args) -> Outputs:
     assert args[0] is not None
     return (F.silu(args[0]),)
+
+
+def _rotary(spec: OpSpec, args: Args) -> Outputs:
+    """``remat.onnx_fusion``'s ``FusedRotary``: ``x * cos + concat(-x2, x1) * sin`` of the
+    halves ``x1``, ``x2`` of ``x``'s last axis, as one product and a product added into
+    each half of it in place (no halves, rotation or second product made)."""
+    x, cos, sin = args[0], args[1], args[2]
+    assert x is not None and cos is not None and sin is not None
+    half = x.shape[-1] // 2
+    sin1, sin2 = _halves(sin, half)
+    y = x * cos
+    y[..., :half].addcmul_(x[..., half:], sin1, value=-1)
+    y[..., half:].addcmul_(x[..., :half], sin2)
+    return (y,)
+
+
+def _halves(t: Tensor, half: int) -> tuple[Tensor, Tensor]:
+    """The halves of ``t``'s last axis (``t`` itself twice where it broadcasts along it)."""
+    return (t, t) if t.shape[-1] == 1 else (t[..., :half], t[..., half:])
 
 
 def _clip(spec: OpSpec, args: Args) -> Outputs:
@@ -1616,6 +1636,7 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "Gelu": _gelu,
     GELU: _gelu,
     SILU: _silu,
+    ROTARY: _rotary,
     UNBIND: _unbind,
     LAYOUT: _layout,
     "Clip": _clip,
@@ -2434,6 +2455,28 @@ def _rms_norm_grad(call: VjpCall) -> Grads:
     )
 
 
+def _rotary_grad(call: VjpCall) -> Grads:
+    """``FusedRotary`` (``_rotary``): ``dx = g cos + concat(g2 sin2, -g1 sin1)`` by halves
+    of the last axis, as the forward; ``dcos = g x`` and ``dsin = g concat(-x2, x1)``
+    summed to their shapes."""
+    cos, sin, g = call.arg(1), call.arg(2), call.g
+    half = g.shape[-1] // 2
+
+    def dx() -> Tensor:
+        sin1, sin2 = _halves(sin, half)
+        found = g * cos
+        found[..., :half].addcmul_(g[..., half:], sin2)
+        found[..., half:].addcmul_(g[..., :half], sin1, value=-1)
+        return found
+
+    def dsin() -> Tensor:
+        x = call.arg(0)
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (g * rotated).sum_to_size(sin.shape)
+
+    return call.only(dx, lambda: (g * call.arg(0)).sum_to_size(cos.shape), dsin)
+
+
 def _silu_grad(call: VjpCall) -> Grads:
     """PyTorch's ``silu_backward``, from the input (``remat.onnx_fusion``'s ``FusedSilu``)."""
     return call.only(lambda: torch.ops.aten.silu_backward(call.g, call.arg(0)))
@@ -2485,6 +2528,7 @@ VJP_RULES: dict[str, Rule] = {
     "LayerNormalization": _layer_norm_grad,
     LAYER_NORM: _layer_norm_grad,
     RMS_NORM: _rms_norm_grad,
+    ROTARY: _rotary_grad,
     "Gelu": _gelu_grad,
     GELU: _gelu_grad,
     SILU: _silu_grad,

@@ -104,6 +104,20 @@ gradient. Fused, it is one ``FusedRMSNorm`` node with inputs ``(x, weight)`` and
 attributes ``axis`` and ``epsilon``, run as PyTorch's ``rms_norm``; the same conditions
 hold as for layer normalization.
 
+Rotary position embeddings (LLaMA, Mistral, Qwen, GPT-NeoX), ``x * cos + rotate_half(x)
+* sin`` with ``rotate_half(x) = concat(-x2, x1)`` of the halves ``x1``, ``x2`` of the last
+axis, are written as ``Mul`` by the cosines, two ``Slice``'s of the halves, ``Neg``,
+``Concat``, ``Mul`` by the sines and ``Add``: seven nodes for each of a layer's queries
+and keys, the halves, their rotation and both products held for their backward nodes,
+which pad the halves' gradients back into zeros and sum three gradients of ``x``. Fused,
+it is one ``FusedRotary`` node with inputs ``(x, cos, sin)``, which makes its output with
+one product and two in-place products of halves, and its gradient of ``x`` likewise from
+``cos`` and ``sin`` (reading ``x`` only for the gradients of trained cosines and sines).
+A chain is fused when the slices take the two halves of ``x``'s last axis (of even size,
+static) with step 1, ``Concat`` joins the negated second and the first along it, the
+cosines and sines broadcast to ``x``, nothing else reads the chain's values, and every
+tensor is a float.
+
 PyTorch's ``MultiheadAttention`` (``torch.nn.Transformer*``, torchvision's ViT) computes
 queries, keys and values with one packed projection, and the TorchScript exporter writes
 their separation as one ``Gather`` per part, each of one constant index along the same
@@ -159,7 +173,10 @@ LAYER_NORM = "FusedLayerNorm"
 RMS_NORM = "FusedRMSNorm"
 UNBIND = "FusedUnbind"
 LAYOUT = "FusedLayout"
-FUSED_OPS = frozenset({MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND, LAYOUT})
+ROTARY = "FusedRotary"
+FUSED_OPS = frozenset(
+    {MATMUL_ADD, ATTENTION, GELU, SILU, LAYER_NORM, RMS_NORM, UNBIND, LAYOUT, ROTARY}
+)
 
 Shape = tuple[int, ...]
 Axis = tuple[str, ...]  # the named axes a reshaped one merges (``_axes_after``)
@@ -479,6 +496,115 @@ def fuse_unbinds(
     return found.applied(nodes)
 
 
+def fuse_rotary_embeddings(
+    nodes: Sequence[tuple[NodeProto, str]],
+    tensors: Tensors,
+) -> list[tuple[NodeProto, str]]:
+    """``nodes`` (as for ``fuse_linear_layers``) with every rotary position embedding
+    written as its formula (the module docstring) replaced by one ``FusedRotary`` at its
+    ``Add``'s place, named as the product by the cosines."""
+    around = _Neighbours.of(nodes, tensors)
+    found = _Replacements()
+    for proto, _ in nodes:
+        chain = _rotary_chain(proto, around) if _is_add(proto) else None
+        if chain is not None:
+            node, removed = chain
+            found.add(node, node.name, removed)
+    return found.applied(nodes)
+
+
+def _rotary_chain(add: NodeProto, around: _Neighbours) -> tuple[NodeProto, list[str]] | None:
+    """The fused node for the rotary embedding whose sum is ``add`` and the outputs of the
+    nodes it replaces, or None where it is not one ``fuse_rotary_embeddings`` fuses."""
+    tensors = around.tensors
+    producers = [around.producer.get(t) for t in add.input]
+    products = [p for p in producers if p is not None and _is_product(p[0])]
+    if len(products) != 2:
+        return None
+    for (direct, name), (rotated, _) in (products, products[::-1]):
+        halves = _rotated_halves(rotated, around)
+        if halves is None:
+            continue
+        x, sin, members = halves
+        cos = _other(direct, x)
+        shape = tensors.shape(x)
+        if cos is None or shape is None or tensors.shape(add.output[0]) != shape:
+            continue
+        if not all(_broadcasts(tensors.shape(t), shape) for t in (cos, sin)):
+            continue
+        removed = [direct.output[0], *(m.output[0] for m in members)]
+        if any(tensors.readers.get(t, 0) != 1 for t in removed):
+            continue
+        if all(tensors.is_float(t) for t in (x, cos, sin, add.output[0])):
+            return fused_node(ROTARY, [x, cos, sin], add.output[0], name), removed
+    return None
+
+
+def _rotated_halves(
+    product: NodeProto, around: _Neighbours
+) -> tuple[str, str, list[NodeProto]] | None:
+    """Where ``product`` is ``concat(-x2, x1) * sin`` of the halves ``x1``, ``x2`` of the
+    last axis of ``x`` (two ``Slice``'s, ``Neg``, ``Concat``): ``x``, ``sin`` and those
+    nodes with ``product``, in order; else None."""
+    tensors = around.tensors
+    for position in (0, 1):
+        found = around.producer.get(product.input[position])
+        concat = found[0] if found is not None else None
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
+            continue
+        negated, first = (around.producer.get(t) for t in concat.input)
+        neg = negated[0] if negated is not None else None
+        if neg is None or neg.op_type != "Neg" or first is None:
+            continue
+        second = around.producer.get(neg.input[0])
+        if second is None or second[0].op_type != "Slice" or first[0].op_type != "Slice":
+            continue
+        x = first[0].input[0]
+        shape = tensors.shape(x)
+        if second[0].input[0] != x or shape is None or shape[-1] % 2:
+            continue
+        last, half = len(shape) - 1, shape[-1] // 2
+        axis = next((int(a.i) for a in concat.attribute if a.name == "axis"), None)
+        if axis is None or axis % len(shape) != last:
+            continue
+        if _sliced(first[0], shape, tensors) != (last, 0, half):
+            continue
+        if _sliced(second[0], shape, tensors) != (last, half, 2 * half):
+            continue
+        return x, product.input[1 - position], [first[0], second[0], neg, concat, product]
+    return None
+
+
+def _sliced(proto: NodeProto, shape: Shape, tensors: Tensors) -> tuple[int, int, int] | None:
+    """A ``Slice`` of one axis with step 1: (axis, start, stop), each normalised to
+    ``shape`` as Python's slices are; else None. Its bounds are attributes before opset
+    10, constant inputs from it."""
+    if len(proto.input) == 1:
+        attributes = {a.name: tuple(int(i) for i in a.ints) for a in proto.attribute}
+        starts, ends = attributes.get("starts"), attributes.get("ends")
+        axes, steps = attributes.get("axes"), None
+    else:
+        found = [tensors.ints(t) if t else None for t in proto.input[1:5]]
+        starts, ends, axes, steps = (*found, None, None, None)[:4]
+    if starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
+        return None
+    if (axes is not None and len(axes) != 1) or (steps is not None and steps != (1,)):
+        return None
+    axis = axes[0] if axes is not None else 0
+    if not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    start, stop, _ = slice(starts[0], ends[0]).indices(shape[axis])
+    return axis, start, stop
+
+
+def _broadcasts(shape: Shape | None, to: Shape) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` without enlarging it."""
+    if shape is None or len(shape) > len(to):
+        return False
+    return all(d in (1, t) for d, t in zip(shape[::-1], to[::-1], strict=False))
+
+
 def fuse_layout_chains(
     nodes: Sequence[tuple[NodeProto, str]],
     tensors: Tensors,
@@ -790,6 +916,10 @@ def _attention_shapes(shapes: Sequence[Shape | None], axis: int) -> bool:
 
 def _is_matmul(proto: NodeProto) -> bool:
     return proto.op_type == "MatMul" and proto.domain in DEFAULT_DOMAINS and len(proto.input) == 2
+
+
+def _is_product(proto: NodeProto) -> bool:
+    return proto.op_type == "Mul" and proto.domain in DEFAULT_DOMAINS and len(proto.input) == 2
 
 
 def _is_add(proto: NodeProto) -> bool:

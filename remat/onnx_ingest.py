@@ -56,6 +56,7 @@ from remat.onnx_fusion import (
     fuse_layout_chains,
     fuse_linear_layers,
     fuse_rms_norms,
+    fuse_rotary_embeddings,
     fuse_unbinds,
 )
 from remat.onnx_noops import bypass_noops
@@ -1062,6 +1063,7 @@ def forward_graph(
     fused = fuse_flattened_gemms(fused, tensors)
     fused = fuse_layer_norms(fuse_activation_chains(fused, tensors), tensors)
     fused = fuse_unbinds(fuse_rms_norms(fused, tensors), tensors)
+    fused = fuse_rotary_embeddings(fused, tensors)
     if fuse_attention:
         fused = fuse_attention_chains(fused, tensors, opset=opset)
         fused, made = fuse_grouped_heads(fused, tensors)

@@ -19,6 +19,7 @@ from remat.onnx_fusion import (
     LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
+    ROTARY,
     SILU,
     UNBIND,
 )
@@ -169,6 +170,7 @@ FLOPS: dict[str, FlopsFn] = {
     "Gelu": _per_output_elem(8),
     GELU: _per_output_elem(8),
     SILU: _per_output_elem(5),  # a sigmoid and a product
+    ROTARY: _per_output_elem(3),  # two products and a sum
     "MaxPool": _window,
     "AveragePool": _window,
     "LpPool": _window,

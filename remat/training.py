@@ -86,6 +86,7 @@ from remat.onnx_fusion import (
     LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
+    ROTARY,
     SILU,
     UNBIND,
 )
@@ -142,6 +143,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
     **dict.fromkeys(NO_GRADIENT_OPS, Needs.NEITHER),
     **dict.fromkeys(SOME_INPUTS, Needs.SOME),
     "Mul": Needs.MUL,
+    ROTARY: Needs.MUL,  # x cos + rotate_half(x) sin: products, as Mul's
     "Div": Needs.DIV,
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})

@@ -32,7 +32,8 @@ inference gives every tensor's shape, and ingestion names every node it cannot p
 An operator missing below may still ingest and plan (analytical cost: one FLOP per output
 element, its gradient assumed to read its inputs and output); a node agent refuses to run
 it. `MatMulAdd`, `ScaledDotProductAttention`, `FusedGelu`, `FusedSilu`, `FusedLayerNorm`,
-`FusedRMSNorm`, `FusedUnbind` and `FusedLayout` are Remat's own (domain `ai.remat`):
+`FusedRMSNorm`, `FusedUnbind`, `FusedLayout` and `FusedRotary` are Remat's own (domain
+`ai.remat`):
 ingestion fuses a `Linear` layer's `MatMul` and bias `Add` (or its `Gemm` between the
 `Reshape`s that flatten and restore the input, as Hugging Face's `Conv1D` is exported)
 into the first, attention's `MatMul`, scale, mask `Add`, `Softmax` and `MatMul` into the
@@ -44,7 +45,11 @@ as its formula before opset 17 (`ReduceMean`, `Sub`, `Pow`, `ReduceMean`, `Add`,
 packed projection (`MultiheadAttention`'s queries, keys and values) into the seventh
 (`remat/onnx_fusion.py`), as PyTorch runs them, and a chain of two or more layout
 operators (`Reshape`, `Transpose`, `Squeeze`, `Unsqueeze`, `Flatten`, `Identity`:
-attention heads split and merged) into the eighth, its reshapes and transposes merged.
+attention heads split and merged) into the eighth, its reshapes and transposes merged,
+and a rotary position embedding (`Mul`, `Slice`, `Slice`, `Neg`, `Concat`, `Mul`, `Add`:
+`x * cos + rotate_half(x) * sin`, LLaMA's) into the ninth. Keys and values whose heads are
+repeated for groups of query heads (grouped-query attention: a reshape, `Expand`, a
+reshape) are read by `ScaledDotProductAttention` as they are, as PyTorch's `enable_gqa`.
 A causal mask folded from positions (GPT-2's) is `ScaledDotProductAttention`'s `causal`
 attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own where its mask wants
 none: on a CPU its fused kernel's backward from the output and the log-sum-exp the

@@ -158,3 +158,40 @@ def grouped_query_attention(tiled: bool = False) -> onnx.ModelProto:
         [numpy_helper.from_array(value, name) for name, value in constants.items()],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def rotary_embedding(rotation: str = "rotate_half") -> onnx.ModelProto:
+    """``x * cos + rotate_half(x) * sin`` on x of (2, 4, 3, 8), then Relu, as the dynamo
+    exporter writes LLaMA's rotary embedding: ``Mul``, two ``Slice``'s of the halves of the
+    last axis (the second to the largest int64, as ``x[..., 4:]`` is written), ``Neg``,
+    ``Concat``, ``Mul``, ``Add``; cosines and sines are (1, 1, 3, 8) initializers. With
+    ``rotation`` ``"negated_first"``, ``concat(-x1, x2)`` instead, which is no rotation."""
+    f32 = TensorProto.FLOAT
+    angles = np.arange(24, dtype=np.float32).reshape(1, 1, 3, 8) / 7
+    constants = {
+        "cos": np.cos(angles),
+        "sin": np.sin(angles),
+        "zero": np.array([0], np.int64),
+        "half": np.array([4], np.int64),
+        "end": np.array([np.iinfo(np.int64).max], np.int64),
+        "last": np.array([-1], np.int64),
+    }
+    negated, kept = ("x1", "x2") if rotation == "negated_first" else ("x2", "x1")
+    nodes = [
+        helper.make_node("Mul", ["x", "cos"], ["xc"], name="rotary/Mul"),
+        helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1"]),
+        helper.make_node("Slice", ["x", "half", "end", "last"], ["x2"]),
+        helper.make_node("Neg", [negated], ["negated"]),
+        helper.make_node("Concat", ["negated", kept], ["rotated"], axis=-1),
+        helper.make_node("Mul", ["rotated", "sin"], ["rs"]),
+        helper.make_node("Add", ["xc", "rs"], ["y"]),
+        helper.make_node("Relu", ["y"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "rotary_embedding",
+        [helper.make_tensor_value_info("x", f32, [2, 4, 3, 8])],
+        [helper.make_tensor_value_info("out", f32, [2, 4, 3, 8])],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

@@ -36,13 +36,14 @@ from remat.onnx_fusion import (
     LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
+    ROTARY,
     SILU,
     UNBIND,
 )
 from remat.onnx_ingest import forward_graph
 from remat.training import training_graph
 
-from graphs import causal_attention, grouped_query_attention
+from graphs import causal_attention, grouped_query_attention, rotary_embedding
 
 F32 = TensorProto.FLOAT
 RTOL = 1e-4
@@ -139,6 +140,12 @@ def test_grouped_query_attention_matches_onnxruntime() -> None:
     [relu] = [n for n in program.graph.nodes if n.op == "Relu"]
     ours = program.forward_values()[relu.id][0].numpy()
     np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=RTOL)
+
+
+def test_a_fused_rotary_embedding_matches_onnxruntime() -> None:
+    """LLaMA's rotary embedding as one ``FusedRotary`` node against onnxruntime's chain."""
+    program = _assert_forward_matches(rotary_embedding())
+    assert [n.op for n in program.graph.nodes] == [ROTARY, "Relu"]
 
 
 def test_fused_attention_matches_onnxruntime() -> None:
@@ -429,6 +436,13 @@ GRAD_CASES: dict[str, GradCase] = {
     "fused_silu": GradCase(SILU, [(2, 3, 4)], domain=FUSED_DOMAIN),
     "fused_rms_norm": GradCase(
         RMS_NORM, [(2, 3, 4), (4,)], {"axis": -1, "epsilon": 1e-6}, domain=FUSED_DOMAIN
+    ),
+    "fused_rotary": GradCase(
+        ROTARY, [(2, 4, 3, 8), (1, 1, 3, 8), (1, 1, 3, 8)], domain=FUSED_DOMAIN
+    ),
+    # cosines and sines of one value per position, broadcast along the features
+    "fused_rotary_broadcast": GradCase(
+        ROTARY, [(2, 4, 3, 8), (3, 1), (1, 1, 3, 1)], domain=FUSED_DOMAIN
     ),
     "fused_layer_norm": GradCase(
         LAYER_NORM, [(2, 3, 4), (4,), (4,)], {"axis": -1, "epsilon": 1e-5}, domain=FUSED_DOMAIN

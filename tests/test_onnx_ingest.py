@@ -10,7 +10,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from remat.errors import (
     ShapeError,
 )
 from remat.graph import FixedKind, Graph, Mode, NodeKind
-from remat.onnx_fusion import ATTENTION, LAYOUT
+from remat.onnx_fusion import ATTENTION, LAYOUT, ROTARY
 from remat.onnx_ingest import (
     forward_graph,
     load_forward_graph,
@@ -38,9 +38,9 @@ from remat.onnx_ingest import (
     parse_input_shape,
     reference_ops,
 )
-from remat.training import training_graph
+from remat.training import gradient_needs, training_graph
 
-from graphs import causal_attention, grouped_query_attention
+from graphs import causal_attention, grouped_query_attention, rotary_embedding
 
 F32 = TensorProto.FLOAT
 OPSETS = (9, 13, 17, 21)
@@ -1035,6 +1035,34 @@ def _layout_model(
 
 
 HEADS_MOVED = [("Reshape", [2, 6, 2, 2]), ("Transpose", [0, 2, 1, 3]), ("Reshape", [4, 12])]
+
+
+def test_a_rotary_embedding_is_one_node() -> None:
+    """LLaMA's ``x * cos + rotate_half(x) * sin``, seven nodes as exported, is one
+    ``FusedRotary`` node reading ``x``, the cosines and the sines; its gradient reads the
+    other operands, as a product's: not ``x`` where the cosines and sines are not trained."""
+    graph = ingest(rotary_embedding())
+    assert ops_of(graph) == [ROTARY, "Relu"]
+    rotary = graph.nodes[0]
+    assert rotary.name == "rotary/Mul"
+    assert rotary.attrs["onnx_inputs"] == ["x", "cos", "sin"]
+    assert rotary.attrs["onnx_outputs"] == ["y"]
+    assert rotary.flops == 3 * 2 * 4 * 3 * 8
+    assert graph.fixed["cos"].has_gradient  # a float initializer, as every one is trained
+    as_activation = replace(rotary, deps=(7,))  # x computed by node 7
+    assert gradient_needs(as_activation, fixed=graph.fixed) == ((7,), False)
+    constants = {
+        name: replace(t, kind=FixedKind.CONSTANT) if name in ("cos", "sin") else t
+        for name, t in graph.fixed.items()
+    }
+    assert gradient_needs(as_activation, fixed=constants) == ((), False)
+
+
+def test_a_negated_first_half_is_no_rotary_embedding() -> None:
+    """``concat(-x1, x2)`` is no rotation: the chain stays."""
+    graph = ingest(rotary_embedding("negated_first"))
+    assert ROTARY not in ops_of(graph)
+    assert ops_of(graph).count("Slice") == 2
 
 
 def test_a_chain_of_layout_operators_is_one_node() -> None:

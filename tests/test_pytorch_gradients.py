@@ -35,6 +35,7 @@ from remat.onnx_fusion import (
     LAYOUT,
     MATMUL_ADD,
     RMS_NORM,
+    ROTARY,
     SILU,
     UNBIND,
 )
@@ -193,11 +194,11 @@ def test_a_llama_decoder_by_the_dynamo_exporter() -> None:
     """A LLaMA-style decoder (RMS normalization, rotary position embeddings, a SiLU-gated
     MLP, grouped-query attention: 4 heads sharing 2 keys and values) as the dynamo
     exporter writes it at opset 18, where a mean's axes are an input: its RMS
-    normalizations are ``FusedRMSNorm`` nodes, its SiLU ``FusedSilu``, each attention one
-    node that reads the 2 key and value heads themselves, whose causal mask is its
-    ``causal`` attribute and whose backward is PyTorch's fused kernel's; the gradients
-    match the module's."""
-    fused = (RMS_NORM, SILU, LAYOUT)
+    normalizations are ``FusedRMSNorm`` nodes, its SiLU ``FusedSilu``, its rotary
+    embeddings ``FusedRotary``, each attention one node that reads the 2 key and value
+    heads themselves, whose causal mask is its ``causal`` attribute and whose backward is
+    PyTorch's fused kernel's; the gradients match the module's."""
+    fused = (RMS_NORM, SILU, LAYOUT, ROTARY)
     _check(
         "llama", exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True,
         grouped=True,

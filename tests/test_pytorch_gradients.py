@@ -190,17 +190,19 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
-def test_a_llama_decoder_by_the_dynamo_exporter() -> None:
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_llama_decoder_by_the_dynamo_exporter(name: str) -> None:
     """A LLaMA-style decoder (RMS normalization, rotary position embeddings, a SiLU-gated
-    MLP, grouped-query attention: 4 heads sharing 2 keys and values) as the dynamo
+    MLP, grouped-query attention: 4 heads sharing 2 keys and values; Qwen2's the same
+    with biased query, key and value projections, ``MatMulAdd`` nodes) as the dynamo
     exporter writes it at opset 18, where a mean's axes are an input: its RMS
     normalizations are ``FusedRMSNorm`` nodes, its SiLU ``FusedSilu``, its rotary
     embeddings ``FusedRotary``, each attention one node that reads the 2 key and value
     heads themselves, whose causal mask is its ``causal`` attribute and whose backward is
     PyTorch's fused kernel's; the gradients match the module's."""
-    fused = (RMS_NORM, SILU, LAYOUT, ROTARY)
+    fused = (RMS_NORM, SILU, LAYOUT, ROTARY, *((MATMUL_ADD,) if name == "qwen2" else ()))
     _check(
-        "llama", exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True,
+        name, exporter="dynamo", attention=True, fused=fused, scoreless=True, causal=True,
         grouped=True,
     )  # fmt: skip
 

@@ -232,6 +232,14 @@ def _transformers(
                 bos_token_id=0, eos_token_id=0, pad_token_id=0,
             )  # fmt: skip
             return LanguageModel(transformers.LlamaForCausalLM(llama))
+        if name == "qwen2":  # LLaMA's layers with biased query, key and value projections
+            qwen2 = transformers.Qwen2Config(
+                vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads // 2, max_position_embeddings=embedded,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            )  # fmt: skip
+            return LanguageModel(transformers.Qwen2ForCausalLM(qwen2))
         t5 = transformers.T5Config(
             vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
             num_decoder_layers=2, num_heads=4,
@@ -351,6 +359,7 @@ _ENTRIES = [
     _language_model("t5"),
     # grouped-query attention, which only the dynamo exporter exports
     _language_model("llama"),
+    _language_model("qwen2"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
     _base_language_model("llama", "base"),

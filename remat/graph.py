@@ -31,7 +31,7 @@ class NodeKind(StrEnum):
 
 class FixedKind(StrEnum):
     PARAMETER = "parameter"  # an initializer, or a tensor folded from constants
-    CONSTANT = "constant"  # a scalar folded from Constant nodes alone: not trained
+    CONSTANT = "constant"  # folded from Constant nodes alone, or a position table: not trained
     INPUT = "input"
     HELD = "held"  # a value computed outside this graph (a part of a decomposed graph)
 
@@ -40,8 +40,9 @@ class FixedKind(StrEnum):
 class FixedTensor:
     """A tensor resident for the whole step: a parameter (an initializer, or a tensor
     folded from constants: some exporters make weights with constant subgraphs), a
-    constant (a scalar folded from ``Constant`` nodes alone: scale factors, epsilons; and a
-    cross-entropy's labels), a model input, or (in a part of a decomposed graph) a value
+    constant (a scalar folded from ``Constant`` nodes alone: scale factors, epsilons; a
+    rotary embedding's cosines and sines; and a cross-entropy's labels), a model input, or
+    (in a part of a decomposed graph) a value
     another part computed. ONNX does not say which tensors are trained: Remat trains the
     parameters, and the model inputs are data (as in a PyTorch training step, where inputs
     do not require a gradient, and in Checkmate's fixed memory M_input + 2 M_param, eq. 2);

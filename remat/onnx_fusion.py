@@ -112,7 +112,10 @@ and keys, the halves, their rotation and both products held for their backward n
 which pad the halves' gradients back into zeros and sum three gradients of ``x``. Fused,
 it is one ``FusedRotary`` node with inputs ``(x, cos, sin)``, which makes its output with
 one product and two in-place products of halves, and its gradient of ``x`` likewise from
-``cos`` and ``sin`` (reading ``x`` only for the gradients of trained cosines and sines).
+``cos`` and ``sin``. Cosines and sines that are constants, read by rotary embeddings
+alone, are tables of positions (a model computes them from a buffer of frequencies, and
+the dynamo exporter folds them into initializers): ingestion does not train them, so the
+gradient does not read ``x`` (it would for trained ones, as a product's).
 A chain is fused when the slices take the two halves of ``x``'s last axis (of even size,
 static) with step 1, ``Concat`` joins the negated second and the first along it, the
 cosines and sines broadcast to ``x``, nothing else reads the chain's values, and every

@@ -47,6 +47,7 @@ from remat.onnx_external import check_external_data
 from remat.onnx_fusion import (
     DEFAULT_DOMAINS,
     FUSED_DOMAIN,
+    ROTARY,
     Tensors,
     fuse_activation_chains,
     fuse_attention_chains,
@@ -1193,13 +1194,15 @@ def _build(
     }
     producer: dict[str, int] = {}
     nodes = []
+    tables = _position_tables(scheduled)
     for node_id, (proto, name) in enumerate(scheduled):
         reads = _reads(proto)
         for tensor in reads:
             if tensor in folder.constants and tensor not in fixed:
                 info = folder.infos[tensor]
                 _check_tensor_size(info, f"constant {tensor!r}")
-                kind = FixedKind.PARAMETER if folder.is_weight(tensor) else FixedKind.CONSTANT
+                trained = folder.is_weight(tensor) and tensor not in tables
+                kind = FixedKind.PARAMETER if trained else FixedKind.CONSTANT
                 fixed[tensor] = FixedTensor(tensor, kind, info.nbytes)
         outputs = [o for o in proto.output if o and o not in folder.dropped]
         nodes.append(_node(node_id, proto, name, reads, outputs, producer, fixed, folder.infos))
@@ -1211,6 +1214,22 @@ def _build(
             assert isinstance(written, list)
             written.append(value.name)
     return Graph(Mode.INFERENCE, tuple(nodes), fixed, tuple(outputs))
+
+
+def _position_tables(scheduled: Sequence[tuple[NodeProto, str]]) -> set[str]:
+    """The cosines and sines that rotary embeddings read (``FusedRotary``'s second and
+    third inputs) where nothing else scheduled reads them: tables of positions, which a
+    model computes from its frequencies (a buffer: the dynamo exporter folds them into
+    initializers, as it folds a weight's transpose), not trained."""
+    tables: set[str] = set()
+    others: set[str] = set()
+    for proto, _ in scheduled:
+        if proto.op_type == ROTARY and proto.domain == FUSED_DOMAIN:
+            tables.update(proto.input[1:3])
+            others.add(proto.input[0])
+        else:
+            others.update(proto.input)
+    return tables - others
 
 
 def _node(

@@ -1039,8 +1039,10 @@ HEADS_MOVED = [("Reshape", [2, 6, 2, 2]), ("Transpose", [0, 2, 1, 3]), ("Reshape
 
 def test_a_rotary_embedding_is_one_node() -> None:
     """LLaMA's ``x * cos + rotate_half(x) * sin``, seven nodes as exported, is one
-    ``FusedRotary`` node reading ``x``, the cosines and the sines; its gradient reads the
-    other operands, as a product's: not ``x`` where the cosines and sines are not trained."""
+    ``FusedRotary`` node reading ``x``, the cosines and the sines. The cosines and sines,
+    initializers that nothing else reads, are tables of positions: not trained. Its
+    gradient reads the other operands, as a product's: ``x`` only where the cosines or
+    sines are trained."""
     graph = ingest(rotary_embedding())
     assert ops_of(graph) == [ROTARY, "Relu"]
     rotary = graph.nodes[0]
@@ -1048,14 +1050,14 @@ def test_a_rotary_embedding_is_one_node() -> None:
     assert rotary.attrs["onnx_inputs"] == ["x", "cos", "sin"]
     assert rotary.attrs["onnx_outputs"] == ["y"]
     assert rotary.flops == 3 * 2 * 4 * 3 * 8
-    assert graph.fixed["cos"].has_gradient  # a float initializer, as every one is trained
+    assert graph.fixed["cos"].kind is graph.fixed["sin"].kind is FixedKind.CONSTANT
     as_activation = replace(rotary, deps=(7,))  # x computed by node 7
-    assert gradient_needs(as_activation, fixed=graph.fixed) == ((7,), False)
-    constants = {
-        name: replace(t, kind=FixedKind.CONSTANT) if name in ("cos", "sin") else t
+    assert gradient_needs(as_activation, fixed=graph.fixed) == ((), False)
+    trained = {
+        name: replace(t, kind=FixedKind.PARAMETER) if name in ("cos", "sin") else t
         for name, t in graph.fixed.items()
     }
-    assert gradient_needs(as_activation, fixed=constants) == ((), False)
+    assert gradient_needs(as_activation, fixed=trained) == ((7,), False)
 
 
 def test_a_negated_first_half_is_no_rotary_embedding() -> None:

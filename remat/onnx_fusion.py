@@ -435,9 +435,8 @@ def _axes_after(source: str, chain: Sequence[NodeProto], tensors: Tensors) -> li
         if after is None:
             return None
         if node.op_type == "Transpose":
-            perm = next((tuple(a.ints) for a in node.attribute if a.name == "perm"), None)
-            perm = perm or tuple(reversed(range(len(axes))))
-            if sorted(perm) != list(range(len(axes))):
+            perm = _permutation(node, len(axes))
+            if perm is None:
                 return None
             axes = [axes[p] for p in perm]
         elif node.op_type == "Expand":
@@ -667,9 +666,8 @@ def _layout_steps(chain: Sequence[NodeProto], tensors: Tensors) -> list[tuple[st
         if after is None:
             return None
         if member.op_type == "Transpose":
-            perm = next((tuple(a.ints) for a in member.attribute if a.name == "perm"), None)
-            perm = perm or tuple(reversed(range(len(shape))))
-            if sorted(perm) != list(range(len(shape))):
+            perm = _permutation(member, len(shape))
+            if perm is None:
                 return None
             if steps and steps[-1][0] == "transpose":  # permute(p) then permute(q)
                 _, first, before = steps.pop()
@@ -684,6 +682,14 @@ def _layout_steps(chain: Sequence[NodeProto], tensors: Tensors) -> list[tuple[st
                 steps.append(("reshape", after, shape))
         shape = after
     return [(kind, dims) for kind, dims, _ in steps]
+
+
+def _permutation(transpose: NodeProto, rank: int) -> tuple[int, ...] | None:
+    """A ``Transpose``'s permutation of ``rank`` axes (reversed where it names none); None
+    where its ``perm`` is not one."""
+    perm = next((tuple(a.ints) for a in transpose.attribute if a.name == "perm"), None)
+    perm = perm or tuple(reversed(range(rank)))
+    return perm if sorted(perm) == list(range(rank)) else None
 
 
 def _picked(proto: NodeProto, tensors: Tensors) -> tuple[str, int, int] | None:

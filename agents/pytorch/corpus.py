@@ -224,22 +224,15 @@ def _transformers(
                 max_position_embeddings=embedded,
             )  # fmt: skip
             return LanguageModel(transformers.BertForMaskedLM(bert), padded=padded)
-        if name == "llama":  # grouped-query attention: 2 keys and values for 4 heads
-            llama = transformers.LlamaConfig(
+        if name in DECODERS:  # grouped-query attention: 2 keys and values for 4 heads
+            config, model = (getattr(transformers, c) for c in DECODERS[name])
+            decoder = config(
                 vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=heads // 2, max_position_embeddings=embedded,
                 bos_token_id=0, eos_token_id=0, pad_token_id=0,
             )  # fmt: skip
-            return LanguageModel(transformers.LlamaForCausalLM(llama))
-        if name == "qwen2":  # LLaMA's layers with biased query, key and value projections
-            qwen2 = transformers.Qwen2Config(
-                vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
-                num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=heads // 2, max_position_embeddings=embedded,
-                bos_token_id=0, eos_token_id=0, pad_token_id=0,
-            )  # fmt: skip
-            return LanguageModel(transformers.Qwen2ForCausalLM(qwen2))
+            return LanguageModel(model(decoder))
         t5 = transformers.T5Config(
             vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
             num_decoder_layers=2, num_heads=4,
@@ -249,6 +242,12 @@ def _transformers(
     return build
 
 
+# LLaMA-style decoders by Hugging Face's config and model classes; Qwen2's layers are
+# LLaMA's with biased query, key and value projections
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
 VOCAB: dict[Scale, int] = {"test": 64, "bench": 1000}
 IMAGE: dict[Scale, tuple[int, ...]] = {"test": (4, 3, 32, 32), "bench": (8, 3, 64, 64)}
 TOKENS: dict[Scale, tuple[int, ...]] = {"test": (2, 16), "bench": (4, 16)}

@@ -230,3 +230,17 @@ def test_a_padding_mask_from_the_data_takes_pytorchs_attention_backward() -> Non
     assert all(len(n.attrs["onnx_inputs"]) == 4 for n in attentions)  # type: ignore[arg-type]
     masks = {n.deps[-1] for n in attentions}  # the mask's producer, shared by the layers
     assert not [n for n in graph.nodes if n.forward in masks]
+
+
+@pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")
+def test_a_llama_decoder_with_eager_attention_by_the_torchscript_exporter() -> None:
+    """The LLaMA decoder with Hugging Face's eager attention (its key and value heads
+    repeated by ``repeat_kv``, then the products and the softmax as operators), which
+    TorchScript's exporter exports: the same fusions as the dynamo export's, each
+    attention one node reading the shared key and value heads, its causal mask its
+    ``causal`` attribute, and gradients matching."""
+    fused = (RMS_NORM, SILU, LAYOUT, ROTARY)
+    _check(
+        "llama_eager", exporter="torchscript", attention=True, fused=fused, scoreless=True,
+        causal=True, grouped=True,
+    )  # fmt: skip

@@ -225,13 +225,14 @@ def _transformers(
             )  # fmt: skip
             return LanguageModel(transformers.BertForMaskedLM(bert), padded=padded)
         if name in DECODERS:  # grouped-query attention: 2 keys and values for 4 heads
-            config, model = (getattr(transformers, c) for c in DECODERS[name])
-            decoder = config(
+            config, model, attention = DECODERS[name]
+            decoder = getattr(transformers, config)(
                 vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=heads // 2, max_position_embeddings=embedded,
-                bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attention,
             )  # fmt: skip
+            model = getattr(transformers, model)
             return LanguageModel(model(decoder))
         t5 = transformers.T5Config(
             vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
@@ -242,11 +243,14 @@ def _transformers(
     return build
 
 
-# LLaMA-style decoders by Hugging Face's config and model classes; Qwen2's layers are
-# LLaMA's with biased query, key and value projections
+# LLaMA-style decoders by Hugging Face's config and model classes and attention
+# implementation: Qwen2's layers are LLaMA's with biased query, key and value projections;
+# ``llama_eager`` writes attention as its operators after repeating the key and value heads
+# (``repeat_kv``), which TorchScript's exporter exports too
 DECODERS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "sdpa"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "sdpa"),
+    "llama_eager": ("LlamaConfig", "LlamaForCausalLM", "eager"),
 }
 VOCAB: dict[Scale, int] = {"test": 64, "bench": 1000}
 IMAGE: dict[Scale, tuple[int, ...]] = {"test": (4, 3, 32, 32), "bench": (8, 3, 64, 64)}
@@ -359,6 +363,7 @@ _ENTRIES = [
     # grouped-query attention, which only the dynamo exporter exports
     _language_model("llama"),
     _language_model("qwen2"),
+    _language_model("llama_eager"),
     _base_language_model("bert", "base"),
     _base_language_model("gpt2", "small"),
     _base_language_model("llama", "base"),

@@ -504,12 +504,18 @@ def _attention(spec: OpSpec, args: Args) -> Outputs:
     so that PyTorch takes a fused kernel, which holds no score matrix; on a CPU that kernel
     is called itself, and its log-sum-exp per query is a second output
     (``_second_output``), which the backward reads instead of running the forward again,
-    as autograd saves it."""
+    as autograd saves it. Where a training graph's node keeps its weights for the closed
+    form's backward (``keeps_weights``), they are computed as such and are its second
+    output, as autograd saves a softmax's output."""
     a, b, v = args[0], args[1], args[2]
     assert a is not None and b is not None and v is not None
     mask = args[3] if len(args) > 3 else None
     scale = float(spec.attr("scale", 1.0))
     causal = bool(spec.attr("causal", 0))
+    if keeps_weights(spec):
+        b, v, _ = _repeated_heads(a, b, v)
+        p = _weights(a, b, mask, scale, causal)
+        return torch.matmul(p, v), p
     keys, grouped = b.transpose(-1, -2), _grouped(a, b)
     if pytorch_attention_backward([tuple(a.shape), tuple(b.shape), tuple(v.shape)], False):
         keys = _unit_stride(keys)
@@ -527,6 +533,40 @@ def _attention(spec: OpSpec, args: Args) -> Outputs:
 
 
 FLASH = SDPBackend.FLASH_ATTENTION.value
+# The name's suffix of a fused attention's second output where a training graph keeps its
+# weights for the closed form's backward (``agents.program``; ``remat.training.kept_bytes``)
+KEPT_WEIGHTS = ":weights"
+
+
+def keeps_weights(spec: OpSpec) -> bool:
+    """Whether a fused attention's second output is its weights (``KEPT_WEIGHTS``)."""
+    return len(spec.outputs) > 1 and spec.outputs[1].endswith(KEPT_WEIGHTS)
+
+
+def _weights(a: Tensor, b: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
+    """Attention's weights ``P = softmax(A B scale + M)`` (``causal``: the keys after each
+    query's own position masked); a row whose every score is masked has zero weights."""
+    p = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
+    if mask is not None:
+        p.add_(mask)
+    if causal:
+        later = torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu_(1)
+        p.masked_fill_(later, -math.inf)
+    p = torch.softmax(p, dim=-1)
+    if mask is not None:  # in place but under autograd (a reference), which keeps P itself
+        p = p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)
+    return p
+
+
+def _repeated_heads(a: Tensor, b: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Keys ``b`` and values ``v`` with each of their heads repeated for its group of query
+    heads where they have fewer heads than the queries ``a`` (``_grouped``), and their
+    number of heads (0 where not grouped)."""
+    if not _grouped(a, b):
+        return b, v, 0
+    heads = b.shape[-3]
+    group = a.shape[-3] // heads
+    return b.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), heads
 
 
 def _fused_choice(
@@ -633,7 +673,7 @@ _MAX_POOL_BACKWARD = {
 }
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 # The name's suffix of MaxPool's second output where a training graph keeps its argmax
-# (``agents.program``; ``remat.training.argmax_bytes``), not the model's ``Indices``
+# (``agents.program``; ``remat.training.kept_bytes``), not the model's ``Indices``
 KEPT_ARGMAX = ":argmax"
 
 
@@ -842,12 +882,19 @@ def _second_output(spec: OpSpec, outputs: Outputs) -> Outputs | None:
     return tuple(outputs[1:2]) if len(outputs) > 1 else None
 
 
+def _attention_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
+    """Attention's log-sum-exp per query (``_second_output``); nothing where its second
+    output is the weights a training graph keeps in the node's value
+    (``keeps_weights``)."""
+    return None if keeps_weights(spec) else _second_output(spec, outputs)
+
+
 SAVES: dict[str, Callable[[OpSpec, Outputs], Outputs | None]] = {
     "BatchNormalization": _batch_norm_saved,
     "LayerNormalization": _layer_norm_saved,
     LAYER_NORM: _layer_norm_saved,
     RMS_NORM: _second_output,
-    ATTENTION: _second_output,
+    ATTENTION: _attention_saved,
 }
 """Per operator, what its kernel's outputs hold beyond the ONNX outputs that its gradient
 reads (``forward_and_saved``)."""
@@ -1989,7 +2036,10 @@ def _attention_grad(call: VjpCall) -> Grads:
     """Attention's backward by PyTorch's fused kernel where ``remat.ops.pytorch_attention_
     backward`` says so and PyTorch has one for these operands: from the output and the
     log-sum-exp the forward kernel saved (``_attention``), or else with the forward run
-    again; the closed form otherwise."""
+    again; the closed form otherwise, from the weights the forward node kept where it kept
+    them (``keeps_weights``)."""
+    if keeps_weights(call.spec) and call.output is not None:
+        return attention_grad_closed_form(call, call.output[1])
     shapes = [tuple(t.shape) for t in call.args if t is not None]
     mask_wanted = len(call.wanted) > 3 and call.wanted[3] and call.optional(3) is not None
     if pytorch_attention_backward(shapes, mask_wanted):
@@ -2044,29 +2094,20 @@ def attention_grad_by_pytorch(call: VjpCall) -> Grads | None:
     return grads
 
 
-def attention_grad_closed_form(call: VjpCall) -> Grads:
-    """Attention's backward from its inputs, as ``scaled_dot_product_attention``'s
-    recomputes its weights: P = softmax(A B s + M); dV = P^T g; dS = P * (dP - rowsum(dP
-    * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS summed to M's shape. Keys
-    and values of fewer heads (``_grouped``) are repeated for their groups of queries, and
-    their gradients summed over each group."""
+def attention_grad_closed_form(call: VjpCall, weights: Tensor | None = None) -> Grads:
+    """Attention's backward from its inputs and its ``weights`` P = softmax(A B s + M)
+    (None: recomputed, as ``scaled_dot_product_attention``'s backward does): dV = P^T g;
+    dS = P * (dP - rowsum(dP * P)) with dP = g V^T; dA = dS B^T s, dB = A^T dS s, dM = dS
+    summed to M's shape. Keys and values of fewer heads (``_grouped``) are repeated for
+    their groups of queries, and their gradients summed over each group."""
     a, b, v, g = call.arg(0), call.arg(1), call.arg(2), call.g
     mask = call.optional(3)
-    heads = b.shape[-3] if _grouped(a, b) else 0
-    if heads:
-        group = a.shape[-3] // heads
-        b, v = b.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    b, v, heads = _repeated_heads(a, b, v)
     scale = float(call.spec.attr("scale", 1.0))
-    # Two score-sized buffers at most beside the inputs: P, then dP made dS in place.
-    p = torch.matmul(a, b).mul_(scale) if scale != 1.0 else torch.matmul(a, b)
-    if mask is not None:
-        p.add_(mask)
-    if call.spec.attr("causal", 0):  # the keys after each query's own position
-        later = torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu_(1)
-        p.masked_fill_(later, -math.inf)
-    p = torch.softmax(p, dim=-1)
-    if mask is not None:
-        p.nan_to_num_(0.0)  # a row whose every score is masked: zero weights, as forward
+    # Two score-sized buffers at most beside the inputs and P: dP, made dS in place, and
+    # its product with P.
+    causal = bool(call.spec.attr("causal", 0))
+    p = _weights(a, b, mask, scale, causal) if weights is None else weights
     wanted = call.wanted
     ds = None
     if any(wanted[i] for i in (0, 1, 3) if i < len(wanted)):
@@ -2194,7 +2235,7 @@ def _conv_grad(transposed: bool) -> Rule:
 def _max_pool_grad(call: VjpCall) -> Grads:
     """Each output element's gradient to the input element it took: the argmax, which the
     forward kernel gave beside its values (the model's ``Indices`` output, ONNX's indices,
-    or the argmax a training graph keeps: ``remat.training.argmax_bytes``, PyTorch's per
+    or the argmax a training graph keeps: ``remat.training.kept_bytes``, PyTorch's per
     plane where torch pooled the input itself); the input is a shape only. PyTorch's
     argmax on the host goes to PyTorch's backward kernel; elsewhere the gradient is
     scattered to it (on CUDA that kernel may make the input placeholder contiguous, an

@@ -9,8 +9,8 @@ evaluates any one node from the values of its dependencies, exactly the ones the
 lists, so that an executor can run the nodes in any order a plan gives:
 
 * a forward node's value is one tensor per ONNX output, and a training graph's MaxPool
-  keeps its argmax after them (``remat.training.argmax_bytes``), which only its backward
-  node reads;
+  keeps its argmax after them, a fused attention its weights where its backward is the
+  closed form (``remat.training.kept_bytes``), which only its backward node reads;
 * the loss is the graph's (``remat.loss``: by default ``L = sum over model outputs y of
   0.5 * mean(y**2)``; or a cross-entropy of one output against labels, or the model's own
   scalar loss output); its value is ``dL/dy`` for each output of each node it reads (zeros
@@ -671,6 +671,8 @@ def build_program(
         spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
         if node.attrs.get("keeps_argmax"):
             spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kernels.KEPT_ARGMAX}"))
+        if node.attrs.get("keeps_weights"):
+            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kernels.KEPT_WEIGHTS}"))
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]

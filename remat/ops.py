@@ -201,7 +201,24 @@ def scratch_elements(
         return 0
     if pytorch_attention_backward(input_shapes, False):
         return _numel(input_shapes[1])
+    return closed_form_attention_scratch_elements(input_shapes, output_shapes)
+
+
+def closed_form_attention_scratch_elements(
+    input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]
+) -> int:
+    """Elements a fused attention's forward holds beyond its inputs and outputs where it
+    computes its weights itself (PyTorch's math kernel, or a training graph's forward that
+    keeps them, ``remat.training``): the scores before the softmax, and grouped keys and
+    values repeated for their queries."""
     return _score_elements(input_shapes, output_shapes) + _repeated_elements(input_shapes)
+
+
+def attention_weights_elements(
+    input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]
+) -> int:
+    """A fused attention's weights ``softmax(A @ B * scale + M)``: a score matrix."""
+    return _score_elements(input_shapes, output_shapes)
 
 
 def _score_elements(input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]) -> int:
@@ -244,8 +261,9 @@ def attention_backward_scratch_elements(
 ) -> int:
     """Elements a fused attention's backward holds beyond its inputs and gradients: by
     PyTorch's kernel (``pytorch``, as ``pytorch_attention_backward`` decides), the keys
-    with unit stride; by the closed form, the weights ``P`` and their gradient, two score
-    matrices, and grouped keys and values repeated for their queries."""
+    with unit stride; by the closed form, two score matrices (the weights' gradient and its
+    product with the weights, which a training graph's forward node keeps:
+    ``remat.training``), and grouped keys and values repeated for their queries."""
     if not pytorch:
         return 2 * _score_elements(input_shapes, output_shapes) + _repeated_elements(input_shapes)
     return _numel(input_shapes[1])

@@ -24,8 +24,9 @@ accumulates weight gradients into fixed buffers). It depends on
 |                  | FusedRMSNorm, LeakyRelu, Gelu, FusedGelu, FusedSilu, Elu, Log, Abs,  |
 |                  | Pow, Erf,                                                            |
 |                  | HardSigmoid, Clip, HardSwish, RNN, GRU, LSTM,                        |
-|                  | ScaledDotProductAttention (its weights recomputed, not held)         |
-| inputs + output  | LRN; any op not listed (conservative)                                |
+| inputs + output  | ScaledDotProductAttention (its output and log-sum-exp, or its        |
+|                  | weights, kept with its output: below), LRN; any op not listed        |
+|                  | (conservative)                                                       |
 | neither          | Add, Sub, Sum, Concat, Split, Reshape, Flatten, Transpose, Identity, |
 |                  | Pad, AveragePool, GlobalAveragePool, Squeeze, Unsqueeze, Cast,       |
 |                  | ReduceMean, ReduceSum, Slice, Neg, Expand, FusedUnbind, FusedLayout, |
@@ -41,9 +42,19 @@ accumulates weight gradients into fixed buffers). It depends on
 A MaxPool's gradient routes each output element's gradient to the input element it took
 (its argmax). In a training graph a MaxPool keeps those indices with its output, as
 PyTorch's autograd saves them: int64, one per output element, counted in its
-``output_bytes`` (``argmax_bytes``) unless the model already asks for them as its
+``output_bytes`` (``kept_bytes``) unless the model already asks for them as its
 ``Indices`` output. Its backward node then reads its output alone, not its input, and
 finds the argmax without running the pooling again.
+
+A fused attention's backward is PyTorch's fused kernel's where its mask wants no gradient
+(``ops.pytorch_attention_backward``): it reads the forward's output and the log-sum-exp
+the forward kernel saved beside it, and recomputes the weights block by block, as eager
+PyTorch differentiates ``scaled_dot_product_attention``. Elsewhere (a trained mask, such
+as a relative position bias; operands of three dimensions) it is the closed form, and the
+training graph's forward node computes the weights ``P = softmax(A @ B * scale + M)`` and
+keeps them with its output, as autograd saves a softmax's output for a model that writes
+attention as operators: a score matrix counted in its ``output_bytes`` (``kept_bytes``),
+which its backward node reads instead of computing the scores again.
 
 Clip and HardSwish need their input (Clip: and its bounds); Expand, like Reshape, only the
 input's shape. Operators with no gradient at all (comparisons such as Equal, logical
@@ -60,12 +71,11 @@ index); gradients for parameters go to fixed gradient buffers, and the
 model inputs, data, get none (see ``remat.simulator``). Its FLOPs are the forward FLOPs
 times 2 for Conv/ConvTranspose/Gemm/MatMul/MatMulAdd (input and weight gradients; times 1
 where the input is data: the weight's gradient alone), times 2.5 for
-ScaledDotProductAttention (the scores again, then four products where the forward pass
-has two, by either kernel the executor runs it with), times 1 otherwise. A fused
-attention's backward node holds scratch memory while it runs: two score matrices in the
-closed form, the keys by PyTorch's fused kernel (``ops.pytorch_attention_backward``),
-which also reads the forward's output and the log-sum-exp its forward kernel saved beside
-it, as eager PyTorch's autograd does: that backward node depends on its forward node.
+ScaledDotProductAttention by PyTorch's kernel (the scores again, then four products where
+the forward pass has two), times 2 by the closed form from the weights kept, times 1
+otherwise. A fused attention's backward node holds scratch memory while it runs: two score
+matrices in the closed form, the keys by PyTorch's fused kernel; a forward node that keeps
+its weights holds the scores while it runs.
 """
 
 from __future__ import annotations
@@ -127,13 +137,13 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
 GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
     **_ops(
-        f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} {ATTENTION} BatchNormalization "
+        f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} BatchNormalization "
         f"InstanceNormalization LayerNormalization {LAYER_NORM} {RMS_NORM} LeakyRelu Gelu "
         f"{GELU} {SILU} Elu Log Abs Pow Erf "
         "HardSigmoid Clip HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),
-    **_ops("LRN", Needs.BOTH),
+    **_ops(f"{ATTENTION} LRN", Needs.BOTH),
     **_ops(
         "Add Sub Sum Concat Split Reshape Flatten Transpose Identity Pad AveragePool "
         "GlobalAveragePool Squeeze Unsqueeze Cast ReduceMean ReduceSum Slice Neg Expand "
@@ -148,23 +158,23 @@ GRADIENT_NEEDS: dict[str, Needs] = {
 }
 _DOUBLE_BACKWARD = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", MATMUL_ADD})
 _ATTENTION_BACKWARD = 2.5  # the scores recomputed, then dV, dP, dA and dB
+_ATTENTION_BACKWARD_KEPT = 2.0  # dV, dP, dA and dB from the weights kept
 _INDEX_BYTES = 8  # int64, as ONNX's and PyTorch's pooling indices
 
 
-def argmax_bytes(node: Node) -> int:
-    """The bytes of the argmax a training graph's MaxPool keeps beside its outputs (0 for
-    every other node): part of its ``output_bytes``, not of the gradient a user of it
+def kept_bytes(node: Node) -> int:
+    """The bytes a training graph's forward node keeps beside its outputs for its backward
+    node alone (a MaxPool's argmax, a fused attention's weights: the module docstring; 0
+    for every other node): part of its ``output_bytes``, not of the gradient a user of it
     sends back (``gradient_bytes``)."""
-    if not node.attrs.get("keeps_argmax"):
-        return 0
-    shapes = node.attrs["output_shapes"]
-    assert isinstance(shapes, list)
-    return _INDEX_BYTES * math.prod(int(d) for d in shapes[0])
+    kept = node.attrs.get("kept_bytes", 0)
+    assert isinstance(kept, int)
+    return kept
 
 
 def gradient_bytes(node: Node) -> int:
     """The bytes of the gradient with respect to a forward node's outputs."""
-    return node.output_bytes - argmax_bytes(node)
+    return node.output_bytes - kept_bytes(node)
 
 
 def gradient_slots(node: Node, nodes: Sequence[Node]) -> list[tuple[int, int, int]]:
@@ -266,16 +276,16 @@ def training_graph(forward: Graph, loss: Loss = MEAN_SQUARE) -> Graph:
     reads, attrs = _loss_reads(forward, loss, fixed)
     on_path = _on_path_to_loss(forward, reads)
     names = _Names(n.name for n in forward.nodes)
-    nodes = [_keeping_argmax(n) if on_path[n.id] else n for n in forward.nodes]
-    loss_id = len(nodes)
-    read_bytes = sum(gradient_bytes(nodes[o]) for o in reads)
-    labels = tuple(t for t in fixed if t not in forward.fixed)
     producer: dict[str, int] = {}
     for n in forward.nodes:
         written = n.attrs.get("onnx_outputs")
         if isinstance(written, list):
             producer.update((str(name), n.id) for name in written)
-    nodes = _marking_data_masks(nodes, _data_only(forward), producer)
+    marked = _marking_data_masks(list(forward.nodes), _data_only(forward), producer)
+    nodes = [_kept(n, marked, fixed) if on_path[n.id] else n for n in marked]
+    loss_id = len(nodes)
+    read_bytes = sum(gradient_bytes(nodes[o]) for o in reads)
+    labels = tuple(t for t in fixed if t not in forward.fixed)
     nodes.append(
         Node(
             id=loss_id,
@@ -385,8 +395,9 @@ def _backward_node(
     factor = 2.0 if node.op in _DOUBLE_BACKWARD and node.deps else 1.0
     scratch = 0
     if node.op == ATTENTION:
-        # PyTorch's kernel reads the output (and the log-sum-exp saved with it)
-        factor = _ATTENTION_BACKWARD
+        # PyTorch's kernel reads the output (and the log-sum-exp saved with it), the closed
+        # form the weights kept with it
+        factor = _ATTENTION_BACKWARD_KEPT if kept_bytes(node) else _ATTENTION_BACKWARD
         scratch, needs_output = _attention_backward(node, nodes, fixed)
     deps = set(upstream) | set(values)
     if needs_output:
@@ -414,17 +425,30 @@ def _attention_backward(
 ) -> tuple[int, bool]:
     """A fused attention's backward's scratch bytes and whether it reads the forward's
     output, by the kernel the executor runs it with (``ops.pytorch_attention_backward``:
-    PyTorch's reads the output and its log-sum-exp); a graph without shapes (built by
-    hand): the closed form, with two score matrices of ``scratch_bytes`` each."""
-    inputs, outputs = node.attrs.get("input_shapes"), node.attrs.get("output_shapes")
-    if not (isinstance(inputs, list) and isinstance(outputs, list) and outputs):
+    PyTorch's reads the output and its log-sum-exp; the closed form, the weights the
+    forward node keeps, ``_keeping_weights``); a graph without shapes (built by hand): the
+    closed form with the weights recomputed, two score matrices of ``scratch_bytes``
+    each."""
+    shapes = _attention_shapes(node)
+    if shapes is None:
         return 2 * node.scratch_bytes, False
-    ins = [tuple(s) for s in inputs]
-    outs = [tuple(s) for s in outputs]
+    ins, outs = shapes
     pytorch = ops.pytorch_attention_backward(ins, _mask_trained(node, nodes, fixed))
     elements = ops.attention_backward_scratch_elements(ins, outs, pytorch)
-    element_bytes = node.output_bytes // max(math.prod(outs[0]), 1)
-    return elements * element_bytes, pytorch
+    return elements * _element_bytes(node, outs), True
+
+
+def _attention_shapes(node: Node) -> tuple[list[ops.Shape], list[ops.Shape]] | None:
+    """A fused attention's input and output shapes (None in a graph built by hand)."""
+    inputs, outputs = node.attrs.get("input_shapes"), node.attrs.get("output_shapes")
+    if not (isinstance(inputs, list) and isinstance(outputs, list) and outputs):
+        return None
+    return [tuple(s) for s in inputs], [tuple(s) for s in outputs]
+
+
+def _element_bytes(node: Node, outs: Sequence[ops.Shape]) -> int:
+    """The bytes of one element of ``node``'s first output (``outs``: its shapes)."""
+    return gradient_bytes(node) // max(math.prod(outs[0]), 1)
 
 
 def _mask_trained(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> bool:
@@ -443,14 +467,46 @@ def _mask_trained(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTe
     return False
 
 
+def _kept(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> Node:
+    """``node`` keeping beside its outputs what its backward node reads of its kernel's
+    (the module docstring)."""
+    return _keeping_weights(_keeping_argmax(node), nodes, fixed)
+
+
 def _keeping_argmax(node: Node) -> Node:
     """A MaxPool that keeps its argmax for its backward node (the module docstring), where
     its ``Indices`` output is not already there."""
     outputs = node.attrs.get("onnx_outputs")
     if node.op != "MaxPool" or not isinstance(outputs, list) or len(outputs) != 1:
         return node
-    kept = replace(node, attrs={**node.attrs, "keeps_argmax": True})
-    return replace(kept, output_bytes=node.output_bytes + argmax_bytes(kept))
+    shapes = node.attrs["output_shapes"]
+    assert isinstance(shapes, list)
+    return _keeping(node, "keeps_argmax", _INDEX_BYTES * math.prod(int(d) for d in shapes[0]))
+
+
+def _keeping_weights(node: Node, nodes: Sequence[Node], fixed: Mapping[str, FixedTensor]) -> Node:
+    """A fused attention whose backward is the closed form (``ops.pytorch_attention_
+    backward``: its mask is trained, or its operands have three dimensions) keeps its
+    weights ``P = softmax(A @ B * scale + M)`` for its backward node, as autograd saves a
+    softmax's output (the module docstring); while it runs, it holds the scores before the
+    softmax (``ops.closed_form_attention_scratch_elements``)."""
+    shapes = _attention_shapes(node)
+    if node.op != ATTENTION or shapes is None:
+        return node
+    ins, outs = shapes
+    if ops.pytorch_attention_backward(ins, _mask_trained(node, nodes, fixed)):
+        return node
+    element_bytes = _element_bytes(node, outs)
+    weights = ops.attention_weights_elements(ins, outs) * element_bytes
+    scratch = ops.closed_form_attention_scratch_elements(ins, outs) * element_bytes
+    return replace(_keeping(node, "keeps_weights", weights), scratch_bytes=scratch)
+
+
+def _keeping(node: Node, flag: str, nbytes: int) -> Node:
+    """``node`` keeping ``nbytes`` beside its outputs for its backward node (``flag``:
+    what, for the executor's program)."""
+    attrs = {**node.attrs, flag: True, "kept_bytes": kept_bytes(node) + nbytes}
+    return replace(node, attrs=attrs, output_bytes=node.output_bytes + nbytes)
 
 
 DATA_MASK = "mask_from_data"

@@ -54,7 +54,8 @@ A causal mask folded from positions (GPT-2's) is `ScaledDotProductAttention`'s `
 attribute, as PyTorch's `is_causal`. Its gradient is PyTorch's own where its mask wants
 none: on a CPU its fused kernel's backward from the output and the log-sum-exp the
 forward kernel saved, as autograd runs it (on CUDA its forward again under autograd
-first), which holds no score matrix; the closed form where the mask is trained.
+first), which holds no score matrix; the closed form where the mask is trained, from the
+weights its forward node keeps in a training graph, as autograd saves a softmax's output.
 Before the fusions, ingestion bypasses the operators that compute nothing
 (`remat/onnx_noops.py`): an `Identity`, a `Cast` to its input's type, a `Dropout` that
 is the identity (inference mode, or training mode at ratio 0), a `Concat` of one input,

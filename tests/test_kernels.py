@@ -397,6 +397,7 @@ class GradCase:
     opset: int = 17
     domain: str = ""
     outputs: int = 1
+    kept: str = ""  # the suffix of a second output a training graph keeps for the backward
 
 
 # A FusedLayout that splits the heads of (2, 6, 4), moves them before the tokens and
@@ -479,6 +480,21 @@ GRAD_CASES: dict[str, GradCase] = {
         {"scale": 0.4},
         domain=FUSED_DOMAIN,
     ),
+    # the closed form from the weights a training graph's forward node keeps
+    "attention_weights_kept": GradCase(
+        ATTENTION,
+        [(2, 3, 4, 5), (2, 3, 5, 6), (2, 3, 6, 4), (1, 3, 4, 6)],
+        {"scale": 0.4},
+        domain=FUSED_DOMAIN,
+        kept=kernels.KEPT_WEIGHTS,
+    ),
+    "attention_grouped_causal_weights_kept": GradCase(
+        ATTENTION,
+        [(2, 4, 5, 8), (2, 2, 8, 5), (2, 2, 5, 6), (1, 4, 5, 5)],
+        {"scale": 0.4, "causal": 1},
+        domain=FUSED_DOMAIN,
+        kept=kernels.KEPT_WEIGHTS,
+    ),
     "attention_many_keys_causal": GradCase(
         ATTENTION,
         [(1, 2, MANY_KEYS, 4), (1, 2, 4, MANY_KEYS), (1, 2, MANY_KEYS, 4)],
@@ -557,11 +573,33 @@ def _grad_call(case: GradCase) -> VjpCall:
         opset=case.opset,
         attrs=case.attrs,
         inputs=tuple(f"in{i}" for i in range(len(args))),
-        outputs=tuple(f"out{i}" for i in range(case.outputs)),
+        outputs=tuple(f"out{i}" for i in range(case.outputs))
+        + ((f"out0{case.kept}",) * bool(case.kept)),
     )
     output = kernels.run_forward(spec, args)
-    grads = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output]
+    grads: list[torch.Tensor | None] = [
+        torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in output
+    ]
+    if case.kept:  # the backward's alone: no gradient flows to it
+        grads[-1] = None
     return VjpCall(spec, args, output, grads, [True] * len(args))
+
+
+def test_an_attention_that_keeps_its_weights_gives_them_as_its_second_output() -> None:
+    """A training graph's fused attention whose backward is the closed form keeps its
+    weights (``remat.training``): its forward gives ``softmax(A B scale + M)`` beside the
+    output, which is the weights times the values, and its backward reads them."""
+    call = _grad_call(GRAD_CASES["attention_weights_kept"])
+    a, b, v, mask = call.args
+    assert call.output is not None
+    output, weights = call.output
+    torch.testing.assert_close(weights, torch.softmax(a @ b * 0.4 + mask, dim=-1))
+    torch.testing.assert_close(output, weights @ v)
+    assert kernels.forward_and_saved(call.spec, call.args)[1] is None  # nothing held beside
+    assert "aten::_softmax" not in _kernels_run(call)  # the weights not computed again
+    recomputed = kernels.attention_grad_closed_form(call)
+    for ours, reference in zip(kernels.vjp(call), recomputed, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(GRAD_CASES))

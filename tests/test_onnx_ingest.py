@@ -38,7 +38,7 @@ from remat.onnx_ingest import (
     parse_input_shape,
     reference_ops,
 )
-from remat.training import gradient_needs, training_graph
+from remat.training import gradient_needs, kept_bytes, training_graph
 
 from graphs import causal_attention, grouped_query_attention, rotary_embedding
 
@@ -676,14 +676,22 @@ def test_attentions_chain_is_one_node_that_holds_no_weights(
     assert attention.flops == 2 * scores * 8 + 2 * (2 * 4 * 3 * 8) * 3 + 7 * scores
     trained = training_graph(graph)
     [backward] = [n for n in trained.nodes if n.forward == attention.id]
-    assert backward.flops == 2.5 * attention.flops
-    assert 0 in backward.deps  # it reads its inputs (the keys transposed), no weights held
+    assert 0 in backward.deps  # it reads its inputs (the keys transposed)
+    assert attention.id in backward.deps  # and the output with the log-sum-exp or weights
     # PyTorch's fused kernels hold the keys with unit stride beside their inputs and
-    # output; the closed form, which a trained mask's gradient takes, the probabilities
-    # and their gradient: the analytical model's workspace.
+    # output; the closed form, which a trained mask's gradient takes, the scores in the
+    # forward, whose node keeps the weights, and two score matrices in the backward: the
+    # analytical model's workspace.
     keys = 2 * 4 * 3 * 8
     assert attention.scratch_bytes == keys * 4
-    assert backward.scratch_bytes == (2 * scores if mask else keys) * 4
+    kept = trained.nodes[attention.id]
+    if mask:
+        assert backward.flops == 2.0 * attention.flops
+        assert kept.output_bytes == attention.output_bytes + scores * 4
+        assert kept.scratch_bytes == scores * 4 and backward.scratch_bytes == 2 * scores * 4
+    else:
+        assert backward.flops == 2.5 * attention.flops
+        assert kept == attention and backward.scratch_bytes == keys * 4
     assert all(n.scratch_bytes == 0 for n in trained.nodes if n.op != ATTENTION)
     workspace = analytical_costs(trained, [Device("cpu0", DeviceKind.CPU)]).workspace_bytes
     assert workspace is not None
@@ -715,9 +723,11 @@ def test_an_attention_backward_holds_no_scores_unless_its_mask_is_trained(mask: 
     the scores, and the backward node is that kernel's backward
     (``ops.pytorch_attention_backward``): it reads the forward's output (and the
     log-sum-exp saved beside it), holds the keys, not two score matrices, and its FLOPs
-    are the closed form's. A mask that carries a gradient (a trained one, or
-    a value computed in the model, whose producer's backward node gets it) keeps the
-    closed form, which reads no output."""
+    are the closed form's with the weights recomputed. A mask that carries a gradient (a
+    trained one, or a value computed in the model, whose producer's backward node gets it)
+    keeps the closed form: the training graph's forward node computes the weights, holding
+    the scores while it runs, and keeps them with its output, as autograd saves a
+    softmax's output; its backward reads them and recomputes nothing."""
     tokens = 16
     attention_model = _attention_model(
         prescaled=mask == "none",
@@ -727,17 +737,22 @@ def test_an_attention_backward_holds_no_scores_unless_its_mask_is_trained(mask: 
     )
     graph = ingest(attention_model, fuse_attention=True)
     [attention] = [n for n in graph.nodes if n.op == ATTENTION]
-    [backward] = [n for n in training_graph(graph).nodes if n.forward == attention.id]
+    trained = training_graph(graph)
+    [backward] = [n for n in trained.nodes if n.forward == attention.id]
+    kept = trained.nodes[attention.id]
     batch, heads, _, width = ATTENTION_SHAPE
     scores = batch * heads * tokens * tokens
     output = batch * heads * tokens * width
     keys = output  # as many as the queries here, of the values' width
     assert attention.scratch_bytes == keys * 4
-    assert backward.flops == 2.5 * attention.flops
+    assert attention.id in backward.deps
     if mask == "none":
-        assert backward.scratch_bytes == keys * 4 and attention.id in backward.deps
+        assert kept == attention and kept_bytes(kept) == 0
+        assert backward.scratch_bytes == keys * 4 and backward.flops == 2.5 * attention.flops
     else:
-        assert backward.scratch_bytes == 2 * scores * 4 and attention.id not in backward.deps
+        assert kept.attrs["keeps_weights"] and kept_bytes(kept) == scores * 4
+        assert kept.output_bytes == output * 4 + scores * 4 and kept.scratch_bytes == scores * 4
+        assert backward.scratch_bytes == 2 * scores * 4 and backward.flops == 2.0 * attention.flops
 
 
 def test_what_is_trained_is_what_the_module_trains() -> None:

@@ -41,7 +41,7 @@ from remat.onnx_fusion import (
 )
 from remat.solvers.model import SolveOptions
 from remat.strategies import SearchConfig, SolverSettings
-from remat.training import DATA_MASK
+from remat.training import DATA_MASK, kept_bytes
 
 TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # auto without its exact solve, which finds no cheaper plan for any of these models in 5 s:
@@ -54,7 +54,7 @@ def _check(
     name: str, *, exporter: Exporter = "torchscript", opset: int | None = None,
     loss: Loss | None = None, fuse_attention: bool = True, attention: bool = False,
     folded: int = 0, fused: Sequence[str] = (), scoreless: bool = False, causal: bool = False,
-    grouped: bool = False,
+    grouped: bool = False, weights_kept: bool = False,
 ) -> list[ModuleComparison]:  # fmt: skip
     """Export corpus model ``name``, plan it with checkpoint-all and at 50% (or, where 50%
     is under the least any schedule needs, between that and the peak), check each plan in
@@ -66,7 +66,10 @@ def _check(
     PyTorch's fused kernel's (``remat.ops.pytorch_attention_backward``), which holds no
     score matrix; ``causal``: every attention's mask must have become its ``causal``
     attribute; ``grouped``: every attention must read keys and values of fewer heads than
-    its queries, no repeated copy (no ``Expand`` left)."""
+    its queries, no repeated copy (no ``Expand`` left); ``weights_kept``: every attention's
+    backward is the closed form, from the weights its forward node keeps with its output
+    (``remat.training.kept_bytes``), and each plan's measured peak is within its predicted
+    one."""
     entry = CORPUS[name]
     try:
         exported = export_entry(entry, "test", exporter, opset=opset)
@@ -92,6 +95,11 @@ def _check(
         for node in backward:  # the keys with unit stride (float32), not two score matrices
             keys = graph.nodes[node.forward].attrs["input_shapes"][1]  # type: ignore[index]
             assert node.scratch_bytes == 4 * math.prod(keys)  # type: ignore[arg-type]
+    if weights_kept:
+        forward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is None]
+        assert forward and all(n.attrs.get("keeps_weights") and kept_bytes(n) for n in forward)
+        backward = [n for n in graph.nodes if n.op == ATTENTION and n.forward is not None]
+        assert backward and all(n.forward in n.deps for n in backward)
     results = []
     for budget in (None, "50%"):
         planned = plan_for_check(graph, budget, SETTINGS)
@@ -102,6 +110,13 @@ def _check(
             exported.module, exported.args, exported.model, graph, result.plan, [CPU]
         )
         assert comparison.report.gradients_match, (planned.budget, comparison.report.max_rel_error)
+        if weights_kept:  # the prediction also counts the kernels' workspace, unseen here
+            measured, predicted = (
+                comparison.report.peak_bytes,
+                comparison.report.predicted_peak_bytes,
+            )
+            assert measured.keys() == predicted.keys()
+            assert all(measured[d] <= predicted[d] for d in measured), (measured, predicted)
         assert len(comparison.unpaired) == folded, comparison.unpaired
         assert comparison.paired > 0 and comparison.error <= comparison.tolerance, (
             planned.budget,
@@ -181,12 +196,17 @@ def test_attention_fused_into_one_node(name: str, exporter: Exporter) -> None:
     chains. GPT-2's ``Conv1D`` layers, a ``Gemm`` between two ``Reshape``'s, are
     ``MatMulAdd`` nodes. Each attention's backward is PyTorch's fused kernel's where its
     mask is not trained: not T5's position bias, nor BERT's mask as the dynamo exporter
-    writes it, an initializer (trained, as every float initializer is)."""
+    writes it, an initializer (trained, as every float initializer is): theirs is the closed
+    form, from the weights the forward node keeps, and the plans' peaks are within the
+    predicted."""
     fused = {"bert": (GELU,), "gpt2": (GELU, MATMUL_ADD), "t5": (RMS_NORM,)}.get(name, ())
     fused = (*fused, LAYOUT)
     folded = int(exporter == "dynamo")
     scoreless = name != "t5" and (name, exporter) != ("bert", "dynamo")
-    _check(name, exporter=exporter, attention=True, folded=folded, fused=fused, scoreless=scoreless)
+    _check(
+        name, exporter=exporter, attention=True, folded=folded, fused=fused,
+        scoreless=scoreless, weights_kept=not scoreless,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not TRANSFORMERS, reason="transformers is not installed (dev extra)")

@@ -375,6 +375,7 @@ def test_offload_remat_is_never_worse_than_offloading_or_remat_alone(budget):
     assert result.plan.solver.bound == pytest.approx(costs.ideal_ms("cuda0"))
 
 
+@pytest.mark.alone  # the ladder of relaxed budgets climbs as far as its 15 s allow
 def test_recomputing_to_a_looser_budget_then_offloading_beats_either_alone():
     """U-Net at 50%: offloading alone cannot hide its transfers and recomputing alone pays
     for every activation it drops; greedy eviction to a looser budget, then offloading over

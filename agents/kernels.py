@@ -540,7 +540,13 @@ KEPT_WEIGHTS = ":weights"
 
 def keeps_weights(spec: OpSpec) -> bool:
     """Whether a fused attention's second output is its weights (``KEPT_WEIGHTS``)."""
-    return len(spec.outputs) > 1 and spec.outputs[1].endswith(KEPT_WEIGHTS)
+    return _keeps(spec, KEPT_WEIGHTS)
+
+
+def _keeps(spec: OpSpec, suffix: str) -> bool:
+    """Whether the node's second output is what a training graph keeps for its backward
+    (``suffix``: ``KEPT_WEIGHTS``, ``KEPT_ARGMAX``), not one of the operator's own."""
+    return len(spec.outputs) > 1 and spec.outputs[1].endswith(suffix)
 
 
 def _weights(a: Tensor, b: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
@@ -708,8 +714,7 @@ class _MaxPoolWindow:
         only the node's backward reads, where torch pools the input itself (on every
         device alike: a plan may pool on one device and differentiate on another); a
         model's ``Indices`` holds ONNX's."""
-        kept = len(spec.outputs) > 1 and spec.outputs[1].endswith(KEPT_ARGMAX)
-        return kept and not self.padded
+        return _keeps(spec, KEPT_ARGMAX) and not self.padded
 
 
 def _max_pool(spec: OpSpec, args: Args) -> Outputs:

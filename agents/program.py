@@ -669,10 +669,9 @@ def build_program(
         }
         seed_of_node = kernels.node_seed(seed, node.name)
         spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
-        if node.attrs.get("keeps_argmax"):
-            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kernels.KEPT_ARGMAX}"))
-        if node.attrs.get("keeps_weights"):
-            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kernels.KEPT_WEIGHTS}"))
+        for flag, suffix in _KEPT_OUTPUTS.items():
+            if node.attrs.get(flag):
+                spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{suffix}"))
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]
@@ -691,6 +690,11 @@ def build_program(
         output_shapes={n.id: [tuple(s) for s in _shapes(n, "output_shapes")] for n in forward},
         loss=loss,
     )
+
+
+# A training graph's flag for what a forward node keeps beside its output for its backward
+# (``remat.training.kept_bytes``), and the name's suffix of that second output
+_KEPT_OUTPUTS = {"keeps_argmax": kernels.KEPT_ARGMAX, "keeps_weights": kernels.KEPT_WEIGHTS}
 
 
 def _fused(node: Node) -> onnx.NodeProto:

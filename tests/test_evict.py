@@ -4,7 +4,9 @@ nowhere, and the exact strategies' warm start from them."""
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -19,6 +21,7 @@ from remat.simulator import simulate
 from remat.solvers.model import SolveOptions
 from remat.strategies import Problem, SearchConfig, SolverSettings, StrategyResult, run_strategy
 from remat.strategies.baselines import best_baseline
+from remat.strategies.common.problem import FitDeadline
 from remat.strategies.common.profile import Profiler, profile
 from remat.strategies.common.rsolve import (
     HoldBuilder,
@@ -158,6 +161,35 @@ def test_the_descent_to_a_fitting_plan_may_outrun_the_time_budget() -> None:
     assert fitted.feasible, fitted.message
     assert fitted.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
     assert refined.simulation.total_ms < fitted.simulation.total_ms
+
+
+def test_a_fit_budget_is_the_threads_cpu_time_not_the_clocks() -> None:
+    """A thread that sleeps (as one starved by a busy machine) spends no fit budget: the
+    deadline passes only once the wall deadline has and the thread has used its CPU."""
+    fit = FitDeadline.of(time.monotonic(), fit_budget_s=0.05)
+    time.sleep(0.2)
+    assert not fit.passed()
+    spin = time.thread_time() + 0.1
+    while time.thread_time() < spin:
+        pass
+    assert fit.passed()
+
+
+def test_on_a_busy_machine_the_descent_still_gets_its_fit_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """U-Net at 25% on cuda0 with no time of its own and a wall clock that races ahead (a
+    busy machine: every look at the clock finds minutes gone): the descent runs on its CPU
+    time and reaches a plan that fits; on the clock alone it stopped at once, with none."""
+    problem, _ = _evicted_at_25("unet")
+    real = time.monotonic
+    calls = itertools.count()
+    with monkeypatch.context() as patched:
+        patched.setattr(time, "monotonic", lambda: real() + 600.0 * next(calls))
+        fitted = greedy_evict(problem, "cuda0", time_budget_s=0.0, fit_budget_s=60.0)
+    assert fitted.feasible, fitted.message
+    assert next(calls) > 2  # the clock was read, and raced
+    assert fitted.simulation.peak_bytes["cuda0"] <= problem.budgets["cuda0"]
 
 
 @pytest.mark.alone

@@ -1,6 +1,7 @@
 """The multi-device R solve (``rsolve.solve_r_placed``) and the placed heuristic that
 warm-starts XEngine where no single device fits."""
 
+import itertools
 import threading
 import time
 
@@ -183,6 +184,20 @@ def test_placed_greedy_judges_on_until_a_plan_fits_within_its_fit_budget():
     assert result.feasible, result.message
     verdict = simulate(result.plan, problem.graph, problem.costs, problem.budgets)
     assert verdict.valid
+
+
+def test_on_a_busy_machine_placed_greedy_still_gets_its_fit_budget(monkeypatch):
+    """As above with a wall clock that races ahead (a busy machine: every look at the clock
+    finds minutes gone): the fit budget is the heuristic's CPU time, so it still judges
+    on to a plan that fits."""
+    problem = _split_problem("transformer", 22)
+    real = time.monotonic
+    calls = itertools.count()
+    with monkeypatch.context() as patched:
+        patched.setattr(time, "monotonic", lambda: real() + 600.0 * next(calls))
+        result = placed_greedy(problem, time_budget_s=0.0, fit_budget_s=60.0)
+    assert result.feasible, result.message
+    assert next(calls) > 2  # the clock was read, and raced
 
 
 def test_xengine_finds_the_transformers_plan_at_a_short_limit():

@@ -23,9 +23,9 @@ class SearchConfig:
     evict_time_s: float = 5.0
     """Greedy eviction's time budget when run as a strategy or as a warm start."""
     evict_fit_s: float = 60.0
-    """Greedy eviction run as a strategy: how long its descent to a first plan that fits
-    may run on past ``evict_time_s``, so that a busy machine does not turn a budget it
-    meets into "infeasible"."""
+    """Greedy eviction run as a strategy: how long (CPU time of its thread) its descent to
+    a first plan that fits may run on past ``evict_time_s``, so that a busy machine does
+    not turn a budget it meets into "infeasible"."""
     band_patience: int = 20
     """Greedy eviction on band placements stops after this many bands in a row bring no
     better plan."""
@@ -52,9 +52,10 @@ class SearchConfig:
 
     # --- warm start (``remat.strategies.exact.search``) -----------------------------------
     fit_share: float = 0.5
-    """At most this share of the time limit for a warm-start heuristic's descent to a first
-    plan that fits: at tight budgets no baseline fits, and a heuristic cut short would
-    leave the solvers without an incumbent."""
+    """At most this share of the time limit, in CPU time of the heuristic's thread
+    (``FitDeadline``), for a warm-start heuristic's descent to a first plan that fits: at
+    tight budgets no baseline fits, and a heuristic cut short would leave the solvers
+    without an incumbent."""
     warm_start_share: float = 0.25
     """At most this share of the time limit for the warm-start heuristics (capped by their
     own time budgets)."""

@@ -4,6 +4,7 @@ and the result it returns."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -276,12 +277,26 @@ def cheapest(*results: StrategyResult | None) -> StrategyResult | None:
     return min(feasible, key=lambda r: r.simulation.total_ms, default=None)  # type: ignore[union-attr]
 
 
-def fit_deadline(started: float, deadline: float, fit_budget_s: float | None) -> float:
-    """When a heuristic started at ``started`` stops looking for a first plan that fits: at
-    its own ``deadline``, or ``fit_budget_s`` after its start if that is later. Where no
-    baseline fits, a heuristic cut short by a slow moment would leave the solvers without
-    a start (greedy eviction and the multi-device heuristic)."""
-    return max(deadline, started + (fit_budget_s or 0.0))
+@dataclass(frozen=True)
+class FitDeadline:
+    """When a heuristic stops looking for a first plan that fits: once its own deadline
+    ``wall`` (``time.monotonic()``) has passed and its thread has spent its fit budget of
+    CPU time (``cpu``, a ``time.thread_time()``). Where no baseline fits, a heuristic cut
+    short would leave the solvers without a start (greedy eviction and the multi-device
+    heuristic). The budget is the heuristic's own CPU time, not wall time, so that a busy
+    machine (other jobs, other processes) does not cut it short: there the search runs
+    past its time limit with a plan rather than end within it without one."""
+
+    wall: float
+    cpu: float
+
+    @classmethod
+    def of(cls, deadline: float, fit_budget_s: float | None) -> FitDeadline:
+        """From now: ``deadline``, or ``fit_budget_s`` of this thread's CPU time."""
+        return cls(deadline, time.thread_time() + (fit_budget_s or 0.0))
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.wall and time.thread_time() > self.cpu
 
 
 def _correct(candidate: Evaluation) -> bool:

@@ -43,11 +43,11 @@ from remat.strategies.common.policy import (
 )
 from remat.strategies.common.pooled import as_one_device
 from remat.strategies.common.problem import (
+    FitDeadline,
     Problem,
     StrategyResult,
     cheapest,
     evaluate,
-    fit_deadline,
     memory_needed,
     select_best,
 )
@@ -86,7 +86,8 @@ class _State:
 class _EvictionSetup:
     """What one eviction search runs on: one device or a placement (node i computed and
     kept only on ``names[home[i]]``), the budgets and the deadline; R solved on holds
-    either way, scored by ``policy.predict`` or by ``Profiler.profile_placed``."""
+    either way, scored by ``policy.predict`` or by ``Profiler.profile_placed``. While it
+    descends to a first plan that fits, ``fit`` may hold it past the deadline."""
 
     problem: Problem
     names: tuple[str, ...]
@@ -96,6 +97,7 @@ class _EvictionSetup:
     deadline: float
     fixed: int  # on one device: its fixed memory (``device_fixed_bytes``)
     profiler: Profiler  # on a placement
+    fit: FitDeadline | None = None
 
     @classmethod
     def of(
@@ -134,7 +136,11 @@ class _EvictionSetup:
         return excess(peaks, self.budgets)
 
     def stopped(self) -> bool:
-        return time.monotonic() > self.deadline or self.problem.cancelled
+        if self.problem.cancelled:
+            return True
+        if self.fit is not None:
+            return self.fit.passed()
+        return time.monotonic() > self.deadline
 
 
 _Step = Callable[[_EvictionSetup, _State], "_State | None"]  # the next state, if any
@@ -157,8 +163,9 @@ def greedy_evict(
     started = time.monotonic()
     home = np.zeros(len(problem.graph), dtype=np.int64)
     context = _EvictionSetup.of(problem, (device,), home, time_budget_s)
-    state = _search(context, fit_budget_s)
-    out_of_time = time.monotonic() >= fit_deadline(started, context.deadline, fit_budget_s)
+    fit = FitDeadline.of(context.deadline, fit_budget_s)
+    state = _search(context, fit)
+    out_of_time = fit.passed()
     prediction = Prediction(state.cost_ms, tuple(state.peaks[0].tolist()))
     found = choose(problem, device, STRATEGY, [Candidate(state.made, prediction)])
     if found.feasible or state.fits or not out_of_time or found.min_budget_bytes is None:
@@ -316,12 +323,11 @@ def home_of(schedule: Schedule, names: Sequence[str]) -> np.ndarray:
     return np.array([names.index(schedule.devices[d]) for d in on.tolist()], dtype=np.int64)
 
 
-def _search(context: _EvictionSetup, fit_budget_s: float | None = None) -> _State:
-    """Evict until the plan fits (for up to ``fit_budget_s`` from the start, if longer than
-    the context's budget), then refill and swap within the context's budget."""
-    started = time.monotonic()
+def _search(context: _EvictionSetup, fit: FitDeadline | None = None) -> _State:
+    """Evict until the plan fits (until ``fit`` where given, else the context's deadline),
+    then refill and swap within the context's deadline."""
     state = context.state(HoldBuilder(context.problem.graph).keep_everything().build())
-    fitting = replace(context, deadline=fit_deadline(started, context.deadline, fit_budget_s))
+    fitting = replace(context, fit=fit)
     state = _refill(context, _descend(fitting, state))
     return _swap(context, state) if len(context.names) == 1 else state
 

@@ -47,10 +47,10 @@ from remat.strategies.baselines.chen import (
 )
 from remat.strategies.common.problem import (
     Evaluation,
+    FitDeadline,
     Problem,
     StrategyResult,
     evaluate,
-    fit_deadline,
     select_best,
 )
 from remat.strategies.common.rsolve import (
@@ -110,9 +110,8 @@ def placed_greedy(
     if time_budget_s is None:
         time_budget_s = config.placed_time_s
     names = tuple(names or (d.name for d in problem.costs.devices))
-    started = time.monotonic()
-    deadline = started + time_budget_s
-    until_fit = fit_deadline(started, deadline, fit_budget_s)
+    deadline = time.monotonic() + time_budget_s
+    until_fit = FitDeadline.of(deadline, fit_budget_s)
     policies = _policies(problem)
     context = _CandidateScorer.of(problem, names, offer)
     candidates: list[_Candidate] = []
@@ -121,7 +120,7 @@ def placed_greedy(
     for place in placements(problem, names):
         # solving R for every candidate is most of the cost: one fit is enough, and until
         # one, placements are solved for as long as candidates are judged
-        if _over(problem, deadline if cheapest_fit < np.inf else until_fit):
+        if _over(problem, deadline) if cheapest_fit < np.inf else _unfit_over(problem, until_fit):
             break
         fixed = context.fixed(place)
         if context.compute_floor(place) >= cheapest_fit or not context.fixed_fits(fixed):
@@ -138,7 +137,8 @@ def placed_greedy(
             continue
         judged.append((candidate, context.evaluate(candidate)))
         fits = sum(e.fits for _, e in judged)
-        if fits >= config.placed_keep or _over(problem, deadline if fits else until_fit):
+        over = _over(problem, deadline) if fits else _unfit_over(problem, until_fit)
+        if fits >= config.placed_keep or over:
             break
     fitting = [(c, e) for c, e in judged if e.fits]
     if fitting:
@@ -285,6 +285,11 @@ def _keep_if_better(
 def _over(problem: Problem, deadline: float) -> bool:
     """Time is up, or the user cancelled."""
     return problem.cancelled or time.monotonic() > deadline
+
+
+def _unfit_over(problem: Problem, until_fit: FitDeadline) -> bool:
+    """With no plan that fits yet: the fit budget is spent too, or the user cancelled."""
+    return problem.cancelled or until_fit.passed()
 
 
 def placements(problem: Problem, names: Sequence[str]) -> list[np.ndarray]:

@@ -108,12 +108,20 @@ class OpSpec:
     # Seeds the operator's randomness (Dropout's mask in training mode): the same seed gives
     # the same mask on every run, recomputation and device (see ``random_mask``).
     seed: int = 0
+    # Positions of named outputs that nothing reads (no node, not a model output): a
+    # kernel that checks ``reads_output`` may give a stand-in of the same shape and bytes
+    # there instead of computing it (BatchNormalization's running statistics).
+    unread: frozenset[int] = frozenset()
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default)
 
     def wants_output(self, position: int) -> bool:
         return position < len(self.outputs) and bool(self.outputs[position])
+
+    def reads_output(self, position: int) -> bool:
+        """Named and read by something: not only wanted (``wants_output``) but used."""
+        return self.wants_output(position) and position not in self.unread
 
     def has_input(self, position: int) -> bool:
         return position < len(self.inputs) and bool(self.inputs[position])
@@ -844,8 +852,8 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     y, batch_mean, inv_std = torch.native_batch_norm(x, scale, bias, None, None, True, 0.0, eps)
     with torch.no_grad():
         batch_mean, inv_std = batch_mean.detach(), inv_std.detach()
-        if not (spec.wants_output(1) or spec.wants_output(2)):
-            return y, mean, var, batch_mean, inv_std  # running statistics not asked for
+        if not (spec.reads_output(1) or spec.reads_output(2)):
+            return y, mean, var, batch_mean, inv_std  # running statistics not read
         momentum = float(spec.attr("momentum", 0.9))
         # lerp(batch, running, momentum) = running * momentum + batch * (1 - momentum)
         running_mean = torch.lerp(batch_mean.to(mean.dtype), mean, momentum)
@@ -864,7 +872,7 @@ def _layer_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
     """The mean and inverse standard deviation PyTorch's kernel gave with the output
     (``_layer_norm``), which ``_layer_norm_grad`` would otherwise take again from the input;
     None where the model asks for them (they are its outputs then, with a gradient)."""
-    if spec.wants_output(1) or spec.wants_output(2):
+    if spec.reads_output(1) or spec.reads_output(2):
         return None
     return tuple(outputs[1:3])
 
@@ -919,7 +927,7 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
     axis = _axis(spec.attr("axis", -1), x.dim())
     eps = spec.attr("epsilon", 1e-5)
     shape = list(x.shape[axis:])
-    if not (spec.wants_output(1) or spec.wants_output(2)) and _normalised_shape(scale, bias, shape):
+    if not (spec.reads_output(1) or spec.reads_output(2)) and _normalised_shape(scale, bias, shape):
         # PyTorch's kernel gives the mean and inverse standard deviation with the output,
         # in the same pass (as autograd keeps them for the backward, ``SAVES``).
         y, mean, inv_std = torch.native_layer_norm(x, shape, scale, bias, eps)
@@ -2184,7 +2192,7 @@ def _layer_norm_grad(call: VjpCall) -> Grads:
     shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
     if (
         g is None
-        or any(other is not None for other in call.grads[1:])
+        or any(d is not None and spec.reads_output(k) for k, d in enumerate(call.grads[1:], 1))
         or not _normalised_shape(scale, bias, shape)
     ):
         return autograd_vjp(call)

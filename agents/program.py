@@ -53,7 +53,7 @@ from agents.kernels import OpSpec, Tensor, VjpCall
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
 from remat.onnx_fusion import DEFAULT_DOMAINS, FUSED_OPS, fused_node
-from remat.onnx_ingest import reference_ops
+from remat.onnx_ingest import reference_ops, tensors_read
 from remat.onnx_noops import reading
 from remat.training import gradient_slots
 
@@ -650,6 +650,7 @@ def build_program(
     opsets = {
         (o.domain if o.domain not in DEFAULT_DOMAINS else ""): o.version for o in model.opset_import
     }
+    read = tensors_read(model) | ({loss.output} if loss.output is not None else set())
     specs: dict[int, OpSpec] = {}
     sources: dict[int, list[Source]] = {}
     producer: dict[str, tuple[int, int]] = {}
@@ -669,9 +670,12 @@ def build_program(
         }
         seed_of_node = kernels.node_seed(seed, node.name)
         spec = kernels.spec_of(proto, node.name, opsets, consts, seed_of_node)
-        for flag, suffix in _KEPT_OUTPUTS.items():
-            if node.attrs.get(flag):
-                spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{suffix}"))
+        kept = [suffix for flag, suffix in _KEPT_OUTPUTS.items() if node.attrs.get(flag)]
+        if kept:  # the second output is the backward's
+            spec = replace(spec, outputs=(outputs[0], f"{outputs[0]}{kept[0]}"))
+        else:
+            unread = (k for k, name in enumerate(spec.outputs) if name and name not in read)
+            spec = replace(spec, unread=frozenset(unread))
         kernels.check_supported(spec)
         specs[node.id] = spec
         sources[node.id] = [_source(name, producer, graph) for name in proto.input]

@@ -310,6 +310,13 @@ def _reads(node: NodeProto) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def tensors_read(model: onnx.ModelProto) -> set[str]:
+    """Every tensor some node of ``model`` reads (subgraph captures included), and the
+    model's outputs: an output of a node not among them is read by nothing."""
+    read = {name for node in model.graph.node for name in _reads(node)}
+    return read | {v.name for v in model.graph.output}
+
+
 def _topological_order(nodes: Sequence[NodeProto], reads: Sequence[list[str]]) -> list[int]:
     """Kahn's algorithm; ties go to file order, so sorted files keep their order."""
     producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
@@ -1036,7 +1043,7 @@ def forward_graph(
     order = _topological_order(nodes, reads)
     names = _unique_names(nodes)
     work = _working_model(model, input_infos, order)
-    used = {name for names in reads for name in names} | {v.name for v in model.graph.output}
+    used = tensors_read(model)
     folder = _Folder(_infer(work) | input_infos, params, _opsets(model), work, used)
     scheduled = _fold(folder, nodes, reads, names, order, {*input_infos, *params})
     if not scheduled:

@@ -300,13 +300,24 @@ def _export_training() -> tuple[_TrainNet, torch.Tensor, onnx.ModelProto]:
     return net, x, onnx.load_from_string(buffer.getvalue())
 
 
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` with the tensors ``names`` among its outputs too (so they are read)."""
+    extended = onnx.ModelProto()
+    extended.CopyFrom(model)
+    extended.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
+    return extended
+
+
 def test_an_exported_training_model_matches_onnxruntime_up_to_the_mask() -> None:
     """Every tensor before the Dropout matches onnxruntime (batch statistics, updated
-    running statistics); the Dropout output is its input through its own mask, scaled, on
-    both sides (onnxruntime draws its own mask)."""
-    _, x, model = _export_training()
-    ops = [n.op_type for n in model.graph.node]
+    running statistics, made model outputs: the export's are read by nothing); the Dropout
+    output is its input through its own mask, scaled, on both sides (onnxruntime draws its
+    own mask)."""
+    _, x, exported = _export_training()
+    ops = [n.op_type for n in exported.graph.node]
     assert "Dropout" in ops and ops.count("BatchNormalization") == 2
+    first_bn = next(p for p in exported.graph.node if p.op_type == "BatchNormalization")
+    model = _with_outputs(exported, list(first_bn.output[1:]))
     name = model.graph.input[0].name
     program = build_program(model, forward_graph(model), inputs={name: x.numpy()})
     ours = program.forward_values()
@@ -317,7 +328,6 @@ def test_an_exported_training_model_matches_onnxruntime_up_to_the_mask() -> None
         for tensor, value in zip(node.attrs["onnx_outputs"], ours[node.id], strict=True)
     }
     dropout = next(p for p in model.graph.node if p.op_type == "Dropout")
-    first_bn = next(p for p in model.graph.node if p.op_type == "BatchNormalization")
     for tensor in [*first_bn.output, dropout.input[0]]:
         np.testing.assert_allclose(by_output[tensor].numpy(), theirs[tensor], rtol=1e-5, atol=1e-5)
     x_in = by_output[dropout.input[0]]
@@ -357,6 +367,31 @@ def test_an_exported_training_model_trains_like_pytorch(strategy: str) -> None:
     assert name not in ours
     for tensor in shared:
         torch.testing.assert_close(ours[tensor], theirs[tensor], rtol=1e-4, atol=1e-6)
+
+
+def test_running_statistics_nothing_reads_are_not_computed() -> None:
+    """The export's running statistics are read by no node and are no model output: the
+    kernel gives the running statistics it was given in their place (the same shapes and
+    bytes), and the same output; where they are model outputs, it updates them."""
+    _, x, exported = _export_training()
+    name = exported.graph.input[0].name
+    values, specs = [], []
+    for model in (exported, _with_outputs(exported, _running_outputs(exported))):
+        program = build_program(model, forward_graph(model), inputs={name: x.numpy()})
+        bn = next(n for n in program.graph.forward_nodes() if n.op == "BatchNormalization")
+        specs.append(program.specs[bn.id])
+        values.append(program.forward_values()[bn.id])
+        running = program.fixed[specs[-1].inputs[3]]
+    assert specs[0].unread == {1, 2} and not specs[0].reads_output(1)
+    assert specs[1].unread == frozenset() and specs[1].reads_output(1)
+    (y, mean, _), (y_read, mean_read, _) = values
+    torch.testing.assert_close(y, y_read)
+    assert torch.equal(mean, running) and mean.untyped_storage().nbytes() == running.nbytes
+    assert not torch.equal(mean_read, running)
+
+
+def _running_outputs(model: onnx.ModelProto) -> list[str]:
+    return [o for p in model.graph.node if p.op_type == "BatchNormalization" for o in p.output[1:]]
 
 
 # --- running statistics sharing an initializer with a scale --------------------------------------

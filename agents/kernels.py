@@ -148,6 +148,12 @@ class OpSpec:
         return {}
 
     @cached_property
+    def windows(self) -> dict[tuple[tuple[int, ...], tuple[int, ...] | None], _Window]:
+        """A convolution's or pooling's window by input spatial shape and kernel, made at
+        its first use (``_window``): read at every step that computes the node."""
+        return {}
+
+    @cached_property
     def layout_steps(self) -> tuple[tuple[bool, tuple[int, ...]], ...]:
         """A ``FusedLayout``'s steps as (whether it is a transpose, its target shape or
         permutation), read from its attributes once."""
@@ -320,12 +326,16 @@ class _Window:
 
 
 def _window(spec: OpSpec, x: Tensor, kernel: Sequence[int] | None = None) -> _Window:
-    r = x.dim() - 2
-    kernel = list(kernel if kernel is not None else spec.attr("kernel_shape"))
-    strides = list(spec.attr("strides", [1] * r))
-    dilations = list(spec.attr("dilations", [1] * r))
-    begins, ends = _window_pads(spec, list(x.shape[2:]), kernel, strides, dilations)
-    return _Window(kernel, strides, dilations, begins, ends)
+    key = (tuple(x.shape[2:]), None if kernel is None else tuple(kernel))
+    found = spec.windows.get(key)
+    if found is None:
+        r = x.dim() - 2
+        sizes = list(kernel if kernel is not None else spec.attr("kernel_shape"))
+        strides = list(spec.attr("strides", [1] * r))
+        dilations = list(spec.attr("dilations", [1] * r))
+        begins, ends = _window_pads(spec, list(x.shape[2:]), sizes, strides, dilations)
+        found = spec.windows[key] = _Window(sizes, strides, dilations, begins, ends)
+    return found
 
 
 # --- elementwise -----------------------------------------------------------------------------
@@ -1862,7 +1872,12 @@ Rule = Callable[[VjpCall], Grads]
 
 def vjp(call: VjpCall) -> Grads:
     """The gradient for each input position (None where not wanted or zero)."""
-    if not any(call.wanted) or all(g is None for g in call.grads):
+    if not any(call.wanted):
+        return [None] * len(call.args)
+    for g in call.grads:  # a loop, not a generator: this runs at every backward step
+        if g is not None:
+            break
+    else:
         return [None] * len(call.args)
     rule = VJP_RULES.get(call.spec.op_type)
     if rule is not None:

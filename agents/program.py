@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -430,7 +429,9 @@ class Program:
         assert f is not None
         args = self._fetch(call.args, values, fixed, device)
         output = values[f] if call.reads_output else None
-        upstream = [None if up is None else _summed(values, *up, device) for up in call.upstream]
+        upstream: list[Tensor | None] = []
+        for up in call.upstream:
+            upstream.append(None if up is None else _summed(values, *up, device))
         wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
             wanted = self._wanted_by[call.node.id] = [
@@ -439,10 +440,11 @@ class Program:
             ]
         saved = self._saved_for(f, args)
         found = kernels.vjp(VjpCall(call.spec, args, output, upstream, wanted, saved))
-        result = tuple(_slot(found, *slot, device) for slot in call.slots)
+        result = []
+        for slot in call.slots:
+            result.append(_slot(found, *slot, device))
         if grads is not None and call.fixed:
-            read = [*args, *(output or ()), *(g for g in upstream if g is not None)]
-            self._accumulate(call, found, grads, read)
+            self._accumulate(call, found, grads, [*args, *(output or ()), *upstream])
         return _owned(result)
 
     def _saved_for(self, f: int, args: Sequence[Tensor | None]) -> Value | None:
@@ -475,16 +477,23 @@ class Program:
     ) -> None:
         """Each fixed input's gradient into its buffer; one whose storage is also another
         tensor's (what the node read, another gradient of it) is copied, not taken."""
-        written = [
-            (grad, name)
-            for position, name in call.fixed
-            if (grad := found[position]) is not None and name in grads
-        ]
+        # loops, not comprehensions: this runs at every backward step that reads a fixed
+        # tensor, and each comprehension is a call of its own
+        written = []
+        for position, name in call.fixed:
+            grad = found[position]
+            if grad is not None and name in grads:
+                written.append((grad, name))
         if not written:
             return
-        storages = Counter(_storage(t) for t in (*read, *found) if t is not None and t.numel())
+        storages: dict[int, int] = {}
+        for t in (*read, *found):
+            if t is not None and t.numel():
+                at = t.untyped_storage().data_ptr()
+                storages[at] = storages.get(at, 0) + 1
         for grad, name in written:
-            grads.add(name, grad, not grad.numel() or storages[_storage(grad)] > 1)
+            at = grad.untyped_storage().data_ptr()
+            grads.add(name, grad, not grad.numel() or storages[at] > 1)
 
     # --- plain execution (the references) ------------------------------------------------
 
@@ -600,10 +609,6 @@ def _slot(
     return total
 
 
-def _storage(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def _spans_its_storage(t: Tensor) -> bool:
     """``t``'s elements fill its storage exactly: it is no view into a larger buffer."""
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
@@ -618,7 +623,8 @@ def _owned(result: Sequence[Tensor]) -> Value:
     so that what is allocated is at most the account."""
     owned = []
     for t in result:
-        if t.numel() and not _spans_its_storage(t):
+        # ``_spans_its_storage``, inline: this runs at every step
+        if (n := t.numel()) and t.untyped_storage().nbytes() != n * t.element_size():
             t = t.clone(memory_format=torch.contiguous_format)
         owned.append(t.detach() if t.requires_grad else t)
     return tuple(owned)

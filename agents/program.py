@@ -164,7 +164,7 @@ class _Call:
     For a forward node, ``forward``: its kernel (``kernels.prepared_forward``). For a
     backward node: whether it reads its forward node's output; per output of that
     node, the (node, tensor index) entries of its upstream gradient with the output's
-    (shape, dtype), zeros where there are none (None: not a float output, no gradient);
+    (shape, dtype), zeros where there are none (None: no gradient, ``_upstream_of``);
     per tensor of its value (``remat.training.gradient_slots``), the argument positions
     whose gradients sum into it with its (shape, dtype); and the positions that read a
     fixed tensor, with its name."""
@@ -335,17 +335,7 @@ class Program:
             read = frozenset(node.deps)
             sources = self.sources[f.id]
             upstream = tuple(
-                (
-                    tuple(
-                        (u.node, position)
-                        for u in self.upstream[index]
-                        if (position := u.positions[k]) is not None
-                    ),
-                    shape,
-                    dtype,
-                )
-                if dtype.is_floating_point
-                else None
+                self._upstream_of(index, k, shape, dtype)
                 for k, (shape, dtype) in enumerate(self.outputs_of(f.id))
             )
             positions: dict[tuple[int, int], list[int]] = {}
@@ -366,6 +356,25 @@ class Program:
             call = _Call(node, spec, fetches, None, f.id in read, upstream, slots, fixed)
         self._calls[index] = call
         return call
+
+    def _upstream_of(
+        self, index: int, k: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], torch.dtype] | None:
+        """Where backward node ``index``'s upstream gradient of its forward node's output
+        ``k`` is, with the output's (shape, dtype); None (a zero gradient, ``VjpCall``)
+        for an output that is not a float, or after the first that no node sends a
+        gradient for (a BatchNormalization's running statistics): no zeros are made at
+        every step for it. The first output's stays zeros: rules read it as ``call.g``."""
+        if not dtype.is_floating_point:
+            return None
+        parts = tuple(
+            (u.node, position)
+            for u in self.upstream[index]
+            if (position := u.positions[k]) is not None
+        )
+        if not parts and k > 0:
+            return None
+        return parts, shape, dtype
 
     def _fetches(self, forward: int, read: frozenset[int] | None) -> tuple[_Fetch, ...]:
         """Where each input of forward node ``forward`` comes from; an input computed by a

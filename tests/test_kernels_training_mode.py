@@ -388,6 +388,12 @@ def test_running_statistics_nothing_reads_are_not_computed() -> None:
     torch.testing.assert_close(y, y_read)
     assert torch.equal(mean, running) and mean.untyped_storage().nbytes() == running.nbytes
     assert not torch.equal(mean_read, running)
+    # Their backward gets no upstream gradient for them (zero): none is made at each step.
+    graph = for_mode(forward_graph(exported), Mode.TRAINING)
+    program = build_program(exported, graph, inputs={name: x.numpy()})
+    bn = next(n for n in graph.nodes if n.forward is not None and n.op == "BatchNormalization")
+    upstream = program._call(bn.id).upstream
+    assert upstream[0] is not None and upstream[1:3] == (None, None)
 
 
 def _running_outputs(model: onnx.ModelProto) -> list[str]:

@@ -542,6 +542,14 @@ CLOSED_FORMS: dict[str, Any] = {
         "Clip", [_double(4, 5), torch.tensor(-0.3, dtype=torch.float64), torch.tensor(0.4)]
     ),
     "clip_opset6": lambda: _call("Clip", [_double(4, 5)], opset=6, min=-0.5),
+    # inputs at the bounds themselves get the gradient, as autograd's clamp gives it
+    "clip_at_its_bounds": lambda: _call(
+        "Clip",
+        [torch.tensor([-0.5, 0.5, 0.0, -0.6, 0.7], dtype=torch.float64)],
+        opset=6,
+        min=-0.5,
+        max=0.5,
+    ),
     "hard_swish": lambda: _call(
         "HardSwish", [torch.cat([_double(20) * 4, torch.tensor([-3.0, 3.0], dtype=torch.float64)])]
     ),
@@ -580,6 +588,23 @@ def test_new_closed_form_gradients_match_autograd(name: str) -> None:
             continue
         assert a is not None and b is not None, position
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clips_gradient_passes_at_its_bounds_as_autograds_clamp(dtype: torch.dtype) -> None:
+    """PyTorch's ReLU6 kernel, whose bounds are exclusive, with the bounds moved out by a
+    step of the input's type: the values at ReLU6's bounds and just outside them get the
+    gradient autograd's inclusive clamp gives (here 0.1 is not a float32: its float32)."""
+    x = torch.tensor([0.0, 6.0, -1e-30, 6.0000005, 3.0, 0.1, -7.0], dtype=dtype)
+    x[5] = torch.tensor(0.1, dtype=dtype)
+    for low in (0.0, 0.1):
+        spec = OpSpec("Clip", "n", opset=6, attrs={"min": low, "max": 6.0}, outputs=("y",))
+        g = torch.arange(1.0, 8.0, dtype=dtype)
+        found = kernels.vjp(VjpCall(spec, [x], None, [g], [True]))[0]
+        leaf = x.clone().requires_grad_(True)
+        torch.clamp(leaf, low, 6.0).backward(g)
+        assert found is not None and torch.equal(found, leaf.grad)
+    assert found[1] == 2.0 and found[3] == 0.0 and found[5] == 6.0  # at 6, beyond, at 0.1
 
 
 def test_where_expand_gather_elements_gradients_work_from_placeholders() -> None:

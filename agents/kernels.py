@@ -2296,6 +2296,8 @@ def _clip_grad(call: VjpCall) -> Grads:
         low, high = spec.attr("min"), spec.attr("max")
     else:
         low, high = spec.scalar(1, call.args), spec.scalar(2, call.args)
+    if low is None and high is None:
+        return call.only(lambda: g)
     if x.dtype == g.dtype and x.dtype in _OUTWARD_TYPES:
         below, above = _outward(low, x.dtype, -math.inf), _outward(high, x.dtype, math.inf)
         return call.only(lambda: torch.ops.aten.hardtanh_backward(g, x, below, above))

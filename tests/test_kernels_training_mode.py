@@ -542,6 +542,7 @@ CLOSED_FORMS: dict[str, Any] = {
         "Clip", [_double(4, 5), torch.tensor(-0.3, dtype=torch.float64), torch.tensor(0.4)]
     ),
     "clip_opset6": lambda: _call("Clip", [_double(4, 5)], opset=6, min=-0.5),
+    "clip_unbounded": lambda: _call("Clip", [_double(4, 5)]),
     # inputs at the bounds themselves get the gradient, as autograd's clamp gives it
     "clip_at_its_bounds": lambda: _call(
         "Clip",

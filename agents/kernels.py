@@ -2208,7 +2208,7 @@ def _layer_norm_grad(call: VjpCall) -> Grads:
     shape = list(x.shape[_axis(spec.attr("axis", -1), x.dim()) :])
     if (
         g is None
-        or any(d is not None and spec.reads_output(k) for k, d in enumerate(call.grads[1:], 1))
+        or any(other is not None for other in call.grads[1:])
         or not _normalised_shape(scale, bias, shape)
     ):
         return autograd_vjp(call)

@@ -58,7 +58,7 @@ from remat.onnx_fusion import (
     UNBIND,
 )
 from remat.ops import pytorch_attention_backward
-from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, Needs
+from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, NON_DIFFERENTIABLE, Needs
 
 Tensor = torch.Tensor
 Args = Sequence[Tensor | None]
@@ -1779,44 +1779,9 @@ def _prod(x: Tensor, dims: tuple[int, ...], keep: bool) -> Tensor:
     return x
 
 
-# Inputs that never receive a gradient: statistics, shapes, indices, clip bounds.
-NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
-    "BatchNormalization": frozenset({3, 4}),
-    "Clip": frozenset({1, 2}),
-    "Pad": frozenset({1, 2, 3}),
-    "Pow": frozenset({1}),
-    "Reshape": frozenset({1}),
-    "Expand": frozenset({1}),
-    "Tile": frozenset({1}),
-    "Slice": frozenset({1, 2, 3, 4}),
-    "Squeeze": frozenset({1}),
-    "Unsqueeze": frozenset({1}),
-    "Split": frozenset({1}),
-    "Gather": frozenset({1}),
-    "GatherElements": frozenset({1}),
-    "Where": frozenset({0}),
-    "Resize": frozenset({1, 2, 3}),
-    "RNN": frozenset({4}),
-    "GRU": frozenset({4}),
-    "LSTM": frozenset({4}),
-    "Upsample": frozenset({1}),
-    "ConstantOfShape": frozenset({0}),
-    "Dropout": frozenset({1, 2}),
-    "ReduceMean": frozenset({1}),
-    "ReduceSum": frozenset({1}),
-    "ReduceMax": frozenset({1}),
-    "ReduceMin": frozenset({1}),
-    "ReduceProd": frozenset({1}),
-    "ReduceSumSquare": frozenset({1}),
-    "ReduceL2": frozenset({1}),
-}
-# Operators whose outputs carry no gradient at all (comparisons, indices, shapes).
-NO_GRADIENT = NO_GRADIENT_OPS
-
-
 def differentiable(spec: OpSpec, position: int) -> bool:
     """Whether input ``position`` of the operator can receive a gradient."""
-    if spec.op_type in NO_GRADIENT:
+    if spec.op_type in NO_GRADIENT_OPS:
         return False
     return position not in NON_DIFFERENTIABLE.get(spec.op_type, frozenset())
 

@@ -44,9 +44,10 @@ class FixedTensor:
     rotary embedding's cosines and sines; and a cross-entropy's labels), a model input, or
     (in a part of a decomposed graph) a value
     another part computed. ONNX does not say which tensors are trained: Remat trains the
-    parameters, and the model inputs are data (as in a PyTorch training step, where inputs
-    do not require a gradient, and in Checkmate's fixed memory M_input + 2 M_param, eq. 2);
-    exporters write a module's scalar hyperparameters as ``Constant`` nodes."""
+    parameters (weights read where a gradient reaches them, not running statistics:
+    ``remat.onnx_ingest``), and the model inputs are data (as in a PyTorch training step,
+    where inputs do not require a gradient, and in Checkmate's fixed memory M_input + 2
+    M_param, eq. 2); exporters write a module's scalar hyperparameters as ``Constant`` nodes."""
 
     name: str
     kind: FixedKind

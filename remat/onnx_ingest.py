@@ -61,6 +61,7 @@ from remat.onnx_fusion import (
     fuse_unbinds,
 )
 from remat.onnx_noops import bypass_noops
+from remat.training import NO_GRADIENT_OPS, NON_DIFFERENTIABLE
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
@@ -1182,6 +1183,24 @@ def _unplannable_error(problems: Sequence[tuple[str, str, _NodeError]]) -> Shape
     return ShapeError(f"{len(problems)} nodes ({operators}) cannot be planned: " + "; ".join(parts))
 
 
+def _differentiated_reads(protos: Iterable[NodeProto]) -> set[str]:
+    """The tensors some node reads where a gradient can reach them: not only at inputs that
+    never receive one (``NON_DIFFERENTIABLE``: a BatchNormalization's running statistics, a
+    Clip's bounds) nor as an input of an operator without gradients. Only these can be
+    trained: PyTorch keeps running statistics as buffers, which get no gradient."""
+    found: set[str] = set()
+    for proto in protos:
+        blocked = NON_DIFFERENTIABLE.get(proto.op_type, frozenset())
+        gradient = proto.op_type not in NO_GRADIENT_OPS
+        inputs = {
+            name
+            for position, name in enumerate(proto.input)
+            if name and gradient and position not in blocked
+        }
+        found |= inputs | (set(_reads(proto)) - set(proto.input))  # captures: conservative
+    return found
+
+
 def _sparse_shape(sparse: onnx.SparseTensorProto) -> TensorProto:
     # A value-less dense stand-in: sizes need only the dense shape and type, and
     # densifying a large sparse tensor up front would cost its full dense memory.
@@ -1202,13 +1221,16 @@ def _build(
     producer: dict[str, int] = {}
     nodes = []
     tables = _position_tables(scheduled)
+    differentiated = _differentiated_reads(proto for proto, _ in scheduled)
     for node_id, (proto, name) in enumerate(scheduled):
         reads = _reads(proto)
         for tensor in reads:
             if tensor in folder.constants and tensor not in fixed:
                 info = folder.infos[tensor]
                 _check_tensor_size(info, f"constant {tensor!r}")
-                trained = folder.is_weight(tensor) and tensor not in tables
+                trained = (
+                    folder.is_weight(tensor) and tensor not in tables and tensor in differentiated
+                )
                 kind = FixedKind.PARAMETER if trained else FixedKind.CONSTANT
                 fixed[tensor] = FixedTensor(tensor, kind, info.nbytes)
         outputs = [o for o in proto.output if o and o not in folder.dropped]

@@ -125,6 +125,38 @@ NO_GRADIENT_OPS = frozenset(
         Needs.NEITHER,
     )
 )
+# ONNX input positions that never receive a gradient: running statistics, shapes, indices,
+# clip bounds. A constant read only at such positions is not trained (``remat.onnx_ingest``).
+NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
+    "BatchNormalization": frozenset({3, 4}),
+    "Clip": frozenset({1, 2}),
+    "Pad": frozenset({1, 2, 3}),
+    "Pow": frozenset({1}),
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Split": frozenset({1}),
+    "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "Where": frozenset({0}),
+    "Resize": frozenset({1, 2, 3}),
+    "RNN": frozenset({4}),
+    "GRU": frozenset({4}),
+    "LSTM": frozenset({4}),
+    "Upsample": frozenset({1}),
+    "ConstantOfShape": frozenset({0}),
+    "Dropout": frozenset({1, 2}),
+    "ReduceMean": frozenset({1}),
+    "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}),
+    "ReduceProd": frozenset({1}),
+    "ReduceSumSquare": frozenset({1}),
+    "ReduceL2": frozenset({1}),
+}
 # Needs.SOME: (ONNX input positions among the inputs present, whether the output too).
 SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
     "Where": (frozenset({0}), False),  # the condition routes the gradient

@@ -38,6 +38,7 @@ from remat.onnx_ingest import (
     parse_input_shape,
     reference_ops,
 )
+from remat.simulator import held_fixed_bytes
 from remat.training import gradient_needs, kept_bytes, training_graph
 
 from graphs import causal_attention, grouped_query_attention, rotary_embedding
@@ -791,6 +792,35 @@ def test_what_is_trained_is_what_the_module_trains() -> None:
         "rows": FixedKind.CONSTANT,
         "e": FixedKind.PARAMETER,
     }
+
+
+def test_running_statistics_and_clip_bounds_are_not_trained() -> None:
+    """An initializer read only where no gradient reaches it (a BatchNormalization's running
+    mean and variance, a Clip's bounds) is a constant without a gradient buffer, as PyTorch
+    keeps running statistics as buffers; one read at a differentiable input too (a scale
+    that is also a running variance of ones) stays a parameter; and a training graph's
+    fixed memory counts a gradient buffer for the parameters alone."""
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "ones", "B", "M", "ones"], ["h"]),
+        helper.make_node("BatchNormalization", ["h", "S", "B", "M", "V"], ["h2"]),
+        helper.make_node("Clip", ["h2", "low", "high"], ["y"]),
+    ]
+    params = [
+        ones("ones", (3,)),
+        ones("S", (3,)),
+        ones("B", (3,)),
+        ones("M", (3,)),
+        ones("V", (3,)),
+        init("low", 0.0),
+        init("high", 6.0),
+    ]
+    graph = ingest(model(nodes, [vi("x", (2, 3, 4, 4))], [out("y", 4)], params))
+    trained = {name for name, tensor in graph.fixed.items() if tensor.has_gradient}
+    assert trained == {"ones", "S", "B"}
+    assert {graph.fixed[n].kind for n in ("M", "V", "low", "high")} == {FixedKind.CONSTANT}
+    training = training_graph(graph)
+    held = sum(t.nbytes for t in graph.fixed.values())
+    assert held_fixed_bytes(training, range(len(training.nodes))) == held + 3 * 3 * 4
 
 
 @pytest.mark.parametrize(

@@ -842,13 +842,20 @@ def batch_norm_training(spec: OpSpec) -> bool:
     return sum(1 for name in spec.outputs if name) > 1
 
 
+def _detached(t: Tensor) -> Tensor:
+    """``t`` cut from autograd's graph (a statistic, which carries no gradient), and
+    ``t`` itself where it is in none: the executor's tensors never are, and a detach at
+    every step costs a call."""
+    return t.detach() if t.requires_grad else t
+
+
 def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     x, scale, bias, mean, var = args[:5]
     assert x is not None and mean is not None and var is not None
     eps = spec.attr("epsilon", 1e-5)
     # Running statistics are buffers, never differentiated (an exporter may share one
     # initializer between a scale and a running variance of ones: the scale still trains).
-    mean, var = mean.detach(), var.detach()
+    mean, var = _detached(mean), _detached(var)
     if not batch_norm_training(spec):
         # Inference semantics: the running statistics normalise; statistics outputs, if a
         # model declares them anyway, are the running statistics unchanged.
@@ -861,10 +868,10 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     # PyTorch's kernel gives the batch's mean and inverse standard deviation with the
     # output, in the same pass (as autograd keeps them for the backward).
     y, batch_mean, inv_std = torch.native_batch_norm(x, scale, bias, None, None, True, 0.0, eps)
+    batch_mean, inv_std = _detached(batch_mean), _detached(inv_std)
+    if not (spec.reads_output(1) or spec.reads_output(2)):
+        return y, mean, var, batch_mean, inv_std  # running statistics not read
     with torch.no_grad():
-        batch_mean, inv_std = batch_mean.detach(), inv_std.detach()
-        if not (spec.reads_output(1) or spec.reads_output(2)):
-            return y, mean, var, batch_mean, inv_std  # running statistics not read
         momentum = float(spec.attr("momentum", 0.9))
         # lerp(batch, running, momentum) = running * momentum + batch * (1 - momentum)
         running_mean = torch.lerp(batch_mean.to(mean.dtype), mean, momentum)
@@ -942,7 +949,7 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
         # PyTorch's kernel gives the mean and inverse standard deviation with the output,
         # in the same pass (as autograd keeps them for the backward, ``SAVES``).
         y, mean, inv_std = torch.native_layer_norm(x, shape, scale, bias, eps)
-        return y, mean.detach(), inv_std.detach()
+        return y, _detached(mean), _detached(inv_std)
     # Statistics a model asks for carry a gradient (ONNX's outputs), so they are built from
     # differentiable operations.
     dims = tuple(range(axis, x.dim()))

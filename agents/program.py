@@ -210,7 +210,7 @@ class GradientBuffers(dict[str, Tensor]):
             self.unwritten.discard(name)
             owned = _spans_its_storage(grad) and grad.is_contiguous()
             if not shared and owned and _alike(grad, buffer):
-                self[name] = grad.detach()
+                self[name] = grad.detach() if grad.requires_grad else grad
             else:
                 buffer.copy_(grad)
 
@@ -620,7 +620,7 @@ def _slot(
 
 def _spans_its_storage(t: Tensor) -> bool:
     """``t``'s elements fill its storage exactly: it is no view into a larger buffer."""
-    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.untyped_storage().nbytes() == t.nbytes
 
 
 def _owned(result: Sequence[Tensor]) -> Value:
@@ -632,8 +632,9 @@ def _owned(result: Sequence[Tensor]) -> Value:
     so that what is allocated is at most the account."""
     owned = []
     for t in result:
-        # ``_spans_its_storage``, inline: this runs at every step
-        if (n := t.numel()) and t.untyped_storage().nbytes() != n * t.element_size():
+        # ``_spans_its_storage``, inline (an empty view is copied too, at no cost): this
+        # runs at every step
+        if t.untyped_storage().nbytes() != t.nbytes:
             t = t.clone(memory_format=torch.contiguous_format)
         owned.append(t.detach() if t.requires_grad else t)
     return tuple(owned)

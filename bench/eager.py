@@ -28,10 +28,13 @@ Prints a markdown table and appends rows to ``bench/results/eager.csv``.
 
     .venv/bin/python bench/eager.py [--models small_cnn,resnet18,transformer_encoder]
         [--threads 2] [--device cpu|cuda] [--repeats 20] [--rounds 4] [--processes 3]
-        [--exporter torchscript|dynamo] [--no-fuse-attention] [--run LABEL]
+        [--exporter torchscript|dynamo] [--no-fuse-attention] [--input-shape 8,3,224,224]
+        [--run LABEL]
 
 ``--no-fuse-attention`` plans each attention chain node by node
-(``forward_graph(fuse_attention=False)``; fused is the default).
+(``forward_graph(fuse_attention=False)``; fused is the default). ``--input-shape`` gives
+every model's first input this shape instead of its bench scale's (the corpus' images
+are 64 x 64 there; ImageNet's are 224 x 224): the ``input_shape`` column.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import multiprocessing
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 from agent import quietly
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
+    parser.add_argument("--input-shape", type=_shape, help="e.g. 8,3,224,224")
     fusion_argument(parser)
     add_run_argument(parser)
     args = parser.parse_args()
@@ -97,6 +102,7 @@ def main() -> None:
                     args.rounds,
                     args.fuse_attention,
                     args.exporter,
+                    args.input_shape,
                 )
                 rows.append(pool.apply(_measure, measure))
         row = _over_processes(rows)
@@ -132,6 +138,16 @@ def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (e.g. 8,3,224,224)") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (sizes are positive)")
+    return shape
+
+
 def _device(kind: str, threads: int) -> Device:
     """The one device both sides run on: a CPU with ``threads``, or the first CUDA GPU."""
     if kind == "cuda":
@@ -140,13 +156,21 @@ def _device(kind: str, threads: int) -> Device:
 
 
 def _measure(
-    name: str, device: Device, repeats: int, rounds: int, fuse_attention: bool, exporter: Exporter
+    name: str,
+    device: Device,
+    repeats: int,
+    rounds: int,
+    fuse_attention: bool,
+    exporter: Exporter,
+    input_shape: tuple[int, ...] | None,
 ) -> dict[str, Any]:
     """One corpus model's row from this process: eager, the executor, and the profiler's
     node times."""
     keep_host_heap()  # eager's runs too, as the executor's (``agents.torch_devices``)
     runtime = runtime_of(device)
     entry = CORPUS[name]
+    if input_shape is not None:
+        entry = replace(entry, shapes={**entry.shapes, "bench": input_shape})
     exported = export_entry(entry, "bench", exporter)
     forward = forward_graph(exported.model, fuse_attention=fuse_attention)
     graph = for_mode(forward, Mode.TRAINING, entry.loss)
@@ -199,6 +223,7 @@ def _measure(
     return {
         "model": name,
         "exporter": exporter,
+        "input_shape": "x".join(map(str, input_shape)) if input_shape is not None else "",
         "nodes": len(graph),
         "devices": ":".join([device.name, *(f"{k}={v}" for k, v in device.options.items())]),
         "steps": steps,

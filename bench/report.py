@@ -433,7 +433,7 @@ def _port_m(rows: Rows) -> str:
 
 def _eager(rows: Rows) -> str:
     columns: list[Column] = [
-        ("model (nodes)", lambda r: f"{r['model']} ({r['nodes']})"),
+        ("model (nodes)", _model_at_shape),
         ("steps", lambda r: r["steps"]),
         ("eager ms", lambda r: _f(r, "eager_ms", ".2f")),
         ("executor ms", lambda r: _f(r, "measured_ms", ".2f")),
@@ -447,6 +447,12 @@ def _eager(rows: Rows) -> str:
     ]
     right = ("steps", "eager ms", "executor ms", "executor / eager", "range")
     return _table(rows, columns, right)
+
+
+def _model_at_shape(row: dict[str, str]) -> str:
+    """The model, its nodes, and the input shape where the run gave one."""
+    shape = row.get("input_shape")
+    return f"{row['model']} ({row['nodes']})" + (f" at {shape}" if shape else "")
 
 
 def _attention(rows: Rows) -> str:

@@ -1005,6 +1005,9 @@ class _Run:
         pools = memory_spaces(plan)
         self.space = {name: pools.get(name, name) for name in runtimes}
         self.resident: dict[str, dict[int, Value]] = {}
+        # each resident value's bytes as accounted when it came, so that freeing it
+        # recounts nothing (``value_bytes``)
+        self.sizes: dict[str, dict[int, int]] = {}
         self._share_resident()
         lock = threading.Lock()  # the accounts, allocated from a section's threads
         self.accounts = {space: _Account(lock) for space in self.space.values()}
@@ -1089,9 +1092,12 @@ class _Run:
     # --- setup and teardown --------------------------------------------------------------
 
     def _share_resident(self) -> None:
-        """Empty resident values, one dict per memory space, shared by a pool's devices."""
+        """Empty resident values and their sizes, one dict each per memory space, shared
+        by a pool's devices."""
         spaces: dict[str, dict[int, Value]] = {}
         self.resident = {name: spaces.setdefault(s, {}) for name, s in self.space.items()}
+        sizes: dict[str, dict[int, int]] = {}
+        self.sizes = {name: sizes.setdefault(s, {}) for name, s in self.space.items()}
 
     def _place_fixed(self) -> None:
         placed: set[str] = set()
@@ -1282,6 +1288,13 @@ class _Run:
                 raise
             raise self._oom(index, self.plan.steps[index], error) from error
 
+    def _keep(self, device: str, node: int, value: Value, reserved: int = 0) -> None:
+        """``value`` resident on ``device`` as ``node``'s, and accounted there (less the
+        ``reserved`` bytes a prefetch counted when it was issued)."""
+        self.resident[device][node] = value
+        nbytes = self.sizes[device][node] = value_bytes(value)
+        self._allocated(device, nbytes - reserved)
+
     def _allocated(self, device: str, nbytes: int) -> None:
         """Account ``nbytes`` more on ``device``: a new resident value, or a prefetch's
         reservation."""
@@ -1309,7 +1322,7 @@ class _Run:
         runtime = self.runtimes[step.device]
         node, device, compute = step.node, runtime.torch_device, self.program.compute
         resident, fixed = self.resident[step.device], self.fixed[step.device]
-        account = self.accounts[self.space[step.device]]
+        sizes, account = self.sizes[step.device], self.accounts[self.space[step.device]]
         if self.timed_steps or (grads is not None and self.paged_fixed):
             return partial(self._compute, step, grads)
 
@@ -1317,7 +1330,8 @@ class _Run:
             if switch:
                 runtime.activate()
             value = resident[node] = compute(node, resident, fixed, grads, device)
-            account.allocate(value_bytes(value), runtime)
+            nbytes = sizes[node] = value_bytes(value)
+            account.allocate(nbytes, runtime)
             return 0.0
 
         return run
@@ -1338,8 +1352,7 @@ class _Run:
             grads,
             runtime.torch_device,
         )
-        resident[step.node] = value
-        self._allocated(step.device, value_bytes(value))
+        self._keep(step.device, step.node, value)
         return ms
 
     def _new_buffers(self, step: Compute, grads: dict[str, torch.Tensor]) -> None:
@@ -1359,8 +1372,7 @@ class _Run:
         )
         if src.is_cuda and dst.is_cuda:
             dst.synchronize()
-        self.resident[step.dst][step.node] = copied
-        self._allocated(step.dst, value_bytes(copied))
+        self._keep(step.dst, step.node, copied)
         return ms
 
     def _timed(
@@ -1376,11 +1388,12 @@ class _Run:
 
     def _prepared_free(self, step: Free) -> Callable[[], float]:
         """Untimed ``step`` as a call: its value released and its bytes accounted."""
-        node, resident = step.node, self.resident[step.device]
+        node, resident, sizes = step.node, self.resident[step.device], self.sizes[step.device]
         account = self.accounts[self.space[step.device]]
 
         def run() -> float:
-            account.live -= value_bytes(resident.pop(node))
+            del resident[node]
+            account.live -= sizes.pop(node)
             return 0.0
 
         return run
@@ -1392,7 +1405,8 @@ class _Run:
 
     def _drop(self, device: str, node: int) -> None:
         """Release ``node``'s value on ``device`` and its bytes from the account."""
-        self.accounts[self.space[device]].live -= value_bytes(self.resident[device].pop(node))
+        del self.resident[device][node]
+        self.accounts[self.space[device]].live -= self.sizes[device].pop(node)
 
     def _lane(self, device: str) -> _Lane:
         lane = self.lanes.get(device)
@@ -1491,8 +1505,7 @@ class _Run:
         if transfer.offload:  # the device copy is released
             self._drop(step.device, step.node)
         else:  # readable now; accounted when it was issued
-            self.resident[step.device][step.node] = copy
-            self._allocated(step.device, value_bytes(copy) - transfer.reserved)
+            self._keep(step.device, step.node, copy, transfer.reserved)
         return (time.perf_counter() - start) * 1e3
 
     # --- results -------------------------------------------------------------------------

@@ -493,16 +493,15 @@ class Program:
             grad = found[position]
             if grad is not None and name in grads:
                 written.append((grad, name))
-        if not written:
-            return
-        storages: dict[int, int] = {}
-        for t in (*read, *found):
-            if t is not None and t.numel():
-                at = t.untyped_storage().data_ptr()
-                storages[at] = storages.get(at, 0) + 1
         for grad, name in written:
             at = grad.untyped_storage().data_ptr()
-            grads.add(name, grad, not grad.numel() or storages[at] > 1)
+            holders = 0  # the tensors over its storage, itself (once or more) included
+            for t in (*read, *found):
+                if t is not None and t.untyped_storage().data_ptr() == at:
+                    holders += 1
+                    if holders > 1:
+                        break
+            grads.add(name, grad, not at or holders > 1)  # an empty one: nothing to take
 
     # --- plain execution (the references) ------------------------------------------------
 

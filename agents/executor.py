@@ -1320,7 +1320,7 @@ class _Run:
         added there and to its account (``grads``: the buffers its parameter gradients go
         to, None: dropped; ``switch``: make its device current first)."""
         runtime = self.runtimes[step.device]
-        node, device, compute = step.node, runtime.torch_device, self.program.compute
+        node, device, evaluate = step.node, runtime.torch_device, self.program.evaluator(step.node)
         resident, fixed = self.resident[step.device], self.fixed[step.device]
         sizes, account = self.sizes[step.device], self.accounts[self.space[step.device]]
         if self.timed_steps or (grads is not None and self.paged_fixed):
@@ -1329,7 +1329,7 @@ class _Run:
         def run() -> float:
             if switch:
                 runtime.activate()
-            value = resident[node] = compute(node, resident, fixed, grads, device)
+            value = resident[node] = evaluate(resident, fixed, grads, device)
             nbytes = sizes[node] = value_bytes(value)
             account.allocate(nbytes, runtime)
             return 0.0
@@ -1345,8 +1345,7 @@ class _Run:
         resident = self.resident[step.device]
         value, ms = self._timed(
             runtime,
-            self.program.compute,
-            step.node,
+            self.program.evaluator(step.node),
             resident,
             self.fixed[step.device],
             grads,

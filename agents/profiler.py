@@ -3,7 +3,7 @@ section 3: profiling of operators and copies per device).
 
 Each device runs the whole graph end to end, in node order (every value freed after its
 last use, as checkpoint-all does), ``warmup`` times unmeasured and then ``repeats`` times
-measured, and every node is timed as the executor evaluates it (``Program.compute``;
+measured, and every node is timed as the executor evaluates it (``Program.evaluator``;
 backward nodes accumulate into scratch gradient buffers). A node's time on a device is the
 median of its measurements, with their interquartile range as dispersion
 (``compute_spread_ms``). Timing nodes inside whole passes rather than repeating one node in
@@ -717,7 +717,7 @@ class _Session:
                     read = [t for value in inputs.values() for t in value]
                     held = value_bytes((*fixed.values(), *(grads or {}).values(), *read))
                     check_memory(runtime, held)
-                    compute = partial(program.compute, index, inputs, fixed, grads, device)
+                    compute = partial(program.evaluator(index), inputs, fixed, grads, device)
                     value, ms = self._timed(runtime, index, compute, run >= self.warmup)
                     check_memory(runtime, held + value_bytes(value))
                 if run >= self.warmup:
@@ -855,7 +855,8 @@ class _Session:
             node = nodes[index]
             buffers = grads if node.kind is NodeKind.BACKWARD else None
             with _device_memory(runtime, f"while profiling node {node.name!r}"):
-                compute = partial(self.program.compute, index, values, fixed, buffers, device)
+                evaluate = self.program.evaluator(index)
+                compute = partial(evaluate, values, fixed, buffers, device)
                 if energy is not None and index not in timed:
                     timed.add(index)
                     value, ms = self._measure_energy(runtime, energy, index, compute), 0.0

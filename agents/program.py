@@ -40,6 +40,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import onnx
@@ -57,6 +58,10 @@ from remat.onnx_noops import reading
 from remat.training import gradient_slots
 
 Value = tuple[Tensor, ...]
+# A node's evaluation: (values, fixed tensors, gradient buffers, device) -> its value
+Evaluator = Callable[
+    [Mapping[int, Value], Mapping[str, Tensor], "GradientBuffers | None", torch.device], Value
+]
 # Constant inputs up to this many elements are also kept on the host inside the OpSpec, so
 # that shapes, axes and pads are read without a device synchronisation.
 _HOST_CONSTANT_ELEMENTS = 64
@@ -309,19 +314,34 @@ class Program:
         """Node ``index``'s value from its dependencies' ``values`` and the ``fixed``
         tensors on ``device``; a backward node adds its parameter gradients to
         ``grads`` (None: drop them, e.g. when a backward node is recomputed)."""
-        call = self._calls.get(index)
-        if call is None:
-            node = self.graph.nodes[index]
-            if node.kind is NodeKind.LOSS:
-                return self._loss(node, values, fixed)
-            call = self._call(index)
+        return self.evaluator(index)(values, fixed, grads, device)
+
+    def evaluator(self, index: int) -> Evaluator:
+        """``compute`` for node ``index``, with what it looks up by the node's kind made
+        once: what the executor and the profiler call at every evaluation of the node."""
+        node = self.graph.nodes[index]
+        if node.kind is NodeKind.LOSS:
+            return partial(self._loss, node)
+        call = self._calls.get(index) or self._call(index)
         if call.forward is not None:
-            args = self._fetch(call.args, values, fixed, device)
-            result, saved = call.forward(args)
-            if saved is not None and args and args[0] is not None:
-                self._saved[index] = (weakref.ref(args[0]), saved)
-            return _owned(result)
-        return self._backward(call, values, fixed, grads, device)
+            return partial(self._forward, index, call.args, call.forward)
+        return partial(self._backward, call)
+
+    def _forward(
+        self,
+        index: int,
+        fetches: tuple[_Fetch, ...],
+        forward: Callable[[kernels.Args], tuple[kernels.Outputs, kernels.Outputs | None]],
+        values: Mapping[int, Value],
+        fixed: Mapping[str, Tensor],
+        grads: GradientBuffers | None,
+        device: torch.device,
+    ) -> Value:
+        args = self._fetch(fetches, values, fixed, device)
+        result, saved = forward(args)
+        if saved is not None and args and args[0] is not None:
+            self._saved[index] = (weakref.ref(args[0]), saved)
+        return _owned(result)
 
     def _call(self, index: int) -> _Call:
         """Forward or backward node ``index``'s prepared call (``_Call``), made at its
@@ -417,7 +437,14 @@ class Program:
             found = self._placeholders[key] = kernels.placeholder(shape, dtype, device)
         return found
 
-    def _loss(self, node: Node, values: Mapping[int, Value], fixed: Mapping[str, Tensor]) -> Value:
+    def _loss(
+        self,
+        node: Node,
+        values: Mapping[int, Value],
+        fixed: Mapping[str, Tensor],
+        grads: GradientBuffers | None,
+        device: torch.device,
+    ) -> Value:
         result = []
         for dep in node.deps:
             names = self.graph.nodes[dep].attrs["onnx_outputs"]

@@ -12,6 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,7 +25,7 @@ import torch
 from agents import executor
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, UnsupportedOpError
 from agents.executor import TOLERANCE, ExecutionReport, execute, max_relative_error
-from agents.program import Program, build_program
+from agents.program import Evaluator, Program, Value, build_program
 from agents.torch_devices import Runtime, detect_devices, ieee_fp32, keep_host_heap
 from remat import samples
 from remat.agent_protocol import ExecutionResult
@@ -205,14 +206,19 @@ def test_a_step_kind_this_agent_lacks_is_refused_before_any_step_runs(
         del run.perform[Copy]
 
     computed: list[int] = []
-    compute = Program.compute
+    evaluator = Program.evaluator
 
-    def counted(self: Program, node: int, *args: object) -> object:
-        computed.append(node)
-        return compute(self, node, *args)  # type: ignore[arg-type]
+    def counted(self: Program, node: int) -> Evaluator:
+        evaluate = evaluator(self, node)
+
+        def noted(*args: Any) -> Value:
+            computed.append(node)
+            return evaluate(*args)
+
+        return noted
 
     monkeypatch.setattr(executor._Run, "__init__", without_copies)
-    monkeypatch.setattr(Program, "compute", counted)
+    monkeypatch.setattr(Program, "evaluator", counted)
     with pytest.raises(PlanRejectedError, match=rf"step {first}: unsupported step kind 'copy'"):
         execute(model, graph, plan, DEVICES)
     assert computed == []
@@ -564,14 +570,7 @@ def test_a_step_failing_in_a_section_fails_the_run_and_leaves_no_thread(
         for i, s in enumerate(steps)
         if isinstance(s, Compute) and s.device == device and i > 10 and len(section(i)) == 2
     )
-    original = Program.compute
-
-    def failing(self: Program, node: int, *args: object, **kwargs: object) -> object:
-        if node == victim.node:
-            raise torch.OutOfMemoryError("out of memory (injected)")
-        return original(self, node, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Program, "compute", failing)
+    monkeypatch.setattr(Program, "evaluator", _failing_at(victim.node, "out of memory (injected)"))
     with pytest.raises(DeviceOutOfMemory, match=rf"device '{device}' at step {index} \(compute"):
         execute(model, graph, concurrent, DEVICES)
     assert not [t for t in threading.enumerate() if t.name.startswith("remat-section")]
@@ -612,16 +611,26 @@ def test_an_unsupported_operator_is_named() -> None:
         execute(model, graph, plan, DEVICES)
 
 
+def _failing_at(node: int, message: str) -> Callable[[Program, int], Evaluator]:
+    """``Program.evaluator`` with node ``node``'s evaluation running out of memory."""
+    evaluator = Program.evaluator
+
+    def failing(self: Program, index: int) -> Evaluator:
+        if index != node:
+            return evaluator(self, index)
+
+        def out_of_memory(*args: Any) -> Value:
+            raise torch.OutOfMemoryError(message)
+
+        return out_of_memory
+
+    return failing
+
+
 def test_out_of_memory_names_the_device_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
     model, graph, plan = _chain_plan()
-    original = Program.compute
-
-    def failing(self: Program, index: int, *args: object, **kwargs: object) -> object:
-        if index == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(self, index, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Program, "compute", failing)
+    failing = _failing_at(3, "CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(Program, "evaluator", failing)
     step = next(i for i, s in enumerate(plan.steps) if isinstance(s, Compute) and s.node == 3)
     with pytest.raises(DeviceOutOfMemory, match=rf"device 'cpu0' at step {step} \(compute"):
         execute(model, graph, plan, DEVICES)

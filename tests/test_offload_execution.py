@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import onnx
 import pytest
@@ -18,7 +19,7 @@ import torch
 from agents import executor
 from agents.errors import DeviceOutOfMemory
 from agents.executor import ExecutionReport, execute
-from agents.program import Program, Value
+from agents.program import Evaluator, Program, Value
 from remat import samples
 from remat.budgets import reference
 from remat.costs import analytical_costs
@@ -168,7 +169,7 @@ def test_a_tensor_is_readable_while_it_is_offloaded(monkeypatch: pytest.MonkeyPa
     read = threading.Event()
     copies: list[bool] = []  # per copy on the lane: whether the reader had run before it
     original_clone = executor._cloned
-    original_compute = Program.compute
+    evaluator = Program.evaluator
 
     def gated_clone(value: Value) -> Value:
         if not copies:  # the offload: held until the reader has computed
@@ -176,14 +177,20 @@ def test_a_tensor_is_readable_while_it_is_offloaded(monkeypatch: pytest.MonkeyPa
         copies.append(read.is_set())
         return original_clone(value)
 
-    def noting_compute(self: Program, index: int, *args: object, **kwargs: object) -> object:
-        found = original_compute(self, index, *args, **kwargs)  # type: ignore[arg-type]
-        if index == reader_node:
+    def noting(self: Program, index: int) -> Evaluator:
+        evaluate = evaluator(self, index)
+        if index != reader_node:
+            return evaluate
+
+        def noted(*args: Any) -> Value:
+            found = evaluate(*args)
             read.set()
-        return found
+            return found
+
+        return noted
 
     monkeypatch.setattr(executor, "_cloned", gated_clone)
-    monkeypatch.setattr(Program, "compute", noting_compute)
+    monkeypatch.setattr(Program, "evaluator", noting)
     report = execute(model, graph, plan, [CPU0], warmup=0)
     # the offload, then the prefetch: in the measured run and in the one timing its steps
     assert copies == [True, True] * 2

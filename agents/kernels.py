@@ -58,7 +58,7 @@ from remat.onnx_fusion import (
     UNBIND,
 )
 from remat.ops import pytorch_attention_backward
-from remat.training import GRADIENT_NEEDS, NO_GRADIENT_OPS, NON_DIFFERENTIABLE, Needs
+from remat.training import GRADIENT_NEEDS, Needs, differentiable_input
 
 Tensor = torch.Tensor
 Args = Sequence[Tensor | None]
@@ -1788,9 +1788,7 @@ def _prod(x: Tensor, dims: tuple[int, ...], keep: bool) -> Tensor:
 
 def differentiable(spec: OpSpec, position: int) -> bool:
     """Whether input ``position`` of the operator can receive a gradient."""
-    if spec.op_type in NO_GRADIENT_OPS:
-        return False
-    return position not in NON_DIFFERENTIABLE.get(spec.op_type, frozenset())
+    return differentiable_input(spec.op_type, position)
 
 
 # --- vector-Jacobian products ----------------------------------------------------------------

@@ -59,9 +59,10 @@ from agents.pytorch.reference import model_inputs, module_gradients
 from agents.torch_devices import keep_host_heap, measuring, runtime_of
 from remat.cli import fusion_argument
 from remat.devices import Device, DeviceKind
+from remat.errors import InvalidInputError
 from remat.graph import Mode
 from remat.onnx_fusion import ATTENTION
-from remat.onnx_ingest import forward_graph
+from remat.onnx_ingest import forward_graph, parse_input_shape
 from remat.plan import Compute
 from remat.problem import problem_from_graph
 from remat.strategies import run_strategy
@@ -139,13 +140,13 @@ def _over_processes(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``'s sizes, as ``remat plan --input`` reads them."""
     try:
-        shape = tuple(int(size) for size in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (e.g. 8,3,224,224)") from None
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (sizes are positive)")
-    return shape
+        return parse_input_shape(f"input={text}")[1]
+    except InvalidInputError:
+        raise argparse.ArgumentTypeError(
+            f"not a shape: {text!r} (positive sizes, e.g. 8,3,224,224)"
+        ) from None
 
 
 def _device(kind: str, threads: int) -> Device:

@@ -61,7 +61,7 @@ from remat.onnx_fusion import (
     fuse_unbinds,
 )
 from remat.onnx_noops import bypass_noops
-from remat.training import NO_GRADIENT_OPS, NON_DIFFERENTIABLE
+from remat.training import differentiable_input
 
 if TYPE_CHECKING:
     from onnx.reference.op_run import OpRun
@@ -1184,18 +1184,17 @@ def _unplannable_error(problems: Sequence[tuple[str, str, _NodeError]]) -> Shape
 
 
 def _differentiated_reads(protos: Iterable[NodeProto]) -> set[str]:
-    """The tensors some node reads where a gradient can reach them: not only at inputs that
-    never receive one (``NON_DIFFERENTIABLE``: a BatchNormalization's running statistics, a
-    Clip's bounds) nor as an input of an operator without gradients. Only these can be
+    """The tensors some node reads where a gradient can reach them
+    (``remat.training.differentiable_input``): not only where none does (a
+    BatchNormalization's running statistics, a Clip's bounds, any input of an operator
+    without gradients). Only these can be
     trained: PyTorch keeps running statistics as buffers, which get no gradient."""
     found: set[str] = set()
     for proto in protos:
-        blocked = NON_DIFFERENTIABLE.get(proto.op_type, frozenset())
-        gradient = proto.op_type not in NO_GRADIENT_OPS
         inputs = {
             name
             for position, name in enumerate(proto.input)
-            if name and gradient and position not in blocked
+            if name and differentiable_input(proto.op_type, position)
         }
         found |= inputs | (set(_reads(proto)) - set(proto.input))  # captures: conservative
     return found

@@ -157,6 +157,15 @@ NON_DIFFERENTIABLE: dict[str, frozenset[int]] = {
     "ReduceSumSquare": frozenset({1}),
     "ReduceL2": frozenset({1}),
 }
+
+
+def differentiable_input(op_type: str, position: int) -> bool:
+    """Whether ONNX input ``position`` of an ``op_type`` node can receive a gradient."""
+    if op_type in NO_GRADIENT_OPS:
+        return False
+    return position not in NON_DIFFERENTIABLE.get(op_type, frozenset())
+
+
 # Needs.SOME: (ONNX input positions among the inputs present, whether the output too).
 SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
     "Where": (frozenset({0}), False),  # the condition routes the gradient

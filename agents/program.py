@@ -467,7 +467,13 @@ class Program:
         output = values[f] if call.reads_output else None
         upstream: list[Tensor | None] = []
         for up in call.upstream:
-            upstream.append(None if up is None else _summed(values, *up, device))
+            if up is None:
+                upstream.append(None)
+            elif len(parts := up[0]) == 1:  # one part as it is, inline: the common case
+                node, index = parts[0]
+                upstream.append(values[node][index])
+            else:
+                upstream.append(_summed(values, *up, device))
         wanted = self._wanted_by.get(call.node.id)
         if wanted is None:  # static: the arguments' presence and types do not change
             wanted = self._wanted_by[call.node.id] = [
@@ -478,9 +484,14 @@ class Program:
         found = kernels.vjp(VjpCall(call.spec, args, output, upstream, wanted, saved))
         result = []
         for slot in call.slots:
-            result.append(_slot(found, *slot, device))
+            positions = slot[0]
+            # one position's gradient as it is, inline: the common case, at every step
+            if len(positions) == 1 and (grad := found[positions[0]]) is not None:
+                result.append(grad)
+            else:
+                result.append(_slot(found, *slot, device))
         if grads is not None and call.fixed:
-            self._accumulate(call, found, grads, [*args, *(output or ()), *upstream])
+            self._accumulate(call, found, grads, (args, output or (), upstream))
         return _owned(result)
 
     def _saved_for(self, f: int, args: Sequence[Tensor | None]) -> Value | None:
@@ -509,26 +520,17 @@ class Program:
         call: _Call,
         found: Sequence[Tensor | None],
         grads: GradientBuffers,
-        read: Sequence[Tensor | None],
+        read: tuple[Sequence[Tensor | None], ...],
     ) -> None:
-        """Each fixed input's gradient into its buffer; one whose storage is also another
-        tensor's (what the node read, another gradient of it) is copied, not taken."""
-        # loops, not comprehensions: this runs at every backward step that reads a fixed
-        # tensor, and each comprehension is a call of its own
-        written = []
+        """Each fixed input's gradient into its buffer. One written first whose storage is
+        also another tensor's (``_shares_storage``: what the node ``read``, another of its
+        gradients) is copied, not taken; the check is made only then."""
         for position, name in call.fixed:
             grad = found[position]
-            if grad is not None and name in grads:
-                written.append((grad, name))
-        for grad, name in written:
-            at = grad.untyped_storage().data_ptr()
-            holders = 0  # the tensors over its storage, itself (once or more) included
-            for t in (*read, *found):
-                if t is not None and t.untyped_storage().data_ptr() == at:
-                    holders += 1
-                    if holders > 1:
-                        break
-            grads.add(name, grad, not at or holders > 1)  # an empty one: nothing to take
+            if grad is None or name not in grads:
+                continue
+            first = name in grads.unwritten
+            grads.add(name, grad, first and _shares_storage(grad, found, read))
 
     # --- plain execution (the references) ------------------------------------------------
 
@@ -647,6 +649,30 @@ def _slot(
 def _spans_its_storage(t: Tensor) -> bool:
     """``t``'s elements fill its storage exactly: it is no view into a larger buffer."""
     return t.untyped_storage().nbytes() == t.nbytes
+
+
+def _shares_storage(
+    grad: Tensor, found: Sequence[Tensor | None], read: tuple[Sequence[Tensor | None], ...]
+) -> bool:
+    """Whether another tensor holds ``grad``'s storage: a view of it, the tensor it is a
+    view of (the storage has another holder than ``grad``), or ``grad`` itself in another
+    place: a tensor the node read (a pass-through gradient) or another position's
+    gradient. Identity and one holder count, not a scan of every tensor's storage: this
+    runs at a buffer's first write, at every backward step that reads a parameter."""
+    # PyTorch's count of the storage's holders: ``grad`` and the storage object made here
+    if torch._C._storage_Use_Count(grad.untyped_storage()._cdata) > 2:
+        return True
+    places = 0
+    for t in found:
+        if t is grad:
+            places += 1
+    if places > 1:
+        return True
+    for tensors in read:
+        for t in tensors:
+            if t is grad:
+                return True
+    return False
 
 
 def _owned(result: Sequence[Tensor]) -> Value:

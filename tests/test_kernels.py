@@ -1094,3 +1094,23 @@ def test_training_on_cuda_matches_the_host(family: str, ieee: None) -> None:  # 
     allowed = max(RTOL, CUDA_ALLOWANCE * max_relative_error(host_grads, exact))
     error = max_relative_error(cuda_grads, exact)
     assert error <= allowed, f"gradients: rel error {error:.2e} (allowed {allowed:.2e})"
+
+
+def test_a_gradient_shares_storage_with_its_views_bases_and_the_tensors_read() -> None:
+    """A gradient is taken into its buffer only where no other tensor holds its storage:
+    not where it is a view of the upstream gradient or has a view of its own, is itself a
+    tensor the node read (a pass-through), or is the gradient at two positions."""
+    from agents.program import _shares_storage
+
+    upstream = torch.ones(2, 3)
+    fresh = upstream * 2
+    assert not _shares_storage(fresh, [fresh, None], ([upstream], ()))
+    assert _shares_storage(upstream, [upstream], ([], [upstream]))  # a pass-through
+    view = upstream.reshape(3, 2)
+    assert _shares_storage(view, [view], ([], [upstream]))  # a view of what was read
+    base = torch.ones(6)
+    held = base.view(2, 3)
+    assert _shares_storage(base, [base], ())  # a tensor holds a view of it
+    del held
+    assert not _shares_storage(base, [base], ())
+    assert _shares_storage(fresh, [fresh, fresh], ())  # the gradient at two positions

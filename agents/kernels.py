@@ -842,11 +842,13 @@ def batch_norm_training(spec: OpSpec) -> bool:
     return sum(1 for name in spec.outputs if name) > 1
 
 
-def _detached(t: Tensor) -> Tensor:
-    """``t`` cut from autograd's graph (a statistic, which carries no gradient), and
-    ``t`` itself where it is in none: the executor's tensors never are, and a detach at
-    every step costs a call."""
-    return t.detach() if t.requires_grad else t
+def _statistics(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Statistics (which carry no gradient) cut from autograd's graph where one is being
+    recorded (the reference's run), and as they are where none is (the executor's steps,
+    where a detach per tensor would cost a call each)."""
+    if torch.is_grad_enabled():
+        return tuple(t.detach() for t in tensors)
+    return tensors
 
 
 def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
@@ -855,7 +857,7 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     eps = spec.attr("epsilon", 1e-5)
     # Running statistics are buffers, never differentiated (an exporter may share one
     # initializer between a scale and a running variance of ones: the scale still trains).
-    mean, var = _detached(mean), _detached(var)
+    mean, var = _statistics(mean, var)
     if not batch_norm_training(spec):
         # Inference semantics: the running statistics normalise; statistics outputs, if a
         # model declares them anyway, are the running statistics unchanged.
@@ -868,7 +870,7 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
     # PyTorch's kernel gives the batch's mean and inverse standard deviation with the
     # output, in the same pass (as autograd keeps them for the backward).
     y, batch_mean, inv_std = torch.native_batch_norm(x, scale, bias, None, None, True, 0.0, eps)
-    batch_mean, inv_std = _detached(batch_mean), _detached(inv_std)
+    batch_mean, inv_std = _statistics(batch_mean, inv_std)
     if not (spec.reads_output(1) or spec.reads_output(2)):
         return y, mean, var, batch_mean, inv_std  # running statistics not read
     with torch.no_grad():
@@ -949,7 +951,7 @@ def _layer_norm(spec: OpSpec, args: Args) -> Outputs:
         # PyTorch's kernel gives the mean and inverse standard deviation with the output,
         # in the same pass (as autograd keeps them for the backward, ``SAVES``).
         y, mean, inv_std = torch.native_layer_norm(x, shape, scale, bias, eps)
-        return y, _detached(mean), _detached(inv_std)
+        return (y, *_statistics(mean, inv_std))
     # Statistics a model asks for carry a gradient (ONNX's outputs), so they are built from
     # differentiable operations.
     dims = tuple(range(axis, x.dim()))
@@ -2149,22 +2151,28 @@ def _batch_norm_grad(call: VjpCall) -> Grads:
     forward kernel (whose output is dropped; a strided ``var_mean`` over the batch and
     spatial axes was slower), rather than the whole forward re-run under autograd; only the
     output ``Y`` carries a gradient. Inference mode: through autograd."""
-    spec, x, g = call.spec, call.arg(0), call.grads[0]
-    if not batch_norm_training(spec) or g is None or call.optional(1) is None:
+    # the arguments read by position: this runs at every backward step of a normalisation
+    spec, args, g = call.spec, call.args, call.grads[0]
+    x, scale = args[0], args[1] if len(args) > 1 else None
+    if not batch_norm_training(spec) or g is None or scale is None:
         return autograd_vjp(call)
+    assert x is not None
     eps = spec.attr("epsilon", 1e-5)
-    scale = call.arg(1)
     if call.saved is not None:
         batch_mean, inv_std = call.saved
     else:
         _, batch_mean, inv_std = torch.native_batch_norm(x, scale, None, None, None, True, 0.0, eps)
-    wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
-    mask = [wanted[0], wanted[1], len(call.args) > 2 and wanted[2]]
+    wanted = call.wanted
+    count = len(wanted)
+    mask = [count > 0 and wanted[0], count > 1 and wanted[1], count > 2 and wanted[2]]
     grads = torch.ops.aten.native_batch_norm_backward(
         g, x, scale, None, None, batch_mean, inv_std, True, eps, mask
     )
-    found = [grad if m else None for grad, m in zip(grads, mask, strict=True)]
-    return (found + [None] * len(call.args))[: len(call.args)]
+    found: Grads = [None] * len(args)
+    for position in range(min(3, len(args))):
+        if mask[position]:
+            found[position] = grads[position]
+    return found
 
 
 def _layer_norm_grad(call: VjpCall) -> Grads:
@@ -2196,8 +2204,12 @@ def _layer_norm_grad(call: VjpCall) -> Grads:
 
 def _conv_grad(transposed: bool) -> Rule:
     def rule(call: VjpCall) -> Grads:
-        spec, x, w, g = call.spec, call.arg(0), call.arg(1), call.g
-        bias = call.optional(2)
+        # the arguments read by position, not through ``call.arg``: this runs at every
+        # backward step of a convolution
+        spec, args, g = call.spec, call.args, call.grads[0]
+        x, w = args[0], args[1]
+        assert x is not None and w is not None and g is not None
+        bias = args[2] if len(args) > 2 else None
         group = spec.attr("group", 1)
         if transposed:
             t = _transposed(spec, x, w)
@@ -2205,14 +2217,19 @@ def _conv_grad(transposed: bool) -> Rule:
             padding, output_padding = t.begins, t.output_padding
             bias_size = w.shape[1] * group
         else:
-            win = _window(spec, x, spec.attr("kernel_shape") or list(w.shape[2:]))
+            win = _window(spec, x, spec.attr("kernel_shape") or w.shape[2:])
             symmetric, strides, dilations = win.symmetric, win.strides, win.dilations
             padding, output_padding = win.begins, [0] * len(win.begins)
             bias_size = w.shape[0]
         if not symmetric:
             return autograd_vjp(call)
-        wanted = list(call.wanted) + [False] * (3 - len(call.wanted))
-        mask = [wanted[0], wanted[1], bias is not None and wanted[2]]
+        wanted = call.wanted
+        count = len(wanted)
+        mask = [
+            count > 0 and wanted[0],
+            count > 1 and wanted[1],
+            bias is not None and count > 2 and wanted[2],
+        ]
         grads = torch.ops.aten.convolution_backward(
             g,
             x,
@@ -2226,7 +2243,12 @@ def _conv_grad(transposed: bool) -> Rule:
             group,
             mask,
         )
-        return [grad if m else None for grad, m in zip(grads, mask, strict=True)][: len(call.args)]
+        found = [
+            grads[0] if mask[0] else None,
+            grads[1] if mask[1] else None,
+            grads[2] if mask[2] else None,
+        ]
+        return found[: len(args)]
 
     return rule
 

@@ -213,8 +213,15 @@ class GradientBuffers(dict[str, Tensor]):
                 buffer.add_(grad)
                 return
             self.unwritten.discard(name)
-            owned = _spans_its_storage(grad) and grad.is_contiguous()
-            if not shared and owned and _alike(grad, buffer):
+            # its storage its own and alike the buffer (inline: at every first write)
+            if (
+                not shared
+                and grad.untyped_storage().nbytes() == grad.nbytes
+                and grad.is_contiguous()
+                and grad.shape == buffer.shape
+                and grad.dtype == buffer.dtype
+                and grad.device == buffer.device
+            ):
                 self[name] = grad.detach() if grad.requires_grad else grad
             else:
                 buffer.copy_(grad)
@@ -229,10 +236,6 @@ class GradientBuffers(dict[str, Tensor]):
     def rewind(self) -> None:
         with self.lock:
             self.unwritten = set(self)
-
-
-def _alike(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 @dataclass
@@ -646,11 +649,6 @@ def _slot(
     return total
 
 
-def _spans_its_storage(t: Tensor) -> bool:
-    """``t``'s elements fill its storage exactly: it is no view into a larger buffer."""
-    return t.untyped_storage().nbytes() == t.nbytes
-
-
 def _shares_storage(
     grad: Tensor, found: Sequence[Tensor | None], read: tuple[Sequence[Tensor | None], ...]
 ) -> bool:
@@ -684,8 +682,7 @@ def _owned(result: Sequence[Tensor]) -> Value:
     so that what is allocated is at most the account."""
     owned = []
     for t in result:
-        # ``_spans_its_storage``, inline (an empty view is copied too, at no cost): this
-        # runs at every step
+        # a view of part of its storage (an empty view too, copied at no cost)
         if t.untyped_storage().nbytes() != t.nbytes:
             t = t.clone(memory_format=torch.contiguous_format)
         owned.append(t.detach() if t.requires_grad else t)

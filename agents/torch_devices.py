@@ -236,10 +236,12 @@ def keep_host_heap() -> bool:
 def measuring() -> Iterator[None]:
     """The conditions the profiler and the executor both time under, so that a plan's
     measured time is comparable to its profiled costs: the host heap kept
-    (``keep_host_heap``), no cyclic garbage collection (``gc_paused``), and float32 in
-    IEEE precision on CUDA (``ieee_fp32``)."""
+    (``keep_host_heap``), no cyclic garbage collection (``gc_paused``), float32 in IEEE
+    precision on CUDA (``ieee_fp32``), and no autograd recording (``torch.no_grad``: the
+    kernels' rules compute every gradient, and a rule that differentiates through
+    autograd enables it for itself)."""
     keep_host_heap()
-    with gc_paused(), ieee_fp32():
+    with gc_paused(), ieee_fp32(), torch.no_grad():
         yield
 
 

@@ -155,6 +155,13 @@ class OpSpec:
         return {}
 
     @cached_property
+    def slices(self) -> dict[tuple[int, ...], tuple[tuple[int, tuple[int, int, int]], ...]]:
+        """A ``Slice``'s ranges by input shape where its starts, ends, axes and steps are
+        constants, made at their first use (``_slice_ranges``): read at every step that
+        computes the node or its gradient."""
+        return {}
+
+    @cached_property
     def layout_steps(self) -> tuple[tuple[bool, tuple[int, ...]], ...]:
         """A ``FusedLayout``'s steps as (whether it is a transpose, its target shape or
         permutation), read from its attributes once."""
@@ -1105,9 +1112,13 @@ def _slice(spec: OpSpec, args: Args) -> Outputs:
 
 def _slice_ranges(
     spec: OpSpec, args: Args, shape: Sequence[int]
-) -> list[tuple[int, tuple[int, int, int]]]:
+) -> tuple[tuple[int, tuple[int, int, int]], ...]:
     """A ``Slice``'s (axis, (start, stop, step)) for each axis it slices, normalised to
     ``shape`` as Python's slices are."""
+    key = tuple(shape)
+    found = spec.slices.get(key)
+    if found is not None:
+        return found
     if spec.opset < 10:
         starts, ends = list(spec.attr("starts")), list(spec.attr("ends"))
         axes, steps = spec.attr("axes"), None
@@ -1120,7 +1131,10 @@ def _slice_ranges(
     for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
         dim = _axis(axis, len(shape))
         ranges.append((dim, slice(start, end, step).indices(shape[dim])))
-    return ranges
+    found = tuple(ranges)
+    if spec.opset < 10 or all(p in spec.consts or not spec.has_input(p) for p in range(1, 5)):
+        spec.slices[key] = found
+    return found
 
 
 def _one_index(spec: OpSpec, args: Args) -> int | None:

@@ -516,9 +516,14 @@ def _gemm(spec: OpSpec, args: Args) -> Outputs:
 def _matmul_add(spec: OpSpec, args: Args) -> Outputs:
     """``remat.onnx_fusion``'s ``A @ W + B`` with ``W`` a matrix (K, N), or (N, K) with
     ``transB``: ``F.linear``, as PyTorch runs a ``Linear`` layer (one ``addmm`` over the
-    flattened batch where the input is contiguous)."""
+    flattened batch where the input is contiguous). An input of three or more axes that is
+    not (a transposed view: attention's input projection after a layout change) is made
+    contiguous first: PyTorch would otherwise multiply it batch by batch against the
+    weight broadcast (``bmm``), which costs more than the copy."""
     a, w, bias = args[0], args[1], args[2]
     assert a is not None and w is not None and bias is not None
+    if a.dim() > 2 and not a.is_contiguous():
+        a = a.contiguous()
     return (F.linear(a, w if spec.attr("transB", 0) else w.t(), bias),)
 
 
@@ -2519,7 +2524,9 @@ def _unbind_grad(call: VjpCall) -> Grads:
     like = next(g for g in call.grads if g is not None)
 
     def stacked() -> Tensor:
-        zeros = torch.zeros(part, dtype=like.dtype, device=like.device)
+        zeros = None
+        if any(g is None for g in call.grads):  # zeros only where a part has no gradient
+            zeros = torch.zeros(part, dtype=like.dtype, device=like.device)
         return torch.stack([zeros if g is None else g for g in call.grads], dim=axis)
 
     return call.only(stacked)

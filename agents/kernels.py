@@ -2524,10 +2524,14 @@ def _unbind_grad(call: VjpCall) -> Grads:
     like = next(g for g in call.grads if g is not None)
 
     def stacked() -> Tensor:
-        zeros = None
-        if any(g is None for g in call.grads):  # zeros only where a part has no gradient
-            zeros = torch.zeros(part, dtype=like.dtype, device=like.device)
-        return torch.stack([zeros if g is None else g for g in call.grads], dim=axis)
+        parts, zeros = [], None  # zeros made only where a part has no gradient
+        for g in call.grads:
+            if g is None:
+                if zeros is None:
+                    zeros = torch.zeros(part, dtype=like.dtype, device=like.device)
+                g = zeros
+            parts.append(g)
+        return torch.stack(parts, dim=axis)
 
     return call.only(stacked)
 

@@ -1114,3 +1114,23 @@ def test_a_gradient_shares_storage_with_its_views_bases_and_the_tensors_read() -
     del held
     assert not _shares_storage(base, [base], ())
     assert _shares_storage(fresh, [fresh, fresh], ())  # the gradient at two positions
+
+
+def test_a_linear_layers_transposed_input_is_multiplied_as_one_matrix() -> None:
+    """A ``MatMulAdd`` whose input is a transposed view of three axes (attention's input
+    projection after a layout change) runs as one ``addmm`` over the flattened batch, not
+    PyTorch's batch-by-batch ``bmm`` against the broadcast weight, with the same result."""
+    x = torch.randn(8, 32, 16).transpose(0, 1)
+    w, b = torch.randn(16, 24), torch.randn(24)
+    spec = OpSpec(
+        MATMUL_ADD,
+        "node",
+        domain=FUSED_DOMAIN,
+        inputs=("x", "w", "b"),
+        outputs=("y",),
+    )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        [y] = kernels.run_forward(spec, [x, w, b])
+    ops = {e.key for e in profiled.key_averages()}
+    assert "aten::addmm" in ops and "aten::bmm" not in ops
+    torch.testing.assert_close(y, x @ w + b)

@@ -407,15 +407,28 @@ def _selu(spec: OpSpec, args: Args) -> Outputs:
 
 
 def _hard_sigmoid(spec: OpSpec, args: Args) -> Outputs:
-    assert args[0] is not None
+    """``clamp(alpha x + beta, 0, 1)``: PyTorch's kernel where the line is its own (x / 6 +
+    1/2, as exporters write ``Hardsigmoid``), one pass."""
+    x = args[0]
+    assert x is not None
+    if _pytorch_hard_sigmoid(spec):
+        return (F.hardsigmoid(x),)
     alpha, beta = spec.attr("alpha", 0.2), spec.attr("beta", 0.5)
-    return (torch.clamp(alpha * args[0] + beta, 0.0, 1.0),)
+    return (torch.clamp(alpha * x + beta, 0.0, 1.0),)
+
+
+def _pytorch_hard_sigmoid(spec: OpSpec) -> bool:
+    """Whether a ``HardSigmoid``'s line is PyTorch's ``hardsigmoid``'s (alpha 1/6 as a
+    float32 attribute holds it, beta 1/2)."""
+    alpha, beta = float(spec.attr("alpha", 0.2)), float(spec.attr("beta", 0.5))
+    return math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5
 
 
 def _hard_swish(spec: OpSpec, args: Args) -> Outputs:
+    """``x clamp(x / 6 + 1/2, 0, 1)``: PyTorch's ``hardswish`` kernel, one pass."""
     x = args[0]
     assert x is not None
-    return (x * torch.clamp(x / 6.0 + 0.5, 0.0, 1.0),)
+    return (F.hardswish(x),)
 
 
 def _prelu(spec: OpSpec, args: Args) -> Outputs:
@@ -2334,15 +2347,17 @@ def _outward(bound: float | None, dtype: torch.dtype, toward: float) -> float:
 
 
 def _hard_swish_grad(call: VjpCall) -> Grads:
-    """d/dx x*clamp(x/6 + 1/2, 0, 1): 0 below -3, x/3 + 1/2 on [-3, 3], 1 above."""
+    """d/dx x*clamp(x/6 + 1/2, 0, 1): 0 below -3, x/3 + 1/2 on [-3, 3], 1 above; PyTorch's
+    ``hardswish_backward``, one pass."""
     x, g = call.arg(0), call.g
-    slope = torch.where(x < -3, 0.0, torch.where(x > 3, 1.0, x / 3 + 0.5))
-    return call.only(lambda: g * slope.to(g.dtype))
+    return call.only(lambda: torch.ops.aten.hardswish_backward(g, x))
 
 
 def _hard_sigmoid_grad(call: VjpCall) -> Grads:
     """d/dx clamp(alpha x + beta, 0, 1): alpha where the line is inside (0, 1), else 0."""
     x, g = call.arg(0), call.g
+    if _pytorch_hard_sigmoid(call.spec):  # PyTorch's own line: its kernel, one pass
+        return call.only(lambda: torch.ops.aten.hardsigmoid_backward(g, x))
     alpha, beta = float(call.spec.attr("alpha", 0.2)), float(call.spec.attr("beta", 0.5))
     line = alpha * x + beta
     inside = (line > 0) & (line < 1)
@@ -2592,8 +2607,8 @@ def _silu_grad(call: VjpCall) -> Grads:
 
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
-    "Sigmoid": _from_output(lambda s, y, g: g * y * (1 - y)),
-    "Tanh": _from_output(lambda s, y, g: g * (1 - y * y)),
+    "Sigmoid": _from_output(lambda s, y, g: torch.ops.aten.sigmoid_backward(g, y)),
+    "Tanh": _from_output(lambda s, y, g: torch.ops.aten.tanh_backward(g, y)),
     "Exp": _from_output(lambda s, y, g: g * y),
     "Sqrt": _from_output(lambda s, y, g: g / (2 * y)),
     "Softmax": _from_output(_softmax_grad),

@@ -1134,3 +1134,42 @@ def test_a_linear_layers_transposed_input_is_multiplied_as_one_matrix() -> None:
     ops = {e.key for e in profiled.key_averages()}
     assert "aten::addmm" in ops and "aten::bmm" not in ops
     torch.testing.assert_close(y, x @ w + b)
+
+
+_SIXTH = float(np.float32(1 / 6))  # as an exporter's float32 attribute holds it
+
+
+@pytest.mark.parametrize(
+    ("case", "formula", "kernel"),
+    [
+        (
+            GradCase("HardSwish", [(4, 50)], opset=14),
+            lambda x: x * torch.clamp(x / 6 + 0.5, 0, 1),
+            "aten::hardswish_backward",
+        ),
+        (
+            GradCase("HardSigmoid", [(4, 50)], {"alpha": _SIXTH, "beta": 0.5}),
+            lambda x: torch.clamp(_SIXTH * x + 0.5, 0, 1),
+            "aten::hardsigmoid_backward",
+        ),
+        (GradCase("Sigmoid", [(4, 50)]), torch.sigmoid, "aten::sigmoid_backward"),
+        (GradCase("Tanh", [(4, 50)]), torch.tanh, "aten::tanh_backward"),
+    ],
+    ids=["hard_swish", "hard_sigmoid_sixth", "sigmoid", "tanh"],
+)
+def test_activations_are_differentiated_by_pytorchs_one_pass_kernels(
+    case: GradCase, formula: Callable[[torch.Tensor], torch.Tensor], kernel: str
+) -> None:
+    """HardSwish, HardSigmoid on PyTorch's own line, Sigmoid and Tanh take PyTorch's
+    backward kernel (one pass, as eager autograd runs them, not three elementwise
+    operations), and their gradients are those of the ONNX formula."""
+    call = _grad_call(case)
+    assert kernel in _kernels_run(call)
+    x = call.arg(0).detach().mul(4).requires_grad_(True)  # past the hard kinks at +-3
+    call = VjpCall(
+        call.spec, [x.detach()], kernels.run_forward(call.spec, [x.detach()]), [call.g], [True]
+    )
+    [expected] = torch.autograd.grad(formula(x), [x], call.g)
+    [ours] = kernels.vjp(call)
+    assert ours is not None
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-12)

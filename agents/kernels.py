@@ -1562,9 +1562,11 @@ def _recurrent_activations(
 
 
 def _recurrent(spec: OpSpec, args: Args) -> Outputs:
-    """RNN, GRU and LSTM (ONNX gate orders: GRU z, r, h; LSTM i, o, f, c), one time step at
-    a time in each direction; ``sequence_lens`` freezes a sequence's state after its end
-    and zeroes its outputs there; differentiable by autograd."""
+    """RNN, GRU and LSTM (ONNX gate orders: GRU z, r, h; LSTM i, o, f, c): PyTorch's fused
+    layer where the operator is one of PyTorch's (``_pytorch_recurrent``), as eager
+    PyTorch runs ``nn.LSTM``; else one time step at a time in each direction, where
+    ``sequence_lens`` freezes a sequence's state after its end and zeroes its outputs
+    there. Both are differentiable by autograd."""
     op = spec.op_type
     gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
     x, w, r = args[0], args[1], args[2]
@@ -1586,6 +1588,12 @@ def _recurrent(spec: OpSpec, args: Args) -> Outputs:
     clip = spec.attr("clip")
     defaults = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
     acts = _recurrent_activations(spec, directions, defaults[op])
+
+    if _pytorch_recurrent(spec, args):
+        y, y_h, y_c = _fused_recurrent(spec, x, w, r, bias, h0, c0, directions)
+        if layout:
+            return y.permute(2, 0, 1, 3), y_h.transpose(0, 1), y_c.transpose(0, 1)
+        return y, y_h, y_c
 
     def clipped(t: Tensor) -> Tensor:
         return torch.clamp(t, -clip, clip) if clip is not None else t
@@ -1640,6 +1648,85 @@ def _recurrent(spec: OpSpec, args: Args) -> Outputs:
     if layout:
         return y.permute(2, 0, 1, 3), y_h.transpose(0, 1), y_c.transpose(0, 1)
     return y, y_h, y_c
+
+
+# ONNX's gate blocks in PyTorch's order: LSTM i, o, f, c -> i, f, c, o; GRU z, r, h -> r, z, h
+_PYTORCH_GATES = {"RNN": [0], "GRU": [1, 0, 2], "LSTM": [0, 2, 3, 1]}
+_DEFAULT_ACTIVATIONS = {
+    "RNN": ["tanh"],
+    "GRU": ["sigmoid", "tanh"],
+    "LSTM": ["sigmoid", "tanh", "tanh"],
+}
+
+
+def _pytorch_recurrent(spec: OpSpec, args: Args) -> bool:
+    """Whether a recurrent operator is one of PyTorch's layers: its default activations
+    (an RNN's may be ReLU), no clip, no ``sequence_lens``, no peepholes or coupled input
+    and forget gates, a GRU's reset applied after its linear map (``linear_before_reset``),
+    forward or both directions, one floating type."""
+    op = spec.op_type
+    names = [str(n).lower() for n in spec.attr("activations") or []]
+    directions = 2 if spec.attr("direction", "forward") == "bidirectional" else 1
+    default = _DEFAULT_ACTIVATIONS[op]
+    own = (
+        not names
+        or names == default * directions
+        or (op == "RNN" and names == ["relu"] * directions)
+    )
+    tensors = [a for a in args if a is not None and a.is_floating_point()]
+    return (
+        own
+        and not spec.attr("activation_alpha")
+        and not spec.attr("activation_beta")
+        and spec.attr("clip") is None
+        and spec.attr("direction", "forward") in ("forward", "bidirectional")
+        and (len(args) <= 4 or args[4] is None)  # sequence_lens
+        and (len(args) <= 7 or args[7] is None)  # peepholes
+        and not spec.attr("input_forget", 0)
+        and (op != "GRU" or bool(spec.attr("linear_before_reset", 0)))
+        and len({t.dtype for t in tensors}) == 1
+    )
+
+
+def _fused_recurrent(
+    spec: OpSpec,
+    x: Tensor,
+    w: Tensor,
+    r: Tensor,
+    bias: Tensor | None,
+    h0: Tensor | None,
+    c0: Tensor | None,
+    directions: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """ONNX's Y [seq, directions, batch, hidden], Y_h and Y_c (an RNN's or GRU's: Y_h, not
+    an output) of a recurrent layer PyTorch has (``_pytorch_recurrent``), from its fused
+    kernel (``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``) with the
+    gates reordered to PyTorch's."""
+    op, hidden, seq, batch = spec.op_type, r.shape[-1], x.shape[0], x.shape[1]
+    order = _PYTORCH_GATES[op]
+
+    def reordered(t: Tensor) -> Tensor:  # gate blocks along the first axis
+        blocks = t.reshape(len(order), hidden, *t.shape[1:])
+        return blocks[order].reshape(t.shape)
+
+    gates = len(order) * hidden
+    params: list[Tensor] = []
+    for d in range(directions):
+        params += [reordered(w[d]), reordered(r[d])]
+        if bias is not None:
+            params += [reordered(bias[d, :gates]), reordered(bias[d, gates:])]
+    h = h0 if h0 is not None else x.new_zeros(directions, batch, hidden)
+    both, train = directions == 2, torch.is_grad_enabled()  # train: autograd keeps its state
+    if op == "LSTM":
+        c = c0 if c0 is not None else x.new_zeros(directions, batch, hidden)
+        y, y_h, y_c = torch.lstm(x, (h, c), params, bias is not None, 1, 0.0, train, both, False)
+    else:
+        layer = {"GRU": torch.gru, "RNN": torch.rnn_tanh}[op]
+        if op == "RNN" and str((spec.attr("activations") or ["tanh"])[0]).lower() == "relu":
+            layer = torch.rnn_relu
+        y, y_h = layer(x, h, params, bias is not None, 1, 0.0, train, both, False)
+        y_c = y_h
+    return y.view(seq, batch, directions, hidden).permute(0, 2, 1, 3), y_h, y_c
 
 
 def _is_inf(spec: OpSpec, args: Args) -> Outputs:

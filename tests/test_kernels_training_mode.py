@@ -803,6 +803,37 @@ def test_recurrent_layers_match_onnxruntime(name: str) -> None:
     _assert_forward_matches(_single_op_model(RECURRENT_CASES[name]))
 
 
+@pytest.mark.parametrize(
+    ("name", "fused"),
+    [
+        ("rnn", "aten::rnn_tanh"),
+        ("rnn_reverse_relu", None),  # reverse alone: PyTorch has no such layer
+        ("gru", None),  # the reset before the linear map: not PyTorch's GRU
+        ("gru_bidirectional_linear_before_reset", "aten::gru"),
+        ("lstm", "aten::lstm"),
+        ("lstm_bidirectional_initial_peepholes", None),
+        ("lstm_clip", None),
+    ],
+)
+def test_recurrent_layers_pytorch_has_run_its_fused_kernel(name: str, fused: str | None) -> None:
+    """A recurrent operator that is one of PyTorch's layers runs PyTorch's fused layer, as
+    eager ``nn.LSTM`` does, not a loop over time steps; the others loop (both match
+    onnxruntime: ``test_recurrent_layers_match_onnxruntime``)."""
+    case = RECURRENT_CASES[name]
+    order = list(case.order or ())
+    shapes = {name: torch.randn(shape) for name, shape in case.inputs.items()}
+    values = {**shapes, **{k: torch.from_numpy(v) for k, v in case.consts.items()}}
+    args = [values[n] if n else None for n in order]
+    spec = OpSpec(
+        case.op, "op", opset=14, attrs=case.attrs, inputs=tuple(order), outputs=("y", "h", "c")
+    )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        kernels.run_forward(spec, args)
+    ops = {e.key for e in profiled.key_averages()}
+    layers = {"aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu"}
+    assert ops & layers == ({fused} if fused else set())
+
+
 @pytest.mark.parametrize("op", ["GRU", "LSTM"])
 def test_recurrent_layout_1_is_layout_0_transposed(op: str) -> None:
     """onnxruntime's CPU kernels ignore ``layout``: batch-first is checked against the

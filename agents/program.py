@@ -623,8 +623,11 @@ def _summed(
         return torch.zeros(shape, dtype=dtype, device=device)
     node, index = parts[0]
     total = values[node][index]
-    for node, index in parts[1:]:
-        total = total + values[node][index]
+    for count, (node, index) in enumerate(parts[1:]):
+        if count == 0:
+            total = total + values[node][index]  # a tensor of its own: the parts are values
+        else:
+            total.add_(values[node][index])  # into it, as autograd accumulates: no allocation
     return total
 
 

@@ -1173,3 +1173,21 @@ def test_activations_are_differentiated_by_pytorchs_one_pass_kernels(
     [ours] = kernels.vjp(call)
     assert ours is not None
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-12)
+
+
+def test_an_upstream_gradient_of_several_parts_sums_into_one_new_tensor() -> None:
+    """Three consumers' gradients of one output sum into one tensor of its own (the second
+    and third added into it), and the consumers' values are left as they were."""
+    from agents.program import _summed
+
+    parts = [torch.full((2, 3), float(k)) for k in (1, 2, 4)]
+    values = {10 + k: (torch.zeros(1), part) for k, part in enumerate(parts)}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        total = _summed(
+            values, [(10, 1), (11, 1), (12, 1)], (2, 3), torch.float32, torch.device("cpu")
+        )
+    calls = {e.key: e.count for e in profiled.key_averages()}
+    assert calls.get("aten::add") == 1 and calls.get("aten::add_") == 1
+    assert total.tolist() == [[7.0] * 3] * 2
+    assert all(total.data_ptr() != part.data_ptr() for part in parts)
+    assert [float(part[0, 0]) for part in parts] == [1.0, 2.0, 4.0]

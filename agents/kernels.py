@@ -1561,9 +1561,19 @@ def _recurrent_activations(
     return [functions[d * n : (d + 1) * n] for d in range(directions)]
 
 
+# ONNX's gate blocks in PyTorch's order: LSTM i, o, f, c -> i, f, c, o; GRU z, r, h -> r, z, h
+_PYTORCH_GATES = {"RNN": [0], "GRU": [1, 0, 2], "LSTM": [0, 2, 3, 1]}
+# Each operator's activations where it names none (ONNX's defaults, PyTorch's layers')
+_DEFAULT_ACTIVATIONS = {
+    "RNN": ["tanh"],
+    "GRU": ["sigmoid", "tanh"],
+    "LSTM": ["sigmoid", "tanh", "tanh"],
+}
+
+
 def _recurrent(spec: OpSpec, args: Args) -> Outputs:
     """RNN, GRU and LSTM (ONNX gate orders: GRU z, r, h; LSTM i, o, f, c): PyTorch's fused
-    layer where the operator is one of PyTorch's (``_pytorch_recurrent``), as eager
+    layer where the operator is one of PyTorch's (``_pytorch_layer``), as eager
     PyTorch runs ``nn.LSTM``; else one time step at a time in each direction, where
     ``sequence_lens`` freezes a sequence's state after its end and zeroes its outputs
     there. Both are differentiable by autograd."""
@@ -1586,11 +1596,11 @@ def _recurrent(spec: OpSpec, args: Args) -> Outputs:
     hidden = r.shape[-1]
     seq, batch = x.shape[0], x.shape[1]
     clip = spec.attr("clip")
-    defaults = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
-    acts = _recurrent_activations(spec, directions, defaults[op])
+    acts = _recurrent_activations(spec, directions, _DEFAULT_ACTIVATIONS[op])
 
-    if _pytorch_recurrent(spec, args):
-        y, y_h, y_c = _fused_recurrent(spec, x, w, r, bias, h0, c0, directions)
+    layer = _pytorch_layer(spec, args)
+    if layer is not None:
+        y, y_h, y_c = _fused_recurrent(layer, spec, x, w, r, bias, h0, c0, directions)
         if layout:
             return y.permute(2, 0, 1, 3), y_h.transpose(0, 1), y_c.transpose(0, 1)
         return y, y_h, y_c
@@ -1650,31 +1660,20 @@ def _recurrent(spec: OpSpec, args: Args) -> Outputs:
     return y, y_h, y_c
 
 
-# ONNX's gate blocks in PyTorch's order: LSTM i, o, f, c -> i, f, c, o; GRU z, r, h -> r, z, h
-_PYTORCH_GATES = {"RNN": [0], "GRU": [1, 0, 2], "LSTM": [0, 2, 3, 1]}
-_DEFAULT_ACTIVATIONS = {
-    "RNN": ["tanh"],
-    "GRU": ["sigmoid", "tanh"],
-    "LSTM": ["sigmoid", "tanh", "tanh"],
-}
-
-
-def _pytorch_recurrent(spec: OpSpec, args: Args) -> bool:
-    """Whether a recurrent operator is one of PyTorch's layers: its default activations
-    (an RNN's may be ReLU), no clip, no ``sequence_lens``, no peepholes or coupled input
-    and forget gates, a GRU's reset applied after its linear map (``linear_before_reset``),
-    forward or both directions, one floating type."""
+def _pytorch_layer(spec: OpSpec, args: Args) -> Callable[..., Any] | None:
+    """PyTorch's fused layer for a recurrent operator that is one of PyTorch's layers
+    (``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``), None for
+    another: its default activations (an RNN's may be ReLU), no clip, no
+    ``sequence_lens``, no peepholes or coupled input and forget gates, a GRU's reset
+    applied after its linear map (``linear_before_reset``), forward or both directions,
+    one floating type."""
     op = spec.op_type
     names = [str(n).lower() for n in spec.attr("activations") or []]
     directions = 2 if spec.attr("direction", "forward") == "bidirectional" else 1
-    default = _DEFAULT_ACTIVATIONS[op]
-    own = (
-        not names
-        or names == default * directions
-        or (op == "RNN" and names == ["relu"] * directions)
-    )
+    relu = op == "RNN" and names == ["relu"] * directions
+    own = not names or names == _DEFAULT_ACTIVATIONS[op] * directions or relu
     tensors = [a for a in args if a is not None and a.is_floating_point()]
-    return (
+    pytorchs = (
         own
         and not spec.attr("activation_alpha")
         and not spec.attr("activation_beta")
@@ -1686,9 +1685,18 @@ def _pytorch_recurrent(spec: OpSpec, args: Args) -> bool:
         and (op != "GRU" or bool(spec.attr("linear_before_reset", 0)))
         and len({t.dtype for t in tensors}) == 1
     )
+    if not pytorchs:
+        return None
+    layers: dict[str, Callable[..., Any]] = {
+        "LSTM": torch.lstm,
+        "GRU": torch.gru,
+        "RNN": torch.rnn_tanh,
+    }
+    return torch.rnn_relu if relu else layers[op]
 
 
 def _fused_recurrent(
+    layer: Callable[..., Any],
     spec: OpSpec,
     x: Tensor,
     w: Tensor,
@@ -1699,9 +1707,8 @@ def _fused_recurrent(
     directions: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """ONNX's Y [seq, directions, batch, hidden], Y_h and Y_c (an RNN's or GRU's: Y_h, not
-    an output) of a recurrent layer PyTorch has (``_pytorch_recurrent``), from its fused
-    kernel (``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``) with the
-    gates reordered to PyTorch's."""
+    an output) of a recurrent layer PyTorch has, from its fused ``layer``
+    (``_pytorch_layer``) with the gates reordered to PyTorch's."""
     op, hidden, seq, batch = spec.op_type, r.shape[-1], x.shape[0], x.shape[1]
     order = _PYTORCH_GATES[op]
 
@@ -1719,11 +1726,8 @@ def _fused_recurrent(
     both, train = directions == 2, torch.is_grad_enabled()  # train: autograd keeps its state
     if op == "LSTM":
         c = c0 if c0 is not None else x.new_zeros(directions, batch, hidden)
-        y, y_h, y_c = torch.lstm(x, (h, c), params, bias is not None, 1, 0.0, train, both, False)
+        y, y_h, y_c = layer(x, (h, c), params, bias is not None, 1, 0.0, train, both, False)
     else:
-        layer = {"GRU": torch.gru, "RNN": torch.rnn_tanh}[op]
-        if op == "RNN" and str((spec.attr("activations") or ["tanh"])[0]).lower() == "relu":
-            layer = torch.rnn_relu
         y, y_h = layer(x, h, params, bias is not None, 1, 0.0, train, both, False)
         y_c = y_h
     return y.view(seq, batch, directions, hidden).permute(0, 2, 1, 3), y_h, y_c

@@ -623,10 +623,10 @@ def _summed(
         return torch.zeros(shape, dtype=dtype, device=device)
     node, index = parts[0]
     total = values[node][index]
-    for count, (node, index) in enumerate(parts[1:]):
-        if count == 0:
-            total = total + values[node][index]  # a tensor of its own: the parts are values
-        else:
+    if len(parts) > 1:
+        node, index = parts[1]
+        total = total + values[node][index]  # a tensor of its own: the parts are values
+        for node, index in parts[2:]:
             total.add_(values[node][index])  # into it, as autograd accumulates: no allocation
     return total
 

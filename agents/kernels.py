@@ -2125,10 +2125,20 @@ def _weight_grad(a: Tensor, g: Tensor) -> Tensor:
     return a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
 
 
+def _foldable(g: Tensor) -> Tensor:
+    """An upstream gradient of three or more axes made contiguous where it is not (a
+    layout change's gradient: a transposed view), once for the products and the sum that
+    read it: PyTorch multiplies a view whose batch does not flatten batch by batch against
+    the matrix broadcast (``bmm``), and each reshape would copy it again."""
+    return g.contiguous() if g.dim() > 2 and not g.is_contiguous() else g
+
+
 def _matmul_grad(call: VjpCall) -> Grads:
     a, b, g = call.arg(0), call.arg(1), call.g
     if a.dim() < 2 or b.dim() < 2:
         return autograd_vjp(call)
+    if b.dim() == 2:
+        g = _foldable(g)
 
     def grad_b() -> Tensor:
         if b.dim() == 2 and a.dim() > 2:  # a weight
@@ -2142,7 +2152,7 @@ def _matmul_add_grad(call: VjpCall) -> Grads:
     """``Linear``'s backward: dA = g W^T, dW = A^T g (its transpose, g^T A, with
     ``transB``) and dB = g summed over the batch, each one product or reduction over the
     flattened leading dimensions."""
-    a, w, g = call.arg(0), call.arg(1), call.g
+    a, w, g = call.arg(0), call.arg(1), _foldable(call.g)
     if call.spec.attr("transB", 0):
         return call.only(
             lambda: g @ w,

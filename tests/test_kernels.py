@@ -1136,6 +1136,36 @@ def test_a_linear_layers_transposed_input_is_multiplied_as_one_matrix() -> None:
     torch.testing.assert_close(y, x @ w + b)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["matmul_add", "matmul"])
+def test_a_products_transposed_upstream_gradient_is_multiplied_as_one_matrix(
+    fused: bool,
+) -> None:
+    """The backward of a product with a weight matrix, whose upstream gradient of four axes
+    is a layout change's transposed view (ConvNeXt's channels-last blocks: a batch that
+    does not flatten), multiplies it as one matrix (``mm``), not batch by batch (``bmm``),
+    and matches autograd's gradients."""
+    x, w, b = torch.randn(8, 2, 2, 16), torch.randn(16, 24), torch.randn(24)
+    g = torch.randn(8, 24, 2, 2).permute(0, 2, 3, 1)
+    if fused:
+        spec = OpSpec(
+            MATMUL_ADD, "node", domain=FUSED_DOMAIN, inputs=("x", "w", "b"), outputs=("y",)
+        )
+        args: list[torch.Tensor | None] = [x, w, b]
+    else:
+        spec = OpSpec("MatMul", "node", inputs=("x", "w"), outputs=("y",))
+        args = [x, w]
+    call = VjpCall(spec, args, None, [g], [True] * len(args))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        found = kernels.vjp(call)
+    ops = {e.key for e in profiled.key_averages()}
+    assert "aten::mm" in ops and "aten::bmm" not in ops
+    leaves = [a.clone().requires_grad_(True) for a in args if a is not None]
+    y = leaves[0] @ leaves[1] + (leaves[2] if fused else 0)
+    expected = torch.autograd.grad(y, leaves, g)
+    for got, want in zip(found, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 _SIXTH = float(np.float32(1 / 6))  # as an exporter's float32 attribute holds it
 
 

@@ -162,6 +162,14 @@ class OpSpec:
         return {}
 
     @cached_property
+    def pytorch_hard_sigmoid(self) -> bool:
+        """Whether a ``HardSigmoid``'s line is PyTorch's ``hardsigmoid``'s (alpha 1/6 as a
+        float32 attribute holds it, beta 1/2): read at every step that computes the node or
+        its gradient."""
+        alpha, beta = float(self.attr("alpha", 0.2)), float(self.attr("beta", 0.5))
+        return math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5
+
+    @cached_property
     def layout_steps(self) -> tuple[tuple[bool, tuple[int, ...]], ...]:
         """A ``FusedLayout``'s steps as (whether it is a transpose, its target shape or
         permutation), read from its attributes once."""
@@ -411,17 +419,10 @@ def _hard_sigmoid(spec: OpSpec, args: Args) -> Outputs:
     1/2, as exporters write ``Hardsigmoid``), one pass."""
     x = args[0]
     assert x is not None
-    if _pytorch_hard_sigmoid(spec):
+    if spec.pytorch_hard_sigmoid:
         return (F.hardsigmoid(x),)
     alpha, beta = spec.attr("alpha", 0.2), spec.attr("beta", 0.5)
     return (torch.clamp(alpha * x + beta, 0.0, 1.0),)
-
-
-def _pytorch_hard_sigmoid(spec: OpSpec) -> bool:
-    """Whether a ``HardSigmoid``'s line is PyTorch's ``hardsigmoid``'s (alpha 1/6 as a
-    float32 attribute holds it, beta 1/2)."""
-    alpha, beta = float(spec.attr("alpha", 0.2)), float(spec.attr("beta", 0.5))
-    return math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5
 
 
 def _hard_swish(spec: OpSpec, args: Args) -> Outputs:
@@ -467,15 +468,24 @@ def _halves(t: Tensor, half: int) -> tuple[Tensor, Tensor]:
 
 
 def _clip(spec: OpSpec, args: Args) -> Outputs:
+    """A float input's as PyTorch's ``hardtanh`` (ReLU6, which exporters write as ``Clip``),
+    whose gradient, from the output, is exclusive at the bounds (``_clip_grad``): autograd
+    differentiates it so where the references run it; otherwise ``clamp``."""
     x = args[0]
     assert x is not None
-    if spec.opset < 11:
-        low, high = spec.attr("min"), spec.attr("max")
-    else:
-        low, high = spec.scalar(1, args), spec.scalar(2, args)
+    low, high = _clip_bounds(spec, args)
     if low is None and high is None:
         return (x,)
+    below, above = -math.inf if low is None else low, math.inf if high is None else high
+    if x.is_floating_point() and below <= above:
+        return (F.hardtanh(x, below, above),)
     return (torch.clamp(x, low, high),)
+
+
+def _clip_bounds(spec: OpSpec, args: Args) -> tuple[float | None, float | None]:
+    if spec.opset < 11:
+        return spec.attr("min"), spec.attr("max")
+    return spec.scalar(1, args), spec.scalar(2, args)
 
 
 def _where(spec: OpSpec, args: Args) -> Outputs:
@@ -2412,39 +2422,27 @@ def _max_pool_grad(call: VjpCall) -> Grads:
 
 
 def _clip_grad(call: VjpCall) -> Grads:
-    """Through where the input is within the bounds, inclusive as autograd's clamp: by
-    PyTorch's kernel for ReLU6 (``hardtanh_backward``, one pass, ten times faster than the
-    masks on the host) with each bound moved out by one step of the input's type, its
-    bounds being exclusive (``_outward``); by masks for other types."""
-    spec, x, g = call.spec, call.arg(0), call.g
-    if spec.opset < 11:
-        low, high = spec.attr("min"), spec.attr("max")
-    else:
-        low, high = spec.scalar(1, call.args), spec.scalar(2, call.args)
+    """From the output, through where it is strictly inside the bounds, as PyTorch
+    differentiates ``hardtanh`` (ReLU6): its kernel, one pass. The input is not read, so
+    that it can be freed once the output is computed, as eager PyTorch's in-place ReLU6
+    frees it."""
+    spec, g = call.spec, call.g
+    assert call.output is not None
+    y = call.output[0]
+    low, high = _clip_bounds(spec, call.args)
     if low is None and high is None:
         return call.only(lambda: g)
-    if x.dtype == g.dtype and x.dtype in _OUTWARD_TYPES:
-        below, above = _outward(low, x.dtype, -math.inf), _outward(high, x.dtype, math.inf)
-        return call.only(lambda: torch.ops.aten.hardtanh_backward(g, x, below, above))
-    inside = torch.ones_like(x, dtype=torch.bool)
-    if low is not None:
-        inside = inside & (x >= low)
-    if high is not None:
-        inside = inside & (x <= high)
-    return call.only(lambda: g * inside)
-
-
-_OUTWARD_TYPES = (torch.float32, torch.float64)
+    below, above = _in_type(low, y.dtype, -math.inf), _in_type(high, y.dtype, math.inf)
+    return call.only(lambda: torch.ops.aten.hardtanh_backward(g, y, below, above))
 
 
 @functools.lru_cache(maxsize=64)
-def _outward(bound: float | None, dtype: torch.dtype, toward: float) -> float:
-    """``bound`` in ``dtype`` moved one representable step towards ``toward`` (None:
-    ``toward`` itself): ``x > _outward(low, ...)`` holds exactly where ``x >= low`` does."""
+def _in_type(bound: float | None, dtype: torch.dtype, unbounded: float) -> float:
+    """``bound`` as ``dtype`` holds it (None: ``unbounded``): the output's values at a
+    bound, which PyTorch's kernel compares in a wider type (0.1 in bfloat16 is above 0.1)."""
     if bound is None:
-        return toward
-    moved = torch.nextafter(torch.tensor(bound, dtype=dtype), torch.tensor(toward, dtype=dtype))
-    return float(moved.item())
+        return unbounded
+    return float(torch.tensor(bound, dtype=dtype).item())
 
 
 def _hard_swish_grad(call: VjpCall) -> Grads:
@@ -2457,7 +2455,7 @@ def _hard_swish_grad(call: VjpCall) -> Grads:
 def _hard_sigmoid_grad(call: VjpCall) -> Grads:
     """d/dx clamp(alpha x + beta, 0, 1): alpha where the line is inside (0, 1), else 0."""
     x, g = call.arg(0), call.g
-    if _pytorch_hard_sigmoid(call.spec):  # PyTorch's own line: its kernel, one pass
+    if call.spec.pytorch_hard_sigmoid:  # PyTorch's own line: its kernel, one pass
         return call.only(lambda: torch.ops.aten.hardsigmoid_backward(g, x))
     alpha, beta = float(call.spec.attr("alpha", 0.2)), float(call.spec.attr("beta", 0.5))
     line = alpha * x + beta

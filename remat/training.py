@@ -174,6 +174,7 @@ SOME_INPUTS: dict[str, tuple[frozenset[int], bool]] = {
     "Resize": (frozenset({1, 2, 3}), False),  # roi, scales, sizes: linear in the data
     "Upsample": (frozenset({1}), False),  # scales
     "Dropout": (frozenset({1, 2}), True),  # ratio, training mode, and the mask
+    "Clip": (frozenset({1, 2}), True),  # the bounds, and the output (PyTorch's hardtanh's)
 }
 GRADIENT_NEEDS: dict[str, Needs] = {
     **_ops("Relu Sigmoid Tanh Softmax LogSoftmax Exp Sqrt MaxPool", Needs.OUTPUT),
@@ -181,7 +182,7 @@ GRADIENT_NEEDS: dict[str, Needs] = {
         f"Conv ConvTranspose Gemm MatMul {MATMUL_ADD} BatchNormalization "
         f"InstanceNormalization LayerNormalization {LAYER_NORM} {RMS_NORM} LeakyRelu Gelu "
         f"{GELU} {SILU} Elu Log Abs Pow Erf "
-        "HardSigmoid Clip HardSwish RNN GRU LSTM",
+        "HardSigmoid HardSwish RNN GRU LSTM",
         Needs.INPUTS,
     ),
     **_ops(f"{ATTENTION} LRN", Needs.BOTH),

@@ -7,6 +7,7 @@ values against onnxruntime; gradients against autograd and against PyTorch's own
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from typing import Any
 
@@ -28,11 +29,11 @@ from agents.kernels import OpSpec, VjpCall
 from agents.program import build_program
 from remat.costs import analytical_costs
 from remat.devices import Device, DeviceKind
-from remat.graph import Mode
+from remat.graph import Mode, NodeKind
 from remat.onnx_ingest import forward_graph
 from remat.plan import Compute
 from remat.strategies import Problem, run_strategy
-from remat.training import for_mode
+from remat.training import for_mode, training_graph
 
 F32 = TensorProto.FLOAT
 CPU0 = Device("cpu0", DeviceKind.CPU, {"threads": "1"})
@@ -591,21 +592,57 @@ def test_new_closed_form_gradients_match_autograd(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_clips_gradient_passes_at_its_bounds_as_autograds_clamp(dtype: torch.dtype) -> None:
-    """PyTorch's ReLU6 kernel, whose bounds are exclusive, with the bounds moved out by a
-    step of the input's type: the values at ReLU6's bounds and just outside them get the
-    gradient autograd's inclusive clamp gives (here 0.1 is not a float32: its float32)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_clips_gradient_is_pytorchs_hardtanhs_from_its_output(dtype: torch.dtype) -> None:
+    """Clip differentiates as PyTorch's ``hardtanh`` (ReLU6, which exporters write as a
+    Clip): from its output alone (the input is a placeholder: the training graph frees it
+    once the output is computed), through where the output is strictly inside the bounds,
+    so the values at a bound get none; with one bound omitted, the other's alone."""
+    cpu = torch.device("cpu")
     x = torch.tensor([0.0, 6.0, -1e-30, 6.0000005, 3.0, 0.1, -7.0], dtype=dtype)
-    x[5] = torch.tensor(0.1, dtype=dtype)
-    for low in (0.0, 0.1):
-        spec = OpSpec("Clip", "n", opset=6, attrs={"min": low, "max": 6.0}, outputs=("y",))
-        g = torch.arange(1.0, 8.0, dtype=dtype)
-        found = kernels.vjp(VjpCall(spec, [x], None, [g], [True]))[0]
-        leaf = x.clone().requires_grad_(True)
-        torch.clamp(leaf, low, 6.0).backward(g)
-        assert found is not None and torch.equal(found, leaf.grad)
-    assert found[1] == 2.0 and found[3] == 0.0 and found[5] == 6.0  # at 6, beyond, at 0.1
+    g = torch.arange(1.0, 8.0, dtype=dtype)
+    for low, high in ((0.0, 6.0), (0.1, 6.0), (None, 6.0), (0.0, None)):
+        attrs = {k: v for k, v in (("min", low), ("max", high)) if v is not None}
+        spec = OpSpec("Clip", "n", opset=6, attrs=attrs, outputs=("y",))
+        [y] = kernels.run_forward(spec, [x])
+        hollow = kernels.placeholder(tuple(x.shape), dtype, cpu)
+        found = kernels.vjp(VjpCall(spec, [hollow], (y,), [g], [True]))[0]
+        # autograd's hardtanh in float64 with the bounds as the type holds them (0.1 in
+        # bfloat16 is above 0.1): an input at a bound is one its output cannot tell from
+        # one clipped there, and gets no gradient
+        leaf = x.to(torch.float64, copy=True).requires_grad_(True)
+        lo = -math.inf if low is None else torch.tensor(low, dtype=dtype).item()
+        hi = math.inf if high is None else torch.tensor(high, dtype=dtype).item()
+        F.hardtanh(leaf, lo, hi).backward(g.double())
+        assert found is not None and torch.equal(found.double(), leaf.grad), (low, high)
+        assert torch.equal(y, x.clamp(low, high))
+    assert found[0] == 0.0 and found[1] == 2.0 and found[3] == 4.0  # at 0 and beyond 6
+
+
+def _scalar(name: str, value: float) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(value, np.float32), name)
+
+
+def test_clips_input_is_not_kept_for_its_gradient() -> None:
+    """A Clip's backward node reads its output and bounds, not its input: the training
+    graph frees the input once the Clip has run (eager PyTorch's in-place ReLU6)."""
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Relu", ["x"], ["r"], "relu"),
+                helper.make_node("Clip", ["r", "lo", "hi"], ["y"], "clip"),
+            ],
+            "clip",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+            [_scalar("lo", 0.0), _scalar("hi", 6.0)],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    graph = training_graph(forward_graph(model))
+    clip = next(n for n in graph.nodes if n.op == "Clip" and n.kind is NodeKind.FORWARD)
+    backward = next(n for n in graph.nodes if n.forward == clip.id)
+    assert clip.id in backward.deps and clip.deps[0] not in backward.deps
 
 
 def test_where_expand_gather_elements_gradients_work_from_placeholders() -> None:

@@ -124,7 +124,7 @@ def test_selected_operators_read_only_what_their_gradient_needs():
 
     assert deps_of("where") == {"cond"}  # the condition, not the branches
     assert deps_of("gather") == {"kk"}  # the indices, not the data
-    assert deps_of("clip") == {"where"}  # its input (the bounds are constants)
+    assert deps_of("clip") == {"clip"}  # its output (the bounds are constants)
     assert deps_of("hs") == {"clip"}
     assert deps_of("expand") == set()  # a sum to the input's shape
     # Equal's output is a boolean: no gradient reaches Equal, which gets no backward node

@@ -175,7 +175,15 @@ import torch
 
 from agents.energy_counters import Counter, counter_of, updates_s
 from agents.errors import DeviceError, DeviceOutOfMemory, PlanRejectedError, StorageError
-from agents.program import GradientBuffers, Program, Value, build_program, value_bytes
+from agents.in_place import in_place_steps
+from agents.program import (
+    Evaluator,
+    GradientBuffers,
+    Program,
+    Value,
+    build_program,
+    value_bytes,
+)
 from agents.storage import describe, read_back, resolve_storage, scratch_directory, write_through
 from agents.torch_devices import (
     Runtime,
@@ -1183,6 +1191,10 @@ class _Run:
         prepared: list[Callable[[], float]] = []
         accumulated: set[int] = set()
         current: str | None = None  # the device made current by the step before
+        cpus = [name for name, runtime in self.runtimes.items() if not runtime.is_cuda]
+        in_place = in_place_steps(
+            self.plan, self.program.graph, self.program.sources, self.space, cpus
+        )
         for index, step in enumerate(self.plan.steps):
             if isinstance(step, Compute):
                 node = self.program.graph.nodes[step.node]
@@ -1192,7 +1204,7 @@ class _Run:
                     grads = self.buffers[step.device]
                 # a one-thread-at-a-time plan switches devices only where they change
                 switch = self.plan.concurrent or step.device != current
-                prepared.append(self._prepared_compute(step, grads, switch))
+                prepared.append(self._prepared_compute(step, grads, switch, index in in_place))
                 current = step.device
                 continue
             if isinstance(step, Free) and not self.timed_steps:
@@ -1314,17 +1326,19 @@ class _Run:
         )
 
     def _prepared_compute(
-        self, step: Compute, grads: GradientBuffers | None, switch: bool
+        self, step: Compute, grads: GradientBuffers | None, switch: bool, in_place: bool
     ) -> Callable[[], float]:
         """``step`` as a call: its node's value from the values resident on its device,
         added there and to its account (``grads``: the buffers its parameter gradients go
-        to, None: dropped; ``switch``: make its device current first)."""
+        to, None: dropped; ``switch``: make its device current first; ``in_place``: into
+        its input's storage, ``agents.in_place``)."""
         runtime = self.runtimes[step.device]
-        node, device, evaluate = step.node, runtime.torch_device, self.program.evaluator(step.node)
+        node, device = step.node, runtime.torch_device
+        evaluate = self.program.evaluator(step.node, in_place)
         resident, fixed = self.resident[step.device], self.fixed[step.device]
         sizes, account = self.sizes[step.device], self.accounts[self.space[step.device]]
         if self.timed_steps or (grads is not None and self.paged_fixed):
-            return partial(self._compute, step, grads)
+            return partial(self._compute, step, grads, evaluate)
 
         def run() -> float:
             if switch:
@@ -1336,16 +1350,17 @@ class _Run:
 
         return run
 
-    def _compute(self, step: Compute, grads: GradientBuffers | None) -> float:
-        """``step`` timed on its device, or making the buffers of paged fixed tensors
-        that its gradients go to first (``_new_buffers``)."""
+    def _compute(self, step: Compute, grads: GradientBuffers | None, evaluate: Evaluator) -> float:
+        """``step`` timed on its device (``evaluate``: its node's evaluation), or making
+        the buffers of paged fixed tensors that its gradients go to first
+        (``_new_buffers``)."""
         runtime = self.runtimes[step.device]
         if grads is not None and self.paged_fixed:
             self._new_buffers(step, grads)
         resident = self.resident[step.device]
         value, ms = self._timed(
             runtime,
-            self.program.evaluator(step.node),
+            evaluate,
             resident,
             self.fixed[step.device],
             grads,

@@ -265,11 +265,16 @@ def forward_and_saved(spec: OpSpec, args: Args) -> tuple[Outputs, Outputs | None
     return prepared_forward(spec)(args)
 
 
-def prepared_forward(spec: OpSpec) -> Callable[[Args], tuple[Outputs, Outputs | None]]:
+def prepared_forward(
+    spec: OpSpec, in_place: bool = False
+) -> Callable[[Args], tuple[Outputs, Outputs | None]]:
     """``forward_and_saved`` for one node, with its kernel, its saver and its wanted
-    outputs looked up once: the executor evaluates a node at every step that computes it."""
+    outputs looked up once: the executor evaluates a node at every step that computes it.
+    ``in_place``: its kernel that writes the output into the input (``IN_PLACE_KERNELS``),
+    where the executor knows nothing reads the input after it (``agents.in_place``)."""
     check_supported(spec)
-    kernel, saves = KERNELS[spec.op_type], SAVES.get(spec.op_type)
+    kernel = IN_PLACE_KERNELS[spec.op_type] if in_place else KERNELS[spec.op_type]
+    saves = SAVES.get(spec.op_type)
     count = len(spec.outputs)
     every = all(spec.outputs)  # else some outputs are omitted (empty names)
 
@@ -467,10 +472,11 @@ def _halves(t: Tensor, half: int) -> tuple[Tensor, Tensor]:
     return (t, t) if t.shape[-1] == 1 else (t[..., :half], t[..., half:])
 
 
-def _clip(spec: OpSpec, args: Args) -> Outputs:
+def _clip(spec: OpSpec, args: Args, in_place: bool = False) -> Outputs:
     """A float input's as PyTorch's ``hardtanh`` (ReLU6, which exporters write as ``Clip``),
     whose gradient, from the output, is exclusive at the bounds (``_clip_grad``): autograd
-    differentiates it so where the references run it; otherwise ``clamp``."""
+    differentiates it so where the references run it; otherwise ``clamp``. ``in_place``:
+    into the input (``IN_PLACE_KERNELS``)."""
     x = args[0]
     assert x is not None
     low, high = _clip_bounds(spec, args)
@@ -478,8 +484,8 @@ def _clip(spec: OpSpec, args: Args) -> Outputs:
         return (x,)
     below, above = -math.inf if low is None else low, math.inf if high is None else high
     if x.is_floating_point() and below <= above:
-        return (F.hardtanh(x, below, above),)
-    return (torch.clamp(x, low, high),)
+        return (F.hardtanh(x, below, above, in_place),)
+    return (torch.clamp_(x, low, high) if in_place else torch.clamp(x, low, high),)
 
 
 def _clip_bounds(spec: OpSpec, args: Args) -> tuple[float | None, float | None]:
@@ -1912,6 +1918,13 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "ReduceL2": _reduce(lambda x, d, k: (x * x).sum(dim=d, keepdim=k).sqrt(), 18),
     "ArgMax": _arg(torch.argmax),
     "ArgMin": _arg(torch.argmin),
+}
+
+# Kernels that write their output into their first input, as eager PyTorch's in-place
+# activations (``nn.ReLU(inplace=True)``, ReLU6) do: no output to allocate.
+IN_PLACE_KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
+    "Relu": lambda spec, args: (torch.relu_(args[0]),),  # type: ignore[arg-type]
+    "Clip": functools.partial(_clip, in_place=True),
 }
 
 

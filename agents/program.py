@@ -319,15 +319,18 @@ class Program:
         ``grads`` (None: drop them, e.g. when a backward node is recomputed)."""
         return self.evaluator(index)(values, fixed, grads, device)
 
-    def evaluator(self, index: int) -> Evaluator:
+    def evaluator(self, index: int, in_place: bool = False) -> Evaluator:
         """``compute`` for node ``index``, with what it looks up by the node's kind made
-        once: what the executor and the profiler call at every evaluation of the node."""
+        once: what the executor and the profiler call at every evaluation of the node.
+        ``in_place``: a forward node's output written into its input, whose value nothing
+        reads afterwards (``agents.in_place``)."""
         node = self.graph.nodes[index]
         if node.kind is NodeKind.LOSS:
             return partial(self._loss, node)
         call = self._calls.get(index) or self._call(index)
         if call.forward is not None:
-            return partial(self._forward, index, call.args, call.forward)
+            forward = kernels.prepared_forward(call.spec, True) if in_place else call.forward
+            return partial(self._forward, index, call.args, forward)
         return partial(self._backward, call)
 
     def _forward(

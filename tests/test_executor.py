@@ -208,8 +208,8 @@ def test_a_step_kind_this_agent_lacks_is_refused_before_any_step_runs(
     computed: list[int] = []
     evaluator = Program.evaluator
 
-    def counted(self: Program, node: int) -> Evaluator:
-        evaluate = evaluator(self, node)
+    def counted(self: Program, node: int, in_place: bool = False) -> Evaluator:
+        evaluate = evaluator(self, node, in_place)
 
         def noted(*args: Any) -> Value:
             computed.append(node)
@@ -611,13 +611,13 @@ def test_an_unsupported_operator_is_named() -> None:
         execute(model, graph, plan, DEVICES)
 
 
-def _failing_at(node: int, message: str) -> Callable[[Program, int], Evaluator]:
+def _failing_at(node: int, message: str) -> Callable[[Program, int, bool], Evaluator]:
     """``Program.evaluator`` with node ``node``'s evaluation running out of memory."""
     evaluator = Program.evaluator
 
-    def failing(self: Program, index: int) -> Evaluator:
+    def failing(self: Program, index: int, in_place: bool = False) -> Evaluator:
         if index != node:
-            return evaluator(self, index)
+            return evaluator(self, index, in_place)
 
         def out_of_memory(*args: Any) -> Value:
             raise torch.OutOfMemoryError(message)

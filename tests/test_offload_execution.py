@@ -177,8 +177,8 @@ def test_a_tensor_is_readable_while_it_is_offloaded(monkeypatch: pytest.MonkeyPa
         copies.append(read.is_set())
         return original_clone(value)
 
-    def noting(self: Program, index: int) -> Evaluator:
-        evaluate = evaluator(self, index)
+    def noting(self: Program, index: int, in_place: bool = False) -> Evaluator:
+        evaluate = evaluator(self, index, in_place)
         if index != reader_node:
             return evaluate
 

@@ -1920,6 +1920,11 @@ KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {
     "ArgMin": _arg(torch.argmin),
 }
 
+# Operators whose gradient rules give each fixed input's gradient as a tensor of its own,
+# of the input's shape and type, that nothing else holds (PyTorch's fused backward kernels,
+# or autograd's where a rule falls back to it): a gradient buffer takes it unchecked.
+FRESH_GRADIENTS = frozenset({"Conv", "ConvTranspose", "BatchNormalization"})
+
 # Kernels that write their output into their first input, as eager PyTorch's in-place
 # activations (``nn.ReLU(inplace=True)``, ReLU6) do: no output to allocate.
 IN_PLACE_KERNELS: dict[str, Callable[[OpSpec, Args], Outputs]] = {

@@ -171,8 +171,9 @@ class _Call:
     node, the (node, tensor index) entries of its upstream gradient with the output's
     (shape, dtype), zeros where there are none (None: no gradient, ``_upstream_of``);
     per tensor of its value (``remat.training.gradient_slots``), the argument positions
-    whose gradients sum into it with its (shape, dtype); and the positions that read a
-    fixed tensor, with its name."""
+    whose gradients sum into it with its (shape, dtype); the positions that read a
+    fixed tensor, with its name; and whether its rule makes each of their gradients a
+    tensor of its own (``kernels.FRESH_GRADIENTS``)."""
 
     node: Node
     spec: OpSpec
@@ -184,6 +185,7 @@ class _Call:
     ] = ()
     slots: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] = ()
     fixed: tuple[tuple[int, str], ...] = ()
+    fresh: bool = False  # its rule's gradients are tensors of their own (FRESH_GRADIENTS)
 
 
 class GradientBuffers(dict[str, Tensor]):
@@ -225,6 +227,17 @@ class GradientBuffers(dict[str, Tensor]):
                 self[name] = grad.detach() if grad.requires_grad else grad
             else:
                 buffer.copy_(grad)
+
+    def take(self, name: str, grad: Tensor) -> None:
+        """Write or add ``grad`` into ``name``'s buffer, where its rule made it for the
+        buffer alone (``kernels.FRESH_GRADIENTS``: its own storage, the buffer's shape and
+        type): taken at the first write with no check."""
+        with self.lock:
+            if name in self.unwritten:
+                self.unwritten.discard(name)
+                self[name] = grad.detach() if grad.requires_grad else grad
+            else:
+                self[name].add_(grad)
 
     def settle(self, names: Iterable[str] | None = None) -> None:
         """Zero the buffers (of ``names``; None: all) no gradient was written into."""
@@ -379,7 +392,8 @@ class Program:
             )
             fetches = self._fetches(f.id, read)
             spec = self.specs[f.id]
-            call = _Call(node, spec, fetches, None, f.id in read, upstream, slots, fixed)
+            fresh = spec.op_type in kernels.FRESH_GRADIENTS
+            call = _Call(node, spec, fetches, None, f.id in read, upstream, slots, fixed, fresh)
         self._calls[index] = call
         return call
 
@@ -530,10 +544,14 @@ class Program:
     ) -> None:
         """Each fixed input's gradient into its buffer. One written first whose storage is
         also another tensor's (``_shares_storage``: what the node ``read``, another of its
-        gradients) is copied, not taken; the check is made only then."""
+        gradients) is copied, not taken; the check is made only then, and not for a rule
+        whose gradients are each a tensor of its own (``call.fresh``)."""
         for position, name in call.fixed:
             grad = found[position]
             if grad is None or name not in grads:
+                continue
+            if call.fresh:
+                grads.take(name, grad)
                 continue
             first = name in grads.unwritten
             grads.add(name, grad, first and _shares_storage(grad, found, read))

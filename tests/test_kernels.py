@@ -875,6 +875,30 @@ def test_a_gradient_buffer_takes_its_first_gradient_unless_shared_then_adds() ->
     assert buffers["u"].tolist() == [1.0] * 3
 
 
+def test_fused_backward_kernels_parameter_gradients_are_taken_unchecked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Conv's and a BatchNormalization's parameter gradients, which PyTorch's fused
+    backward kernels make as tensors of their own, are taken by their buffers without the
+    storage check (``kernels.FRESH_GRADIENTS``, ``GradientBuffers.take``); a Gemm's go
+    through it (``add``); every buffer is written."""
+    model = FAMILIES["resnet18"]()
+    graph = training_graph(forward_graph(model))
+    checked: list[str] = []
+    add = GradientBuffers.add
+
+    def noted(self: GradientBuffers, name: str, grad: torch.Tensor, shared: bool) -> None:
+        checked.append(name)
+        add(self, name, grad, shared)
+
+    monkeypatch.setattr(GradientBuffers, "add", noted)
+    _, grads = _training_values(build_program(model, graph), torch.device("cpu"))
+    reader = {t: node.op for node in graph.forward_nodes() for t in node.fixed}
+    assert {reader[t] for t in set(grads) - set(checked)} == {"Conv", "BatchNormalization"}
+    assert {reader[t] for t in checked} == {"Gemm"}
+    assert all(float(g.abs().max()) > 0 for g in grads.values())
+
+
 @pytest.mark.parametrize("family", ["resnet18", "unet", "transformer", "old_style"])
 def test_training_values_have_the_graphs_bytes(family: str) -> None:
     """Every node's value (forward, loss, backward) in node order is exactly as large as

@@ -925,7 +925,7 @@ def _batch_norm(spec: OpSpec, args: Args) -> Outputs:
 
 def _batch_norm_saved(spec: OpSpec, outputs: Outputs) -> Outputs | None:
     """In training, the batch's mean and inverse standard deviation (``_batch_norm``'s last
-    two outputs), which ``_batch_norm_grad`` would otherwise take again from the input."""
+    two outputs), which ``_prepared_batch_norm_grad`` would otherwise take again from the input."""
     return tuple(outputs[3:5]) if batch_norm_training(spec) else None
 
 
@@ -1992,6 +1992,10 @@ class VjpCall:
 
 
 Rule = Callable[[VjpCall], Grads]
+# A backward node's rule with what it decides from the node alone made once: it takes the
+# arguments, the output, the upstream gradients and what the forward saved.
+Prepared = Callable[[Args, Outputs | None, Sequence[Tensor | None], Outputs | None], Grads]
+Preparer = Callable[[OpSpec, Args, Sequence[bool]], Prepared | None]
 
 
 def vjp(call: VjpCall) -> Grads:
@@ -2009,6 +2013,38 @@ def vjp(call: VjpCall) -> Grads:
     if call.spec.op_type in OUTPUT_ONLY:
         raise call.spec.unsupported("no gradient from the output")
     return autograd_vjp(call)
+
+
+def prepared_vjp(spec: OpSpec, args: Args, wanted: Sequence[bool]) -> Prepared:
+    """``vjp`` for one backward node (``args``: its first evaluation's, for their shapes;
+    ``wanted``: the positions it computes), with what the operator's rule decides from the
+    node alone (attributes, shapes, wanted gradients) made once, where the rule has such a
+    part (``PREPARED_RULES``): the executor evaluates the node at every step that computes
+    it. Any other runs as ``vjp``."""
+    prepare = PREPARED_RULES.get(spec.op_type)
+    found = prepare(spec, args, wanted) if prepare is not None and any(wanted) else None
+    if found is not None:
+        return found
+
+    def rule(
+        args: Args, output: Outputs | None, grads: Sequence[Tensor | None], saved: Outputs | None
+    ) -> Grads:
+        return vjp(VjpCall(spec, args, output, grads, wanted, saved))
+
+    return rule
+
+
+def _from_prepared(prepare: Preparer) -> Rule:
+    """A prepared rule as a plain one: prepared for this call, or through autograd where
+    it has none."""
+
+    def rule(call: VjpCall) -> Grads:
+        prepared = prepare(call.spec, call.args, call.wanted)
+        if prepared is None:
+            return autograd_vjp(call)
+        return prepared(call.args, call.output, call.grads, call.saved)
+
+    return rule
 
 
 def autograd_vjp(call: VjpCall) -> Grads:
@@ -2306,34 +2342,42 @@ def _gemm_grad(call: VjpCall) -> Grads:
     )
 
 
-def _batch_norm_grad(call: VjpCall) -> Grads:
+def _prepared_batch_norm_grad(spec: OpSpec, args: Args, wanted: Sequence[bool]) -> Prepared | None:
     """Training mode: PyTorch's fused backward from the batch's statistics, those the
-    forward kernel saved (``call.saved``) or else taken again from the input by PyTorch's
+    forward kernel saved (``saved``) or else taken again from the input by PyTorch's
     forward kernel (whose output is dropped; a strided ``var_mean`` over the batch and
     spatial axes was slower), rather than the whole forward re-run under autograd; only the
-    output ``Y`` carries a gradient. Inference mode: through autograd."""
-    # the arguments read by position: this runs at every backward step of a normalisation
-    spec, args, g = call.spec, call.args, call.grads[0]
-    x, scale = args[0], args[1] if len(args) > 1 else None
-    if not batch_norm_training(spec) or g is None or scale is None:
-        return autograd_vjp(call)
-    assert x is not None
+    output ``Y`` carries a gradient. Inference mode: through autograd (None)."""
+    if not batch_norm_training(spec) or len(args) < 2 or args[1] is None:
+        return None
     eps = spec.attr("epsilon", 1e-5)
-    if call.saved is not None:
-        batch_mean, inv_std = call.saved
-    else:
-        _, batch_mean, inv_std = torch.native_batch_norm(x, scale, None, None, None, True, 0.0, eps)
-    wanted = call.wanted
     count = len(wanted)
     mask = [count > 0 and wanted[0], count > 1 and wanted[1], count > 2 and wanted[2]]
-    grads = torch.ops.aten.native_batch_norm_backward(
-        g, x, scale, None, None, batch_mean, inv_std, True, eps, mask
-    )
-    found: Grads = [None] * len(args)
-    for position in range(min(3, len(args))):
-        if mask[position]:
-            found[position] = grads[position]
-    return found
+    positions = [p for p in range(min(3, len(args))) if mask[p]]
+    size = len(args)
+
+    def rule(
+        args: Args, output: Outputs | None, grads: Sequence[Tensor | None], saved: Outputs | None
+    ) -> Grads:
+        x, scale, g = args[0], args[1], grads[0]
+        if g is None:
+            return vjp(VjpCall(spec, args, output, grads, wanted, saved))
+        assert x is not None and scale is not None
+        if saved is not None:
+            batch_mean, inv_std = saved
+        else:
+            _, batch_mean, inv_std = torch.native_batch_norm(
+                x, scale, None, None, None, True, 0.0, eps
+            )
+        computed = torch.ops.aten.native_batch_norm_backward(
+            g, x, scale, None, None, batch_mean, inv_std, True, eps, mask
+        )
+        found: Grads = [None] * size
+        for position in positions:
+            found[position] = computed[position]
+        return found
+
+    return rule
 
 
 def _layer_norm_grad(call: VjpCall) -> Grads:
@@ -2363,13 +2407,14 @@ def _layer_norm_grad(call: VjpCall) -> Grads:
     return (found + [None] * len(call.args))[: len(call.args)]
 
 
-def _conv_grad(transposed: bool) -> Rule:
-    def rule(call: VjpCall) -> Grads:
-        # the arguments read by position, not through ``call.arg``: this runs at every
-        # backward step of a convolution
-        spec, args, g = call.spec, call.args, call.grads[0]
+def _prepared_conv_grad(transposed: bool) -> Preparer:
+    """PyTorch's fused backward (``convolution_backward``) with the node's window, groups
+    and wanted gradients bound; a convolution whose padding is not symmetric: through
+    autograd (None)."""
+
+    def prepare(spec: OpSpec, args: Args, wanted: Sequence[bool]) -> Prepared | None:
         x, w = args[0], args[1]
-        assert x is not None and w is not None and g is not None
+        assert x is not None and w is not None
         bias = args[2] if len(args) > 2 else None
         group = spec.attr("group", 1)
         if transposed:
@@ -2383,35 +2428,48 @@ def _conv_grad(transposed: bool) -> Rule:
             padding, output_padding = win.begins, [0] * len(win.begins)
             bias_size = w.shape[0]
         if not symmetric:
-            return autograd_vjp(call)
-        wanted = call.wanted
+            return None
         count = len(wanted)
         mask = [
             count > 0 and wanted[0],
             count > 1 and wanted[1],
             bias is not None and count > 2 and wanted[2],
         ]
-        grads = torch.ops.aten.convolution_backward(
-            g,
-            x,
-            w,
-            [bias_size] if bias is not None else None,
-            strides,
-            padding,
-            dilations,
-            transposed,
-            output_padding,
-            group,
-            mask,
-        )
-        found = [
-            grads[0] if mask[0] else None,
-            grads[1] if mask[1] else None,
-            grads[2] if mask[2] else None,
-        ]
-        return found[: len(args)]
+        bias_sizes = [bias_size] if bias is not None else None
+        size = len(args)
 
-    return rule
+        def rule(
+            args: Args,
+            output: Outputs | None,
+            grads: Sequence[Tensor | None],
+            saved: Outputs | None,
+        ) -> Grads:
+            g = grads[0]
+            if g is None:
+                return [None] * size
+            computed = torch.ops.aten.convolution_backward(
+                g,
+                args[0],
+                args[1],
+                bias_sizes,
+                strides,
+                padding,
+                dilations,
+                transposed,
+                output_padding,
+                group,
+                mask,
+            )
+            found = [
+                computed[0] if mask[0] else None,
+                computed[1] if mask[1] else None,
+                computed[2] if mask[2] else None,
+            ]
+            return found[:size]
+
+        return rule
+
+    return prepare
 
 
 def _max_pool_grad(call: VjpCall) -> Grads:
@@ -2762,9 +2820,9 @@ VJP_RULES: dict[str, Rule] = {
     MATMUL_ADD: _matmul_add_grad,
     ATTENTION: _attention_grad,
     "Gemm": _gemm_grad,
-    "Conv": _conv_grad(False),
-    "ConvTranspose": _conv_grad(True),
-    "BatchNormalization": _batch_norm_grad,
+    "Conv": _from_prepared(_prepared_conv_grad(False)),
+    "ConvTranspose": _from_prepared(_prepared_conv_grad(True)),
+    "BatchNormalization": _from_prepared(_prepared_batch_norm_grad),
     "LayerNormalization": _layer_norm_grad,
     LAYER_NORM: _layer_norm_grad,
     RMS_NORM: _rms_norm_grad,
@@ -2774,6 +2832,13 @@ VJP_RULES: dict[str, Rule] = {
     SILU: _silu_grad,
     UNBIND: _unbind_grad,
     LAYOUT: _layout_grad,
+}
+
+# Rules whose decisions from the node alone are made once per node (``prepared_vjp``).
+PREPARED_RULES: dict[str, Preparer] = {
+    "Conv": _prepared_conv_grad(False),
+    "ConvTranspose": _prepared_conv_grad(True),
+    "BatchNormalization": _prepared_batch_norm_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -49,7 +49,7 @@ from onnx import helper, numpy_helper
 
 from agents import kernels
 from agents.errors import TaskError, UnsupportedOpError
-from agents.kernels import OpSpec, Tensor, VjpCall
+from agents.kernels import OpSpec, Tensor
 from remat.graph import FixedKind, Graph, Node, NodeKind
 from remat.loss import LossKind
 from remat.onnx_fusion import DEFAULT_DOMAINS, FUSED_OPS, fused_node
@@ -269,7 +269,7 @@ class Program:
     _outputs: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = field(
         default_factory=dict, init=False, repr=False
     )
-    _wanted_by: dict[int, list[bool]] = field(default_factory=dict, init=False, repr=False)
+    _rules: dict[int, kernels.Prepared] = field(default_factory=dict, init=False, repr=False)
     _calls: dict[int, _Call] = field(default_factory=dict, init=False, repr=False)
     # zero-stride placeholders by (shape, dtype, device): read-only, so shared
     _placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = field(
@@ -494,14 +494,14 @@ class Program:
                 upstream.append(values[node][index])
             else:
                 upstream.append(_summed(values, *up, device))
-        wanted = self._wanted_by.get(call.node.id)
-        if wanted is None:  # static: the arguments' presence and types do not change
-            wanted = self._wanted_by[call.node.id] = [
+        rule = self._rules.get(call.node.id)
+        if rule is None:  # static: the arguments' presence, types and shapes do not change
+            wanted = [
                 self._wanted(call, position, arg, source)
                 for position, (arg, source) in enumerate(zip(args, self.sources[f], strict=True))
             ]
-        saved = self._saved_for(f, args)
-        found = kernels.vjp(VjpCall(call.spec, args, output, upstream, wanted, saved))
+            rule = self._rules[call.node.id] = kernels.prepared_vjp(call.spec, args, wanted)
+        found = rule(args, output, upstream, self._saved_for(f, args))
         result = []
         for slot in call.slots:
             positions = slot[0]

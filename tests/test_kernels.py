@@ -614,6 +614,55 @@ def test_closed_form_gradients_match_autograd(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def _batch_norm_training_call() -> VjpCall:
+    generator = torch.Generator().manual_seed(4)
+    shapes = [(2, 3, 4, 4), (3,), (3,), (3,), (3,)]
+    args = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    args[4] = args[4].abs() + 0.5
+    spec = OpSpec(
+        "BatchNormalization",
+        "bn",
+        opset=15,
+        attrs={"epsilon": 1e-3, "training_mode": 1},
+        inputs=("x", "scale", "bias", "mean", "var"),
+        outputs=("y",),
+    )
+    output = kernels.run_forward(spec, args)
+    g = torch.randn(output[0].shape, generator=generator, dtype=torch.float64)
+    grads = [g, *[None] * (len(output) - 1)]
+    return VjpCall(spec, args, output, grads, [True, True, True, False, False])
+
+
+@pytest.mark.parametrize("name", ["conv", "conv_transpose", "batch_norm_training"])
+def test_a_prepared_rule_runs_no_dispatch_and_matches_autograd(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prepared_vjp`` binds what a convolution's or a training-mode normalisation's rule
+    decides from the node alone (window, groups, wanted gradients) once: the rule it gives
+    runs PyTorch's fused backward without ``vjp``'s dispatch, with autograd's gradients,
+    also with what the forward saved; an asymmetric padding's goes through ``vjp``."""
+    call = _batch_norm_training_call() if name == "batch_norm_training" else None
+    call = call or _grad_call(GRAD_CASES[name])
+    rule = kernels.prepared_vjp(call.spec, call.args, call.wanted)
+    reference = kernels.autograd_vjp(call)
+    saved = kernels.forward_and_saved(call.spec, call.args)[1]
+    asymmetric = _grad_call(GRAD_CASES["conv_asymmetric"])
+    generic = kernels.prepared_vjp(asymmetric.spec, asymmetric.args, asymmetric.wanted)
+
+    def dispatched(call: VjpCall) -> kernels.Grads:
+        raise AssertionError("vjp dispatched")
+
+    monkeypatch.setattr(kernels, "vjp", dispatched)
+    for held in (None, saved):
+        ours = rule(call.args, call.output, call.grads, held)
+        for position, (a, b) in enumerate(zip(ours, reference, strict=True)):
+            assert (a is None) == (b is None), position
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    with pytest.raises(AssertionError, match="dispatched"):
+        generic(asymmetric.args, asymmetric.output, asymmetric.grads, None)
+
+
 def _kernels_run(call: VjpCall) -> set[str]:
     """The ATen operators that ``call``'s gradient runs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

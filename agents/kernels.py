@@ -2360,8 +2360,8 @@ def _prepared_batch_norm_grad(spec: OpSpec, args: Args, wanted: Sequence[bool]) 
         args: Args, output: Outputs | None, grads: Sequence[Tensor | None], saved: Outputs | None
     ) -> Grads:
         x, scale, g = args[0], args[1], grads[0]
-        if g is None:
-            return vjp(VjpCall(spec, args, output, grads, wanted, saved))
+        if g is None:  # a gradient for the statistics alone
+            return autograd_vjp(VjpCall(spec, args, output, grads, wanted, saved))
         assert x is not None and scale is not None
         if saved is not None:
             batch_mean, inv_std = saved

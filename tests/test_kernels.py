@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -661,6 +661,12 @@ def test_a_prepared_rule_runs_no_dispatch_and_matches_autograd(
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     with pytest.raises(AssertionError, match="dispatched"):
         generic(asymmetric.args, asymmetric.output, asymmetric.grads, None)
+    if name == "batch_norm_training":  # a gradient for a running statistic alone: autograd's
+        spec = replace(call.spec, outputs=("y", "running_mean", "running_var"))
+        output = kernels.run_forward(spec, call.args)
+        stats = kernels.prepared_vjp(spec, call.args, call.wanted)
+        alone = [None, torch.ones_like(output[1]), None]
+        assert stats(call.args, output, alone, None) == [None] * len(call.args)
 
 
 def _kernels_run(call: VjpCall) -> set[str]:

@@ -2780,6 +2780,14 @@ def _silu_grad(call: VjpCall) -> Grads:
     return call.only(lambda: torch.ops.aten.silu_backward(call.g, call.arg(0)))
 
 
+# Rules whose decisions from the node alone are made once per node (``prepared_vjp``).
+PREPARED_RULES: dict[str, Preparer] = {
+    "Conv": _prepared_conv_grad(False),
+    "ConvTranspose": _prepared_conv_grad(True),
+    "BatchNormalization": _prepared_batch_norm_grad,
+}
+
+
 VJP_RULES: dict[str, Rule] = {
     "Relu": _from_output(lambda s, y, g: torch.ops.aten.threshold_backward(g, y, 0)),
     "Sigmoid": _from_output(lambda s, y, g: torch.ops.aten.sigmoid_backward(g, y)),
@@ -2820,9 +2828,8 @@ VJP_RULES: dict[str, Rule] = {
     MATMUL_ADD: _matmul_add_grad,
     ATTENTION: _attention_grad,
     "Gemm": _gemm_grad,
-    "Conv": _from_prepared(_prepared_conv_grad(False)),
-    "ConvTranspose": _from_prepared(_prepared_conv_grad(True)),
-    "BatchNormalization": _from_prepared(_prepared_batch_norm_grad),
+    # the prepared rules, prepared for each call
+    **{op: _from_prepared(prepare) for op, prepare in PREPARED_RULES.items()},
     "LayerNormalization": _layer_norm_grad,
     LAYER_NORM: _layer_norm_grad,
     RMS_NORM: _rms_norm_grad,
@@ -2832,13 +2839,6 @@ VJP_RULES: dict[str, Rule] = {
     SILU: _silu_grad,
     UNBIND: _unbind_grad,
     LAYOUT: _layout_grad,
-}
-
-# Rules whose decisions from the node alone are made once per node (``prepared_vjp``).
-PREPARED_RULES: dict[str, Preparer] = {
-    "Conv": _prepared_conv_grad(False),
-    "ConvTranspose": _prepared_conv_grad(True),
-    "BatchNormalization": _prepared_batch_norm_grad,
 }
 # Operators whose gradient the training graph computes from their output alone.
 OUTPUT_ONLY = frozenset(op for op, needs in GRADIENT_NEEDS.items() if needs is Needs.OUTPUT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -869,6 +870,33 @@ def test_recurrent_layers_pytorch_has_run_its_fused_kernel(name: str, fused: str
     ops = {e.key for e in profiled.key_averages()}
     layers = {"aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu"}
     assert ops & layers == ({fused} if fused else set())
+
+
+@pytest.mark.parametrize("name", ["gru_bidirectional_linear_before_reset", "lstm"])
+def test_recurrent_layers_gates_are_reordered_without_an_advanced_index(name: str) -> None:
+    """PyTorch's fused layer gets ONNX's gate blocks in its order by ``index_select``, in
+    the forward and its gradient, not by indexing with a list (``aten::index``, whose
+    gradient is an accumulating ``aten::index_put_``, several times slower); the gradient
+    still matches the time-step loop's."""
+    case = RECURRENT_CASES[name]
+    order = list(case.order or ())
+    x = torch.randn(case.inputs["x"])
+    values = {"x": x, **{k: torch.from_numpy(v) for k, v in case.consts.items()}}
+    args = [values[n] if n else None for n in order]
+    outputs = ("y", "h", "c")[: case.outputs]
+    spec = OpSpec(case.op, "op", opset=14, attrs=case.attrs, inputs=tuple(order), outputs=outputs)
+    looped = replace(spec, attrs={**case.attrs, "clip": 1e9})  # no PyTorch layer: the loop
+    grads = [torch.randn_like(t) for t in kernels.run_forward(spec, args)]
+    wanted = [a is not None and a.is_floating_point() for a in args]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        found = kernels.autograd_vjp(VjpCall(spec, args, None, grads, wanted))
+    ops = {e.key for e in profiled.key_averages()}
+    assert "aten::index_select" in ops
+    assert not ops & {"aten::index", "aten::index_put_", "aten::_index_put_impl_"}
+    expected = kernels.autograd_vjp(VjpCall(looped, args, None, grads, wanted))
+    for a, b in zip(found, expected, strict=True):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("op", ["GRU", "LSTM"])

@@ -1726,9 +1726,7 @@ def _fused_recurrent(
     an output) of a recurrent layer PyTorch has, from its fused ``layer``
     (``_pytorch_layer``) with the gates reordered to PyTorch's."""
     op, hidden, seq, batch = spec.op_type, r.shape[-1], x.shape[0], x.shape[1]
-    order = _PYTORCH_GATES[op]
-
-    index = _gate_order(op, x.device)
+    order, index = _PYTORCH_GATES[op], _gate_order(op, x.device)
 
     def reordered(t: Tensor) -> Tensor:  # gate blocks along the first axis
         blocks = t.reshape(len(order), hidden, *t.shape[1:])

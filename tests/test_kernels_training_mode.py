@@ -841,6 +841,17 @@ def test_recurrent_layers_match_onnxruntime(name: str) -> None:
     _assert_forward_matches(_single_op_model(RECURRENT_CASES[name]))
 
 
+def _recurrent_call(case: Case) -> tuple[OpSpec, list[torch.Tensor | None]]:
+    """``case``'s operator and its arguments in input order, a random input ``x``."""
+    order = list(case.order or ())
+    shapes = {name: torch.randn(shape) for name, shape in case.inputs.items()}
+    values = {**shapes, **{k: torch.from_numpy(v) for k, v in case.consts.items()}}
+    args = [values[n] if n else None for n in order]
+    outputs = ("y", "h", "c")[: case.outputs]
+    spec = OpSpec(case.op, "op", opset=14, attrs=case.attrs, inputs=tuple(order), outputs=outputs)
+    return spec, args
+
+
 @pytest.mark.parametrize(
     ("name", "fused"),
     [
@@ -857,14 +868,7 @@ def test_recurrent_layers_pytorch_has_run_its_fused_kernel(name: str, fused: str
     """A recurrent operator that is one of PyTorch's layers runs PyTorch's fused layer, as
     eager ``nn.LSTM`` does, not a loop over time steps; the others loop (both match
     onnxruntime: ``test_recurrent_layers_match_onnxruntime``)."""
-    case = RECURRENT_CASES[name]
-    order = list(case.order or ())
-    shapes = {name: torch.randn(shape) for name, shape in case.inputs.items()}
-    values = {**shapes, **{k: torch.from_numpy(v) for k, v in case.consts.items()}}
-    args = [values[n] if n else None for n in order]
-    spec = OpSpec(
-        case.op, "op", opset=14, attrs=case.attrs, inputs=tuple(order), outputs=("y", "h", "c")
-    )
+    spec, args = _recurrent_call(RECURRENT_CASES[name])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
         kernels.run_forward(spec, args)
     ops = {e.key for e in profiled.key_averages()}
@@ -878,14 +882,8 @@ def test_recurrent_layers_gates_are_reordered_without_an_advanced_index(name: st
     the forward and its gradient, not by indexing with a list (``aten::index``, whose
     gradient is an accumulating ``aten::index_put_``, several times slower); the gradient
     still matches the time-step loop's."""
-    case = RECURRENT_CASES[name]
-    order = list(case.order or ())
-    x = torch.randn(case.inputs["x"])
-    values = {"x": x, **{k: torch.from_numpy(v) for k, v in case.consts.items()}}
-    args = [values[n] if n else None for n in order]
-    outputs = ("y", "h", "c")[: case.outputs]
-    spec = OpSpec(case.op, "op", opset=14, attrs=case.attrs, inputs=tuple(order), outputs=outputs)
-    looped = replace(spec, attrs={**case.attrs, "clip": 1e9})  # no PyTorch layer: the loop
+    spec, args = _recurrent_call(RECURRENT_CASES[name])
+    looped = replace(spec, attrs={**spec.attrs, "clip": 1e9})  # no PyTorch layer: the loop
     grads = [torch.randn_like(t) for t in kernels.run_forward(spec, args)]
     wanted = [a is not None and a.is_floating_point() for a in args]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
